@@ -1,0 +1,117 @@
+"""Recipe-facing configuration of the RL algorithm (imports no torch).
+
+Defaults are the ScaleRL recipe (SCALERL.md section 2): CISPO with eps_max 4, prompt-level
+loss aggregation, batch-level advantage normalisation, zero-variance filtering and
+No-Positive-Resampling at pass rate 0.9; forced interruptions instead of a length penalty.
+Dynamic sampling (refilling the batch) is owned by the data sampler, not configured here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Names of the registries in megatron_rl.algorithms (kept here so that the config schema
+# imports no torch; tests check that they match the registries).
+LOSS_NAMES: tuple[str, ...] = ("cispo", "ppo_clip", "gspo", "reinforce")
+AGGREGATION_NAMES: tuple[str, ...] = ("prompt", "sample", "token")
+NORMALIZATION_NAMES: tuple[str, ...] = ("batch", "group", "none")
+NPR_HISTORY_NAMES: tuple[str, ...] = ("cumulative", "latest")
+
+# Default clip ranges when the recipe leaves eps_low / eps_high unset.
+# PPO-clip: GRPO's symmetric 0.2 / 0.2. GSPO: the sequence-level scale of the GSPO paper.
+DEFAULT_CLIP: dict[str, tuple[float, float]] = {
+    "ppo_clip": (0.2, 0.2),
+    "gspo": (3e-3, 4e-3),
+}
+
+
+@dataclass
+class AlgorithmConfig:
+    """Loss, aggregation, advantages and filters of one RL recipe.
+
+    Attributes:
+        loss: policy loss, one of LOSS_NAMES.
+        eps_max: CISPO truncation of the importance ratio (the paper found 4, 5, 8 equal).
+        eps_low: lower clip (ratio >= 1 - eps_low) for ppo_clip / gspo; None = loss default.
+        eps_high: upper clip (ratio <= 1 + eps_high) for ppo_clip / gspo; None = loss default.
+        aggregation: how token objectives are averaged, one of AGGREGATION_NAMES.
+        advantage_normalization: one of NORMALIZATION_NAMES.
+        zero_variance_filter: drop groups whose rewards are all equal (no loss, no refill).
+        npr_threshold: No-Positive-Resampling pass-rate threshold; None disables it.
+        npr_history: which pass rate is compared with the threshold: "cumulative" (all
+            samples of the prompt over all epochs) or "latest" (the last observed group).
+        length_penalty: add clip((l_max - len) / l_cache - 1, -1, 0) to correct samples.
+        length_penalty_l_max: L_max of the length penalty, in tokens (paper: 14k).
+        length_penalty_l_cache: L_cache of the length penalty, in tokens (paper: 2k).
+    """
+
+    loss: str = "cispo"
+    eps_max: float = 4.0
+    eps_low: float | None = None
+    eps_high: float | None = None
+    aggregation: str = "prompt"
+    advantage_normalization: str = "batch"
+    zero_variance_filter: bool = True
+    npr_threshold: float | None = 0.9
+    npr_history: str = "cumulative"
+    length_penalty: bool = False
+    length_penalty_l_max: int = 14336
+    length_penalty_l_cache: int = 2048
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        _check_choice("loss", self.loss, LOSS_NAMES)
+        _check_choice("aggregation", self.aggregation, AGGREGATION_NAMES)
+        _check_choice("advantage_normalization", self.advantage_normalization, NORMALIZATION_NAMES)
+        _check_choice("npr_history", self.npr_history, NPR_HISTORY_NAMES)
+        if not _finite(self.eps_max) or self.eps_max <= 0:
+            raise ValueError(f"eps_max must be a finite number > 0, got {self.eps_max!r}")
+        if self.eps_low is not None and (not _finite(self.eps_low) or not 0 <= self.eps_low < 1):
+            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low!r}")
+        if self.eps_high is not None and (not _finite(self.eps_high) or self.eps_high < 0):
+            raise ValueError(f"eps_high must be a finite number >= 0, got {self.eps_high!r}")
+        if self.npr_threshold is not None and (
+            not _finite(self.npr_threshold) or not 0 < self.npr_threshold <= 1
+        ):
+            raise ValueError(f"npr_threshold must be in (0, 1] or None, got {self.npr_threshold!r}")
+        for name in ("zero_variance_filter", "length_penalty"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not _is_int(self.length_penalty_l_cache) or self.length_penalty_l_cache <= 0:
+            raise ValueError(
+                f"length_penalty_l_cache must be an int > 0, got {self.length_penalty_l_cache!r}"
+            )
+        if (
+            not _is_int(self.length_penalty_l_max)
+            or self.length_penalty_l_max < self.length_penalty_l_cache
+        ):
+            raise ValueError(
+                "length_penalty_l_max must be an int >= length_penalty_l_cache, got "
+                f"{self.length_penalty_l_max!r}"
+            )
+
+    def loss_params(self) -> dict[str, float]:
+        """Keyword parameters of the selected loss, for ``policy_loss(kind, ..., **params)``."""
+        if self.loss == "cispo":
+            return {"eps_max": self.eps_max}
+        if self.loss in DEFAULT_CLIP:
+            low, high = DEFAULT_CLIP[self.loss]
+            return {
+                "eps_low": low if self.eps_low is None else self.eps_low,
+                "eps_high": high if self.eps_high is None else self.eps_high,
+            }
+        return {}
+
+
+def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{field} must be one of {list(choices)}, got {value!r}")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,112 @@
+"""``policy_loss``: one call from the trainer per micro-batch."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.algorithms.aggregation import (
+    AGGREGATIONS,
+    LossNormalizers,
+    check_token_inputs,
+    compute_loss_normalizers,
+)
+from megatron_rl.algorithms.losses import LOSSES
+
+
+def _check_float_inputs(loss_mask: torch.Tensor, **values: torch.Tensor) -> None:
+    for name, value in values.items():
+        if value.shape != loss_mask.shape:
+            raise ValueError(
+                f"{name} must have the shape of loss_mask {tuple(loss_mask.shape)}, got "
+                f"{tuple(value.shape)}"
+            )
+        if not value.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got {value.dtype}")
+
+
+def policy_loss(
+    kind: str,
+    logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    sample_ids: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    aggregation: str = "prompt",
+    normalizers: LossNormalizers | None = None,
+    **params: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Aggregated policy loss of one micro-batch (tokens flattened over its samples).
+
+    loss = - sum_t w_t * obj_t, with obj_t the per-token objective of ``kind`` (see
+    ``LOSSES``) and w_t the weights of ``aggregation`` (see ``aggregation.py``). With
+    ``normalizers`` from ``compute_loss_normalizers`` over the whole step, the losses of all
+    micro-batches and data-parallel ranks sum to the full-batch loss; without, the given
+    tokens are the whole batch.
+
+    Args:
+        kind: loss name, a key of ``LOSSES`` ("cispo", "ppo_clip", "gspo", "reinforce").
+        logprobs: ``[T]`` trainer log-probs of the sampled tokens (requires grad).
+        gen_logprobs: ``[T]`` generator log-probs of the same tokens.
+        advantages: ``[T]`` advantage of each token's sample.
+        loss_mask: ``[T]`` bool, policy tokens of kept samples.
+        sample_ids: ``[T]`` long, id of each token's sample (unique in the global batch).
+        prompt_ids: ``[T]`` long, id of each token's prompt (unique in the global batch).
+        aggregation: "prompt", "sample" or "token".
+        normalizers: global counts of the step; None computes them from these tokens.
+        **params: hyper-parameters of the loss (eps_max; eps_low, eps_high).
+
+    Returns:
+        The scalar loss and detached 0-dim statistics over this micro-batch's masked
+        tokens: rho_mean, rho_max, clip_frac (clipped, or truncated for CISPO),
+        abs_log_ratio_mean (mean |logprobs - gen_logprobs|), num_tokens, weight_sum (sums
+        to 1 over the step's micro-batches and ranks when any token is masked), loss.
+    """
+    if kind not in LOSSES:
+        raise ValueError(f"loss kind must be one of {list(LOSSES)}, got {kind!r}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {aggregation!r}")
+    check_token_inputs(loss_mask, sample_ids=sample_ids, prompt_ids=prompt_ids)
+    _check_float_inputs(
+        loss_mask, logprobs=logprobs, gen_logprobs=gen_logprobs, advantages=advantages
+    )
+    loss_fn = LOSSES[kind](**params)
+    if normalizers is None:
+        normalizers = compute_loss_normalizers(loss_mask, sample_ids, prompt_ids)
+    weights = normalizers.token_weights(aggregation, loss_mask, sample_ids, prompt_ids)
+    weights = weights.to(logprobs.dtype)
+    # Zero everything outside the mask first: padding may hold -inf / nan log-probs, which
+    # would turn 0 * inf into nan in the forward or backward pass.
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    logprobs = torch.where(loss_mask, logprobs, zero)
+    gen_logprobs = torch.where(loss_mask, gen_logprobs.detach().to(logprobs.dtype), zero)
+    advantages = torch.where(loss_mask, advantages.detach().to(logprobs.dtype), zero)
+    terms = loss_fn.terms(logprobs, gen_logprobs, advantages, loss_mask, sample_ids, normalizers)
+    loss = -(weights * torch.where(loss_mask, terms.objective, zero)).sum()
+    stats = _stats(logprobs, gen_logprobs, loss_mask, terms.clipped, weights, loss)
+    return loss, stats
+
+
+@torch.no_grad()
+def _stats(
+    logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clipped: torch.Tensor,
+    weights: torch.Tensor,
+    loss: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    log_ratio = (logprobs - gen_logprobs).float()  # 0 outside the mask
+    rho = torch.exp(log_ratio)
+    num = loss_mask.sum()
+    denom = num.clamp(min=1).float()
+    masked_rho = torch.where(loss_mask, rho, torch.zeros_like(rho))
+    return {
+        "rho_mean": masked_rho.sum() / denom,
+        "rho_max": masked_rho.max() if rho.numel() else rho.new_zeros(()),
+        "clip_frac": (clipped & loss_mask).sum().float() / denom,
+        "abs_log_ratio_mean": log_ratio.abs().sum() / denom,
+        "num_tokens": num,
+        "weight_sum": weights.sum().detach(),
+        "loss": loss.detach(),
+    }
