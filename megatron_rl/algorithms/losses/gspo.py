@@ -36,10 +36,8 @@ class GSPOLoss(PolicyLoss):
         sums = log_ratio.new_zeros(num).index_add(0, index, log_ratio)
         local = torch.zeros(num, dtype=torch.int64, device=index.device)
         local.index_add_(0, index, loss_mask.to(torch.int64))
-        local_per_token = local[index]
-        if not bool(
-            (local_per_token == normalizers.sample_token_counts(sample_ids, loss_mask)).all()
-        ):
+        global_counts = normalizers.sample_token_counts(sample_ids, loss_mask)
+        if not bool(((local[index] == global_counts) | ~loss_mask).all()):
             raise ValueError(
                 "gspo needs all masked tokens of a sample in one micro-batch: split the "
                 "batch by samples"
