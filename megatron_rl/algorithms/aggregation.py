@@ -2,9 +2,9 @@
 
 Every aggregation is a weighted sum of per-token objectives, ``J = sum_t w_t * obj_t``, with
 
-    token:   w_t = 1 / N                                  (N: masked tokens of the batch)
-    sample:  w_t = 1 / (num_samples * n_sample(t))         (n_sample: masked tokens of t's sample)
-    prompt:  w_t = 1 / (num_prompts * n_prompt(t))         (n_prompt: masked tokens of t's prompt)
+    token:   w_t = 1 / N                               N: masked tokens of the batch
+    sample:  w_t = 1 / (num_samples * n_sample(t))     n_sample: masked tokens of t's sample
+    prompt:  w_t = 1 / (num_prompts * n_prompt(t))     n_prompt: masked tokens of t's prompt
 
 and w_t = 0 on tokens outside ``loss_mask``; samples and prompts without a masked token are
 not counted. The counts are taken over the *global* batch of one optimizer step (all
@@ -19,6 +19,14 @@ exactly:
         loss.backward()                            # no division by the number of micro-batches
     # gradients are then SUMMED over DP ranks (not averaged): all_reduce(SUM), or multiply
     # the loss by the DP size when the data-parallel reduction averages.
+
+With Megatron-Core schedules, set ``TransformerConfig.calculate_per_token_loss=True`` (the
+schedule then neither divides by the number of micro-batches nor averages over DP, and
+``finalize_model_grads`` divides the summed gradients by the all-reduced token count that
+``loss_func`` returns) and return ``(loss * norm.num_tokens, stats["num_tokens"], ...)`` from
+``loss_func``: the token counts sum to ``norm.num_tokens`` over the step, which cancels the
+factor exactly. With context parallelism the normalisers need the DP x CP group, and GSPO
+(a per-sample mean) is not supported.
 
 Sample ids and prompt ids must be unique within the global batch (e.g. the sample's and the
 prompt's position in the step's batch), since ranks merge their counts by id. GSPO needs all
