@@ -352,7 +352,7 @@ def test_bad_input_is_reported():
         policy_loss("cispo", lp, glp, adv, mask, sids, pids, eps_max=-1.0)
     with pytest.raises(ValueError, match="eps_low"):
         policy_loss("ppo_clip", lp, glp, adv, mask, sids, pids, eps_low=1.5)
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="eps_high"):
         policy_loss("cispo", lp, glp, adv, mask, sids, pids, eps_high=0.2)
     with pytest.raises(ValueError, match="sample_ids"):
         policy_loss("cispo", lp, glp, adv, mask, sids.int(), pids)

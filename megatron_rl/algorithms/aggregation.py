@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from megatron_rl.algorithms.config import AGGREGATION_NAMES
 
@@ -123,16 +124,22 @@ def _inverse_or_zero(counts: torch.Tensor, scale: int) -> torch.Tensor:
     return torch.where(denom > 0, 1.0 / denom.clamp(min=1.0), torch.zeros_like(denom))
 
 
-def _token_weights(norm: LossNormalizers, mask, sample_ids, prompt_ids) -> torch.Tensor:
+def _token_weights(
+    norm: LossNormalizers, mask: Tensor, sample_ids: Tensor, prompt_ids: Tensor
+) -> Tensor:
     counts = mask.to(torch.int64) * norm.num_tokens
     return _inverse_or_zero(counts, 1)
 
 
-def _sample_weights(norm: LossNormalizers, mask, sample_ids, prompt_ids) -> torch.Tensor:
+def _sample_weights(
+    norm: LossNormalizers, mask: Tensor, sample_ids: Tensor, prompt_ids: Tensor
+) -> Tensor:
     return _inverse_or_zero(norm.sample_token_counts(sample_ids, mask), norm.num_samples)
 
 
-def _prompt_weights(norm: LossNormalizers, mask, sample_ids, prompt_ids) -> torch.Tensor:
+def _prompt_weights(
+    norm: LossNormalizers, mask: Tensor, sample_ids: Tensor, prompt_ids: Tensor
+) -> Tensor:
     return _inverse_or_zero(norm.prompt_token_counts(prompt_ids, mask), norm.num_prompts)
 
 
@@ -148,7 +155,7 @@ assert tuple(AGGREGATIONS) == AGGREGATION_NAMES
 
 
 def check_token_inputs(loss_mask: torch.Tensor, **ids: torch.Tensor) -> None:
-    """Raise ValueError unless ``loss_mask`` is a 1-D bool ``[T]`` and every id is a long ``[T]``."""
+    """Raise ValueError unless ``loss_mask`` is a 1-D bool ``[T]`` and every id a long ``[T]``."""
     if loss_mask.dim() != 1 or loss_mask.dtype != torch.bool:
         raise ValueError(
             f"loss_mask must be a 1-D bool tensor [T], got {loss_mask.dtype} "

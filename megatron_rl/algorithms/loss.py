@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from megatron_rl.algorithms.aggregation import (
@@ -70,6 +72,10 @@ def policy_loss(
     _check_float_inputs(
         loss_mask, logprobs=logprobs, gen_logprobs=gen_logprobs, advantages=advantages
     )
+    accepted = set(inspect.signature(LOSSES[kind]).parameters)
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise ValueError(f"loss {kind!r} takes parameters {sorted(accepted)}, got {unknown}")
     loss_fn = LOSSES[kind](**params)
     if normalizers is None:
         normalizers = compute_loss_normalizers(loss_mask, sample_ids, prompt_ids)
