@@ -1,0 +1,71 @@
+"""Bootstrap over points: intervals for A, B, C_mid and a band for the curve."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_rl.scaling.fit import PARAM_NAMES, CurveFit, refine
+from megatron_rl.scaling.model import gain_fraction, log_ratio
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BootstrapResult:
+    """Refits on resampled points; ``samples``: [N, 3] columns (a, b, c_mid)."""
+
+    samples: np.ndarray
+    r0: float
+    level: float
+    n_failed: int
+
+    def interval(self, name: str) -> tuple[float, float]:
+        """Percentile interval at ``level`` of parameter ``name`` (a, b or c_mid)."""
+        column = self.samples[:, PARAM_NAMES.index(name)]
+        tail = 100.0 * (1.0 - self.level) / 2.0
+        low, high = np.percentile(column, [tail, 100.0 - tail])
+        return float(low), float(high)
+
+    def intervals(self) -> dict[str, tuple[float, float]]:
+        """Intervals of every parameter."""
+        return {name: self.interval(name) for name in PARAM_NAMES}
+
+    def band(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Pointwise percentile band of R(x): (low [M], high [M]) for ``x`` [M]."""
+        x = np.asarray(x, dtype=np.float64)
+        a, b, c_mid = (self.samples[:, k, None] for k in range(3))
+        curves = self.r0 + (a - self.r0) * gain_fraction(b, log_ratio(c_mid, x[None, :]))
+        tail = 100.0 * (1.0 - self.level) / 2.0
+        low, high = np.percentile(curves, [tail, 100.0 - tail], axis=0)
+        return low, high
+
+
+def bootstrap_fit(
+    x: np.ndarray, y: np.ndarray, fit: CurveFit, n_resamples: int, level: float, seed: int
+) -> BootstrapResult:
+    """Resample the fitted points ``x``, ``y`` [n] with replacement ``n_resamples`` times and
+    refit each from the point estimate inside the same box (R0 and a fixed A stay fixed).
+
+    Resamples with fewer distinct x than free parameters are skipped and counted as failed.
+    """
+    if n_resamples < 1:
+        raise ValueError(f"bootstrap needs n_resamples >= 1, got {n_resamples}")
+    rng = np.random.default_rng(seed)
+    n = len(x)
+    n_free = 2 if fit.a_fixed else 3
+    samples, failed = [], 0
+    for _ in range(n_resamples):
+        idx = rng.integers(0, n, size=n)
+        if len(np.unique(x[idx])) <= n_free:
+            failed += 1
+            continue
+        p = refine(x[idx], y[idx], fit.params, fit.box, fix_a=fit.a_fixed)
+        samples.append((p.a, p.b, p.c_mid))
+    if not samples:
+        raise ValueError(f"every bootstrap resample of the {n} points was degenerate")
+    if failed:
+        logger.warning("%d of %d bootstrap resamples were degenerate", failed, n_resamples)
+    return BootstrapResult(np.array(samples), fit.params.r0, level, failed)

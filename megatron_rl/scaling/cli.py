@@ -1,0 +1,142 @@
+"""`megatron-rl fit`: fit, extrapolate and compare compute curves of RL runs.
+
+Defaults reproduce the paper's procedure (GPU-hours, points from 1.5k GPU-hours, A grid
+0.450..0.800 step 0.005, 100 C_mid values in [100, 40000]). For small runs (e.g. CPU runs
+with ~1e-3 GPU-hours) use ``--min-x 0 --auto-grid`` (ranges derived from the data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections import Counter
+
+from megatron_rl.scaling.analysis import compare_runs
+from megatron_rl.scaling.config import AUTO, C_MID_SPACINGS, FitConfig
+from megatron_rl.scaling.data import load_run
+from megatron_rl.scaling.plot import plot_runs
+from megatron_rl.scaling.report import comparison_summary, format_report
+
+logger = logging.getLogger(__name__)
+_DEFAULTS = FitConfig()
+
+
+def _range(text: str) -> tuple[float, float] | str:
+    if text.strip().lower() == AUTO:
+        return AUTO
+    parts = text.split(",")
+    try:
+        low, high = (float(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH or 'auto', got {text!r}") from None
+    return low, high
+
+
+def _pair(text: str) -> tuple[float, float]:
+    value = _range(text)
+    if value == AUTO:
+        raise argparse.ArgumentTypeError("expected LOW,HIGH")
+    return value  # type: ignore[return-value]
+
+
+def _fmt(r: tuple[float, float] | str) -> str:
+    return r if isinstance(r, str) else f"{r[0]:g},{r[1]:g}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``megatron-rl fit``."""
+    d = _DEFAULTS
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("metrics", nargs="+", help="metrics.jsonl or CSV file, one per run")
+    parser.add_argument("--x", default=d.x_field, help=f"compute field (default {d.x_field})")
+    parser.add_argument("--y", default=d.y_field, help=f"metric field (default {d.y_field})")
+    parser.add_argument("--label", action="append", help="run name (repeat, one per file)")
+    parser.add_argument("--r0", type=float, help="R0 (default: y at the smallest x)")
+    parser.add_argument("--min-x", type=float, default=d.min_x,
+                        help=f"fit only points with x >= this (default {d.min_x:g})")
+    parser.add_argument("--fit-until", type=float, help="fit only points with x <= this")
+    parser.add_argument("--extrapolate-to", type=float, help="report (and plot) R at this x")
+    parser.add_argument("--fix-a", type=float, help="fix the asymptote A")
+    parser.add_argument("--a-range", type=_range, default=d.a_range,
+                        help=f"A grid LOW,HIGH or 'auto' (default {_fmt(d.a_range)})")
+    parser.add_argument("--a-step", type=float, default=d.a_step,
+                        help=f"A grid step (default {d.a_step:g})")
+    parser.add_argument("--c-mid-range", type=_range, default=d.c_mid_range,
+                        help=f"C_mid grid LOW,HIGH or 'auto' (default {_fmt(d.c_mid_range)})")
+    parser.add_argument("--c-mid-num", type=int, default=d.c_mid_num,
+                        help=f"number of C_mid values (default {d.c_mid_num})")
+    parser.add_argument("--c-mid-spacing", choices=C_MID_SPACINGS, default=d.c_mid_spacing,
+                        help="spacing of an explicit C_mid grid ('auto' is log-spaced)")
+    parser.add_argument("--auto-grid", action="store_true",
+                        help="shorthand for --a-range auto --c-mid-range auto")
+    parser.add_argument("--b-range", type=_pair, default=d.b_range,
+                        help=f"B search range LOW,HIGH (default {_fmt(d.b_range)})")
+    parser.add_argument("--no-refine", action="store_true",
+                        help="keep the best grid point (skip the joint refinement)")
+    parser.add_argument("--min-points", type=int, default=d.min_points,
+                        help=f"fewest points to fit (default {d.min_points})")
+    parser.add_argument("--bootstrap", type=int, default=d.bootstrap, metavar="N",
+                        help="bootstrap resamples for intervals and band (default 0: none)")
+    parser.add_argument("--ci", type=float, default=d.ci,
+                        help=f"interval level (default {d.ci:g})")
+    parser.add_argument("--seed", type=int, default=d.seed, help="bootstrap seed")
+    parser.add_argument("--a-tolerance", type=float, default=d.a_tolerance,
+                        help=f"refit with a common A when As lie within this (default "
+                        f"{d.a_tolerance:g})")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", metavar="FILE.png", help="save a plot of all runs")
+    parser.add_argument("--logx", action="store_true", help="log-scale x axis in the plot")
+    parser.add_argument("--title", help="plot title")
+
+
+def config_from_args(args: argparse.Namespace) -> FitConfig:
+    """The FitConfig named by the command-line options (validated)."""
+    return FitConfig(
+        x_field=args.x, y_field=args.y, min_x=args.min_x, fit_until=args.fit_until,
+        r0=args.r0, fix_a=args.fix_a,
+        a_range=AUTO if args.auto_grid else args.a_range, a_step=args.a_step,
+        c_mid_range=AUTO if args.auto_grid else args.c_mid_range, c_mid_num=args.c_mid_num,
+        c_mid_spacing=args.c_mid_spacing, b_range=args.b_range, refine=not args.no_refine,
+        min_points=args.min_points, bootstrap=args.bootstrap, ci=args.ci, seed=args.seed,
+        a_tolerance=args.a_tolerance,
+    ).validate()
+
+
+def _labels(args: argparse.Namespace) -> list[str | None]:
+    if args.label is None:
+        return [None] * len(args.metrics)
+    if len(args.label) != len(args.metrics):
+        raise ValueError(f"--label given {len(args.label)} times for {len(args.metrics)} files")
+    return list(args.label)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Fit every file, print the table (or JSON), save the plot; 2 with a message on bad input."""
+    try:
+        config = config_from_args(args)
+        runs = [
+            load_run(path, config.x_field, config.y_field, name)
+            for path, name in zip(args.metrics, _labels(args))
+        ]
+        counts = Counter(r.name for r in runs)
+        for r in runs:
+            if counts[r.name] > 1:
+                r.name = r.source
+        comparison = compare_runs(runs, config)
+        if args.json:
+            summary = comparison_summary(comparison, args.extrapolate_to, config.a_tolerance)
+            sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        else:
+            text = format_report(comparison, args.extrapolate_to, config.a_tolerance)
+            sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        if args.plot:
+            path = plot_runs(comparison.fits, args.plot, args.extrapolate_to, args.logx, args.title)
+            logger.info("plot saved to %s", path)
+    except ValueError as err:
+        sys.stderr.write(f"megatron-rl fit: error: {err}\n")
+        return 2
+    return 0

@@ -1,0 +1,113 @@
+"""Typed configuration of the compute-curve fit (no torch, no numpy at import)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+AUTO = "auto"
+
+# The paper's grid (SCALERL.md section 1): A in {0.450, 0.455, ..., 0.800}, C_mid over 100
+# linearly spaced values in [100, 40000] GPU-hours, points before 1.5k GPU-hours excluded.
+PAPER_A_RANGE = (0.450, 0.800)
+PAPER_A_STEP = 0.005
+PAPER_C_MID_RANGE = (100.0, 40000.0)
+PAPER_C_MID_NUM = 100
+PAPER_MIN_X = 1500.0
+# Three independent ScaleRL runs gave A within +-0.015; the paper compares with +-0.02.
+PAPER_A_TOLERANCE = 0.02
+
+C_MID_SPACINGS = ("linear", "log")
+
+
+@dataclass
+class FitConfig:
+    """Options of `fit_curve` / `compare_runs` (defaults reproduce the paper's procedure).
+
+    Ranges are ``(low, high)`` tuples or the string ``"auto"``:
+
+    - ``a_range="auto"``: ``[R0 + 0.5 * gain, max_y + gain]`` where ``gain = max_y - R0`` over
+      the fitted points, clipped to ``[0, 1]`` when every y lies in ``[0, 1]`` (pass rates),
+      with 71 values (as many as the paper's grid); ``a_step`` is then ignored.
+    - ``c_mid_range="auto"``: ``[smallest positive x of the run, 4 * largest fitted x]``,
+      ``c_mid_num`` values, log-spaced (runs at any compute scale, e.g. 1e-3 GPU-hours).
+    """
+
+    x_field: str = "gpu_hours"
+    y_field: str = "val_pass_rate"
+    # Points with x < min_x are not fitted (the paper's early, near-linear phase).
+    min_x: float = PAPER_MIN_X
+    # Fit only points with x <= fit_until (None: all); the rest are held out.
+    fit_until: float | None = None
+    # Pass rate at zero compute; None: the y of the record with the smallest x.
+    r0: float | None = None
+    # Fix the asymptote A instead of fitting it.
+    fix_a: float | None = None
+    a_range: tuple[float, float] | str = PAPER_A_RANGE
+    a_step: float = PAPER_A_STEP
+    c_mid_range: tuple[float, float] | str = PAPER_C_MID_RANGE
+    c_mid_num: int = PAPER_C_MID_NUM
+    c_mid_spacing: str = "linear"
+    # B is searched on this log-spaced range (b_num values, then golden-section refinement).
+    b_range: tuple[float, float] = (0.05, 20.0)
+    b_num: int = 64
+    # Refine A, B, C_mid jointly (least squares within the grid box) after the grid search.
+    refine: bool = True
+    min_points: int = 5
+    # Bootstrap over points: number of resamples (0: none), interval level, seed.
+    bootstrap: int = 0
+    ci: float = 0.95
+    seed: int = 0
+    # Runs whose A lie within this spread are refitted with A fixed at their mean.
+    a_tolerance: float = PAPER_A_TOLERANCE
+
+    def validate(self) -> FitConfig:
+        """Raise ``ValueError`` naming the first invalid field; return self."""
+        for name in ("x_field", "y_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty field name")
+        _check_finite("min_x", self.min_x)
+        for name in ("fit_until", "r0", "fix_a"):
+            if getattr(self, name) is not None:
+                _check_finite(name, getattr(self, name))
+        if self.fit_until is not None and self.fit_until < self.min_x:
+            raise ValueError(f"fit_until ({self.fit_until}) must be >= min_x ({self.min_x})")
+        _check_range("a_range", self.a_range, positive=False)
+        _check_range("c_mid_range", self.c_mid_range, positive=True)
+        _check_range("b_range", self.b_range, positive=True)
+        if not self.a_step > 0:
+            raise ValueError(f"a_step must be > 0, got {self.a_step}")
+        if self.c_mid_num < 1:
+            raise ValueError(f"c_mid_num must be >= 1, got {self.c_mid_num}")
+        if self.c_mid_spacing not in C_MID_SPACINGS:
+            raise ValueError(f"c_mid_spacing must be one of {C_MID_SPACINGS}, got {self.c_mid_spacing!r}")
+        if self.b_num < 3:
+            raise ValueError(f"b_num must be >= 3, got {self.b_num}")
+        if self.min_points < 4:
+            raise ValueError(f"min_points must be >= 4, got {self.min_points}")
+        if self.bootstrap < 0:
+            raise ValueError(f"bootstrap must be >= 0, got {self.bootstrap}")
+        if not 0 < self.ci < 1:
+            raise ValueError(f"ci must be in (0, 1), got {self.ci}")
+        if not self.a_tolerance >= 0:
+            raise ValueError(f"a_tolerance must be >= 0, got {self.a_tolerance}")
+        return self
+
+
+def _check_finite(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _check_range(name: str, value: tuple[float, float] | str, positive: bool) -> None:
+    if isinstance(value, str):
+        if value != AUTO or name == "b_range":
+            raise ValueError(f"{name} must be (low, high) or {AUTO!r}, got {value!r}")
+        return
+    if len(value) != 2 or not all(isinstance(v, (int, float)) for v in value):
+        raise ValueError(f"{name} must be (low, high), got {value!r}")
+    low, high = value
+    if not (math.isfinite(low) and math.isfinite(high) and low <= high):
+        raise ValueError(f"{name} must satisfy low <= high (finite), got {value!r}")
+    if positive and low <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
