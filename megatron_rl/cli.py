@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=sorted(COMMANDS), help="sub-command")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv[:1])
+        parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(
+            argv[:1]
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     name = argv[0]
     module_name, help_text = COMMANDS[name]
@@ -34,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = argparse.ArgumentParser(prog=f"megatron-rl {name}", description=help_text)
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return int(module.run(args) or 0)
 
 

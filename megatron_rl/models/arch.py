@@ -1,0 +1,174 @@
+"""Hugging Face config -> megatron-core TransformerConfig and per-layer layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import transformers
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rl.platform import ParallelConfig
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration",
+)
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """What differs between decoder layers (index = 0-based layer number)."""
+
+    moe: tuple[bool, ...]
+    rope: tuple[bool, ...]  # False = NoPE layer
+    qk_l2_norm: tuple[bool, ...]
+    chunk_size: tuple[int | None, ...]  # chunked local attention
+    temperature: tuple[tuple[float, float] | None, ...]  # (floor_scale, attn_scale)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A model architecture in the terms megatron needs."""
+
+    hf_architecture: str
+    text_config: transformers.PretrainedConfig
+    layout: LayerLayout
+
+    @property
+    def is_llama4(self) -> bool:
+        return self.hf_architecture.startswith("Llama4")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return bool(getattr(self.text_config, "tie_word_embeddings", False))
+
+
+def architecture_from_hf(config: transformers.PretrainedConfig) -> Architecture:
+    """Read the architecture from an HF config; raises ValueError for unsupported ones."""
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {arch!r} (config.json 'architectures'); "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    text = (
+        getattr(config, "text_config", config)
+        if arch == "Llama4ForConditionalGeneration"
+        else config
+    )
+    n = text.num_hidden_layers
+    if not arch.startswith("Llama4"):
+        layout = LayerLayout((False,) * n, (True,) * n, (False,) * n, (None,) * n, (None,) * n)
+        return Architecture(arch, text, layout)
+    rope = tuple(bool(x) for x in text.no_rope_layers)
+    moe_layers = set(text.moe_layers)
+    chunk = text.attention_chunk_size
+    temp = (
+        (float(text.floor_scale), float(text.attn_scale)) if text.attn_temperature_tuning else None
+    )
+    layout = LayerLayout(
+        moe=tuple(i in moe_layers for i in range(n)),
+        rope=rope,
+        qk_l2_norm=tuple(bool(text.use_qk_norm) and r for r in rope),
+        chunk_size=tuple(chunk if r else None for r in rope),
+        temperature=tuple(None if r else temp for r in rope),
+    )
+    return Architecture(arch, text, layout)
+
+
+def check_divisibility(arch: Architecture, parallel: ParallelConfig) -> None:
+    """Clear errors when the parallel sizes do not divide the model's shapes."""
+    c = arch.text_config
+    checks = [
+        ("num_attention_heads", c.num_attention_heads, parallel.tensor, "parallel.tensor"),
+        ("num_key_value_heads", c.num_key_value_heads, parallel.tensor, "parallel.tensor"),
+        ("vocab_size", c.vocab_size, parallel.tensor, "parallel.tensor"),
+        ("num_hidden_layers", c.num_hidden_layers, parallel.pipeline, "parallel.pipeline"),
+    ]
+    if arch.is_llama4:
+        checks.append(
+            ("num_local_experts", c.num_local_experts, parallel.expert, "parallel.expert")
+        )
+    elif parallel.expert > 1:
+        raise ValueError(
+            f"parallel.expert={parallel.expert} but {arch.hf_architecture} has no experts"
+        )
+    for field, value, size, key in checks:
+        if value % size:
+            raise ValueError(f"{key}={size} does not divide the model's {field}={value}")
+
+
+def transformer_config(
+    arch: Architecture,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+    use_cpu_initialization: bool,
+    fp8: str | None = None,
+    recompute: bool = False,
+) -> TransformerConfig:
+    """megatron-core TransformerConfig equivalent to the HF architecture."""
+    check_divisibility(arch, parallel)
+    c = arch.text_config
+    kwargs = dict(
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_key_value_heads,
+        kv_channels=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        ffn_hidden_size=c.intermediate_size_mlp if arch.is_llama4 else c.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=c.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(getattr(c, "attention_bias", False)),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=getattr(c, "initializer_range", 0.02),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=parallel.expert_tensor,
+        context_parallel_size=parallel.context,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=use_cpu_initialization,
+        pipeline_dtype=dtype,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+    )
+    if fp8 is not None:
+        kwargs.update(fp8=fp8, fp8_recipe="delayed")
+    if arch.is_llama4:
+        layout = arch.layout
+        kwargs.update(
+            rotary_interleaved=True,
+            no_rope_freq=[0 if r else 1 for r in layout.rope],
+            num_moe_experts=c.num_local_experts,
+            moe_layer_freq=[1 if m else 0 for m in layout.moe],
+            moe_ffn_hidden_size=c.intermediate_size,
+            moe_shared_expert_intermediate_size=c.intermediate_size,
+            moe_router_topk=c.num_experts_per_tok,
+            moe_router_score_function="sigmoid",
+            moe_apply_probs_on_input=True,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,  # modelopt's packed-expert import expects SequentialMLP
+        )
+    return TransformerConfig(**kwargs)

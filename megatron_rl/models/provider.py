@@ -1,0 +1,121 @@
+"""Build a megatron-core GPTModel from a model config (preset or HF directory)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import transformers
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from megatron_rl.models.arch import architecture_from_hf, transformer_config
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.models.presets import preset_hf_config
+from megatron_rl.models.specs import decoder_block_spec
+from megatron_rl.platform import ParallelConfig, get_platform
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_hf_config(model: ModelConfig) -> transformers.PretrainedConfig:
+    """The HF config of ``model``: from ``hf_path`` if set, else from the preset."""
+    if model.hf_path is not None:
+        path = Path(model.hf_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model.hf_path: no config.json in {path}")
+        return transformers.AutoConfig.from_pretrained(path)
+    return preset_hf_config(model.preset)
+
+
+def build_model(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    hf_config: transformers.PretrainedConfig | None = None,
+) -> GPTModel:
+    """Build this rank's part of the model (TP/PP/EP from the initialised parallel state).
+
+    Weights are randomly initialised; load them with ``megatron_rl.conversion``.
+    """
+    platform = get_platform()
+    arch = architecture_from_hf(hf_config or load_hf_config(model))
+    use_te = {"auto": platform.transformer_engine, "te": True, "local": False}[model.layer_spec]
+    if use_te and not platform.transformer_engine:
+        raise ValueError("model.layer_spec: 'te' needs Transformer Engine, which is not available")
+    if model.fp8 is not None and not use_te:
+        raise ValueError("model.fp8 needs Transformer Engine layer specs (a GPU with TE)")
+    config = transformer_config(
+        arch,
+        parallel,
+        DTYPES[model.dtype],
+        use_cpu_initialization=not platform.is_gpu,
+        fp8=model.fp8,
+        recompute=model.recompute_activations,
+    )
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    text = arch.text_config
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=decoder_block_spec(config, arch, use_te, pp_rank=pp_rank),
+        vocab_size=text.vocab_size,
+        max_sequence_length=model.max_sequence_length or text.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(text.rope_parameters.get("rope_theta", 10000.0)),
+    )
+    _set_rope_frequencies(gpt, text)
+    if model.fp32_head:
+        enable_fp32_head(gpt)
+    gpt.architecture = arch  # for conversion and weight export
+    if platform.is_gpu:
+        gpt.cuda()
+    return gpt
+
+
+def _set_rope_frequencies(gpt: GPTModel, text: transformers.PretrainedConfig) -> None:
+    """Use transformers' own RoPE initialisation (default, llama3, linear ... scaling with all
+    their parameters); megatron's llama3 scaling hard-codes low/high frequency factors."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = getattr(gpt, "rotary_pos_emb", None)
+    if rope is None:
+        return
+    rope_type = text.rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        base = float(text.rope_parameters["rope_theta"])
+        dim = rope.inv_freq.numel() * 2
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](text, device=torch.device("cpu"))
+    if scaling != 1.0:
+        raise ValueError(
+            f"rope_type {rope_type!r} with attention scaling {scaling} is not supported"
+        )
+    rope.inv_freq = inv_freq.to(rope.inv_freq.device, rope.inv_freq.dtype)
+
+
+def enable_fp32_head(gpt: GPTModel) -> None:
+    """Run the output layer in FP32: FP32 weight, FP32 input, FP32 logits (ScaleRL's FP32 head).
+
+    With tied embeddings the shared (e.g. BF16) embedding weight is upcast on the fly.
+    """
+    layer = getattr(gpt, "output_layer", None)
+    if layer is None:  # not the last pipeline stage
+        return
+    layer.float()
+
+    def upcast(module, args, kwargs):
+        args = tuple(a.float() if torch.is_tensor(a) else a for a in args)
+        if kwargs.get("weight") is not None:
+            kwargs["weight"] = kwargs["weight"].float()
+        return args, kwargs
+
+    layer.register_forward_pre_hook(upcast, with_kwargs=True)
+    gpt.fp32_head = True

@@ -1,0 +1,31 @@
+"""Parallelism settings of the trainer (no torch import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron-Core model parallelism. Data parallelism is what remains of the world size."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    expert_tensor: int | None = None  # default: = tensor (megatron's default)
+    context: int = 1
+    sequence_parallel: bool = False
+    timeout_minutes: int = 30  # collectives time out instead of hanging forever
+
+    def validate(self) -> None:
+        for name in ("tensor", "pipeline", "expert", "context", "timeout_minutes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_tensor is not None and self.expert_tensor < 1:
+            raise ValueError(f"expert_tensor must be >= 1, got {self.expert_tensor}")
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError("sequence_parallel needs tensor > 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor * self.pipeline * self.context

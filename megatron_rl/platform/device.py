@@ -1,0 +1,55 @@
+"""Which accelerator this process runs on: decided once, here, for the whole package."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The compute platform of this process.
+
+    ``device``: "cuda" or "cpu"; ``backend``: torch.distributed backend ("nccl" or "gloo");
+    ``transformer_engine``: whether Transformer Engine layer specs (BF16/FP8) are usable.
+    """
+
+    device: str
+    backend: str
+    transformer_engine: bool
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    def torch_device(self) -> torch.device:
+        if self.is_gpu:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def _has_transformer_engine() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or TE present but built for another CUDA
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def get_platform() -> Platform:
+    """Detect the platform once; on a machine without CUDA install the CPU fixes."""
+    if torch.cuda.is_available():
+        platform = Platform("cuda", "nccl", _has_transformer_engine())
+    else:
+        from megatron_rl.platform import cpu_compat
+
+        cpu_compat.install()
+        platform = Platform("cpu", "gloo", False)
+    logger.info("platform: %s", platform)
+    return platform

@@ -1,0 +1,99 @@
+"""torch.distributed and megatron-core parallel state for the trainer."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_rl.platform.config import ParallelConfig
+from megatron_rl.platform.device import get_platform
+
+logger = logging.getLogger(__name__)
+
+
+def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
+    """Initialise torch.distributed (from the usual env vars, or a 1-process group) and
+    megatron-core parallel state (TP, PP, EP, CP; DP is the rest), then seed every RNG.
+
+    Raises ``ValueError`` when the world size does not divide into the requested sizes.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    platform = get_platform()
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", 0))
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if platform.is_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(
+            backend=platform.backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
+        )
+    world = dist.get_world_size()
+    model_parallel = parallel.model_parallel_size
+    if world % model_parallel:
+        raise ValueError(
+            f"world size {world} is not divisible by tensor x pipeline x context "
+            f"= {parallel.tensor} x {parallel.pipeline} x {parallel.context}"
+        )
+    if (world // (parallel.pipeline * parallel.context)) % parallel.expert and parallel.expert > 1:
+        raise ValueError(f"world size {world} does not fit expert parallel size {parallel.expert}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=parallel.expert_tensor,
+        distributed_timeout_minutes=parallel.timeout_minutes,
+        create_gloo_process_groups=platform.is_gpu,  # on CPU the default groups are gloo
+    )
+    set_seed(seed)
+    # megatron's RNG tracker (dropout / init inside TP regions) keys off the model-parallel rank.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    logger.info(
+        "rank %d/%d: tp=%d pp=%d ep=%d cp=%d dp=%d",
+        dist.get_rank(),
+        world,
+        parallel.tensor,
+        parallel.pipeline,
+        parallel.expert,
+        parallel.context,
+        parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron parallel state and the default process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
