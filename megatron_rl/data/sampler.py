@@ -1,0 +1,193 @@
+"""Training-prompt sampler: epochs, seeded shuffles, No-Positive-Resampling, exact resume.
+
+Epoch ``e`` visits the training ids in the order of a shuffle seeded by
+``(seed, e)``; the sampler's whole state is ``(epoch, position)`` in that order, so a
+sampler restored from ``state_dict()`` continues with exactly the prompts an
+uninterrupted one would have drawn. Retired prompts (No-Positive-Resampling: historical
+pass rate >= threshold) are skipped when they come up, which removes them from every later
+epoch; the retirement tracker (``megatron_rl.algorithms.PassRateTracker`` or anything with
+``is_retired``) keeps and checkpoints its own state.
+
+DAPO-style dynamic sampling needs rewards, which the sampler never sees: ``refill_until``
+draws prompts, lets the caller generate and score them, keeps the groups the caller's
+predicate accepts (``has_reward_variance``) and draws again until the batch is full.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class RetirementTracker(Protocol):
+    """What the sampler needs from a No-Positive-Resampling tracker."""
+
+    def is_retired(self, prompt_id: int) -> bool:
+        """True when the prompt must never be drawn again."""
+        ...
+
+
+class PromptSampler:
+    """Endless stream of training prompt ids.
+
+    Args:
+        prompt_ids: the training ids (stable dataset indices), e.g. ``PromptData.train_ids``.
+        seed: seed of the per-epoch shuffles.
+        shuffle: False visits the ids in the given order every epoch.
+        tracker: optional retirement tracker (can also be set later with ``tracker=``).
+    """
+
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        seed: int = 0,
+        shuffle: bool = True,
+        tracker: RetirementTracker | None = None,
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError("PromptSampler needs at least one prompt id")
+        if len(set(prompt_ids)) != len(prompt_ids):
+            raise ValueError("prompt_ids contain duplicates")
+        self._ids = [int(i) for i in prompt_ids]
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.tracker = tracker
+        self._epoch = 0
+        self._position = 0
+        self._drawn = 0
+        self._order = self._epoch_order(0)
+
+    @property
+    def epoch(self) -> int:
+        """Current epoch (0-based)."""
+        return self._epoch
+
+    @property
+    def num_drawn(self) -> int:
+        """Prompts drawn since the start (over all epochs and resumes)."""
+        return self._drawn
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(self._ids)
+        if self.shuffle:
+            random.Random(f"prompt-sampler-{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def _fingerprint(self) -> str:
+        return hashlib.sha256(",".join(map(str, self._ids)).encode()).hexdigest()[:16]
+
+    def _retired(self, prompt_id: int) -> bool:
+        return self.tracker is not None and self.tracker.is_retired(prompt_id)
+
+    def next_prompts(self, n: int) -> list[int]:
+        """The next ``n`` non-retired prompt ids, crossing epoch boundaries as needed.
+
+        Raises RuntimeError when every training prompt is retired.
+        """
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        drawn: list[int] = []
+        skipped_in_a_row = 0
+        while len(drawn) < n:
+            if self._position >= len(self._order):
+                self._epoch += 1
+                self._position = 0
+                self._order = self._epoch_order(self._epoch)
+                logger.info("prompt sampler: epoch %d", self._epoch)
+            prompt_id = self._order[self._position]
+            self._position += 1
+            if self._retired(prompt_id):
+                skipped_in_a_row += 1
+                if skipped_in_a_row > len(self._ids):
+                    raise RuntimeError("all training prompts are retired (No-Positive-Resampling)")
+                continue
+            skipped_in_a_row = 0
+            drawn.append(prompt_id)
+        self._drawn += len(drawn)
+        return drawn
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            yield self.next_prompts(1)[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-Python state: the position in the current epoch's order."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "drawn": self._drawn,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_prompts": len(self._ids),
+            "fingerprint": self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``; ValueError when it belongs to other prompts/seed."""
+        missing = {"epoch", "position", "seed", "fingerprint"} - set(state)
+        if missing:
+            raise ValueError(f"sampler state is missing keys {sorted(missing)}")
+        if state["fingerprint"] != self._fingerprint():
+            raise ValueError(
+                "sampler state was saved for other training prompts "
+                f"({state.get('num_prompts')} ids, fingerprint {state['fingerprint']}) than "
+                f"these ({len(self._ids)} ids, fingerprint {self._fingerprint()})"
+            )
+        if int(state["seed"]) != self.seed or bool(state.get("shuffle", True)) != self.shuffle:
+            raise ValueError(
+                f"sampler state has seed={state['seed']} shuffle={state.get('shuffle')}, "
+                f"this sampler seed={self.seed} shuffle={self.shuffle}"
+            )
+        if not 0 <= int(state["position"]) <= len(self._ids) or int(state["epoch"]) < 0:
+            raise ValueError(f"sampler state out of range: {state}")
+        self._epoch = int(state["epoch"])
+        self._position = int(state["position"])
+        self._drawn = int(state.get("drawn", 0))
+        self._order = self._epoch_order(self._epoch)
+
+
+def has_reward_variance(rewards: Sequence[float]) -> bool:
+    """True when a group's rewards are not all equal (it carries a learning signal)."""
+    return len(rewards) > 1 and any(r != rewards[0] for r in rewards)
+
+
+def refill_until(
+    sampler: PromptSampler,
+    target: int,
+    generate: Callable[[list[int]], list[T]],
+    keep: Callable[[T], bool],
+    max_rounds: int = 8,
+) -> list[T]:
+    """DAPO dynamic sampling: groups from ``generate(prompt_ids)`` (one per id) until
+    ``target`` of them pass ``keep``.
+
+    Each round draws as many prompts as groups are still missing. After ``max_rounds``
+    the batch may be short (logged); it never holds more than ``target`` groups.
+    """
+    if target < 1 or max_rounds < 1:
+        raise ValueError(f"target and max_rounds must be >= 1, got {target}, {max_rounds}")
+    kept: list[T] = []
+    for _ in range(max_rounds):
+        missing = target - len(kept)
+        if missing <= 0:
+            break
+        prompt_ids = sampler.next_prompts(missing)
+        groups = generate(prompt_ids)
+        if len(groups) != len(prompt_ids):
+            raise ValueError(
+                f"generate returned {len(groups)} groups for {len(prompt_ids)} prompts"
+            )
+        kept.extend(group for group in groups if keep(group))
+    if len(kept) < target:
+        logger.warning(
+            "dynamic sampling: %d/%d groups after %d rounds", len(kept), target, max_rounds
+        )
+    return kept[:target]

@@ -1,0 +1,147 @@
+"""Recipe-facing configuration of the verifiers (imports no torch).
+
+Defaults follow ScaleRL (SCALERL.md section 2): reward +1 / -1 by answer verification after
+stripping the thinking. Every verification has a hard time limit: math runs in worker
+processes that are killed on timeout, code runs in a sandboxed subprocess.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+REWARD_KINDS: tuple[str, ...] = ("math", "code")
+NETWORK_ISOLATION: tuple[str, ...] = ("auto", "namespace", "audit")
+
+# Fallback when a response has no \boxed{...}: "answer is 42", "Answer: 42". Bounded
+# quantifiers keep the regex linear on hostile text.
+DEFAULT_ANSWER_PATTERN = r"(?i)\banswer\s{0,8}(?:is|:)\s{0,8}\$?([^\n$]{1,300})"
+
+
+@dataclass
+class RewardConfig:
+    """How responses are verified and scored.
+
+    Attributes:
+        kind: verifier, one of REWARD_KINDS ("math": final answer; "code": program vs tests).
+        correct_reward: reward of a verified response (ScaleRL: +1).
+        incorrect_reward: reward of anything else, including timeouts and hostile input (-1).
+        require_think_end: a response must close its thinking with ``think_end_tag``; one that
+            never does scores incorrect. False: the whole response is the answer part.
+        think_end_tag: end of the thinking section; only the text after its last occurrence
+            is verified.
+        answer_pattern: regex whose group 1 is the answer when there is no ``\\boxed{}``;
+            empty disables the fallback.
+        num_workers: verifier processes (math) / concurrent sandboxes (code).
+        timeout_s: hard wall-clock limit of one math verification (the worker is killed).
+        worker_memory_mb: address-space limit of a math worker process (0 = none).
+        max_response_chars: longer responses score incorrect without being parsed.
+        max_answer_chars: longer extracted answers score incorrect without being parsed.
+        max_nesting_depth: deeper bracket nesting in an answer scores incorrect.
+        max_exponent: a power whose exponent is a literal above this, or is itself a power,
+            scores incorrect (``9^{9^{9^9}}`` would never finish evaluating).
+        max_number_digits: an integer literal with more digits scores incorrect.
+        max_factorial: a factorial of a literal above this scores incorrect.
+        code_test_timeout_s: wall-clock limit of one program run on one test.
+        code_memory_mb: address-space limit of the sandboxed program.
+        code_max_output_bytes: output file size limit of the sandboxed program.
+        code_max_chars: longer extracted programs score incorrect.
+        code_network_isolation: "auto" (network namespace when the kernel allows it, else the
+            audit hook), "namespace" (fail when no namespace can be made) or "audit" (only the
+            in-process audit hook that blocks sockets).
+        code_sandbox_uid: when running as root, the sandboxed program runs as this uid/gid
+            (65534 = nobody), which also makes the process-count limit effective.
+        python_executable: interpreter of the sandboxed programs; empty = this interpreter.
+    """
+
+    kind: str = "math"
+    correct_reward: float = 1.0
+    incorrect_reward: float = -1.0
+    require_think_end: bool = True
+    think_end_tag: str = "</think>"
+    answer_pattern: str = DEFAULT_ANSWER_PATTERN
+    num_workers: int = 2
+    timeout_s: float = 5.0
+    worker_memory_mb: int = 2048
+    max_response_chars: int = 262_144
+    max_answer_chars: int = 1000
+    max_nesting_depth: int = 16
+    max_exponent: int = 100_000
+    max_number_digits: int = 400
+    max_factorial: int = 1000
+    code_test_timeout_s: float = 6.0
+    code_memory_mb: int = 1024
+    code_max_output_bytes: int = 8 * 1024 * 1024
+    code_max_chars: int = 100_000
+    code_network_isolation: str = "auto"
+    code_sandbox_uid: int = 65534
+    python_executable: str = ""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        if self.kind not in REWARD_KINDS:
+            raise ValueError(f"kind must be one of {list(REWARD_KINDS)}, got {self.kind!r}")
+        if self.code_network_isolation not in NETWORK_ISOLATION:
+            raise ValueError(
+                f"code_network_isolation must be one of {list(NETWORK_ISOLATION)}, "
+                f"got {self.code_network_isolation!r}"
+            )
+        for name in ("correct_reward", "incorrect_reward"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+        if self.correct_reward <= self.incorrect_reward:
+            raise ValueError(
+                f"correct_reward ({self.correct_reward}) must be greater than incorrect_reward "
+                f"({self.incorrect_reward})"
+            )
+        if not isinstance(self.require_think_end, bool):
+            raise ValueError(f"require_think_end must be a bool, got {self.require_think_end!r}")
+        if not isinstance(self.think_end_tag, str) or not self.think_end_tag:
+            raise ValueError(
+                f"think_end_tag must be a non-empty string, got {self.think_end_tag!r}"
+            )
+        self._validate_pattern()
+        for name in ("timeout_s", "code_test_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value <= 3600:
+                raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {value!r}")
+        positive_ints = (
+            "num_workers",
+            "max_response_chars",
+            "max_answer_chars",
+            "max_nesting_depth",
+            "max_exponent",
+            "max_number_digits",
+            "max_factorial",
+            "code_memory_mb",
+            "code_max_output_bytes",
+            "code_max_chars",
+        )
+        for name in positive_ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.worker_memory_mb, int) or self.worker_memory_mb < 0:
+            raise ValueError(f"worker_memory_mb must be an int >= 0, got {self.worker_memory_mb!r}")
+        if not isinstance(self.code_sandbox_uid, int) or self.code_sandbox_uid <= 0:
+            raise ValueError(
+                f"code_sandbox_uid must be a positive int (not root), got {self.code_sandbox_uid!r}"
+            )
+        if not isinstance(self.python_executable, str):
+            raise ValueError(f"python_executable must be a string, got {self.python_executable!r}")
+
+    def _validate_pattern(self) -> None:
+        if not isinstance(self.answer_pattern, str):
+            raise ValueError(f"answer_pattern must be a string, got {self.answer_pattern!r}")
+        if not self.answer_pattern:
+            return
+        try:
+            compiled = re.compile(self.answer_pattern)
+        except re.error as exc:
+            raise ValueError(f"answer_pattern is not a valid regex: {exc}") from exc
+        if compiled.groups < 1:
+            raise ValueError("answer_pattern must have a capture group (group 1 is the answer)")

@@ -1,0 +1,142 @@
+"""``RewardPool``: batch scoring of responses, safe to call from any thread of the trainer.
+
+Math: extraction and static checks in the caller's process, symbolic verification in a
+``WorkerPool`` of spawned processes with a hard per-answer time limit (a stuck worker is
+killed and replaced). Code: every test in a sandboxed subprocess, ``num_workers``
+programs at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from megatron_rl.rewards import code, math
+from megatron_rl.rewards.config import RewardConfig
+from megatron_rl.rewards.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+class RewardPool:
+    """Scores batches of responses against their references.
+
+    Args:
+        config: verifier settings; ``config.kind`` is the default kind of every item.
+
+    Use as a context manager or call ``close()``: it owns worker processes.
+    """
+
+    def __init__(self, config: RewardConfig) -> None:
+        config.validate()
+        self.config = config
+        self._lock = threading.Lock()
+        self._math: WorkerPool | None = None
+        self._code: ThreadPoolExecutor | None = None
+        self.stats: Counter[str] = Counter()
+        if config.kind == "math":
+            self._math_pool()
+
+    def _math_pool(self) -> WorkerPool:
+        if self._math is None:
+            self._math = WorkerPool(
+                self.config.num_workers,
+                self.config.timeout_s,
+                memory_mb=self.config.worker_memory_mb,
+                init=math.load_verifier,
+            )
+        return self._math
+
+    def score_batch(
+        self,
+        responses: Sequence[str],
+        references: Sequence[Any],
+        kinds: Sequence[str] | None = None,
+    ) -> list[float]:
+        """Rewards ``[S]`` of ``responses [S]`` against ``references [S]``.
+
+        References are answers (math) or tests (code, any format of ``code.parse_tests``).
+        ``kinds [S]`` ("math" | "code") overrides ``config.kind`` per item (math+code runs).
+        """
+        if len(responses) != len(references):
+            raise ValueError(
+                f"responses and references differ in length: {len(responses)} vs {len(references)}"
+            )
+        kinds = [self.config.kind] * len(responses) if kinds is None else list(kinds)
+        if len(kinds) != len(responses):
+            raise ValueError(f"kinds has {len(kinds)} entries for {len(responses)} responses")
+        unknown = set(kinds) - {"math", "code"}
+        if unknown:
+            raise ValueError(f"unknown reward kinds {sorted(unknown)}")
+        rewards: list[float] = [self.config.incorrect_reward] * len(responses)
+        with self._lock:
+            math_items = [i for i, k in enumerate(kinds) if k == "math"]
+            code_items = [i for i, k in enumerate(kinds) if k == "code"]
+            if math_items:
+                self._score_math(math_items, responses, references, rewards)
+            if code_items:
+                self._score_code(code_items, responses, references, rewards)
+        return rewards
+
+    def _score_math(
+        self,
+        items: list[int],
+        responses: Sequence[str],
+        references: Sequence[Any],
+        rewards: list[float],
+    ) -> None:
+        config = self.config
+        to_verify: list[int] = []
+        pairs: list[tuple[str, str, float]] = []
+        for i in items:
+            decided = math.prepare(str(responses[i]), str(references[i]), config)
+            if isinstance(decided, tuple):
+                to_verify.append(i)
+                pairs.append((decided[0], decided[1], config.timeout_s))
+            else:
+                rewards[i] = decided
+                self.stats["decided_in_process"] += 1
+        if not pairs:
+            return
+        for i, result in zip(to_verify, self._math_pool().map(math.verify, pairs)):
+            self.stats[f"verify_{result.status}"] += 1
+            if result.blocked:
+                self.stats["blocked_events"] += len(result.blocked)
+            correct = result.status == "ok" and result.value is True
+            rewards[i] = config.correct_reward if correct else config.incorrect_reward
+
+    def _score_code(
+        self,
+        items: list[int],
+        responses: Sequence[str],
+        references: Sequence[Any],
+        rewards: list[float],
+    ) -> None:
+        if self._code is None:
+            self._code = ThreadPoolExecutor(self.config.num_workers, "reward-code")
+        futures = [
+            self._code.submit(code.score_code, str(responses[i]), references[i], self.config)
+            for i in items
+        ]
+        for i, future in zip(items, futures):
+            rewards[i] = future.result()
+            self.stats["code_scored"] += 1
+
+    def close(self) -> None:
+        """Stop the worker processes and threads."""
+        if self._math is not None:
+            self._math.close()
+            self._math = None
+        if self._code is not None:
+            self._code.shutdown(wait=True)
+            self._code = None
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

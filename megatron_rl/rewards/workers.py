@@ -1,0 +1,256 @@
+"""A persistent pool of worker processes with a hard per-task time limit.
+
+Why not ``concurrent.futures.ProcessPoolExecutor``: it cannot kill one stuck task (a sympy
+evaluation inside a C big-integer routine ignores signals) and a worker that dies breaks
+the whole executor. Here every task has a deadline measured by the parent; on expiry the
+worker is SIGKILLed and replaced, and the task reports ``timeout``. Workers are fresh
+interpreters (``sys.executable -c``), so they inherit neither the trainer's threads nor its
+CUDA state nor its ``__main__``, and each one installs a guard (``guard.install_guard``) that blocks process creation, network
+and file writes before it accepts any task.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# A worker that does not report ready within this time is considered failed at start.
+_START_TIMEOUT_S = 120.0
+# Consecutive start failures after which the pool gives up (a broken environment).
+_MAX_START_FAILURES = 3
+
+
+@dataclass
+class TaskResult:
+    """Outcome of one task: ``status`` is ok | timeout | error | crashed."""
+
+    status: str
+    value: Any = None
+    error: str = ""
+    blocked: list[str] = field(default_factory=list)
+
+
+def _vm_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _worker_main(conn: Connection) -> None:
+    """Worker loop: (init, memory_mb) first, then (task_id, fn, args) -> result messages."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from megatron_rl.rewards import guard
+
+    try:
+        init, memory_mb = conn.recv()
+        if init is not None:
+            init()
+        if memory_mb > 0:
+            limit = _vm_bytes() + memory_mb * 1024 * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        guard.install_guard(write_dirs=())
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
+        conn.send(("failed", None, f"{type(exc).__name__}: {exc}", []))
+        return
+    conn.send(("ready", None, os.getpid(), []))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        task_id, fn, args = message
+        before = len(guard.blocked_events())
+        try:
+            value = fn(*args)
+            status, payload = "ok", value
+        except BaseException as exc:  # noqa: BLE001 - a task's failure is data
+            status, payload = "error", f"{type(exc).__name__}: {str(exc)[:300]}"
+        conn.send((status, task_id, payload, guard.blocked_events()[before:]))
+
+
+def _child_entry(fd: int) -> None:
+    """Entry point of a worker process started by ``_Worker``."""
+    _worker_main(Connection(fd))
+
+
+class _Worker:
+    """One worker: a fresh interpreter (not a multiprocessing child, so the caller's
+    ``__main__`` is never re-imported) talking over a socketpair."""
+
+    def __init__(self, init: Callable[[], None] | None, memory_mb: int) -> None:
+        parent, child = socket.socketpair()
+        command = (
+            "import sys; from megatron_rl.rewards.workers import _child_entry; "
+            f"_child_entry({child.fileno()})"
+        )
+        env = dict(os.environ)
+        # The caller's import path, so that task functions it names can be imported.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", command], pass_fds=(child.fileno(),), env=env
+        )
+        child.close()
+        self.conn = Connection(parent.detach())
+        self.conn.send((init, memory_mb))
+        self.started = time.monotonic()
+        self.ready = False
+        self.task: int | None = None
+        self.deadline = 0.0
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            logger.warning("reward worker %d did not exit after SIGKILL", self.process.pid)
+        self.conn.close()
+
+
+class WorkerPool:
+    """``num_workers`` persistent processes running picklable module-level functions.
+
+    Args:
+        num_workers: processes kept alive (killed ones are replaced).
+        timeout_s: wall-clock limit of one task, measured by the parent.
+        memory_mb: address-space limit of a worker beyond its size after ``init`` (0: none).
+        init: picklable function each worker calls once before its guard is installed
+            (imports, warm-up); not counted in any task's time.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        timeout_s: float,
+        memory_mb: int = 0,
+        init: Callable[[], None] | None = None,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
+        self._memory_mb = memory_mb
+        self._init = init
+        self._workers = [self._spawn() for _ in range(num_workers)]
+        self._start_failures = 0
+        self.num_killed = 0
+
+    def _spawn(self) -> _Worker:
+        return _Worker(self._init, self._memory_mb)
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self._workers[self._workers.index(worker)] = self._spawn()
+
+    def map(self, fn: Callable[..., Any], args_list: Sequence[tuple]) -> list[TaskResult]:
+        """Run ``fn(*args)`` for every ``args`` in parallel; results in input order."""
+        if self._workers is None:
+            raise RuntimeError("WorkerPool is closed")
+        results: list[TaskResult | None] = [None] * len(args_list)
+        pending = deque(range(len(args_list)))
+        while pending or any(w.task is not None for w in self._workers):
+            for worker in self._workers:
+                if worker.ready and worker.task is None and pending:
+                    index = pending.popleft()
+                    worker.task, worker.deadline = index, time.monotonic() + self.timeout_s
+                    try:
+                        worker.conn.send((index, fn, args_list[index]))
+                    except (OSError, ValueError):
+                        self._on_death(worker, results)
+            self._wait_and_collect(results)
+            self._enforce_deadlines(results)
+        return [r if r is not None else TaskResult("crashed") for r in results]
+
+    def _wait_and_collect(self, results: list[TaskResult | None]) -> None:
+        now = time.monotonic()
+        busy = [w for w in self._workers if w.task is not None]
+        starting = [w for w in self._workers if not w.ready]
+        deadlines = [w.deadline for w in busy] + [w.started + _START_TIMEOUT_S for w in starting]
+        timeout = max(0.0, min(deadlines) - now) if deadlines else 0.0
+        by_conn = {w.conn: w for w in busy + starting}
+        for conn in wait(list(by_conn), timeout=timeout):
+            worker = by_conn[conn]
+            try:
+                status, task_id, payload, blocked = conn.recv()
+            except (EOFError, OSError):
+                self._on_death(worker, results)
+                continue
+            if status == "ready":
+                worker.ready, self._start_failures = True, 0
+            elif status == "failed":
+                self._on_start_failure(worker, payload)
+            elif task_id == worker.task:
+                value, error = (payload, "") if status == "ok" else (None, payload)
+                results[task_id] = TaskResult(status, value, error, list(blocked))
+                if blocked:
+                    logger.warning("reward worker blocked %s", blocked)
+                worker.task = None
+
+    def _on_death(self, worker: _Worker, results: list[TaskResult | None]) -> None:
+        if worker.task is not None:
+            results[worker.task] = TaskResult("crashed", error="worker died")
+        elif not worker.ready:
+            self._on_start_failure(worker, "worker exited before it was ready")
+            return
+        self._replace(worker)
+
+    def _on_start_failure(self, worker: _Worker, reason: str) -> None:
+        self._start_failures += 1
+        if self._start_failures >= _MAX_START_FAILURES:
+            self.close()
+            raise RuntimeError(f"reward workers fail to start: {reason}")
+        logger.warning("reward worker failed to start (%s); retrying", reason)
+        self._replace(worker)
+
+    def _enforce_deadlines(self, results: list[TaskResult | None]) -> None:
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if worker.task is not None and now >= worker.deadline:
+                results[worker.task] = TaskResult("timeout", error=f"over {self.timeout_s}s")
+                self.num_killed += 1
+                self._replace(worker)
+            elif not worker.ready and now >= worker.started + _START_TIMEOUT_S:
+                self._on_start_failure(worker, f"not ready after {_START_TIMEOUT_S}s")
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the current workers (for tests and diagnostics)."""
+        return [w.process.pid for w in self._workers or [] if w.process.pid is not None]
+
+    def close(self) -> None:
+        """Stop all workers."""
+        workers, self._workers = self._workers, None
+        for worker in workers or []:
+            try:
+                worker.conn.send(None)
+            except (OSError, ValueError):
+                pass
+            try:
+                worker.process.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+            worker.kill()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
