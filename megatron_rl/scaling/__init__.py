@@ -7,6 +7,7 @@ from megatron_rl.scaling.config import AUTO, FitConfig
 from megatron_rl.scaling.data import RunData, load_run
 from megatron_rl.scaling.fit import CurveFit, FitBox, fit_points, grid_search, refine
 from megatron_rl.scaling.model import CurveParams, sigmoid_curve
+from megatron_rl.scaling.synthetic import synthetic_run
 
 __all__ = [
     "AUTO",
@@ -27,4 +28,5 @@ __all__ = [
     "refine",
     "select_points",
     "sigmoid_curve",
+    "synthetic_run",
 ]

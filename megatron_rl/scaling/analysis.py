@@ -74,7 +74,9 @@ def fit_run(run: RunData, config: FitConfig) -> RunFit:
     mask = select_points(run, config)
     n_fit = int(mask.sum())
     if n_fit < config.min_points:
-        until = f" and {run.x_field} <= {config.fit_until:g}" if config.fit_until is not None else ""
+        until = (
+            f" and {run.x_field} <= {config.fit_until:g}" if config.fit_until is not None else ""
+        )
         raise ValueError(
             f"{run.source}: too few points after filtering: {n_fit} of {len(run.x)} records "
             f"with {run.y_field!r} have {run.x_field} >= {config.min_x:g}{until} (need at least "
@@ -86,7 +88,9 @@ def fit_run(run: RunData, config: FitConfig) -> RunFit:
     fit = fit_points(x, y, r0, config, x_positive_min=float(positive.min()))
     boot = None
     if config.bootstrap > 0:
-        boot = bootstrap_fit(x, y, fit, config.bootstrap, config.ci, config.seed)
+        # An R0 read off the step-0 point is as noisy as any point: resample it too.
+        r0_sd = fit.rmse if config.r0 is None else 0.0
+        boot = bootstrap_fit(x, y, fit, config.bootstrap, config.ci, config.seed, r0_sd)
     return RunFit(run, mask, fit, boot)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -15,10 +16,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class BootstrapResult:
-    """Refits on resampled points; ``samples``: [N, 3] columns (a, b, c_mid)."""
+    """Refits on resampled points; ``samples``: [N, 4] columns (a, b, c_mid, r0)."""
 
     samples: np.ndarray
-    r0: float
     level: float
     n_failed: int
 
@@ -36,19 +36,28 @@ class BootstrapResult:
     def band(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Pointwise percentile band of R(x): (low [M], high [M]) for ``x`` [M]."""
         x = np.asarray(x, dtype=np.float64)
-        a, b, c_mid = (self.samples[:, k, None] for k in range(3))
-        curves = self.r0 + (a - self.r0) * gain_fraction(b, log_ratio(c_mid, x[None, :]))
+        a, b, c_mid, r0 = (self.samples[:, k, None] for k in range(4))
+        curves = r0 + (a - r0) * gain_fraction(b, log_ratio(c_mid, x[None, :]))
         tail = 100.0 * (1.0 - self.level) / 2.0
         low, high = np.percentile(curves, [tail, 100.0 - tail], axis=0)
         return low, high
 
 
 def bootstrap_fit(
-    x: np.ndarray, y: np.ndarray, fit: CurveFit, n_resamples: int, level: float, seed: int
+    x: np.ndarray,
+    y: np.ndarray,
+    fit: CurveFit,
+    n_resamples: int,
+    level: float,
+    seed: int,
+    r0_sd: float = 0.0,
 ) -> BootstrapResult:
     """Resample the fitted points ``x``, ``y`` [n] with replacement ``n_resamples`` times and
-    refit each from the point estimate inside the same box (R0 and a fixed A stay fixed).
+    refit each from the point estimate inside the same box (a fixed A stays fixed).
 
+    R0 is not among the fitted points; when it is itself one noisy evaluation (the step-0
+    point), pass its noise sd as ``r0_sd`` (e.g. the fit's rmse) and every resample draws
+    R0 from N(R0, r0_sd^2), so that the intervals carry R0's uncertainty too.
     Resamples with fewer distinct x than free parameters are skipped and counted as failed.
     """
     if n_resamples < 1:
@@ -62,10 +71,12 @@ def bootstrap_fit(
         if len(np.unique(x[idx])) <= n_free:
             failed += 1
             continue
-        p = refine(x[idx], y[idx], fit.params, fit.box, fix_a=fit.a_fixed)
-        samples.append((p.a, p.b, p.c_mid))
+        r0 = fit.params.r0 + (rng.normal(0.0, r0_sd) if r0_sd > 0 else 0.0)
+        start = dataclasses.replace(fit.params, r0=r0)
+        p = refine(x[idx], y[idx], start, fit.box, fix_a=fit.a_fixed)
+        samples.append((p.a, p.b, p.c_mid, p.r0))
     if not samples:
         raise ValueError(f"every bootstrap resample of the {n} points was degenerate")
     if failed:
         logger.warning("%d of %d bootstrap resamples were degenerate", failed, n_resamples)
-    return BootstrapResult(np.array(samples), fit.params.r0, level, failed)
+    return BootstrapResult(np.array(samples), level, failed)

@@ -47,60 +47,99 @@ def _fmt(r: tuple[float, float] | str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``megatron-rl fit``."""
-    d = _DEFAULTS
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("metrics", nargs="+", help="metrics.jsonl or CSV file, one per run")
-    parser.add_argument("--x", default=d.x_field, help=f"compute field (default {d.x_field})")
-    parser.add_argument("--y", default=d.y_field, help=f"metric field (default {d.y_field})")
-    parser.add_argument("--label", action="append", help="run name (repeat, one per file)")
-    parser.add_argument("--r0", type=float, help="R0 (default: y at the smallest x)")
-    parser.add_argument("--min-x", type=float, default=d.min_x,
-                        help=f"fit only points with x >= this (default {d.min_x:g})")
-    parser.add_argument("--fit-until", type=float, help="fit only points with x <= this")
-    parser.add_argument("--extrapolate-to", type=float, help="report (and plot) R at this x")
-    parser.add_argument("--fix-a", type=float, help="fix the asymptote A")
-    parser.add_argument("--a-range", type=_range, default=d.a_range,
-                        help=f"A grid LOW,HIGH or 'auto' (default {_fmt(d.a_range)})")
-    parser.add_argument("--a-step", type=float, default=d.a_step,
-                        help=f"A grid step (default {d.a_step:g})")
-    parser.add_argument("--c-mid-range", type=_range, default=d.c_mid_range,
-                        help=f"C_mid grid LOW,HIGH or 'auto' (default {_fmt(d.c_mid_range)})")
-    parser.add_argument("--c-mid-num", type=int, default=d.c_mid_num,
-                        help=f"number of C_mid values (default {d.c_mid_num})")
-    parser.add_argument("--c-mid-spacing", choices=C_MID_SPACINGS, default=d.c_mid_spacing,
-                        help="spacing of an explicit C_mid grid ('auto' is log-spaced)")
-    parser.add_argument("--auto-grid", action="store_true",
-                        help="shorthand for --a-range auto --c-mid-range auto")
-    parser.add_argument("--b-range", type=_pair, default=d.b_range,
-                        help=f"B search range LOW,HIGH (default {_fmt(d.b_range)})")
-    parser.add_argument("--no-refine", action="store_true",
-                        help="keep the best grid point (skip the joint refinement)")
-    parser.add_argument("--min-points", type=int, default=d.min_points,
-                        help=f"fewest points to fit (default {d.min_points})")
-    parser.add_argument("--bootstrap", type=int, default=d.bootstrap, metavar="N",
-                        help="bootstrap resamples for intervals and band (default 0: none)")
-    parser.add_argument("--ci", type=float, default=d.ci,
-                        help=f"interval level (default {d.ci:g})")
-    parser.add_argument("--seed", type=int, default=d.seed, help="bootstrap seed")
-    parser.add_argument("--a-tolerance", type=float, default=d.a_tolerance,
-                        help=f"refit with a common A when As lie within this (default "
-                        f"{d.a_tolerance:g})")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--plot", metavar="FILE.png", help="save a plot of all runs")
-    parser.add_argument("--logx", action="store_true", help="log-scale x axis in the plot")
-    parser.add_argument("--title", help="plot title")
+    _add_data_arguments(parser.add_argument_group("data"))
+    _add_grid_arguments(parser.add_argument_group("fit"))
+    _add_output_arguments(parser.add_argument_group("uncertainty, comparison and output"))
+
+
+def _add_data_arguments(group: argparse._ArgumentGroup) -> None:
+    d = _DEFAULTS
+    group.add_argument("--x", default=d.x_field, help=f"compute field (default {d.x_field})")
+    group.add_argument("--y", default=d.y_field, help=f"metric field (default {d.y_field})")
+    group.add_argument("--label", action="append", help="run name (repeat, one per file)")
+    group.add_argument("--r0", type=float, help="R0 (default: y at the smallest x)")
+    group.add_argument(
+        "--min-x", type=float, default=d.min_x, help=f"fit points with x >= this ({d.min_x:g})"
+    )
+    group.add_argument("--fit-until", type=float, help="fit only points with x <= this")
+    group.add_argument("--extrapolate-to", type=float, help="report (and plot) R at this x")
+
+
+def _add_grid_arguments(group: argparse._ArgumentGroup) -> None:
+    d = _DEFAULTS
+    group.add_argument("--fix-a", type=float, help="fix the asymptote A")
+    group.add_argument(
+        "--a-range", type=_range, default=d.a_range,
+        help=f"A grid LOW,HIGH or 'auto' (default {_fmt(d.a_range)})",
+    )  # fmt: skip
+    group.add_argument("--a-step", type=float, default=d.a_step, help=f"A step ({d.a_step:g})")
+    group.add_argument(
+        "--c-mid-range", type=_range, default=d.c_mid_range,
+        help=f"C_mid grid LOW,HIGH or 'auto' (default {_fmt(d.c_mid_range)})",
+    )  # fmt: skip
+    group.add_argument(
+        "--c-mid-num", type=int, default=d.c_mid_num, help=f"C_mid values ({d.c_mid_num})"
+    )
+    group.add_argument(
+        "--c-mid-spacing", choices=C_MID_SPACINGS, default=d.c_mid_spacing,
+        help=f"spacing of an explicit C_mid grid ({d.c_mid_spacing}; 'auto' is log-spaced)",
+    )  # fmt: skip
+    group.add_argument(
+        "--auto-grid", action="store_true", help="shorthand for --a-range auto --c-mid-range auto"
+    )
+    group.add_argument(
+        "--b-range", type=_pair, default=d.b_range,
+        help=f"B search range LOW,HIGH (default {_fmt(d.b_range)})",
+    )  # fmt: skip
+    group.add_argument(
+        "--no-refine", action="store_true", help="keep the best grid point (no joint refinement)"
+    )
+    group.add_argument(
+        "--min-points", type=int, default=d.min_points, help=f"fewest points ({d.min_points})"
+    )
+
+
+def _add_output_arguments(group: argparse._ArgumentGroup) -> None:
+    d = _DEFAULTS
+    group.add_argument(
+        "--bootstrap", type=int, default=d.bootstrap, metavar="N",
+        help="bootstrap resamples for intervals and band (default 0: none)",
+    )  # fmt: skip
+    group.add_argument("--ci", type=float, default=d.ci, help=f"interval level ({d.ci:g})")
+    group.add_argument("--seed", type=int, default=d.seed, help="bootstrap seed")
+    group.add_argument(
+        "--a-tolerance", type=float, default=d.a_tolerance,
+        help=f"refit with a common A when the As lie within this ({d.a_tolerance:g})",
+    )  # fmt: skip
+    group.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    group.add_argument("--plot", metavar="FILE.png", help="save a plot of all runs")
+    group.add_argument("--logx", action="store_true", help="log-scale x axis in the plot")
+    group.add_argument("--title", help="plot title")
 
 
 def config_from_args(args: argparse.Namespace) -> FitConfig:
     """The FitConfig named by the command-line options (validated)."""
     return FitConfig(
-        x_field=args.x, y_field=args.y, min_x=args.min_x, fit_until=args.fit_until,
-        r0=args.r0, fix_a=args.fix_a,
-        a_range=AUTO if args.auto_grid else args.a_range, a_step=args.a_step,
-        c_mid_range=AUTO if args.auto_grid else args.c_mid_range, c_mid_num=args.c_mid_num,
-        c_mid_spacing=args.c_mid_spacing, b_range=args.b_range, refine=not args.no_refine,
-        min_points=args.min_points, bootstrap=args.bootstrap, ci=args.ci, seed=args.seed,
+        x_field=args.x,
+        y_field=args.y,
+        min_x=args.min_x,
+        fit_until=args.fit_until,
+        r0=args.r0,
+        fix_a=args.fix_a,
+        a_range=AUTO if args.auto_grid else args.a_range,
+        a_step=args.a_step,
+        c_mid_range=AUTO if args.auto_grid else args.c_mid_range,
+        c_mid_num=args.c_mid_num,
+        c_mid_spacing=args.c_mid_spacing,
+        b_range=args.b_range,
+        refine=not args.no_refine,
+        min_points=args.min_points,
+        bootstrap=args.bootstrap,
+        ci=args.ci,
+        seed=args.seed,
         a_tolerance=args.a_tolerance,
     ).validate()
 
@@ -136,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             path = plot_runs(comparison.fits, args.plot, args.extrapolate_to, args.logx, args.title)
             logger.info("plot saved to %s", path)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # bad input or an unwritable plot path
         sys.stderr.write(f"megatron-rl fit: error: {err}\n")
         return 2
     return 0

@@ -80,7 +80,9 @@ class FitConfig:
         if self.c_mid_num < 1:
             raise ValueError(f"c_mid_num must be >= 1, got {self.c_mid_num}")
         if self.c_mid_spacing not in C_MID_SPACINGS:
-            raise ValueError(f"c_mid_spacing must be one of {C_MID_SPACINGS}, got {self.c_mid_spacing!r}")
+            raise ValueError(
+                f"c_mid_spacing must be one of {C_MID_SPACINGS}, got {self.c_mid_spacing!r}"
+            )
         if self.b_num < 3:
             raise ValueError(f"b_num must be >= 3, got {self.b_num}")
         if self.min_points < 4:

@@ -100,8 +100,13 @@ def _read_jsonl(
                 f"{path} line {line_no}: record has {y_field!r} but no {x_field!r} field"
             )
         where = f"{path} line {line_no}"
-        rows.append((line_no, _number(record[x_field], where, x_field, x=True),
-                     _number(record[y_field], where, y_field)))
+        rows.append(
+            (
+                line_no,
+                _number(record[x_field], where, x_field, x=True),
+                _number(record[y_field], where, y_field),
+            )
+        )
     return rows, seen
 
 
@@ -125,8 +130,9 @@ def _read_csv(
         where = f"{path} line {line_no}"
         if not x_text:
             raise ValueError(f"{where}: row has {y_field!r} but no {x_field!r} value")
-        rows.append((line_no, _number(x_text, where, x_field, x=True),
-                     _number(y_text, where, y_field)))
+        rows.append(
+            (line_no, _number(x_text, where, x_field, x=True), _number(y_text, where, y_field))
+        )
     return rows, set(columns)
 
 

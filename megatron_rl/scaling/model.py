@@ -33,9 +33,7 @@ def gain_fraction(b: np.ndarray | float, log_cmid_over_x: np.ndarray) -> np.ndar
         return 1.0 / (1.0 + np.exp(np.asarray(b) * log_cmid_over_x))
 
 
-def sigmoid_curve(
-    x: np.ndarray, a: float, b: float, c_mid: float, r0: float
-) -> np.ndarray:
+def sigmoid_curve(x: np.ndarray, a: float, b: float, c_mid: float, r0: float) -> np.ndarray:
     """The paper's curve at compute ``x`` [N] (x >= 0)."""
     if np.any(x < 0):
         raise ValueError("compute x must be >= 0")

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatron_rl.scaling.analysis import RunFit
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 _GREY = "0.35"
 
@@ -37,8 +41,6 @@ def plot_runs(
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
 
     if not fits:
         raise ValueError("nothing to plot")
@@ -56,16 +58,7 @@ def plot_runs(
     ax.set_ylabel(fits[0].run.y_field)
     ax.grid(True, alpha=0.3)
     ax.set_title(title or "R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)")
-    style = [
-        Line2D([], [], color=_GREY, marker="o", linestyle="", label="fitted points"),
-        Line2D([], [], color=_GREY, marker="o", markerfacecolor="none", linestyle="",
-               label="held-out points"),
-        Line2D([], [], color=_GREY, linestyle="--", label="extrapolation"),
-        Line2D([], [], color=_GREY, linestyle=":", label="asymptote A"),
-    ]
-    if any(f.bootstrap is not None for f in fits):
-        level = next(f.bootstrap.level for f in fits if f.bootstrap is not None)
-        style.append(Patch(color=_GREY, alpha=0.2, label=f"{100 * level:g}% bootstrap band"))
+    style = _mark_fit_ends_and_style_legend(ax, fits)
     runs_legend = ax.legend(loc="lower right", fontsize=8, title="runs")
     ax.add_artist(runs_legend)
     ax.legend(handles=style, loc="center right", fontsize=8)
@@ -75,17 +68,50 @@ def plot_runs(
     return path
 
 
-def _draw_run(ax, f: RunFit, xs: np.ndarray, color: str) -> None:  # noqa: ANN001
+def _mark_fit_ends_and_style_legend(ax: Axes, fits: list[RunFit]) -> list:
+    """Vertical lines where fitted points end (before held-out ones); legend entries of styles."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    style = [
+        Line2D([], [], color=_GREY, marker="o", linestyle="", label="fitted points"),
+        Line2D([], [], color=_GREY, marker="o", markerfacecolor="none", linestyle="",
+               label="held-out points"),
+        Line2D([], [], color=_GREY, linestyle="--", label="extrapolation"),
+        Line2D([], [], color=_GREY, linestyle=":", label="asymptote A"),
+    ]  # fmt: skip
+    ends = set()
+    for f in fits:
+        end = float(f.run.x[f.fitted].max())
+        if np.any(f.run.x[~f.fitted] > end):
+            ends.add(end)
+    for end in sorted(ends):
+        ax.axvline(end, color=_GREY, linestyle="-.", linewidth=0.8, alpha=0.6)
+    if ends:
+        style.append(Line2D([], [], color=_GREY, linestyle="-.", linewidth=0.8,
+                            label="end of fitted points"))  # fmt: skip
+    boots = [f.bootstrap for f in fits if f.bootstrap is not None]
+    if boots:
+        style.append(
+            Patch(color=_GREY, alpha=0.2, label=f"{100 * boots[0].level:g}% bootstrap band")
+        )
+    return style
+
+
+def _draw_run(ax: Axes, f: RunFit, xs: np.ndarray, color: str) -> None:
     p = f.fit.params
     x, y, fitted = f.run.x, f.run.y, f.fitted
     ax.plot(x[fitted], y[fitted], "o", color=color, markersize=4, alpha=0.8)
-    ax.plot(x[~fitted], y[~fitted], "o", color=color, markerfacecolor="none", markersize=4,
-            alpha=0.8)
+    ax.plot(
+        x[~fitted], y[~fitted], "o", color=color, markerfacecolor="none", markersize=4, alpha=0.8
+    )
     lo, hi = float(x[fitted].min()), float(x[fitted].max())
     inside = (xs >= lo) & (xs <= hi)
     r = p.predict(xs)
-    label = f"{f.name}: A={p.a:.3f}{' (fixed)' if f.fit.a_fixed else ''}, B={p.b:.2f}, " \
+    label = (
+        f"{f.name}: A={p.a:.3f}{' (fixed)' if f.fit.a_fixed else ''}, B={p.b:.2f}, "
         f"C_mid={p.c_mid:.4g}"
+    )
     ax.plot(xs[inside], r[inside], "-", color=color, linewidth=2, label=label)
     for part in (xs <= lo, xs >= hi):
         if part.sum() > 1:

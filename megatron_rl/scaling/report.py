@@ -14,12 +14,22 @@ def fit_summary(run_fit: RunFit, extrapolate_to: float | None) -> dict[str, Any]
     fit, boot = run_fit.fit, run_fit.bootstrap
     p = fit.params
     out: dict[str, Any] = {
-        "A": p.a, "B": p.b, "C_mid": p.c_mid, "R0": p.r0,
-        "residual": fit.sse, "rmse": fit.rmse, "n_points": fit.n_points,
-        "a_fixed": fit.a_fixed, "at_bound": [_KEYS[k] for k in fit.at_bound],
-        "fit_x_range": [float(run_fit.run.x[run_fit.fitted].min()),
-                        float(run_fit.run.x[run_fit.fitted].max())],
-        "intervals": None, "ci": None, "bootstrap": None,
+        "A": p.a,
+        "B": p.b,
+        "C_mid": p.c_mid,
+        "R0": p.r0,
+        "residual": fit.sse,
+        "rmse": fit.rmse,
+        "n_points": fit.n_points,
+        "a_fixed": fit.a_fixed,
+        "at_bound": [_KEYS[k] for k in fit.at_bound],
+        "fit_x_range": [
+            float(run_fit.run.x[run_fit.fitted].min()),
+            float(run_fit.run.x[run_fit.fitted].max()),
+        ],
+        "intervals": None,
+        "ci": None,
+        "bootstrap": None,
     }
     if boot is not None:
         out["intervals"] = {_KEYS[k]: list(v) for k, v in boot.intervals().items()}
@@ -39,8 +49,11 @@ def comparison_summary(
     """JSON-ready summary of every run and, with several runs, of the comparison."""
     runs = [
         {
-            "name": f.name, "source": f.run.source, "x_field": f.run.x_field,
-            "y_field": f.run.y_field, "n_records": len(f.run.x),
+            "name": f.name,
+            "source": f.run.source,
+            "x_field": f.run.x_field,
+            "y_field": f.run.y_field,
+            "n_records": len(f.run.x),
             "fit": fit_summary(f, extrapolate_to),
         }
         for f in comparison.fits
@@ -71,8 +84,12 @@ def _row(f: RunFit, extrapolate_to: float | None) -> list[str]:
     iv = boot.intervals() if boot is not None else {}
     a_text = f"{p.a:.4f} (fixed)" if f.fit.a_fixed else _value(p.a, iv.get("a"), ".4f")
     row = [
-        f.name, str(f.fit.n_points), f"{p.r0:.4f}", a_text,
-        _value(p.b, iv.get("b"), ".3f"), _value(p.c_mid, iv.get("c_mid"), ".4g"),
+        f.name,
+        str(f.fit.n_points),
+        f"{p.r0:.4f}",
+        a_text,
+        _value(p.b, iv.get("b"), ".3f"),
+        _value(p.c_mid, iv.get("c_mid"), ".4g"),
         f"{f.fit.rmse:.4f}",
     ]
     if extrapolate_to is not None:
@@ -91,9 +108,7 @@ def _table(fits: list[RunFit], extrapolate_to: float | None) -> list[str]:
     return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def format_report(
-    comparison: Comparison, extrapolate_to: float | None, a_tolerance: float
-) -> str:
+def format_report(comparison: Comparison, extrapolate_to: float | None, a_tolerance: float) -> str:
     """A readable table of every fit, and the comparison of several runs."""
     fits = comparison.fits
     level = next((f.bootstrap.level for f in fits if f.bootstrap is not None), None)
@@ -102,7 +117,10 @@ def format_report(
         lines.append(f"[low, high]: {100 * level:g}% bootstrap intervals")
     lines += _table(fits, extrapolate_to)
     if comparison.rule == "by_a":
-        lines += ["", f"A values differ by {comparison.a_spread:.4f} > {a_tolerance:g}: ranked by A"]
+        lines += [
+            "",
+            f"A values differ by {comparison.a_spread:.4f} > {a_tolerance:g}: ranked by A",
+        ]
     elif comparison.rule == "fixed_a":
         lines += [
             "",
