@@ -6,8 +6,8 @@ ends the evaluation. Two test kinds: stdin/stdout (output compared line by line,
 by token with a float tolerance) and functional (``fn_name`` called with JSON arguments,
 as a method of ``Solution`` when that class defines it, else as a function).
 
-Accepted test formats (``parse_tests``): the canonical list of ``{"input", "output",
-"fn_name"}``; LiveCodeBench / DeepCoder lists of ``{"input", "output", "testtype",
+Accepted test formats (``parse_tests``): the data loaders' ``{"tests": ..., "fn_name": ...}``
+wrapper around any of the others; the canonical list of ``{"input", "output", "fn_name"}``; LiveCodeBench / DeepCoder lists of ``{"input", "output", "testtype",
 "metadata"}``; TACO / APPS dicts ``{"inputs": [...], "outputs": [...], "fn_name"?}``; and
 JSON strings of any of these.
 """
@@ -117,6 +117,9 @@ def parse_tests(tests: Any, fn_name: str | None = None) -> list[CodeTest]:
             tests = json.loads(tests)
         except ValueError as exc:
             raise ValueError(f"tests are not valid JSON: {exc}") from exc
+    if isinstance(tests, dict) and "tests" in tests:
+        # The data loaders' reference: {"tests": raw tests, "fn_name": name or None}.
+        return parse_tests(tests["tests"], tests.get("fn_name") or fn_name)
     if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
         cases = _from_columns(tests, fn_name)
     elif isinstance(tests, list):
@@ -156,7 +159,7 @@ def values_match(actual: Any, expected: Any) -> bool:
 
 def _values_equal(a: Any, b: Any) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
-        return a == b
+        return type(a) is type(b) and a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
     if isinstance(a, list) and isinstance(b, list):
