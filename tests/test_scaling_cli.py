@@ -69,6 +69,8 @@ def test_json_matches_the_library_and_the_formula(runs, capsys):
     assert fit["prediction"] == pytest.approx(want)
     assert fit["intervals"] is None and fit["prediction_interval"] is None
     assert fit["fit_x_range"][1] <= 50_000
+    assert fit["search_box"]["A"] == pytest.approx([0.45, 0.80])
+    assert fit["search_box"]["C_mid"] == pytest.approx([100, 40_000])
 
 
 def test_json_comparison_and_intervals(runs, capsys):

@@ -29,8 +29,12 @@ class FitConfig:
     - ``a_range="auto"``: ``[R0 + 0.5 * gain, max_y + gain]`` where ``gain = max_y - R0`` over
       the fitted points, clipped to ``[0, 1]`` when every y lies in ``[0, 1]`` (pass rates),
       with 71 values (as many as the paper's grid); ``a_step`` is then ignored.
-    - ``c_mid_range="auto"``: ``[smallest positive x of the run, 4 * largest fitted x]``,
+    - ``c_mid_range="auto"``: ``[smallest positive x of the run / 4, 4 * largest fitted x]``,
       ``c_mid_num`` values, log-spaced (runs at any compute scale, e.g. 1e-3 GPU-hours).
+
+    B is searched on ``b_range`` (the paper leaves B unbounded, starting curve_fit at 1); the
+    joint refinement stays inside the A, B and C_mid ranges, and a fit that ends on an edge
+    is flagged (``CurveFit.at_bound``) so that the range can be widened.
     """
 
     x_field: str = "gpu_hours"

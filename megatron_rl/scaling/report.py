@@ -27,6 +27,7 @@ def fit_summary(run_fit: RunFit, extrapolate_to: float | None) -> dict[str, Any]
             float(run_fit.run.x[run_fit.fitted].min()),
             float(run_fit.run.x[run_fit.fitted].max()),
         ],
+        "search_box": {_KEYS[k]: list(v) for k, v in fit.box.bounds().items()},
         "intervals": None,
         "ci": None,
         "bootstrap": None,
