@@ -94,6 +94,7 @@ def test_configured_rewards_and_pattern():
     config = RewardConfig(correct_reward=1.0, incorrect_reward=0.0, answer_pattern=r"ANS=(\d+)")
     with RewardPool(config) as custom:
         rewards = custom.score_batch(["</think> ANS=12", "</think> ANS=13"], ["12", "12"])
+        assert custom._math is None  # plain integers are decided without a worker
     assert rewards == [1.0, 0.0]
 
 
@@ -171,6 +172,7 @@ def test_hostile_outputs_score_minus_one_fast_and_execute_nothing(pool, tmp_path
 def test_stuck_verification_is_killed_and_the_worker_replaced():
     # timeout_s < 2 disables Math-Verify's own (signal) limit: only the hard kill is left.
     with RewardPool(RewardConfig(num_workers=1, timeout_s=1.0)) as one:
+        assert one.score_batch([respond("\\frac{1}{4}")], ["0.25"]) == [1.0]
         pids = one._math.worker_pids()
         started = time.monotonic()
         rewards = one.score_batch([respond("10^{100000}!"), respond("\\frac{1}{2}")], ["5", "0.5"])

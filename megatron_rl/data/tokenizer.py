@@ -45,10 +45,10 @@ def char_vocab(vocab_multiple: int = 64) -> dict[str, int]:
 
 
 def build_char_tokenizer(out_dir: str | os.PathLike, vocab_multiple: int = 64) -> Any:
-    """Write the character tokenizer to ``out_dir`` and return it (a
-    ``transformers.PreTrainedTokenizerFast``); ``len(tokenizer) % vocab_multiple == 0``."""
+    """Write the character tokenizer to ``out_dir`` and return it as
+    ``transformers.AutoTokenizer`` loads it; ``len(tokenizer) % vocab_multiple == 0``."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     vocab = char_vocab(vocab_multiple)
     # BPE without merges splits every word into its characters; no pre-tokenizer, so
@@ -73,5 +73,7 @@ def build_char_tokenizer(out_dir: str | os.PathLike, vocab_multiple: int = 64) -
     tokenizer.chat_template = CHAT_TEMPLATE
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out_dir))
-    assert len(tokenizer) == len(vocab), (len(tokenizer), len(vocab))
-    return tokenizer
+    # Return what every consumer gets: the tokenizer as loaded from the directory.
+    loaded = AutoTokenizer.from_pretrained(str(out_dir))
+    assert len(loaded) == len(vocab), (len(loaded), len(vocab))
+    return loaded

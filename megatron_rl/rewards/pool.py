@@ -38,10 +38,9 @@ class RewardPool:
         self._math: WorkerPool | None = None
         self._code: ThreadPoolExecutor | None = None
         self.stats: Counter[str] = Counter()
-        if config.kind == "math":
-            self._math_pool()
 
     def _math_pool(self) -> WorkerPool:
+        # Started on first need: batches decided in-process (plain integers) never pay it.
         if self._math is None:
             self._math = WorkerPool(
                 self.config.num_workers,

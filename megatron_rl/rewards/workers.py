@@ -236,15 +236,17 @@ class WorkerPool:
         return [w.process.pid for w in self._workers or [] if w.process.pid is not None]
 
     def close(self) -> None:
-        """Stop all workers."""
+        """Stop all workers (they hold no state: a short grace period, then SIGKILL)."""
         workers, self._workers = self._workers, None
         for worker in workers or []:
             try:
                 worker.conn.send(None)
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + 0.5
+        for worker in workers or []:
             try:
-                worker.process.wait(timeout=1)
+                worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
             worker.kill()
