@@ -8,7 +8,13 @@ import re
 
 import pytest
 
-from megatron_rl.data import DataConfig, SyntheticConfig, load_prompt_data, render_prompt
+from megatron_rl.data import (
+    DataConfig,
+    SyntheticConfig,
+    load_prompt_data,
+    render_prompt,
+    sft_example,
+)
 from megatron_rl.data.synthetic import (
     generate_problems,
     main,
@@ -167,3 +173,24 @@ def test_cli_writes_a_dataset(tmp_path):
     )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 30 and {"problem", "answer", "solution"} <= set(rows[0])
+
+
+def test_sft_examples_and_prompt_length_filter(tmp_path, tokenizer):
+    problem = make_problem(47, 85, "add")
+    config = DataConfig()
+    prompt, target = sft_example(problem["problem"], problem["solution"], config, tokenizer)
+    assert (prompt, target) == ("47+85\n", problem["solution"])
+    prefilled = DataConfig(prefill_think=True, use_chat_template=False)
+    prompt, target = sft_example(problem["problem"], problem["solution"], prefilled, tokenizer)
+    assert prompt + target == "47+85" + problem["solution"] and prompt.endswith("<think>")
+    # max_prompt_tokens drops prompts by rendered length: "1+2\n" is 5 tokens with BOS.
+    synthetic = SyntheticConfig(min_digits=1, max_digits=3, num_problems=300)
+    limited = DataConfig(
+        cache_dir=str(tmp_path), val_size=20, max_prompt_tokens=6, synthetic=synthetic
+    )
+    data = load_prompt_data(limited, tokenizer)
+    kept = [data.get(i).problem for i in data.train_ids + data.val_ids]
+    assert kept and all(len(p) + 2 <= 6 for p in kept)
+    assert len(data.train_ids) + len(data.val_ids) < 300
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_prompt_data(limited)

@@ -6,7 +6,7 @@ Heavy libraries (``datasets``, ``transformers``) are imported only when data is 
 
 from megatron_rl.data.config import DataConfig, SyntheticConfig
 from megatron_rl.data.prompts import Prompt, PromptData, load_prompt_data
-from megatron_rl.data.rendering import render_prompt
+from megatron_rl.data.rendering import render_prompt, sft_example
 from megatron_rl.data.sampler import (
     PromptSampler,
     RetirementTracker,
@@ -25,4 +25,5 @@ __all__ = [
     "load_prompt_data",
     "refill_until",
     "render_prompt",
+    "sft_example",
 ]

@@ -37,3 +37,21 @@ def render_prompt(problem: str, config: DataConfig, tokenizer: Any = None) -> st
 def prompt_token_count(problem: str, config: DataConfig, tokenizer: Any) -> int:
     """Number of tokens of the rendered prompt, BOS included."""
     return len(tokenizer(render_prompt(problem, config, tokenizer))["input_ids"])
+
+
+def sft_example(
+    problem: str, solution: str, config: DataConfig, tokenizer: Any = None
+) -> tuple[str, str]:
+    """(prompt text, target text) of a supervised warm-start example.
+
+    The target is the worked ``solution`` minus the thinking tag the prompt already ends
+    with (``prefill_think``), so that prompt + target is exactly one well-formed response.
+    Append the tokenizer's EOS token to the target when training on token ids.
+    """
+    prompt = render_prompt(problem, config, tokenizer)
+    target = solution
+    if prompt.rstrip().endswith(config.think_start) and target.startswith(config.think_start):
+        target = target[len(config.think_start) :]
+        if prompt.endswith("\n"):
+            target = target.lstrip("\n")
+    return prompt, target
