@@ -96,6 +96,11 @@ def check_divisibility(arch: Architecture, parallel: ParallelConfig) -> None:
         checks.append(
             ("num_local_experts", c.num_local_experts, parallel.expert, "parallel.expert")
         )
+        if parallel.expert_tensor != 1:
+            raise ValueError(
+                "parallel.expert_tensor must be 1 for Llama-4: modelopt 0.47 imports packed "
+                "experts with expert tensor parallelism incorrectly (fused gate/up cut contiguously)"
+            )
     elif parallel.expert > 1:
         raise ValueError(
             f"parallel.expert={parallel.expert} but {arch.hf_architecture} has no experts"

@@ -70,6 +70,9 @@ def build_model(
         rotary_base=int(text.rope_parameters.get("rope_theta", 10000.0)),
     )
     _set_rope_frequencies(gpt, text)
+    # Norm weights are created in fp32 whatever params_dtype says (the GPU path casts through
+    # megatron's Float16Module); cast here so every parameter has the model's dtype.
+    gpt.to(DTYPES[model.dtype])
     if model.fp32_head:
         enable_fp32_head(gpt)
     gpt.architecture = arch  # for conversion and weight export

@@ -12,7 +12,10 @@ class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
     expert: int = 1
-    expert_tensor: int | None = None  # default: = tensor (megatron's default)
+    # Tensor parallelism inside experts. 1 (experts whole, spread by expert parallelism) is the
+    # usual choice for MoE and the only one modelopt 0.47's packed Llama-4 expert import slices
+    # correctly (it cuts the fused gate/up tensor contiguously across ranks).
+    expert_tensor: int = 1
     context: int = 1
     sequence_parallel: bool = False
     timeout_minutes: int = 30  # collectives time out instead of hanging forever
@@ -21,7 +24,7 @@ class ParallelConfig:
         for name in ("tensor", "pipeline", "expert", "context", "timeout_minutes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.expert_tensor is not None and self.expert_tensor < 1:
+        if self.expert_tensor < 1:
             raise ValueError(f"expert_tensor must be >= 1, got {self.expert_tensor}")
         if self.sequence_parallel and self.tensor == 1:
             raise ValueError("sequence_parallel needs tensor > 1")

@@ -97,3 +97,33 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_local_ranks(fn, world_size: int, *args) -> None:
+    """Run ``fn(*args)`` on ``world_size`` local processes that form one process group.
+
+    For single-node tools and tests (CPU: gloo). Each child gets RANK / WORLD_SIZE /
+    LOCAL_RANK / MASTER_ADDR / MASTER_PORT; ``fn`` then calls :func:`init_distributed`.
+    Under torchrun / srun (WORLD_SIZE already set) or with one rank, ``fn`` runs in-process.
+    """
+    if world_size == 1 or "WORLD_SIZE" in os.environ:
+        fn(*args)
+        return
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    mp.start_processes(
+        _rank_entry, args=(fn, world_size, port, args), nprocs=world_size, start_method="spawn"
+    )
+
+
+def _rank_entry(rank: int, fn, world_size: int, port: int, args) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    fn(*args)

@@ -1,0 +1,1 @@
+"""HF <-> Megatron checkpoint conversion and model checkpoints."""

@@ -1,0 +1,108 @@
+"""Megatron distributed checkpoints of a model (megatron.core.dist_checkpointing).
+
+A model checkpoint directory holds:
+  ``model/``      the dist checkpoint (sharded; loads into any TP/PP/EP layout)
+  ``hf_config/``  the HF config (and tokenizer files) the model was built from
+Writes are atomic: everything goes to a temporary sibling directory that is renamed into place
+only when complete, so a crash never leaves a directory that loads wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+import transformers
+from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
+
+logger = logging.getLogger(__name__)
+
+MODEL_SUBDIR = "model"
+HF_CONFIG_SUBDIR = "hf_config"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def save_hf_config(
+    config: transformers.PretrainedConfig, source_dir: str | Path | None, out_dir: Path
+) -> None:
+    """Write the HF config and copy tokenizer files from ``source_dir`` (if any)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)
+    if source_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(source_dir) / name).is_file():
+                shutil.copy(Path(source_dir) / name, out_dir / name)
+
+
+def save_model(
+    model, ckpt_dir: str | Path, hf_config, hf_source_dir: str | Path | None = None
+) -> None:
+    """Save ``model`` (all ranks call this) as a dist checkpoint into ``ckpt_dir``, atomically."""
+    ckpt_dir = Path(ckpt_dir)
+    tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / MODEL_SUBDIR).mkdir(parents=True)
+        save_hf_config(hf_config, hf_source_dir, tmp / HF_CONFIG_SUBDIR)
+    _barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(tmp / MODEL_SUBDIR))
+    _barrier()
+    if rank0:
+        if ckpt_dir.exists():
+            old = ckpt_dir.with_name(ckpt_dir.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            ckpt_dir.rename(old)
+            tmp.rename(ckpt_dir)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(ckpt_dir)
+    _barrier()
+    logger.info("saved model checkpoint %s", ckpt_dir)
+
+
+def load_hf_config(ckpt_dir: str | Path) -> transformers.PretrainedConfig:
+    path = Path(ckpt_dir) / HF_CONFIG_SUBDIR
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{ckpt_dir}: not a megatron_rl model checkpoint (no {HF_CONFIG_SUBDIR}/config.json)"
+        )
+    return transformers.AutoConfig.from_pretrained(path)
+
+
+def load_model(model, ckpt_dir: str | Path) -> None:
+    """Load a dist checkpoint into ``model`` (any parallel layout; all ranks call this)."""
+    path = Path(ckpt_dir) / MODEL_SUBDIR
+    if not path.is_dir():
+        raise ValueError(f"{ckpt_dir}: no '{MODEL_SUBDIR}/' dist checkpoint inside")
+    try:
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(path))
+    # torch.distributed.checkpoint wraps the cause in a rank-keyed CheckpointException, which
+    # derives from BaseException (not Exception).
+    except (Exception, CheckpointException) as err:
+        lines = [ln.strip() for ln in str(err).splitlines() if "mismatch" in ln.lower()]
+        reason = lines[-1] if lines else f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        raise ValueError(f"{ckpt_dir}: checkpoint does not fit the model: {reason}") from err
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(
+            f"{ckpt_dir}: checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

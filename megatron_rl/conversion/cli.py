@@ -1,0 +1,51 @@
+"""`megatron-rl convert hf-to-mcore HF_DIR OUT_DIR [--tp N] [--ep N] [--pp N]` and
+`megatron-rl convert mcore-to-hf CKPT_DIR OUT_DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("hf-to-mcore", help="HF directory -> megatron dist checkpoint")
+    a.add_argument("hf_dir")
+    a.add_argument("out_dir")
+    a.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    a.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    a.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    a.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    b = sub.add_parser("mcore-to-hf", help="megatron dist checkpoint -> HF directory")
+    b.add_argument("ckpt_dir")
+    b.add_argument("out_dir")
+    b.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default=None, help="default: the checkpoint's"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_rl.conversion import hf
+    from megatron_rl.platform import ParallelConfig
+
+    try:
+        if args.direction == "hf-to-mcore":
+            parallel = ParallelConfig(tensor=args.tp, pipeline=args.pp, expert=args.ep)
+            parallel.validate()
+            import transformers
+
+            from megatron_rl.models.arch import architecture_from_hf, check_divisibility
+
+            hf.check_hf_dir(args.hf_dir)
+            arch = architecture_from_hf(transformers.AutoConfig.from_pretrained(args.hf_dir))
+            check_divisibility(arch, parallel)
+            hf.hf_to_mcore(args.hf_dir, args.out_dir, parallel, args.dtype)
+        else:
+            hf.mcore_to_hf(args.ckpt_dir, args.out_dir, args.dtype)
+    except ValueError as err:
+        print(f"megatron-rl convert: error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,38 @@
+"""Forward passes that return what RL needs: per-token log-probs (vocab-parallel) or logits."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+
+
+def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's vocab shard of the logits ``[b, s, V/tp]`` for ``tokens [b, s]``.
+
+    Positions are 0..s-1 and attention is causal (right padding needs no mask).
+    """
+    b, s = tokens.shape
+    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    return model(tokens, position_ids, None)
+
+
+def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits ``[b, s, V]`` from vocab shards (tests and tools; not the hot path)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return logits
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+
+
+def token_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) as ``[b, s-1]`` (float32, differentiable).
+
+    Uses megatron's vocab-parallel cross entropy, so full-vocabulary logits are never gathered.
+    With the FP32 head the logits, and so the log-softmax, are FP32.
+    """
+    logits = forward_logits(model, tokens)[:, :-1].float()
+    targets = tokens[:, 1:]
+    # vocab_parallel_cross_entropy expects [s, b, V/tp] and returns [s, b]
+    nll = tensor_parallel.vocab_parallel_cross_entropy(
+        logits.transpose(0, 1).contiguous(), targets.t().contiguous()
+    )
+    return -nll.t()

@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny HF models made locally (random init, fixed seed), never downloaded."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dirs(tmp_path_factory):
+    """{"tiny-llama": dir, "tiny-llama4": dir} of random HF models (seed 0)."""
+    from megatron_rl.models import make_hf_model, preset_hf_config
+
+    root = tmp_path_factory.mktemp("hf")
+    return {
+        name: make_hf_model(preset_hf_config(name), str(root / name), seed=0)
+        for name in ("tiny-llama", "tiny-llama4")
+    }
+
+
+@pytest.fixture(scope="session")
+def megatron_single_rank():
+    """torch.distributed + megatron parallel state with one rank (TP=PP=EP=1) in this process."""
+    from megatron_rl.platform import ParallelConfig, init_distributed
+
+    init_distributed(ParallelConfig())
+    yield

@@ -1,0 +1,29 @@
+"""Functions run in spawned gloo ranks by the tests (importable by child processes)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def logits_worker(
+    hf_dir: str, tensor: int, expert: int, tokens: torch.Tensor, out_path: str
+) -> None:
+    """Build the model with the given TP/EP, load HF weights, save full-vocab fp32 logits."""
+    import torch.distributed as dist
+
+    from megatron_rl.conversion.hf import load_hf_weights
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.logprobs import forward_logits, gather_vocab
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig, destroy_distributed, init_distributed
+
+    parallel = ParallelConfig(tensor=tensor, expert=expert)
+    init_distributed(parallel)
+    model = build_model(ModelConfig(hf_path=hf_dir, dtype="float32"), parallel)
+    load_hf_weights(model, hf_dir, torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = gather_vocab(forward_logits(model, tokens))
+    if dist.get_rank() == 0:
+        torch.save(logits, out_path)
+    destroy_distributed()

@@ -1,0 +1,122 @@
+"""GPU-only paths: Transformer Engine specs (BF16/FP8), Megatron optimizer, pipeline schedules.
+
+Marked ``gpu``: skipped on machines without CUDA (conftest), run where CUDA exists. The CPU
+suite covers the code that chooses between the paths (test_models.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.models import ModelConfig
+from megatron_rl.platform import ParallelConfig
+
+pytestmark = pytest.mark.gpu
+
+TOKENS = torch.randint(3, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def gpu_rank():
+    from megatron_rl.platform import init_distributed
+
+    init_distributed(ParallelConfig())
+    yield
+
+
+def _model(hf_dir, **kwargs):
+    from megatron_rl.conversion.hf import load_hf_weights
+    from megatron_rl.models.provider import build_model
+
+    cfg = ModelConfig(hf_path=hf_dir, **kwargs)
+    model = build_model(cfg, ParallelConfig())
+    load_hf_weights(model, hf_dir, getattr(torch, cfg.dtype))
+    return model.eval()
+
+
+def test_platform_picks_nccl_and_te(gpu_rank):
+    from megatron_rl.platform import get_platform
+
+    platform = get_platform()
+    assert (platform.device, platform.backend) == ("cuda", "nccl")
+    assert platform.transformer_engine
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama4"])
+def test_te_bf16_logits_close_to_transformers(tiny_hf_dirs, gpu_rank, name):
+    import transformers
+
+    from megatron_rl.models.logprobs import forward_logits
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_dirs[name], dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf.cuda().eval()(TOKENS.cuda()).logits
+        model = _model(tiny_hf_dirs[name], dtype="bfloat16", layer_spec="te")
+        out = forward_logits(model, TOKENS.cuda())
+    assert out.dtype == torch.float32  # FP32 head
+    assert (out - ref).abs().max().item() < 5e-2
+
+
+def test_te_fp8_forward_runs(tiny_hf_dirs, gpu_rank):
+    from transformer_engine.pytorch import fp8_autocast
+
+    from megatron_rl.models.logprobs import token_logprobs
+
+    model = _model(tiny_hf_dirs["tiny-llama"], dtype="bfloat16", layer_spec="te", fp8="hybrid")
+    with torch.no_grad(), fp8_autocast(enabled=True):
+        lp = token_logprobs(model, TOKENS.cuda())
+    assert torch.isfinite(lp).all()
+
+
+def test_megatron_distributed_optimizer_step_changes_weights(tiny_hf_dirs, gpu_rank):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_rl.models.logprobs import token_logprobs
+
+    model = _model(tiny_hf_dirs["tiny-llama"], dtype="bfloat16", layer_spec="te")
+    model.train()
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True), [ddp]
+    )
+    before = model.output_layer.weight.detach().clone()
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    (-token_logprobs(ddp, TOKENS.cuda()).mean()).backward()
+    ddp.finish_grad_sync()
+    ok, grad_norm, _ = opt.step()
+    assert ok and grad_norm > 0
+    assert not torch.equal(before, model.output_layer.weight.detach())
+
+
+def test_pipeline_schedule_forward_backward(tiny_hf_dirs, gpu_rank):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_rl.models.logprobs import forward_logits
+
+    model = _model(tiny_hf_dirs["tiny-llama"], dtype="bfloat16", layer_spec="te")
+    model.train()
+    tokens = TOKENS.cuda()
+
+    def step(data_iterator, m):
+        out = forward_logits(m, next(data_iterator))
+        return out, lambda o: (o.float().pow(2).mean(), {"loss": o.float().pow(2).mean().detach()})
+
+    losses = get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter([tokens, tokens]),
+        model=[model],
+        num_microbatches=2,
+        seq_length=tokens.shape[1],
+        micro_batch_size=tokens.shape[0],
+        forward_only=False,
+    )
+    assert len(losses) == 2
+    assert (
+        model.output_layer.weight.grad is not None
+        or model.output_layer.weight.main_grad is not None
+    )

@@ -1,0 +1,182 @@
+"""Megatron model providers: logits parity with transformers, parallel layouts, FP32 head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from megatron_rl.conversion.hf import load_hf_weights
+from megatron_rl.models import ModelConfig, make_hf_model, preset_hf_config
+from megatron_rl.models.attention import SDPACoreAttention
+from megatron_rl.models.logprobs import forward_logits, token_logprobs
+from megatron_rl.models.provider import build_model
+from megatron_rl.platform import ParallelConfig, get_platform, run_local_ranks
+
+TOKENS = torch.randint(3, 128, (2, 80), generator=torch.Generator().manual_seed(7))
+
+
+def hf_logits(hf_dir: str, dtype=torch.float32) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def megatron_model(hf_dir: str, dtype: str = "float32", fp32_head: bool = True):
+    model = build_model(
+        ModelConfig(hf_path=hf_dir, dtype=dtype, fp32_head=fp32_head), ParallelConfig()
+    )
+    load_hf_weights(model, hf_dir, getattr(torch, dtype))
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama4"])
+def test_logits_match_transformers(tiny_hf_dirs, megatron_single_rank, name):
+    hf_dir = tiny_hf_dirs[name]
+    ref = hf_logits(hf_dir)
+    with torch.no_grad():
+        out = forward_logits(megatron_model(hf_dir), TOKENS)
+    assert out.shape == ref.shape == (2, 80, 128)
+    assert (out - ref).abs().max().item() < 1e-4
+
+
+def test_tiny_configs_exercise_what_they_claim(tiny_hf_dirs):
+    dense = transformers.AutoConfig.from_pretrained(tiny_hf_dirs["tiny-llama"])
+    assert dense.num_attention_heads == 4 and dense.num_key_value_heads == 2
+    assert dense.rope_parameters["rope_theta"] != 10000.0
+    l4 = transformers.AutoConfig.from_pretrained(tiny_hf_dirs["tiny-llama4"])
+    assert l4.num_local_experts == 4 and 0 in l4.no_rope_layers
+    assert l4.attention_chunk_size < TOKENS.shape[1]  # chunked attention is active
+    assert l4.moe_layers != list(range(l4.num_hidden_layers))  # dense and MoE interleaved
+
+
+def test_llama4_chunking_and_temperature_matter(tiny_hf_dirs, megatron_single_rank):
+    """Negative controls: without chunked attention or temperature tuning, parity breaks."""
+    hf_dir = tiny_hf_dirs["tiny-llama4"]
+    ref = hf_logits(hf_dir)
+    model = megatron_model(hf_dir)
+    cores = [m for m in model.modules() if isinstance(m, SDPACoreAttention)]
+    assert any(c.chunk_size for c in cores) and any(c.temperature for c in cores)
+    for attr in ("chunk_size", "temperature"):
+        saved = [getattr(c, attr) for c in cores]
+        for c in cores:
+            setattr(c, attr, None)
+        with torch.no_grad():
+            diff = (forward_logits(model, TOKENS) - ref).abs().max().item()
+        assert diff > 1e-3, attr
+        for c, v in zip(cores, saved):
+            setattr(c, attr, v)
+
+
+@pytest.mark.parametrize(
+    "name,tensor,expert",
+    [("tiny-llama", 2, 1), ("tiny-llama4", 2, 1), ("tiny-llama4", 1, 2)],
+    ids=["dense-tp2", "moe-tp2", "moe-ep2"],
+)
+def test_parallel_layouts_match_single_rank(tiny_hf_dirs, tmp_path, name, tensor, expert):
+    from mp_workers import logits_worker
+
+    hf_dir = tiny_hf_dirs[name]
+    out = tmp_path / "logits.pt"
+    run_local_ranks(logits_worker, max(tensor, expert), hf_dir, tensor, expert, TOKENS, str(out))
+    ref = hf_logits(hf_dir)  # equal to TP=1 megatron logits to < 1e-4 (test above)
+    assert (torch.load(out) - ref).abs().max().item() < 1e-4
+
+
+def test_fp32_head_gives_fp32_logits_closer_to_fp64(tmp_path, megatron_single_rank):
+    # Confident logits, as a trained model has, so that BF16 rounding of the head shows.
+    hf_dir = make_hf_model(preset_hf_config("tiny-llama"), str(tmp_path / "m"), seed=3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(30)
+    hf.save_pretrained(hf_dir)
+    ref_model = hf.to(torch.bfloat16).to(torch.float64).eval()  # the BF16 weights, in fp64
+    with torch.no_grad():
+        ref = torch.log_softmax(ref_model(TOKENS).logits[:, :-1], -1)
+        ref = ref.gather(-1, TOKENS[:, 1:, None])[..., 0]
+    errors = {}
+    for fp32_head in (True, False):
+        model = megatron_model(hf_dir, dtype="bfloat16", fp32_head=fp32_head)
+        with torch.no_grad():
+            logits = forward_logits(model, TOKENS)
+            logprobs = token_logprobs(model, TOKENS)
+        assert logits.dtype == (torch.float32 if fp32_head else torch.bfloat16)
+        assert model.decoder.layers[0].mlp.linear_fc1.weight.dtype == torch.bfloat16
+        errors[fp32_head] = (logprobs.double() - ref).abs().mean().item()
+    assert errors[True] < 0.95 * errors[False], errors
+
+
+def test_token_logprobs_match_log_softmax(tiny_hf_dirs, megatron_single_rank):
+    hf_dir = tiny_hf_dirs["tiny-llama"]
+    ref = torch.log_softmax(hf_logits(hf_dir).double()[:, :-1], -1).gather(-1, TOKENS[:, 1:, None])[
+        ..., 0
+    ]
+    model = megatron_model(hf_dir)
+    lp = token_logprobs(model, TOKENS)
+    assert lp.shape == (2, 79) and lp.dtype == torch.float32
+    assert (lp.double() - ref).abs().max().item() < 1e-5
+    lp.sum().backward()  # differentiable through the vocab-parallel cross entropy
+    assert model.output_layer.weight.grad is not None
+
+
+def test_cpu_path_chooses_local_specs(tiny_hf_dirs, megatron_single_rank):
+    platform = get_platform()
+    assert (platform.device, platform.backend) == ("cpu", "gloo")
+    model = megatron_model(tiny_hf_dirs["tiny-llama"])
+    core = model.decoder.layers[0].self_attention.core_attention
+    assert isinstance(core, SDPACoreAttention)
+    with pytest.raises(ValueError, match="Transformer Engine"):
+        build_model(ModelConfig(preset="tiny-llama", layer_spec="te"), ParallelConfig())
+    with pytest.raises(ValueError, match="fp8"):
+        build_model(ModelConfig(preset="tiny-llama", fp8="e4m3"), ParallelConfig())
+
+
+@pytest.mark.parametrize(
+    "preset,parallel,match",
+    [
+        ("tiny-llama", ParallelConfig(tensor=3), "num_attention_heads"),
+        ("tiny-llama4", ParallelConfig(expert=3), "num_local_experts"),
+        ("tiny-llama", ParallelConfig(expert=2), "no experts"),
+        ("tiny-llama4", ParallelConfig(expert=2, expert_tensor=2), "expert_tensor"),
+    ],
+)
+def test_bad_parallel_layouts_fail_clearly(preset, parallel, match):
+    from megatron_rl.models.arch import architecture_from_hf, check_divisibility
+
+    with pytest.raises(ValueError, match=match):
+        check_divisibility(architecture_from_hf(preset_hf_config(preset)), parallel)
+
+
+def test_vocab_not_divisible_by_tp_fails_clearly():
+    from megatron_rl.models.arch import architecture_from_hf, check_divisibility
+
+    arch = architecture_from_hf(
+        preset_hf_config("tiny-llama", vocab_size=127, num_attention_heads=4)
+    )
+    with pytest.raises(ValueError, match="vocab_size=127"):
+        check_divisibility(arch, ParallelConfig(tensor=2))
+
+
+def test_unknown_architecture_and_preset_fail_clearly():
+    from megatron_rl.models.arch import architecture_from_hf
+
+    cfg = transformers.AutoConfig.for_model("gpt2")
+    cfg.architectures = ["GPT2LMHeadModel"]
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        architecture_from_hf(cfg)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset_hf_config("llama-9000")
+
+
+def test_production_presets_have_published_shapes():
+    l3 = preset_hf_config("llama3-8b")
+    assert (l3.hidden_size, l3.num_hidden_layers, l3.num_key_value_heads, l3.vocab_size) == (
+        4096,
+        32,
+        8,
+        128256,
+    )
+    assert l3.rope_parameters["rope_type"] == "llama3"
+    scout = preset_hf_config("llama4-scout")
+    assert (scout.num_local_experts, scout.num_experts_per_tok, scout.hidden_size) == (16, 1, 5120)
+    assert scout.no_rope_layers[3] == 0 and scout.no_rope_layers[0] == 1
