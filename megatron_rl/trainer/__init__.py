@@ -1,0 +1,1 @@
+"""The RL training loop: batches, policy update, checkpoints, metrics."""
