@@ -73,7 +73,7 @@ def _isolate_network(mode):
         sys.modules.pop(name, None)
     if result == "audit" and mode == "namespace":
         sys.stderr.write("sandbox: no network namespace available\n")
-        os._exit(125)
+        os._exit(125)  # _NO_NAMESPACE_EXIT
     return result
 
 
@@ -176,7 +176,7 @@ def _python(config: RewardConfig) -> str:
 
 
 def capabilities(config: RewardConfig) -> dict[str, object]:
-    """What the sandbox enforces on this machine (runs two probe programs).
+    """What the sandbox enforces on this machine (runs one probe program).
 
     Returns ``run_as_uid`` (the uid programs run as), ``network`` ("namespace" when the
     program's network namespace differs from ours, else "audit": sockets refused by the
