@@ -209,4 +209,20 @@ def _validate_tree(obj: Any, path: str) -> None:
         except ConfigError:
             raise
         except ValueError as err:
-            raise ConfigError(f"{_where(path)}: {err}") from None
+            raise ConfigError(f"{_where(_field_path(obj, path, str(err)))}: {err}") from None
+
+
+def _field_path(obj: Any, path: str, message: str) -> str:
+    """The dotted key a ``validate()`` message is about: messages name their field first
+    ("eps_max must be ...", "synthetic.max_digits must be ..."), so extend ``path`` with it."""
+    words = message.split(maxsplit=1)
+    token = words[0].strip("'\"`:,") if words else ""
+    head = token.split(".")[0]
+    names = {f.name for f in dataclasses.fields(obj)}
+    if head in names:
+        return f"{path}.{token}" if path else token
+    last = path.rsplit(".", 1)[-1]
+    if path and head == last and "." in token:
+        # A nested config naming itself ("synthetic.max_digits" inside 'data.synthetic').
+        return f"{path}.{token.split('.', 1)[1]}"
+    return path

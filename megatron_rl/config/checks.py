@@ -1,0 +1,83 @@
+"""Checks of a RunConfig against the model's shapes (heads, experts, layers, vocabulary).
+
+Kept apart from the schema because they read the model's HF config: a preset's fields
+(``megatron_rl.models.presets``, which imports transformers lazily but no torch) or
+``model.hf_path``/config.json (read as JSON). Called by ``load_run_config``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config.loader import ConfigError
+from megatron_rl.config.schema import RunConfig
+
+
+def model_fields(config: RunConfig) -> tuple[dict[str, Any], str]:
+    """The model's HF config fields (the text model's, for multimodal Llama-4) and a phrase
+    saying where they come from."""
+    model = config.model
+    if model.hf_path is not None:
+        path = Path(model.hf_path) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"recipe key 'model.hf_path': no config.json in {model.hf_path}")
+        try:
+            fields = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"recipe key 'model.hf_path': unreadable {path}: {err}") from None
+        source = f"model.hf_path {model.hf_path}"
+    else:
+        from megatron_rl.models.presets import PRESETS
+
+        if model.preset not in PRESETS:
+            raise ConfigError(
+                f"recipe key 'model.preset': unknown preset {model.preset!r}; "
+                f"known: {', '.join(sorted(PRESETS))}"
+            )
+        fields = PRESETS[model.preset]
+        source = f"model.preset '{model.preset}'"
+    if isinstance(fields.get("text_config"), dict):
+        fields = fields["text_config"]
+    return fields, source
+
+
+def _divides(key: str, size: int, count: Any, what: str, source: str) -> None:
+    if isinstance(count, int) and size > 1 and count % size:
+        raise ConfigError(
+            f"recipe key '{key}': {size} does not divide the {count} {what} of {source}"
+        )
+
+
+def check_model_shapes(config: RunConfig) -> None:
+    """Raise ConfigError (naming the dotted key) when a parallel size does not fit the model
+    or the longest sequence does not fit its position embeddings."""
+    fields, source = model_fields(config)
+    p = config.parallel
+    heads = fields.get("num_attention_heads")
+    _divides("parallel.tensor", p.tensor, heads, "attention heads", source)
+    _divides(
+        "parallel.tensor",
+        p.tensor,
+        fields.get("num_key_value_heads", heads),
+        "key/value heads",
+        source,
+    )
+    _divides("parallel.tensor", p.tensor, fields.get("vocab_size"), "vocabulary entries", source)
+    _divides("parallel.pipeline", p.pipeline, fields.get("num_hidden_layers"), "layers", source)
+    _divides("rollout.tensor_parallel", config.rollout.tensor_parallel, heads, "heads", source)
+    experts = fields.get("num_local_experts")
+    if p.expert > 1 and not experts:
+        raise ConfigError(
+            f"recipe key 'parallel.expert': {p.expert} needs an MoE model; {source} is dense"
+        )
+    _divides("parallel.expert", p.expert, experts, "experts", source)
+    positions = fields.get("max_position_embeddings")
+    longest = config.data.max_prompt_tokens + config.max_response_tokens()
+    if isinstance(positions, int) and longest > positions:
+        raise ConfigError(
+            f"recipe key 'rollout.max_tokens': prompt ({config.data.max_prompt_tokens}) + longest "
+            f"response ({config.max_response_tokens()}) = {longest} tokens exceeds the "
+            f"{positions} positions of {source}"
+        )
