@@ -191,7 +191,9 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{_where(path)}: expected a string, got {value!r}")
+            # YAML turns unquoted 12:30:00 into 45000 (base 60), yes/no into booleans ...
+            hint = " (quote it in YAML)" if isinstance(value, (int, float, bool)) else ""
+            raise ConfigError(f"{_where(path)}: expected a string, got {value!r}{hint}")
         return value
     raise ConfigError(f"{_where(path)}: unsupported field type {tp}")
 

@@ -1,0 +1,160 @@
+"""Every shipped recipe loads; each published recipe has its distinguishing settings
+(SCALERL.md sections 2-4); each leave-one-out variant differs from ScaleRL in exactly its
+one component."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import diff_keys, load_run_config, to_yaml
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+ALL = sorted(RECIPES.glob("*.yaml"))
+
+
+def load(name: str):
+    return load_run_config(RECIPES / f"{name}.yaml")
+
+
+def test_recipes_are_shipped():
+    names = {p.stem for p in ALL}
+    expected = {
+        "base_scalerl", "scalerl_8b", "scalerl_scout", "deepseek_grpo", "qwen25_dapo",
+        "magistral", "minimax_m1", "tiny_cpu", "tiny_cpu_ppo", *LOO,
+    }  # fmt: skip
+    assert expected <= names
+
+
+@pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
+def test_every_recipe_loads_validates_and_round_trips(path, tmp_path):
+    cfg = load_run_config(path)
+    assert cfg.name == path.stem
+    again = tmp_path / path.name
+    again.write_text(to_yaml(cfg))
+    assert load_run_config(again) == cfg
+
+
+def test_scalerl_8b_is_the_paper_run():
+    cfg = load("scalerl_8b")
+    assert cfg.model.preset == "llama3-8b" and cfg.model.fp32_head and cfg.rollout.fp32_head
+    assert cfg.data.source == "POLARIS-Project/Polaris-Dataset-53K" and cfg.data.val_size == 1000
+    assert (cfg.batch.prompts_per_step, cfg.batch.samples_per_prompt) == (48, 16)
+    assert cfg.rollout.samples_per_prompt == 16
+    # 14k generation with interruptions: thinking cut in [10k, 12k] of 12,288 + 2,048 answer.
+    intr = cfg.rollout.interruption
+    assert intr.enabled and tuple(intr.thinking_budget) == (10240, 12288)
+    assert intr.answer_budget == 2048 and cfg.rollout.max_tokens == 12288 + 2048
+    assert cfg.data.max_prompt_tokens + cfg.rollout.max_tokens == 16384
+    a = cfg.algorithm
+    assert (a.loss, a.aggregation, a.advantage_normalization) == ("cispo", "prompt", "batch")
+    assert a.zero_variance_filter and a.npr_threshold == 0.9 and not a.length_penalty
+    assert (cfg.off_policy.mode, cfg.off_policy.max_lag) == ("pipeline_rl", 8)
+    o = cfg.optimizer
+    assert (o.lr, o.warmup_steps, o.eps, o.weight_decay) == (5e-7, 100, 1e-15, 0.01)
+    assert (cfg.validation.every_steps, cfg.validation.samples_per_prompt) == (100, 16)
+    c = cfg.cluster
+    assert (c.nodes, c.gpus_per_node, c.trainer_gpus, c.generator_gpus) == (20, 4, 16, 64)
+    assert cfg.rollout.engines * cfg.rollout.tensor_parallel == 64
+    assert (cfg.training.max_steps, cfg.training.max_gpu_hours) == (7400, 100000)
+
+
+def test_scalerl_scout_uses_expert_parallelism():
+    cfg = load("scalerl_scout")
+    assert cfg.model.preset == "llama4-scout" and cfg.parallel.expert > 1
+    assert 16 % cfg.parallel.expert == 0  # Scout's 16 experts
+    assert (cfg.training.max_steps, cfg.training.max_gpu_hours) == (7100, 50000)
+    c = cfg.cluster
+    assert c.trainer_gpus + c.generator_gpus == c.nodes * c.gpus_per_node
+    # The ScaleRL recipe itself is unchanged: only model, layout, budget and cluster differ.
+    changed = {k.split(".")[0] for k in diff_keys(load("scalerl_8b"), cfg)}
+    assert changed == {"name", "model", "parallel", "rollout", "training", "cluster"}
+    assert {k for k in diff_keys(load("scalerl_8b"), cfg) if k.startswith("rollout")} == {
+        "rollout.engines",
+        "rollout.tensor_parallel",
+    }
+
+
+# recipe -> (loss, eps_low, eps_high, aggregation, normalization, off-policy mode, k or lag,
+#            prompts per step, zero-variance filter, fp32 head, NPR threshold)
+PUBLISHED = {
+    "deepseek_grpo": ("ppo_clip", 0.2, 0.2, "sample", "group", "ppo", 8, 48, False, False, None),
+    "qwen25_dapo": ("ppo_clip", 0.2, 0.26, "prompt", "group", "ppo", 8, 80, True, False, None),
+    "magistral": ("ppo_clip", 0.2, 0.26, "prompt", "group", "pipeline_rl", 8, 48, False, False,
+                  None),
+    "minimax_m1": ("cispo", None, None, "prompt", "group", "ppo", 8, 80, True, True, None),
+    "scalerl_8b": ("cispo", None, None, "prompt", "batch", "pipeline_rl", 8, 48, True, True, 0.9),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_recipe_settings(name):
+    loss, low, high, agg, norm, mode, k, prompts, zvf, fp32, npr = PUBLISHED[name]
+    cfg = load(name)
+    a = cfg.algorithm
+    assert (a.loss, a.eps_low, a.eps_high) == (loss, low, high)
+    assert (a.aggregation, a.advantage_normalization) == (agg, norm)
+    assert cfg.off_policy.mode == mode
+    assert (cfg.off_policy.k if mode == "ppo" else cfg.off_policy.max_lag) == k
+    assert (cfg.batch.prompts_per_step, cfg.batch.samples_per_prompt) == (prompts, 16)
+    assert a.zero_variance_filter is zvf and a.npr_threshold == npr
+    assert cfg.model.fp32_head is fp32 and cfg.rollout.fp32_head is fp32
+    # Same model and data as ScaleRL: the comparison changes only the recipe.
+    assert cfg.model.preset == "llama3-8b" and "Polaris" in cfg.data.source
+
+
+def test_dapo_clip_is_asymmetric_and_grpo_symmetric():
+    dapo, grpo = load("qwen25_dapo").algorithm, load("deepseek_grpo").algorithm
+    assert 0.26 <= dapo.eps_high <= 0.28 and dapo.eps_low == 0.2
+    assert grpo.loss_params() == {"eps_low": 0.2, "eps_high": 0.2}
+    assert load("minimax_m1").algorithm.loss_params() == {"eps_max": 4.0}
+
+
+# Leave-one-out variant -> the exact keys in which it differs from ScaleRL (same budget).
+LOO = {
+    "loo_prompt_adv_norm": {"algorithm.advantage_normalization"},
+    "loo_length_penalty": {"algorithm.length_penalty", "rollout.interruption.enabled"},
+    "loo_no_zero_variance_filter": {"algorithm.zero_variance_filter"},
+    "loo_ppo_off_policy": {"off_policy.mode"},
+    "loo_no_fp32_head": {"model.fp32_head", "rollout.fp32_head"},
+    "loo_sample_average": {"algorithm.aggregation"},
+    "loo_dapo_loss": {"algorithm.loss", "algorithm.eps_low", "algorithm.eps_high"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOO))
+def test_leave_one_out_differs_in_exactly_its_component(name):
+    base, variant = load("base_scalerl"), load(name)
+    assert diff_keys(base, variant) - {"name"} == LOO[name]
+    assert variant.training.max_gpu_hours == 16000  # the paper's 16k GPU-h per variant
+
+
+def test_leave_one_out_values():
+    assert load("loo_prompt_adv_norm").algorithm.advantage_normalization == "group"
+    lp = load("loo_length_penalty").algorithm
+    assert (lp.length_penalty, lp.length_penalty_l_max, lp.length_penalty_l_cache) == (
+        True,
+        14336,
+        2048,
+    )
+    assert load("loo_ppo_off_policy").off_policy.k == 8
+    assert load("loo_sample_average").algorithm.aggregation == "sample"
+    dapo = load("loo_dapo_loss").algorithm
+    assert (dapo.loss, dapo.eps_low, dapo.eps_high) == ("ppo_clip", 0.2, 0.26)
+
+
+def test_tiny_recipes_run_the_full_recipe_at_cpu_scale():
+    tiny = load("tiny_cpu")
+    assert tiny.model.preset == "tiny-llama" and tiny.model.dtype == "float32"
+    assert tiny.data.source == "synthetic" and tiny.warm_start.steps > 0
+    assert tiny.rollout.interruption.enabled and tiny.rollout.max_tokens <= 64
+    assert tiny.batch.prompts_per_step * tiny.batch.samples_per_prompt <= 128
+    assert tiny.validation.every_steps <= 10 and tiny.data.val_size > 0
+    # The ScaleRL algorithm is inherited unchanged from the base.
+    base = load("base_scalerl")
+    assert not {k for k in diff_keys(base, tiny) if k.startswith("algorithm")}
+    assert tiny.off_policy.mode == "pipeline_rl"
+    ppo = load("tiny_cpu_ppo")
+    assert diff_keys(tiny, ppo) - {"name"} == {"off_policy.mode", "off_policy.k"}
+    assert (ppo.off_policy.mode, ppo.off_policy.k) == ("ppo", 1)
