@@ -1,0 +1,191 @@
+"""Run metrics: ``RUN_DIR/metrics.jsonl`` (one JSON object per record), TensorBoard scalars,
+and the reward-curve plot.
+
+Every record carries ``step`` and ``gpu_hours`` (the compute axis of ``megatron-rl fit``);
+training records carry ``reward_mean`` and the other per-step numbers, validation records
+``val_pass_rate``. Each line is flushed when written, so a crash loses at most the line in
+progress; on resume the file is cut back to the record count stored in the checkpoint
+(``position()`` / ``truncate(n)``) so that no record is duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready value: tensor / numpy scalars to Python numbers, non-finite floats to None."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The complete records of a metrics file (a torn last line is ignored)."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            records.append(json.loads(line))
+    return records
+
+
+class MetricsLogger:
+    """Appends records to ``RUN_DIR/metrics.jsonl`` and mirrors numbers to TensorBoard.
+
+    Args:
+        run_dir: the run directory (created if needed).
+        tensorboard: also write scalars to ``RUN_DIR/tensorboard``.
+    """
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self.tensorboard = tensorboard
+        self._writer: Any = None
+        self._purge_step: int | None = None
+        self._count = len(read_records(self.path)) if self.path.exists() else 0
+        self._file = self._open()
+
+    def _open(self):
+        # A torn last line (crash mid-write) is dropped so the next record starts a line.
+        if self.path.exists() and self.path.stat().st_size:
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            if torn:
+                self._rewrite(self._count)
+        return open(self.path, "a")
+
+    def _rewrite(self, n: int) -> None:
+        lines = []
+        with open(self.path) as f:
+            for line in f:
+                if len(lines) == n or not line.endswith("\n"):
+                    break
+                lines.append(line)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(lines))
+        os.replace(tmp, self.path)
+        self._count = len(lines)
+
+    def position(self) -> int:
+        """Records written so far (store it in checkpoints)."""
+        return self._count
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` records (on resume from a checkpoint taken at ``n``).
+
+        TensorBoard events of later steps are purged by the next writer.
+        """
+        if n < 0 or n > self._count:
+            raise ValueError(f"cannot truncate {self.path} with {self._count} records to {n}")
+        self._file.close()
+        self._rewrite(n)
+        self._file = open(self.path, "a")
+        records = read_records(self.path)
+        self._purge_step = int(records[-1]["step"]) + 1 if records else 0
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        """Append one record (must contain ``step``); numbers also go to TensorBoard."""
+        if "step" not in record:
+            raise ValueError(f"a metrics record needs 'step', got keys {sorted(record)}")
+        plain = _plain(dict(record))
+        self._file.write(json.dumps(plain, allow_nan=False) + "\n")
+        self._file.flush()
+        self._count += 1
+        if self.tensorboard:
+            self._log_tensorboard(plain)
+
+    def _log_tensorboard(self, record: dict[str, Any]) -> None:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(
+                log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=self._purge_step
+            )
+        step = int(record["step"])
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(key, value, step)
+
+    def flush(self) -> None:
+        """Flush the file and TensorBoard (before a checkpoint)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _series(records: Iterable[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        if r.get(x) is not None and r.get(y) is not None:
+            xs.append(float(r[x]))
+            ys.append(float(r[y]))
+    return xs, ys
+
+
+def plot_reward_curve(
+    metrics_path: str | Path,
+    out_png: str | Path,
+    keys: tuple[str, ...] = ("reward_mean", "val_pass_rate"),
+    title: str | None = None,
+) -> Path:
+    """Plot ``keys`` against ``step`` (left) and ``gpu_hours`` (right) to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_records(metrics_path)
+    if not any(r.get(k) is not None for r in records for k in keys):
+        raise ValueError(f"{metrics_path}: no records with any of {list(keys)}")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for ax, x in zip(axes, ("step", "gpu_hours")):
+        for key in keys:
+            xs, ys = _series(records, x, key)
+            if xs:
+                ax.plot(xs, ys, marker="o" if len(xs) < 50 else None, ms=3, label=key)
+        ax.set_xlabel(x)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title or Path(metrics_path).parent.name)
+    out_png = Path(out_png)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,131 @@
+"""metrics.jsonl writing / resume truncation, TensorBoard scalars, the reward-curve plot,
+and GPU-hours accounting."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megatron_rl.trainer.compute import ComputeClock, run_devices
+from megatron_rl.trainer.metrics import MetricsLogger, plot_reward_curve, read_records
+
+
+def test_records_are_lines_flushed_as_written(tmp_path):
+    import numpy as np
+    import torch
+
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log({"step": 1, "gpu_hours": 0.5, "reward_mean": torch.tensor(0.25)})
+    # Readable before close: each line is flushed.
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[0]) == {"step": 1, "gpu_hours": 0.5, "reward_mean": 0.25}
+    logger.log({"step": 2, "loss": float("nan"), "n": np.int64(3), "rho": [np.float32(1.5)]})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1]) == {
+        "step": 2,
+        "loss": None,  # strict JSON: non-finite numbers become null
+        "n": 3,
+        "rho": [1.5],
+    }
+    assert logger.position() == 2
+    with pytest.raises(ValueError, match="step"):
+        logger.log({"reward_mean": 1.0})
+    logger.close()
+
+
+def test_resume_truncates_to_the_checkpointed_position(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(1, 6):
+            logger.log({"step": step, "reward_mean": step / 10})
+    # A crash in the middle of a line leaves a torn record.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "rew')
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    assert logger.position() == 5  # the torn line is not a record
+    logger.truncate(3)  # the checkpoint was taken after 3 records
+    logger.log({"step": 4, "reward_mean": 0.44})
+    logger.close()
+    records = read_records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[-1]["reward_mean"] == 0.44
+    with pytest.raises(ValueError):
+        MetricsLogger(tmp_path, tensorboard=False).truncate(9)
+
+
+def _tensorboard_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_scalars_and_purge_on_resume(tmp_path):
+    with MetricsLogger(tmp_path) as logger:
+        for step in range(1, 5):
+            logger.log({"step": step, "reward_mean": step / 10, "phase": "train"})
+    scalars = _tensorboard_scalars(tmp_path / "tensorboard")
+    assert [s for s, _ in scalars["reward_mean"]] == [1, 2, 3, 4]
+    assert "phase" not in scalars  # only numbers go to TensorBoard
+    # Resume from a checkpoint after step 2; the next record is step 5 (steps 3-4 of the
+    # crashed attempt must not survive, although nothing is re-logged over them).
+    logger = MetricsLogger(tmp_path)
+    logger.truncate(2)
+    logger.log({"step": 5, "reward_mean": 0.9})
+    logger.close()
+    reward = _tensorboard_scalars(tmp_path / "tensorboard")["reward_mean"]
+    assert [s for s, _ in reward] == [1, 2, 5]
+    assert reward[-1][1] == pytest.approx(0.9)
+
+
+def test_plot_reward_curve_writes_a_png(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(1, 11):
+            logger.log({"step": step, "gpu_hours": step * 0.01, "reward_mean": -1 + step / 10})
+            if step % 5 == 0:
+                logger.log({"step": step, "gpu_hours": step * 0.01, "val_pass_rate": step / 20})
+    out = plot_reward_curve(tmp_path / "metrics.jsonl", tmp_path / "reward.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match="no records"):
+        plot_reward_curve(tmp_path / "empty" / "metrics.jsonl", tmp_path / "x.png")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_gpu_hours_are_wall_hours_times_devices_across_restarts():
+    t = FakeClock()
+    clock = ComputeClock(devices=80, clock=t)
+    t.now += 1800  # half an hour on 80 GPUs
+    assert clock.gpu_hours == pytest.approx(40.0)
+    assert clock.wall_hours == pytest.approx(0.5)
+    state = clock.state_dict()
+    t.now += 3 * 3600  # the job is down for three hours (and the last half hour is lost)
+    resumed = ComputeClock(devices=16, clock=t)  # resumed on a smaller allocation
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert resumed.gpu_hours == pytest.approx(40.0)  # downtime not counted
+    t.now += 900
+    assert resumed.gpu_hours == pytest.approx(40.0 + 0.25 * 16)
+    assert resumed.wall_hours == pytest.approx(0.75)
+    assert math.isclose(resumed.state_dict()["gpu_hours"], 44.0)
+    with pytest.raises(ValueError):
+        ComputeClock(devices=0)
+    with pytest.raises(ValueError, match="gpu_hours"):
+        resumed.load_state_dict({})
+
+
+def test_run_devices_counts_trainers_and_generators():
+    assert run_devices(16, engines=64, engine_devices=1, gpu=True) == 80
+    assert run_devices(32, engines=24, engine_devices=4, gpu=True) == 128
+    assert run_devices(1, engines=1, engine_devices=1, gpu=False) == 2  # engine process
+    assert run_devices(1, engines=0, engine_devices=1, gpu=False) == 1  # engine in-process
+    with pytest.raises(ValueError):
+        run_devices(0, 1, 1, True)
