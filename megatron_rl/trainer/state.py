@@ -1,0 +1,265 @@
+"""Checkpoints of a run: model, optimizer and loop state, written atomically.
+
+Layout under ``RUN_DIR/checkpoints``::
+
+    step_00000100/
+        model/                 megatron_rl.conversion.checkpoint.save_model output
+                               (model/ dist checkpoint + hf_config/): loads into any
+                               TP/PP/EP layout and converts to HF as is
+        state/rank_00000.pt    per rank: optimizer state, loop state (``extra``), RNG states
+        meta.json              step, world size; written last inside the directory
+    latest                     name of the newest checkpoint (for people and tools)
+
+Everything is written into ``step_XXXXXXXX.tmp`` and renamed into place only when complete,
+then the ``latest`` pointer is replaced, then old checkpoints are pruned; a crash at any
+point leaves the previous checkpoint complete and found by ``latest()``. All ranks call
+``save`` and ``load`` (collectively). The optimizer state is per rank (``torch.save``): a
+resume needs the same world size and layout (the model part reshards freely).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_rl.conversion import checkpoint as model_checkpoint
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST_FILE = "latest"
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """RNG states of python, numpy, torch (CPU, CUDA) and megatron's model-parallel tracker,
+    as data ``torch.load(weights_only=True)`` accepts."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker().get_states()
+    if tracker:
+        state["megatron_tracker"] = {k: v.clone() for k, v in tracker.items()}
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of ``capture_rng_state``."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "megatron_tracker" in state:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states(
+            {k: v.clone() for k, v in state["megatron_tracker"].items()}
+        )
+
+
+@dataclass
+class Checkpoint:
+    """What ``CheckpointManager.load`` returns (the model is loaded in place)."""
+
+    step: int
+    path: Path
+    optimizer_state: Any
+    extra: dict[str, Any]
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_state(payload: dict[str, Any], path: Path) -> None:
+    """torch.save to a temporary name, fsync, rename (no half-written file under ``path``)."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    part = path.with_name(path.name + ".part")
+    with open(part, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+class CheckpointManager:
+    """Saves, finds, loads and prunes the checkpoints of one run directory.
+
+    Args:
+        run_dir: the run directory; checkpoints go to ``run_dir/checkpoints``.
+        keep_last: complete checkpoints kept after each successful save.
+        hf_config: HF config written next to the model (default: the model's
+            ``architecture.text_config``, set by ``megatron_rl.models.provider.build_model``).
+        hf_source_dir: directory whose tokenizer files are copied next to the model.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        keep_last: int = 2,
+        hf_config: Any = None,
+        hf_source_dir: str | Path | None = None,
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.root = Path(run_dir) / CHECKPOINT_DIR
+        self.keep_last = keep_last
+        self.hf_config = hf_config
+        self.hf_source_dir = hf_source_dir
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def save(
+        self, step: int, model: Any, optimizer_state: Any, extra: dict[str, Any] | None = None
+    ) -> Path:
+        """Write checkpoint ``step`` (all ranks call this) and return its directory.
+
+        ``extra`` is this rank's loop state (sampler, pass-rate tracker, scheduler, compute
+        clock, metrics position ...) as plain data and tensors; RNG states are added here.
+        """
+        rank, world = _rank_world()
+        final = self.path_for(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "state").mkdir(parents=True)
+        _barrier()
+        hf_config = self.hf_config or model.architecture.text_config
+        model_checkpoint.save_model(model, tmp / "model", hf_config, self.hf_source_dir)
+        payload = {
+            "step": step,
+            "optimizer": optimizer_state,
+            "extra": dict(extra or {}),
+            "rng": capture_rng_state(),
+        }
+        _write_state(payload, tmp / "state" / f"rank_{rank:05d}.pt")
+        _barrier()
+        if rank == 0:
+            self._publish(tmp, final, step, world)
+        _barrier()
+        logger.info("saved checkpoint %s", final)
+        return final
+
+    def _publish(self, tmp: Path, final: Path, step: int, world: int) -> None:
+        meta = {"step": step, "world_size": world, "format": FORMAT_VERSION}
+        _write_text(tmp / META_FILE, json.dumps(meta) + "\n")
+        _fsync_dir(tmp / "state")
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (e.g. on a signal right after resume)
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        _fsync_dir(self.root)
+        _write_text(self.root / LATEST_FILE, final.name + "\n")
+        self._prune()
+
+    def _prune(self) -> None:
+        complete = self.checkpoints()
+        for path in complete[: -self.keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+        for path in self.root.glob("step_*"):
+            if path.is_dir() and not _STEP_DIR.match(path.name):
+                shutil.rmtree(path, ignore_errors=True)  # leftovers of interrupted saves
+
+    def is_complete(self, path: Path) -> bool:
+        """A checkpoint directory that was fully written (renamed into place with its meta)."""
+        if not (_STEP_DIR.match(path.name) and (path / META_FILE).is_file()):
+            return False
+        try:
+            world = json.loads((path / META_FILE).read_text())["world_size"]
+        except (OSError, ValueError, KeyError):
+            return False
+        model_dir = path / "model" / model_checkpoint.MODEL_SUBDIR
+        states = [path / "state" / f"rank_{r:05d}.pt" for r in range(world)]
+        return model_dir.is_dir() and all(s.is_file() for s in states)
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if p.is_dir() and self.is_complete(p)]
+        return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        complete = self.checkpoints()
+        return complete[-1] if complete else None
+
+    def load(
+        self, model: Any = None, path: str | Path | None = None, restore_rng: bool = True
+    ) -> Checkpoint | None:
+        """Load checkpoint ``path`` (default: ``latest()``) into ``model`` (all ranks call
+        this); returns this rank's optimizer state and loop state, or None if there is no
+        checkpoint. RNG states are restored unless ``restore_rng`` is False."""
+        path = Path(path) if path is not None else self.latest()
+        if path is None:
+            return None
+        if not self.is_complete(path):
+            raise ValueError(f"{path}: not a complete checkpoint")
+        rank, world = _rank_world()
+        meta = json.loads((path / META_FILE).read_text())
+        if meta["world_size"] != world:
+            raise ValueError(
+                f"{path}: saved by {meta['world_size']} ranks, this run has {world}; the "
+                "optimizer state is per rank (resume with the same layout)"
+            )
+        if model is not None:
+            model_checkpoint.load_model(model, path / "model")
+        payload = torch.load(
+            path / "state" / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True
+        )
+        if restore_rng:
+            restore_rng_state(payload["rng"])
+        logger.info("loaded checkpoint %s (step %d)", path, payload["step"])
+        return Checkpoint(payload["step"], path, payload["optimizer"], payload["extra"])
