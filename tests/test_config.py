@@ -287,3 +287,15 @@ def test_cli_process_exits_nonzero_without_traceback(tmp_path):
     assert proc.returncode != 0
     assert key in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_recipe_file_errors_are_config_errors(tmp_path):
+    loop_a = write_recipe(tmp_path, "base: b.yaml\n", "a.yaml")
+    write_recipe(tmp_path, "base: a.yaml\n", "b.yaml")
+    assert "loops back" in error_of(loop_a)
+    assert "not found" in error_of(write_recipe(tmp_path, "base: nowhere.yaml\n", "c.yaml"))
+    assert "mapping" in error_of(write_recipe(tmp_path, "- 1\n- 2\n", "d.yaml"))
+    assert "not valid YAML" in error_of(write_recipe(tmp_path, "a: [1\n", "e.yaml"))
+    assert "dotted.key=value" in error_of(TINY, ["optimizer.lr"])
+    assert "'optimizer.lr' is not a section" in error_of(TINY, ["optimizer.lr.x=1"])
+    assert "'optimizer': expected a mapping" in error_of(TINY, ["optimizer=3"])
