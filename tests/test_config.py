@@ -225,7 +225,7 @@ def test_schema_module_imports_no_torch_of_its_own():
         "        raise ImportError(f'{who} imports torch')\n"
         "    return real(name, globals, *a, **k)\n"
         "builtins.__import__ = guard\n"
-        "import megatron_rl.config.schema, megatron_rl.config.checks\n"
+        "import megatron_rl.config.sections, megatron_rl.config.schema, megatron_rl.config.checks\n"
         "from megatron_rl.config import load_run_config\n"
         f"load_run_config({str(TINY)!r})\n"
     )

@@ -19,25 +19,28 @@ from megatron_rl.config.loader import (
 )
 
 # public name -> defining module (imported lazily)
+_SECTIONS = (
+    "BatchConfig",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "LoggingConfig",
+    "OffPolicyConfig",
+    "OptimizerConfig",
+    "TrainingConfig",
+    "ValidationConfig",
+    "WarmStartConfig",
+)
+_SCHEMA = (
+    "RunConfig",
+    "diff_keys",
+    "load_run_config",
+    "run_config_from_dict",
+    "save_run_config",
+    "to_yaml",
+)
 _LAZY: dict[str, str] = {
-    name: "megatron_rl.config.schema"
-    for name in (
-        "BatchConfig",
-        "CheckpointConfig",
-        "ClusterConfig",
-        "LoggingConfig",
-        "OffPolicyConfig",
-        "OptimizerConfig",
-        "RunConfig",
-        "TrainingConfig",
-        "ValidationConfig",
-        "WarmStartConfig",
-        "diff_keys",
-        "load_run_config",
-        "run_config_from_dict",
-        "save_run_config",
-        "to_yaml",
-    )
+    **{name: "megatron_rl.config.sections" for name in _SECTIONS},
+    **{name: "megatron_rl.config.schema" for name in _SCHEMA},
 }
 _LAZY["check_model_shapes"] = "megatron_rl.config.checks"
 
@@ -70,21 +73,23 @@ assert set(_LAZY) <= set(__all__)
 if TYPE_CHECKING:
     from megatron_rl.config.checks import check_model_shapes
     from megatron_rl.config.schema import (
+        RunConfig,
+        diff_keys,
+        load_run_config,
+        run_config_from_dict,
+        save_run_config,
+        to_yaml,
+    )
+    from megatron_rl.config.sections import (
         BatchConfig,
         CheckpointConfig,
         ClusterConfig,
         LoggingConfig,
         OffPolicyConfig,
         OptimizerConfig,
-        RunConfig,
         TrainingConfig,
         ValidationConfig,
         WarmStartConfig,
-        diff_keys,
-        load_run_config,
-        run_config_from_dict,
-        save_run_config,
-        to_yaml,
     )
 
 

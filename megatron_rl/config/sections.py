@@ -1,0 +1,300 @@
+"""Run-level sections of the run config: optimizer, batch, off-policy mode, validation,
+checkpoints, budget, warm start, logging and the Slurm cluster (no torch import).
+
+Defaults are the ScaleRL 8B run (SCALERL.md sections 2-3) where the paper gives a value;
+where it is silent the default is ours and documented as such.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+SIGNAL_NAMES: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+# Slurm --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(section: object, name: str, minimum: int) -> None:
+    value = getattr(section, name)
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_positive(section: object, name: str, allow_zero: bool = False) -> None:
+    value = getattr(section, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with linear warmup then a constant learning rate (ScaleRL: 5e-7 after 100 steps).
+
+    Attributes:
+        lr: peak (constant) learning rate.
+        warmup_steps: linear warmup steps; 0 starts at ``lr``.
+        eps: AdamW epsilon (ScaleRL: 1e-15, far below the usual 1e-8).
+        weight_decay: decoupled weight decay (ScaleRL: 0.01).
+        betas: AdamW betas. The paper is silent; default: the AdamW defaults (0.9, 0.999).
+        grad_clip: global gradient-norm clip. The paper is silent; default 1.0 (Megatron's
+            default); 0 disables clipping.
+    """
+
+    lr: float = 5e-7
+    warmup_steps: int = 100
+    eps: float = 1e-15
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        _check_positive(self, "lr")
+        _check_int(self, "warmup_steps", 0)
+        _check_positive(self, "eps")
+        _check_positive(self, "weight_decay", allow_zero=True)
+        _check_positive(self, "grad_clip", allow_zero=True)
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be in [0, 1), got {list(self.betas)}")
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr`` for the update with 0-based index ``step`` (for LambdaLR):
+        ``(step + 1) / warmup_steps`` during warmup, then 1."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+
+
+@dataclass
+class BatchConfig:
+    """Samples per optimizer step and how they are split into micro-batches.
+
+    Attributes:
+        prompts_per_step: prompts per update (ScaleRL: 48).
+        samples_per_prompt: G, generations per prompt (ScaleRL: 16; 48 x 16 = 768 samples).
+            ``rollout.samples_per_prompt`` follows it when a recipe sets only this one.
+        micro_batch_size: sequences per forward/backward micro-batch; or
+        micro_batch_tokens: a token budget per micro-batch (sequences are packed up to it).
+            Exactly one of the two is set; a single sequence must fit the token budget.
+    """
+
+    prompts_per_step: int = 48
+    samples_per_prompt: int = 16
+    micro_batch_size: int | None = None
+    micro_batch_tokens: int | None = 16384
+
+    def validate(self) -> None:
+        _check_int(self, "prompts_per_step", 1)
+        # r_i - mean(group) is identically 0 with one sample: no learning signal at all.
+        if not _is_int(self.samples_per_prompt) or self.samples_per_prompt < 2:
+            raise ValueError(
+                "samples_per_prompt must be an int >= 2 (group-relative advantages need at "
+                f"least two samples per prompt), got {self.samples_per_prompt!r}"
+            )
+        if (self.micro_batch_size is None) == (self.micro_batch_tokens is None):
+            raise ValueError(
+                "micro_batch_size and micro_batch_tokens: set exactly one (the other null), got "
+                f"{self.micro_batch_size!r} and {self.micro_batch_tokens!r}"
+            )
+        for name in ("micro_batch_size", "micro_batch_tokens"):
+            if getattr(self, name) is not None:
+                _check_int(self, name, 1)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclass
+class OffPolicyConfig:
+    """How generation and training overlap.
+
+    Attributes:
+        mode: "pipeline_rl": generators never stop, weights are pushed in flight after every
+            update and the trainer waits rather than train on a sample more than ``max_lag``
+            policy versions old (ScaleRL: PipelineRL-8). "ppo": generate ``k`` batches of
+            ``batch.prompts_per_step`` prompts with one policy, then make ``k`` updates on
+            them (PPO-off-policy-k).
+        max_lag: k of PipelineRL-k (read in mode pipeline_rl only).
+        k: updates per generation round (read in mode ppo only).
+    """
+
+    mode: Literal["pipeline_rl", "ppo"] = "pipeline_rl"
+    max_lag: int = 8
+    k: int = 8
+
+    def validate(self) -> None:
+        _check_int(self, "max_lag", 1)
+        _check_int(self, "k", 1)
+
+
+@dataclass
+class ValidationConfig:
+    """Held-out evaluation: mean@G pass rate on the validation split (the curve's R).
+
+    Attributes:
+        enabled: evaluate at all (needs ``data.val_size > 0``).
+        every_steps: evaluate every this many updates (ScaleRL: 100).
+        samples_per_prompt: G of mean@G (ScaleRL: 16).
+        num_prompts: evaluate on the first this many held-out prompts; null: all of them.
+        temperature: sampling temperature; null: ``rollout.temperature`` (paper silent).
+        at_start: evaluate once before the first update (the curve's point at C = 0).
+    """
+
+    enabled: bool = True
+    every_steps: int = 100
+    samples_per_prompt: int = 16
+    num_prompts: int | None = None
+    temperature: float | None = None
+    at_start: bool = True
+
+    def validate(self) -> None:
+        _check_int(self, "every_steps", 1)
+        _check_int(self, "samples_per_prompt", 1)
+        if self.num_prompts is not None:
+            _check_int(self, "num_prompts", 1)
+        if self.temperature is not None:
+            _check_positive(self, "temperature")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints under ``RUN_DIR/checkpoints`` (model + optimizer + loop state).
+
+    Attributes:
+        every_steps: save every this many updates; 0: only on signals and at the end.
+            The paper is silent; default 100 (with validation).
+        keep_last: complete checkpoints kept (older ones are deleted after a good save).
+        on_signals: signals that trigger a save and a clean exit (Slurm preemption sends
+            SIGTERM; ``cluster.signal_minutes_before_end`` sends SIGUSR1).
+        save_at_end: save when training stops at its step or GPU-hour budget.
+    """
+
+    every_steps: int = 100
+    keep_last: int = 2
+    on_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    save_at_end: bool = True
+
+    def validate(self) -> None:
+        _check_int(self, "every_steps", 0)
+        _check_int(self, "keep_last", 1)
+        unknown = [s for s in self.on_signals if s not in SIGNAL_NAMES]
+        if unknown:
+            raise ValueError(f"on_signals must be among {list(SIGNAL_NAMES)}, got {unknown}")
+
+
+@dataclass
+class TrainingConfig:
+    """When training stops: whichever budget is reached first.
+
+    Attributes:
+        max_steps: optimizer updates (ScaleRL 8B: 7,400; Scout: 7,100).
+        max_gpu_hours: GPU-hours of the whole run (trainers + generators); null: no limit.
+    """
+
+    max_steps: int = 7400
+    max_gpu_hours: float | None = None
+
+    def validate(self) -> None:
+        _check_int(self, "max_steps", 1)
+        if self.max_gpu_hours is not None:
+            _check_positive(self, "max_gpu_hours")
+
+
+@dataclass
+class WarmStartConfig:
+    """A short supervised phase on the data's worked solutions before RL (``steps: 0``: off).
+
+    Used by the tiny CPU recipes, whose model starts from random weights; production runs
+    start from an SFT'd checkpoint (``model.hf_path``) and leave it off.
+
+    Attributes:
+        steps: SFT updates on ``(prompt, data.solution_field)`` pairs of training prompts.
+        lr: SFT learning rate (AdamW, no weight decay).
+        batch_size: examples per SFT update.
+    """
+
+    steps: int = 0
+    lr: float = 1e-3
+    batch_size: int = 32
+
+    def validate(self) -> None:
+        _check_int(self, "steps", 0)
+        _check_positive(self, "lr")
+        _check_int(self, "batch_size", 1)
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics output: ``RUN_DIR/metrics.jsonl`` always, TensorBoard and a progress bar.
+
+    Attributes:
+        tensorboard: also write TensorBoard scalars to ``RUN_DIR/tensorboard``.
+        log_every: write a training record every this many updates (validation records are
+            always written).
+        progress_bar: show a progress bar with the key numbers.
+    """
+
+    tensorboard: bool = True
+    log_every: int = 1
+    progress_bar: bool = True
+
+    def validate(self) -> None:
+        _check_int(self, "log_every", 1)
+
+
+@dataclass
+class ClusterConfig:
+    """The Slurm allocation of a run (read by ``megatron-rl launch``). Defaults: the ScaleRL
+    8B run, 80 GPUs = 20 GB200 nodes x 4, of which 16 train and 64 generate.
+
+    Attributes:
+        nodes: nodes of the job.
+        gpus_per_node: GPUs per node (GB200 NVL72 compute trays: 4).
+        trainer_gpus: GPUs of the Megatron trainer (TP x PP x CP x DP).
+        generator_gpus: GPUs of the vLLM engines (``rollout.engines x rollout.tensor_parallel``
+            at most).
+        partition / account: Slurm partition and account; empty: the cluster's default.
+        time: Slurm time limit, e.g. "04:00:00" (quote it in YAML: unquoted it reads as a
+            number of seconds).
+        container_image: container image (pyxis ``--container-image``); empty: none.
+        container_mounts: ``src:dst`` mounts of the container.
+        requeue: let Slurm requeue the job after preemption (it resumes from the latest
+            checkpoint).
+        signal_minutes_before_end: Slurm sends SIGUSR1 this long before the time limit so a
+            checkpoint is saved; 0: no signal.
+    """
+
+    nodes: int = 20
+    gpus_per_node: int = 4
+    trainer_gpus: int = 16
+    generator_gpus: int = 64
+    partition: str = ""
+    account: str = ""
+    time: str = "04:00:00"
+    container_image: str = ""
+    container_mounts: list[str] = field(default_factory=list)
+    requeue: bool = True
+    signal_minutes_before_end: int = 5
+
+    def validate(self) -> None:
+        for name in ("nodes", "gpus_per_node", "trainer_gpus", "generator_gpus"):
+            _check_int(self, name, 1)
+        _check_int(self, "signal_minutes_before_end", 0)
+        if not _SLURM_TIME.match(self.time):
+            raise ValueError(
+                f"time must be a Slurm time limit such as '04:00:00' or '2-00:00:00', "
+                f"got {self.time!r}"
+            )
+        if any(":" not in m for m in self.container_mounts):
+            raise ValueError(
+                f"container_mounts must be 'src:dst' items, got {self.container_mounts}"
+            )
