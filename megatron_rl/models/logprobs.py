@@ -23,13 +23,16 @@ def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
 
 
-def token_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
+def token_logprobs(model, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(tokens[:, t+1] | tokens[:, :t+1]) as ``[b, s-1]`` (float32, differentiable).
 
     Uses megatron's vocab-parallel cross entropy, so full-vocabulary logits are never gathered.
-    With the FP32 head the logits, and so the log-softmax, are FP32.
+    With the FP32 head the logits, and so the log-softmax, are FP32. ``temperature`` divides
+    the logits first (the distribution a sampler at that temperature draws from).
     """
     logits = forward_logits(model, tokens)[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = tokens[:, 1:]
     # vocab_parallel_cross_entropy expects [s, b, V/tp] and returns [s, b]
     nll = tensor_parallel.vocab_parallel_cross_entropy(

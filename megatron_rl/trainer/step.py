@@ -66,6 +66,7 @@ def policy_update(
     micro_batch_size: int,
     grad_clip: float = 1.0,
     dp_group=None,
+    temperature: float = 1.0,
 ) -> StepResult:
     """Compute the loss over all samples in micro-batches, backward, clip, step."""
     adv, keep = advantages_and_keep(samples, algo)
@@ -76,7 +77,7 @@ def policy_update(
     optimizer.zero_grad(set_to_none=True)
     totals = {"loss": 0.0, "rho_sum": 0.0, "rho_max": 0.0, "clip": 0.0, "absdiff": 0.0, "n": 0}
     for mb in make_micro_batches(samples, adv, keep, micro_batch_size):
-        logprobs = token_logprobs(model, mb.tokens)[mb.select]
+        logprobs = token_logprobs(model, mb.tokens, temperature)[mb.select]
         loss, stats = policy_loss(
             algo.loss,
             logprobs,

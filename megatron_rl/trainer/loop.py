@@ -1,0 +1,311 @@
+"""The RL training loop (ScaleRL): generate, reward, filter, update, push weights in flight."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.trainer.batch import TrainSample
+from megatron_rl.trainer.rollout_source import Group, RolloutSource
+from megatron_rl.trainer.setup import Run, build_run
+from megatron_rl.trainer.step import policy_update
+
+logger = logging.getLogger(__name__)
+
+
+def train(config: RunConfig, run_dir: Path) -> int:
+    """Run (or resume) the recipe in ``run_dir``. Returns a process exit code."""
+    run = build_run(config, Path(run_dir))
+    step, carry = resume_or_warm_start(run)
+    pool = start_generators(run)
+    source = RolloutSource(
+        pool,
+        run.sampler.next_prompts,
+        run.encode,
+        config.batch.prompts_per_step,
+        config.batch.samples_per_prompt,
+        config.off_policy.mode,
+        _lag(config),
+    )
+    source.submit(carry)  # prompts in flight at the last checkpoint are regenerated
+    stop = _StopFlag(config.checkpoint.on_signals)
+    if step == 0 and config.validation.enabled and config.validation.at_start:
+        validate(run, pool, step)
+    bar = tqdm(
+        total=config.training.max_steps,
+        initial=step,
+        desc="train",
+        disable=not config.logging.progress_bar,
+    )
+    try:
+        while step < config.training.max_steps and not _budget_spent(run):
+            t0 = time.perf_counter()
+            groups = source.next_batch(pool.version)
+            samples, info = score_groups(run, groups, pool.version)
+            t1 = time.perf_counter()
+            result = policy_update(
+                run.model,
+                run.optimizer,
+                samples,
+                config.algorithm,
+                _micro_batch(config, samples),
+                grad_clip=config.optimizer.grad_clip,
+                temperature=config.rollout.temperature,
+            )
+            run.scheduler.step()
+            step += 1
+            t2 = time.perf_counter()
+            push = push_weights(run, pool) if source.wants_push() else None
+            record = step_record(run, step, info, result, t0, t1, t2, push, pool)
+            run.metrics.log(record)
+            bar.update(1)
+            bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
+            if config.validation.enabled and step % config.validation.every_steps == 0:
+                validate(run, pool, step)
+            if step % config.checkpoint.every_steps == 0 or stop.requested:
+                save_checkpoint(run, step, source)
+            if stop.requested:
+                logger.info("stopping on %s after checkpointing step %d", stop.requested, step)
+                return 0
+        if config.validation.enabled and step % config.validation.every_steps != 0:
+            validate(run, pool, step)
+        if config.checkpoint.save_at_end:
+            save_checkpoint(run, step, source)
+    finally:
+        bar.close()
+        pool.close()
+        run.rewards.close()
+        run.metrics.close()
+    _plot(run)
+    return 0
+
+
+def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[TrainSample], dict]:
+    """Rewards for every sample, pass-rate history (No-Positive-Resampling), batch stats."""
+    tok = run.tokenizer
+    flat = [(g, i, s) for i, g in enumerate(groups) for s in g.samples]
+    texts = [tok.decode(s.response_ids, skip_special_tokens=True) for _, _, s in flat]
+    prompts = [run.data.get(g.prompt_id) for g, _, _ in flat]
+    rewards = run.rewards.score_batch(
+        texts, [p.reference for p in prompts], [p.kind for p in prompts]
+    )
+    samples = [
+        TrainSample(
+            prompt_id=g.prompt_id,
+            group=i,
+            prompt_tokens=list(s.prompt_ids),
+            response_tokens=list(s.response_ids),
+            gen_logprobs=list(s.logprobs),
+            policy_mask=list(s.mask),
+            reward=float(r),
+            versions=list(s.versions),
+            truncated=s.finish_reason == "length",
+            interrupted=s.interrupted,
+        )
+        for (g, i, s), r in zip(flat, rewards)
+    ]
+    if run.tracker is not None:
+        run.tracker.update([s.prompt_id for s in samples], [s.reward for s in samples])
+    lags = [version - min(s.versions) for s in samples if s.versions]
+    n = max(len(samples), 1)
+    info = {
+        "reward_mean": sum(s.reward for s in samples) / n,
+        "pass_rate": sum(s.reward > 0 for s in samples) / n,
+        "truncation_rate": sum(s.truncated for s in samples) / n,
+        "interruption_rate": sum(s.interrupted for s in samples) / n,
+        "response_tokens": sum(len(s.response_tokens) for s in samples),
+        "staleness_mean": sum(lags) / max(len(lags), 1),
+        "staleness_max": max(lags, default=0),
+        "samples": len(samples),
+    }
+    return samples, info
+
+
+def validate(run: Run, pool, step: int) -> float:
+    """mean@G pass rate on the held-out split with the current weights; logged."""
+    cfg = run.config.validation
+    ids = run.data.val_ids[: cfg.num_prompts] if cfg.num_prompts else run.data.val_ids
+    if not ids:
+        return float("nan")
+    t0 = time.perf_counter()
+    samples = pool.generate(
+        [run.encode(i) for i in ids],
+        samples_per_prompt=cfg.samples_per_prompt,
+        temperature=cfg.temperature,
+    )
+    texts = [run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    refs = [run.data.get(ids[s.prompt_index - samples[0].prompt_index]) for s in samples]
+    rewards = run.rewards.score_batch(texts, [p.reference for p in refs], [p.kind for p in refs])
+    rate = sum(r > 0 for r in rewards) / len(rewards)
+    run.metrics.log(
+        {
+            "step": step,
+            "gpu_hours": run.clock.gpu_hours,
+            "val_pass_rate": rate,
+            "val_samples": len(rewards),
+            "val_seconds": time.perf_counter() - t0,
+        }
+    )
+    logger.info("step %d: validation pass rate %.3f (%d samples)", step, rate, len(rewards))
+    return rate
+
+
+# -- set-up helpers ---------------------------------------------------------------------------
+
+
+def resume_or_warm_start(run: Run) -> tuple[int, list[int]]:
+    """Resume from the latest checkpoint (step, prompts to regenerate), or warm-start."""
+    ckpt = run.checkpoints.load(run.model)
+    if ckpt is None:
+        run.metrics.truncate(0)
+        warm_start(run)
+        return 0, []
+    run.optimizer.load_state_dict(ckpt.optimizer_state)
+    extra = ckpt.extra
+    run.scheduler.load_state_dict(extra["scheduler"])
+    run.sampler.load_state_dict(extra["sampler"])
+    if run.tracker is not None:
+        run.tracker.load_state_dict(extra["tracker"])
+    run.clock.load_state_dict(extra["clock"])
+    run.metrics.truncate(extra["metrics_position"])
+    logger.info("resumed from %s at step %d", ckpt.path, ckpt.step)
+    return ckpt.step, list(extra["in_flight"])
+
+
+def warm_start(run: Run) -> None:
+    """Supervised warm start on the training prompts' worked solutions (``warm_start.steps``)."""
+    from megatron_rl.data import sft_example
+    from megatron_rl.trainer.warm_start import supervised_warm_start
+
+    cfg = run.config.warm_start
+    if cfg.steps <= 0:
+        return
+    tok, examples = run.tokenizer, []
+    for prompt in run.data.train():
+        if prompt.solution:
+            text, target = sft_example(prompt.problem, prompt.solution, run.config.data, tok)
+            target_ids = tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            examples.append((tok(text)["input_ids"], target_ids))
+    if not examples:
+        raise ValueError("warm_start.steps > 0 but no training prompt has a solution")
+    losses = supervised_warm_start(
+        run.model,
+        examples,
+        cfg.steps,
+        cfg.lr,
+        cfg.batch_size,
+        seed=run.config.seed,
+        pad_id=tok.pad_token_id or 0,
+    )
+    run.metrics.log({"step": 0, "gpu_hours": run.clock.gpu_hours, "warm_start_loss": losses[-1]})
+
+
+def start_generators(run: Run):
+    """The vLLM pool, started from the run's HF directory and synced to the trainer's weights."""
+    from megatron_rl.rollout.pool import GeneratorPool
+
+    tok = run.tokenizer
+    rollout = run.config.rollout
+    if rollout.dtype == "auto":  # generate in the trainer's dtype, or log-probs disagree
+        rollout.dtype = run.config.model.dtype
+    pool = GeneratorPool(
+        str(run.hf_dir),
+        run.config.rollout,
+        encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
+    )
+    push_weights(run, pool)  # warm-started or resumed weights
+    return pool
+
+
+def push_weights(run: Run, pool):
+    """Stream the trainer's weights (HF names, full tensors, bounded buckets) into the pool."""
+    from megatron_rl.conversion.weight_stream import iter_hf_weights
+
+    with torch.no_grad():
+        return pool.push_weights(iter_hf_weights(run.model, run.config.rollout.weight_bucket_bytes))
+
+
+def save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:
+    extra = {
+        "scheduler": run.scheduler.state_dict(),
+        "sampler": run.sampler.state_dict(),
+        "tracker": run.tracker.state_dict() if run.tracker is not None else None,
+        "clock": run.clock.state_dict(),
+        "metrics_position": run.metrics.position(),
+        "in_flight": source.in_flight_prompt_ids(),
+    }
+    run.checkpoints.save(step, run.model, run.optimizer.state_dict(), extra)
+
+
+def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool) -> dict:
+    """The metrics record of one step."""
+    gen_seconds, train_seconds = t1 - t0, t2 - t1
+    record = {
+        "step": step,
+        "gpu_hours": run.clock.gpu_hours,
+        **info,
+        "effective_batch_fraction": result.effective_batch_fraction,
+        "npr_retired": run.tracker.num_retired if run.tracker is not None else 0,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "rho_mean": result.rho_mean,
+        "rho_max": result.rho_max,
+        "clip_frac": result.clip_frac,
+        "abs_logprob_diff": result.abs_logprob_diff,
+        "lr": run.scheduler.get_last_lr()[0],
+        "train_tokens_per_s": result.num_tokens / max(train_seconds, 1e-9),
+        "gen_wait_seconds": gen_seconds,
+        "step_seconds": time.perf_counter() - t0,
+        "policy_version": pool.version,
+    }
+    if push is not None:
+        record.update(push_seconds=push.seconds, push_gb_per_s=push.gb_per_second)
+    record["gen_tokens_per_s"] = info["response_tokens"] / max(record["step_seconds"], 1e-9)
+    return record
+
+
+def _lag(config: RunConfig) -> int:
+    return (
+        config.off_policy.max_lag
+        if config.off_policy.mode == "pipeline_rl"
+        else config.off_policy.k
+    )
+
+
+def _micro_batch(config: RunConfig, samples: list[TrainSample]) -> int:
+    if config.batch.micro_batch_size:
+        return config.batch.micro_batch_size
+    longest = max((len(s.prompt_tokens) + len(s.response_tokens) for s in samples), default=1)
+    return max(1, config.batch.micro_batch_tokens // longest)
+
+
+def _budget_spent(run: Run) -> bool:
+    limit = run.config.training.max_gpu_hours
+    return limit is not None and run.clock.gpu_hours >= limit
+
+
+def _plot(run: Run) -> None:
+    from megatron_rl.trainer.metrics import plot_reward_curve
+
+    try:
+        plot_reward_curve(run.metrics.path, run.run_dir / "reward_curve.png", title=run.config.name)
+    except Exception as err:  # a plot must never fail a finished run
+        logger.warning("could not plot the reward curve: %s", err)
+
+
+class _StopFlag:
+    """Set by SIGTERM / SIGUSR1 (Slurm preemption): checkpoint at the next step, then exit."""
+
+    def __init__(self, names) -> None:
+        self.requested: str | None = None
+        for name in names:
+            signal.signal(getattr(signal, name), self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = signal.Signals(signum).name

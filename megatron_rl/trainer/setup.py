@@ -1,0 +1,157 @@
+"""Everything a run needs, built from its RunConfig (the loop itself lives in loop.py)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rl.config.schema import RunConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """The live objects of one training run."""
+
+    config: RunConfig
+    run_dir: Path
+    hf_dir: Path
+    tokenizer: Any
+    model: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: Any
+    sampler: Any
+    tracker: Any
+    rewards: Any
+    checkpoints: Any
+    metrics: Any
+    clock: Any
+    prompt_tokens: dict[int, list[int]]
+
+
+def prepare_hf_dir(config: RunConfig, run_dir: Path) -> Path:
+    """The HF directory the run starts from (weights + tokenizer), for vLLM and conversion.
+
+    ``model.hf_path`` is used as is. A preset gets a deterministic random initialisation
+    (seed ``config.seed``) in ``RUN_DIR/hf_init``, with the character tokenizer when the
+    data is the synthetic task.
+    """
+    if config.model.hf_path:
+        return Path(config.model.hf_path)
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+    from megatron_rl.models.presets import make_hf_model, preset_hf_config
+
+    out = run_dir / "hf_init"
+    if (out / "config.json").is_file():
+        return out
+    tok_dir = run_dir / "tokenizer"
+    tokenizer = build_char_tokenizer(tok_dir)
+    hf_config = preset_hf_config(
+        config.model.preset,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ValueError(
+            f"model.preset {config.model.preset!r}: vocab_size {hf_config.vocab_size} is smaller "
+            f"than the tokenizer's {len(tokenizer)}"
+        )
+    tmp = run_dir / "hf_init.tmp"
+    make_hf_model(hf_config, str(tmp), seed=config.seed, tokenizer_dir=str(tok_dir))
+    tmp.rename(out)
+    return out
+
+
+def build_optimizer(model, config: RunConfig):
+    """AdamW with linear warmup then constant lr (ScaleRL). Returns (optimizer, scheduler)."""
+    opt = config.optimizer
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=opt.lr,
+        betas=tuple(opt.betas),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+    )
+    warmup = max(opt.warmup_steps, 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+    )
+    return optimizer, scheduler
+
+
+def build_run(config: RunConfig, run_dir: Path) -> Run:
+    """Model (HF weights loaded), optimizer, data, sampler, rewards, metrics, checkpoints."""
+    import transformers
+
+    from megatron_rl.algorithms import PassRateTracker
+    from megatron_rl.conversion.hf import load_hf_weights
+    from megatron_rl.data import PromptSampler, load_prompt_data, render_prompt
+    from megatron_rl.models.provider import DTYPES, build_model
+    from megatron_rl.platform import init_distributed
+    from megatron_rl.rewards import RewardPool
+    from megatron_rl.trainer.compute import ComputeClock, run_devices
+    from megatron_rl.trainer.metrics import MetricsLogger
+    from megatron_rl.trainer.state import CheckpointManager
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    init_distributed(config.parallel, seed=config.seed)
+    hf_dir = prepare_hf_dir(config, run_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    model_cfg = config.model
+    model_cfg.hf_path = str(hf_dir)
+    model = build_model(model_cfg, config.parallel)
+    load_hf_weights(model, hf_dir, DTYPES[model_cfg.dtype])
+    optimizer, scheduler = build_optimizer(model, config)
+
+    data = load_prompt_data(config.data, tokenizer)
+    prompt_tokens = {}
+
+    def encode(prompt_id: int) -> list[int]:
+        if prompt_id not in prompt_tokens:
+            text = render_prompt(data.get(prompt_id).problem, config.data, tokenizer)
+            prompt_tokens[prompt_id] = tokenizer(text)["input_ids"]
+        return prompt_tokens[prompt_id]
+
+    algo = config.algorithm
+    tracker = None
+    if algo.npr_threshold is not None:
+        tracker = PassRateTracker(algo.npr_threshold, history=algo.npr_history)
+    sampler = PromptSampler(
+        data.train_ids, seed=config.data.sampler_seed, shuffle=config.data.shuffle, tracker=tracker
+    )
+    import torch.distributed as dist
+
+    # GPU-hours: trainer devices plus generator devices (on a CPU run: processes and engines).
+    rollout = config.rollout
+    devices = run_devices(
+        dist.get_world_size(),
+        rollout.engines,
+        rollout.tensor_parallel,
+        gpu=torch.cuda.is_available(),
+    )
+    run = Run(
+        config=config,
+        run_dir=run_dir,
+        hf_dir=hf_dir,
+        tokenizer=tokenizer,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=data,
+        sampler=sampler,
+        tracker=tracker,
+        rewards=RewardPool(config.reward),
+        checkpoints=CheckpointManager(run_dir, config.checkpoint.keep_last, hf_source_dir=hf_dir),
+        metrics=MetricsLogger(run_dir, tensorboard=config.logging.tensorboard),
+        clock=ComputeClock(devices),
+        prompt_tokens=prompt_tokens,
+    )
+    run.encode = encode
+    return run
