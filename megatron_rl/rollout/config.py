@@ -1,0 +1,145 @@
+"""Recipe-facing configuration of the generator pool (imports no torch).
+
+Defaults follow ScaleRL (SCALERL.md): 16 samples per prompt at temperature 1, FP32 LM head,
+forced interruptions at a thinking budget drawn from [10240, 12288] tokens with a 2048-token
+answer budget (off by default here: the tiny CPU recipes switch it on with small budgets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+DEFAULT_INTERRUPTION_TEXT = (
+    "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
+)
+PLACEMENTS: tuple[str, ...] = ("in_process", "subprocess")
+LOGPROBS_MODES: tuple[str, ...] = ("processed_logprobs", "raw_logprobs")
+KV_ON_PUSH: tuple[str, ...] = ("keep", "recompute")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class InterruptionConfig:
+    """ScaleRL's forced length interruption.
+
+    Attributes:
+        enabled: cut samples that reach their thinking budget without closing their thinking.
+        thinking_budget: ``[lo, hi]``: each sample's budget is drawn uniformly from these
+            integers (inclusive) with a RNG seeded by ``seed``.
+        answer_budget: tokens generated after the appended text.
+        text: appended at the cut point; its tokens carry no loss (mask False).
+        think_close: the marker whose presence means the thinking was closed.
+        seed: seed of the budget RNG.
+    """
+
+    enabled: bool = False
+    thinking_budget: tuple[int, int] = (10240, 12288)
+    answer_budget: int = 2048
+    text: str = DEFAULT_INTERRUPTION_TEXT
+    think_close: str = "</think>"
+    seed: int = 0
+
+    def validate(self) -> None:
+        lo, hi = self.thinking_budget
+        if lo < 1 or hi < lo:
+            raise ValueError(
+                f"interruption.thinking_budget must be 1 <= lo <= hi, got [{lo}, {hi}]"
+            )
+        if self.answer_budget < 1:
+            raise ValueError(f"interruption.answer_budget must be >= 1, got {self.answer_budget}")
+        if not self.text:
+            raise ValueError("interruption.text must not be empty")
+        if not self.think_close:
+            raise ValueError("interruption.think_close must not be empty")
+
+
+@dataclass
+class RolloutConfig:
+    """The vLLM generator pool and the weight push into it.
+
+    Attributes:
+        engines: number of vLLM engines (N >= 1); prompts are spread over them.
+        placement: "in_process" (engines stepped by threads of the trainer's process; the
+            trainer's torch.distributed world must then have one rank) or "subprocess" (one
+            process per engine; on GPU each engine owns ``tensor_parallel`` GPUs).
+        temperature / top_p: sampling settings.
+        samples_per_prompt: n samples drawn for every prompt.
+        max_tokens: response length cap (with interruptions: for samples that close their
+            thinking; an interrupted sample ends at budget + len(text) + answer_budget).
+        fp32_head: compute the generator's LM head in FP32 (vLLM ``head_dtype``).
+        dtype: the engines' weight dtype ("auto": the HF config's).
+        logprobs_mode: the generator log-probs returned per token: "processed_logprobs" (of
+            the distribution actually sampled from: after temperature / top-p) or
+            "raw_logprobs" (of the model's plain softmax).
+        kv_on_push: what happens to requests in flight during a weight push: "keep" (their
+            KV cache, computed by the old weights, is kept: PipelineRL) or "recompute" (their
+            KV cache is recomputed by the new weights before they continue).
+        stop_token_ids: tokens that end a sample; None = the model's EOS token(s).
+        interruption: forced length interruption.
+        weight_bucket_mb: size of the buckets in which weights are streamed.
+        kv_cache_gb: KV cache per engine (CPU: ``VLLM_CPU_KVCACHE_SPACE``, rounded up to whole
+            GiB; GPU: bytes reserved).
+        max_num_seqs: concurrent sequences per engine.
+        max_model_len: prompt + response limit per sequence; None = the model's maximum.
+        tensor_parallel: GPUs per engine (GPU only).
+        prefix_caching: share prompt KV blocks between samples (keyed by policy version).
+        enforce_eager: no CUDA graphs / torch.compile (fast start; the CPU default).
+        seed: engine sampling seed (engine i uses seed + i).
+    """
+
+    engines: int = 1
+    placement: Literal["in_process", "subprocess"] = "in_process"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    samples_per_prompt: int = 16
+    max_tokens: int = 512
+    fp32_head: bool = True
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    kv_on_push: Literal["keep", "recompute"] = "keep"
+    stop_token_ids: list[int] | None = None
+    interruption: InterruptionConfig = field(default_factory=InterruptionConfig)
+    weight_bucket_mb: int = 256
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    tensor_parallel: int = 1
+    prefix_caching: bool = True
+    enforce_eager: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        positive = ("engines", "samples_per_prompt", "max_tokens", "weight_bucket_mb")
+        for name in (*positive, "max_num_seqs", "tensor_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        _check_choice("placement", self.placement, PLACEMENTS)
+        _check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        _check_choice("kv_on_push", self.kv_on_push, KV_ON_PUSH)
+        _check_choice("dtype", self.dtype, DTYPES)
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+        self.interruption.validate()
+        if self.interruption.enabled and self.interruption.thinking_budget[1] > self.max_tokens:
+            raise ValueError(
+                f"interruption.thinking_budget upper end {self.interruption.thinking_budget[1]} "
+                f"exceeds max_tokens {self.max_tokens}"
+            )
+
+    @property
+    def weight_bucket_bytes(self) -> int:
+        return self.weight_bucket_mb * 2**20
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

@@ -1,0 +1,207 @@
+"""One vLLM engine, stepped by its owner (``LLMEngine`` with the engine core in-process).
+
+The owner (an :class:`~megatron_rl.rollout.runner.EngineRunner`) calls :meth:`step` in a
+loop and loads weights between two steps: requests in flight stay in vLLM's scheduler
+across a load, which is what makes weight pushes in-flight (PipelineRL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_rl.rollout.config import RolloutConfig
+
+logger = logging.getLogger(__name__)
+
+# vLLM keeps process-wide state (forward context, CPU kernel scratch buffers, config
+# context): two engines of one process stepping at once corrupt memory. Every call into an
+# engine holds this lock, so in-process engines take turns (engine processes each own one).
+_ENGINE_LOCK = threading.RLock()
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request after a step: ``token_ids [k]``, ``logprobs [k]``."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+
+
+@contextlib.contextmanager
+def _preserve_process_state():
+    """Undo vLLM's process-wide side effects of building an in-process CPU engine: it seeds
+    every global RNG, sets torch to one thread and replaces ``torch.set_num_threads``."""
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+    states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
+
+
+def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
+    """vLLM ``EngineArgs`` for engine ``index`` of the pool."""
+    import transformers
+    from vllm import EngineArgs
+
+    from megatron_rl.platform import get_platform
+    from megatron_rl.rollout.transport import BACKEND
+
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
+    text = getattr(hf_config, "text_config", hf_config)
+    kwargs: dict[str, Any] = {}
+    if get_platform().is_gpu:
+        kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gb * 2**30)
+    chunk = getattr(text, "attention_chunk_size", None)
+    if chunk:
+        # vLLM's chunked local attention needs the KV block size to divide the chunk (CPU
+        # block sizes are multiples of 32).
+        kwargs["block_size"] = next((b for b in (128, 64, 32, 16) if chunk % b == 0), None)
+        if kwargs["block_size"] is None or (
+            kwargs["block_size"] < 32 and not get_platform().is_gpu
+        ):
+            raise ValueError(f"attention_chunk_size {chunk} is not a multiple of a KV block size")
+    overrides = {}
+    if hasattr(text, "attn_temperature_tuning"):
+        # vLLM switches Llama-4 temperature tuning on only above 32k context; the trainer
+        # (and transformers) follow the config: make vLLM follow it too.
+        overrides["attn_temperature_tuning"] = bool(text.attn_temperature_tuning)
+    return EngineArgs(
+        model=hf_dir,
+        skip_tokenizer_init=True,
+        dtype=config.dtype,
+        seed=config.seed + index,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        enforce_eager=config.enforce_eager,
+        enable_prefix_caching=config.prefix_caching,
+        tensor_parallel_size=config.tensor_parallel,
+        logprobs_mode=config.logprobs_mode,
+        hf_overrides={"head_dtype": "float32"} if config.fp32_head else None,
+        override_generation_config=overrides,
+        weight_transfer_config={"backend": BACKEND},
+        # One scheduled batch at a time: a weight load between two steps then separates the
+        # tokens of the old weights from those of the new ones exactly.
+        async_scheduling=False,
+        **kwargs,
+    )
+
+
+class VLLMEngine:
+    """A vLLM ``LLMEngine`` driven step by step, with weight loading between steps."""
+
+    def __init__(self, hf_dir: str, config: RolloutConfig, index: int = 0) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives here
+        # whole GiB on CPU
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.kv_cache_gb)))
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from megatron_rl.rollout.transport import register_backend
+
+        register_backend()
+        self.config = config
+        self.index = index
+        with _ENGINE_LOCK, _preserve_process_state():
+            self.engine = LLMEngine.from_engine_args(engine_args(hf_dir, config, index))
+            self.engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+        self.max_model_len = self.engine.model_config.max_model_len
+
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_token_ids: list[int],
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; its tokens come back from :meth:`step` as deltas."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=1,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            logprobs=0,
+            stop_token_ids=stop_token_ids,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+        )
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
+        if cache_salt is not None and self.config.prefix_caching:
+            prompt["cache_salt"] = cache_salt
+        with _ENGINE_LOCK:
+            self.engine.add_request(request_id, prompt, params)
+
+    def abort(self, request_ids: list[str]) -> None:
+        with _ENGINE_LOCK:
+            self.engine.abort_request(request_ids)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list[TokenDelta]:
+        """Run one engine step; the new tokens of every request that produced some."""
+        deltas = []
+        with _ENGINE_LOCK:
+            outputs = self.engine.step()
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = [entry[t].logprob for entry, t in zip(completion.logprobs or [], ids)]
+            assert len(logprobs) == len(ids), "vLLM returned no log-prob for a sampled token"
+            deltas.append(
+                TokenDelta(out.request_id, ids, logprobs, out.finished, completion.finish_reason)
+            )
+        return deltas
+
+    def load_weights(self, updates: Iterable[dict[str, Any]]) -> tuple[int, int]:
+        """Load buckets (update infos of the ``megatron_rl_cpu`` transport) through vLLM's
+        weight-transfer API; returns (tensors, bytes) loaded. Requests in flight are kept;
+        with ``kv_on_push="recompute"`` their KV cache is recomputed by the new weights."""
+        tensors = nbytes = 0
+        rpc = self.engine.collective_rpc
+        with _ENGINE_LOCK:
+            rpc("start_weight_update")
+        try:
+            for update in updates:  # the lock is not held while waiting for the next bucket
+                with _ENGINE_LOCK:
+                    rpc("update_weights", kwargs={"update_info": update})
+                tensors += len(update["names"])
+                nbytes += _update_nbytes(update)
+        finally:
+            with _ENGINE_LOCK:
+                rpc("finish_weight_update")
+                if self.config.kv_on_push == "recompute":
+                    self.engine.reset_prefix_cache(reset_running_requests=True)
+        return tensors, nbytes
+
+
+def _update_nbytes(update: dict[str, Any]) -> int:
+    if update.get("tensors") is not None:
+        return sum(t.numel() * t.element_size() for t in update["tensors"])
+    return sum(
+        torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+        for shape, dtype in zip(update["shapes"], update["dtype_names"])
+    )

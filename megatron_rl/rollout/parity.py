@@ -1,0 +1,264 @@
+"""``megatron-rl check-parity HF_DIR``: do vLLM's sampled-token log-probs match Megatron's?
+
+Builds the Megatron model from HF_DIR (TP / EP ranks spawned here when asked), perturbs its
+weights with a fixed seed, samples with a vLLM engine started from HF_DIR (the unperturbed
+weights: "before"), pushes the perturbed weights, samples again ("after"), and compares the
+generator's log-probs of the sampled tokens with Megatron's (FP32 head). Before the push the
+two must differ (otherwise the check could not fail); after it they must agree.
+
+Also reports the push's bytes and seconds next to a plain ``copy_`` of the same bytes.
+Exit code 1 when the "after" max |delta| exceeds ``--threshold``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParityOptions:
+    hf_dir: str
+    tensor: int = 1
+    expert: int = 1
+    seed: int = 1234
+    noise: float = 0.5  # perturbation, relative to each tensor's std
+    prompts: int = 8
+    samples: int = 2
+    prompt_tokens: int = 8
+    max_tokens: int = 40
+    bucket_mb: float = 1.0
+    placement: str | None = None  # default: in_process with one rank, else subprocess
+
+
+@dataclass(frozen=True)
+class ParityResult:
+    mean_abs_delta: float
+    max_abs_delta: float
+    tokens: int
+    before_mean_abs_delta: float
+    before_max_abs_delta: float
+    bytes_pushed: int
+    push_seconds: float
+    load_seconds: float
+    copy_seconds: float
+    tensor: int
+    expert: int
+    placement: str
+
+    @property
+    def push_to_copy_ratio(self) -> float:
+        return self.push_seconds / max(self.copy_seconds, 1e-12)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("hf_dir", help="Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="Megatron expert parallel size")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--threshold", type=float, default=1e-3, help="max |delta| allowed")
+    parser.add_argument("--seed", type=int, default=1234, help="perturbation / prompt seed")
+    parser.add_argument("--noise", type=float, default=0.5, help="relative perturbation")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=2, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="weight bucket size (MiB)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tp < 1 or args.ep < 1:
+        raise ValueError(f"--tp and --ep must be >= 1, got {args.tp}, {args.ep}")
+    options = ParityOptions(
+        hf_dir=args.hf_dir,
+        tensor=args.tp,
+        expert=args.ep,
+        seed=args.seed,
+        noise=args.noise,
+        prompts=args.prompts,
+        samples=args.samples,
+        max_tokens=args.max_tokens,
+        bucket_mb=args.bucket_mb,
+    )
+    result = check_parity(options)
+    passed = result.max_abs_delta <= args.threshold
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    **asdict(result),
+                    "push_to_copy_ratio": result.push_to_copy_ratio,
+                    "threshold": args.threshold,
+                    "passed": passed,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(_report(result, args.threshold, passed))
+    return 0 if passed else 1
+
+
+def _report(r: ParityResult, threshold: float, passed: bool) -> str:
+    mb = r.bytes_pushed / 2**20
+    return "\n".join(
+        [
+            f"check-parity  tp={r.tensor} ep={r.expert} engine={r.placement}",
+            f"  after push : mean |dlogp| {r.mean_abs_delta:.3e}  max {r.max_abs_delta:.3e}"
+            f"  over {r.tokens} tokens",
+            f"  before push: mean |dlogp| {r.before_mean_abs_delta:.3e}"
+            f"  max {r.before_max_abs_delta:.3e}  (must differ: the check can fail)",
+            f"  pushed {mb:.1f} MiB in {r.push_seconds:.3f} s ({mb / 1024 / r.push_seconds:.2f} GiB/s;"
+            f" engine paused {r.load_seconds:.3f} s)",
+            f"  plain copy of the same bytes: {r.copy_seconds:.4f} s"
+            f"  -> push / copy = {r.push_to_copy_ratio:.1f}x",
+            f"  {'PASS' if passed else 'FAIL'} (threshold {threshold:g})",
+        ]
+    )
+
+
+def check_parity(options: ParityOptions) -> ParityResult:
+    """Run the check (spawning ``lcm(tp, ep)`` ranks when more than one is needed)."""
+    from megatron_rl.conversion.hf import check_hf_dir
+
+    check_hf_dir(options.hf_dir)
+    world = math.lcm(options.tensor, options.expert)
+    if world == 1:
+        return parity_rank(0, 1, options)
+    from megatron_rl.rollout.spawn import run_ranks
+
+    return run_ranks(parity_rank, world, options)[0]
+
+
+def parity_rank(rank: int, world: int, options: ParityOptions) -> ParityResult | None:
+    """One trainer rank of the check; rank 0 owns the engine and returns the result."""
+    import torch
+
+    from megatron_rl.conversion.hf import load_hf_weights
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig, init_distributed
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.push import push_megatron_weights
+
+    parallel = ParallelConfig(tensor=options.tensor, expert=options.expert)
+    init_distributed(parallel, seed=options.seed)
+    model = build_model(ModelConfig(hf_path=options.hf_dir, dtype="float32"), parallel)
+    load_hf_weights(model, options.hf_dir, torch.float32)
+    model.eval()
+    perturb_(model, options.seed, options.noise)
+    pool = None
+    placement = options.placement or ("in_process" if world == 1 else "subprocess")
+    if rank == 0:
+        from megatron_rl.rollout.pool import GeneratorPool
+
+        config = RolloutConfig(
+            placement=placement,
+            samples_per_prompt=options.samples,
+            max_tokens=options.max_tokens,
+            dtype="float32",
+            max_num_seqs=16,
+            seed=options.seed,
+        )
+        pool = GeneratorPool(options.hf_dir, config)
+    prompts = _prompts(options, model.architecture.vocab_size)
+    before = _compare(model, pool, prompts)
+    stats = push_megatron_weights(pool, model, bucket_bytes=int(options.bucket_mb * 2**20))
+    after = _compare(model, pool, prompts)
+    if pool is None:
+        return None
+    pool.close()
+    return ParityResult(
+        mean_abs_delta=after[0],
+        max_abs_delta=after[1],
+        tokens=after[2],
+        before_mean_abs_delta=before[0],
+        before_max_abs_delta=before[1],
+        bytes_pushed=stats.bytes,
+        push_seconds=stats.seconds,
+        load_seconds=stats.load_seconds,
+        copy_seconds=copy_seconds(stats.bytes),
+        tensor=options.tensor,
+        expert=options.expert,
+        placement=placement,
+    )
+
+
+def perturb_(model, seed: int, noise: float) -> None:
+    """Add seeded Gaussian noise (``noise`` x each tensor's std, at least 0.02) in place.
+
+    Replicated parameters get the same noise on every rank; shards get rank-specific noise.
+    """
+    import torch
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    with torch.no_grad():
+        for i, param in enumerate(model.parameters()):
+            key = seed * 1_000_003 + i * 1009
+            if getattr(param, "tensor_model_parallel", False):
+                key += 17 * tp_rank + 1
+            if getattr(param, "allreduce", True) is False:  # an expert shard
+                key += 31 * ep_rank + 2
+            gen = torch.Generator().manual_seed(key)
+            scale = noise * max(param.float().std().item() if param.numel() > 1 else 0.0, 0.02)
+            param.add_(scale * torch.randn(param.shape, generator=gen).to(param.dtype))
+
+
+def _prompts(options: ParityOptions, vocab: int) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(options.seed)
+    ids = torch.randint(3, vocab, (options.prompts, options.prompt_tokens), generator=gen)
+    return ids.tolist()
+
+
+def _compare(model, pool, prompts: list[list[int]]) -> tuple[float, float, int]:
+    """Sample on rank 0, score the samples with Megatron on every rank: (mean, max, tokens)."""
+    import torch
+    import torch.distributed as dist
+
+    samples = pool.generate(prompts) if pool is not None else None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [samples]
+        dist.broadcast_object_list(box, src=0)
+        samples = box[0]
+    deltas = torch.cat([_deltas(model, s) for s in samples])
+    return deltas.mean().item(), deltas.max().item(), deltas.numel()
+
+
+def _deltas(model, sample) -> torch.Tensor:
+    """|Megatron log-prob - generator log-prob| per response token ``[T]``."""
+    import torch
+
+    from megatron_rl.models.logprobs import token_logprobs
+
+    tokens = torch.tensor([sample.prompt_ids + sample.response_ids])
+    with torch.no_grad():
+        ours = token_logprobs(model, tokens)[0, len(sample.prompt_ids) - 1 :]
+    theirs = torch.tensor(sample.logprobs, dtype=torch.float32)
+    return (ours - theirs).abs()
+
+
+def copy_seconds(nbytes: int, repeats: int = 3) -> float:
+    """Best time of a plain CPU tensor ``copy_`` of ``nbytes`` (the same memory traffic)."""
+    import torch
+
+    src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -1,0 +1,390 @@
+"""The generator pool: N vLLM engines, requests spread over them, in-flight weight pushes.
+
+Typical use (PipelineRL)::
+
+    pool = GeneratorPool(hf_dir, RolloutConfig(...), encode=tokenizer_encode)
+    pool.submit(prompts)                       # generation starts, in the background
+    samples = pool.poll(timeout=1.0)           # finished samples, as they come
+    pool.push_weights(iter_hf_weights(model))  # engines keep their requests in flight
+    pool.close()
+
+``generate(prompts)`` is the blocking form. The pool is driven from one thread; the engines
+run on their own threads (``placement: in_process``) or processes (``subprocess``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rl.conversion.weight_stream import WeightBucket
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.interruption import InterruptionPolicy
+from megatron_rl.rollout.runner import RequestSpec, RunnerSettings, run_engine, subprocess_main
+from megatron_rl.rollout.samples import PushStats, Sample
+
+logger = logging.getLogger(__name__)
+
+_WEIGHT_QUEUE_DEPTH = 2  # buckets in flight per engine: bounds the push's extra memory
+_POLL_SECONDS = 1.0
+
+
+@dataclass
+class _Engine:
+    index: int
+    commands: Any
+    weights: Any
+    worker: Any  # threading.Thread or a process
+    outstanding: int = 0  # samples submitted and not yet returned
+    oldest: int | None = None  # oldest version in flight, as last reported
+    max_model_len: int = 0
+
+
+class GeneratorPool:
+    """N vLLM engines behind one interface (see the module docstring).
+
+    ``hf_dir``: the HF model directory the engines start from (config + initial weights).
+    ``encode``: text -> token ids without special tokens; needed for interruptions
+    (the interruption text and the think-close marker). Without it, and with interruptions
+    enabled, the HF tokenizer in ``hf_dir`` is used.
+    """
+
+    def __init__(
+        self, hf_dir: str, config: RolloutConfig, encode: Callable[[str], list[int]] | None = None
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.hf_dir = str(hf_dir)
+        self.version = 0
+        self._hf = _text_config(self.hf_dir)
+        self.policy = None
+        if config.interruption.enabled:
+            self.policy = InterruptionPolicy.from_config(
+                config.interruption, encode or _hf_encoder(self.hf_dir)
+            )
+        self._next_prompt = 0
+        self._done: list[Sample] = []
+        self._acks: dict[int, list[tuple]] = {}
+        self._closed = False
+        self._engines = self._start_engines(self._settings())
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _settings(self) -> RunnerSettings:
+        stop = self.config.stop_token_ids
+        if stop is None:
+            eos = getattr(self._hf, "eos_token_id", None)
+            stop = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if self.policy is None:
+            return RunnerSettings(tuple(stop))
+        return RunnerSettings(
+            tuple(stop), self.policy.text_ids, self.policy.close_ids, self.policy.answer_budget
+        )
+
+    def _start_engines(self, settings: RunnerSettings) -> list[_Engine]:
+        config = self.config
+        if config.placement == "in_process":
+            _check_one_rank_world()
+            self._events = queue.Queue()
+        else:
+            import torch.multiprocessing as mp
+
+            self._ctx = mp.get_context("spawn")
+            self._events = self._ctx.Queue()
+        engines = []
+        for index in range(config.engines):
+            if config.placement == "in_process":
+                commands, weights = queue.Queue(), queue.Queue(_WEIGHT_QUEUE_DEPTH)
+                worker = threading.Thread(
+                    target=run_engine,
+                    args=(
+                        index,
+                        self.hf_dir,
+                        config,
+                        settings,
+                        commands,
+                        weights.get,
+                        self._events,
+                    ),
+                    name=f"vllm-engine-{index}",
+                    daemon=True,
+                )
+            else:
+                commands, weights = self._ctx.Queue(), self._ctx.Queue(_WEIGHT_QUEUE_DEPTH)
+                worker = self._ctx.Process(
+                    target=subprocess_main,
+                    args=(index, self.hf_dir, config, settings, commands, weights, self._events),
+                    name=f"vllm-engine-{index}",
+                    daemon=True,
+                )
+            worker.start()
+            engines.append(_Engine(index, commands, weights, worker))
+        self._engines = engines
+        ready = 0
+        while ready < len(engines):
+            event = self._next_event()
+            if event[0] == "ready":
+                engines[event[1]].max_model_len = event[2]["max_model_len"]
+                ready += 1
+        logger.info("generator pool: %d engine(s) ready (%s)", len(engines), config.placement)
+        return engines
+
+    # -- generation -------------------------------------------------------------------------
+    def submit(
+        self,
+        prompts: Sequence[Sequence[int]],
+        samples_per_prompt: int | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+    ) -> list[int]:
+        """Queue ``samples_per_prompt`` samples of every prompt (token ids); returns the
+        prompts' indices (``Sample.prompt_index``). Settings default to the config's."""
+        self._check_open()
+        n = samples_per_prompt or self.config.samples_per_prompt
+        max_tokens = max_tokens or self.config.max_tokens
+        temperature = self.config.temperature if temperature is None else temperature
+        top_p = self.config.top_p if top_p is None else top_p
+        if n < 1 or max_tokens < 1 or temperature <= 0 or not 0 < top_p <= 1:
+            raise ValueError(
+                f"invalid sampling settings: samples_per_prompt={n} max_tokens={max_tokens} "
+                f"temperature={temperature} top_p={top_p}"
+            )
+        indices = []
+        for prompt in prompts:
+            ids = self._check_prompt(prompt)
+            index = self._next_prompt
+            self._next_prompt += 1
+            specs = [
+                RequestSpec(index, j, ids, max_tokens, temperature, top_p, self._budget())
+                for j in range(n)
+            ]
+            engine = min(self._engines, key=lambda e: e.outstanding)  # least loaded
+            engine.commands.put(("submit", specs))
+            engine.outstanding += n
+            if engine.oldest is None:
+                engine.oldest = self.version
+            indices.append(index)
+        return indices
+
+    def poll(self, timeout: float = 0.0) -> list[Sample]:
+        """Finished samples not returned yet, waiting up to ``timeout`` s for the first."""
+        deadline = time.monotonic() + timeout
+        while not self._done and self.in_flight:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._pump(min(remaining, _POLL_SECONDS))
+        self._pump(0.0)
+        done, self._done = self._done, []
+        return done
+
+    def generate(self, prompts: Sequence[Sequence[int]], **settings: Any) -> list[Sample]:
+        """Generate and wait: the samples of ``prompts`` ordered by (prompt, sample)."""
+        indices = set(self.submit(prompts, **settings))
+        mine: list[Sample] = []
+        expected = len(indices) * (
+            settings.get("samples_per_prompt") or self.config.samples_per_prompt
+        )
+        while len(mine) < expected:
+            self._pump(_POLL_SECONDS)
+            keep = []
+            for sample in self._done:
+                (mine if sample.prompt_index in indices else keep).append(sample)
+            self._done = keep
+        return sorted(mine, key=lambda s: (s.prompt_index, s.sample_index))
+
+    @property
+    def in_flight(self) -> int:
+        """Samples submitted and not yet finished."""
+        return sum(e.outstanding for e in self._engines)
+
+    def oldest_version_in_flight(self) -> int | None:
+        """The oldest policy version that produced a token still in flight (a lower bound:
+        engines report it whenever samples finish or weights load); None when idle."""
+        self._pump(0.0)
+        versions = [e.oldest for e in self._engines if e.outstanding and e.oldest is not None]
+        return min(versions, default=None)
+
+    @property
+    def staleness(self) -> int:
+        """How many versions the newest weights are ahead of the oldest sample in flight."""
+        oldest = self.oldest_version_in_flight()
+        return 0 if oldest is None else self.version - oldest
+
+    # -- weights ----------------------------------------------------------------------------
+    def push_weights(self, buckets: Iterable[WeightBucket]) -> PushStats:
+        """Load HF-named full tensors into every engine (in flight: requests are kept) and
+        advance the policy version. Returns when every engine runs the new weights.
+
+        ``buckets``: e.g. ``iter_hf_weights(model, config.weight_bucket_bytes)``. At most
+        two buckets per engine are held at a time.
+        """
+        from megatron_rl.rollout.transport import shared_update, tensors_update
+
+        self._check_open()
+        version = self.version + 1
+        pack = tensors_update if self.config.placement == "in_process" else shared_update
+        start = time.perf_counter()
+        for engine in self._engines:
+            engine.commands.put(("push", version))
+        tensors = nbytes = count = 0
+        try:
+            for bucket in buckets:
+                update = pack(bucket)
+                for engine in self._engines:
+                    self._put_weights(engine, update)
+                count += 1
+                tensors += len(bucket)
+                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        finally:
+            for engine in self._engines:
+                self._put_weights(engine, None)
+        acks = self._wait_acks(version)
+        if count == 0:
+            raise ValueError("push_weights got no buckets: this rank is not the stream's sender")
+        self.version = version
+        return PushStats(
+            version=version,
+            tensors=tensors,
+            bytes=nbytes,
+            buckets=count,
+            seconds=time.perf_counter() - start,
+            load_seconds=max(a[3] for a in acks),
+        )
+
+    def _put_weights(self, engine: _Engine, item: Any) -> None:
+        while True:  # bounded queue: wait for the engine, but notice if it died
+            try:
+                engine.weights.put(item, timeout=_POLL_SECONDS)
+                return
+            except queue.Full:
+                self._pump(0.0)
+
+    def _wait_acks(self, version: int) -> list[tuple]:
+        while len(self._acks.get(version, [])) < len(self._engines):
+            self._pump(_POLL_SECONDS)
+        return self._acks.pop(version)
+
+    # -- events -----------------------------------------------------------------------------
+    def _next_event(self) -> tuple:
+        """Block until the next event; raises if an engine failed or died."""
+        while True:
+            try:
+                event = self._events.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            self._raise_on_error(event)
+            return event
+
+    def _pump(self, timeout: float) -> None:
+        """Handle the queued events, first waiting up to ``timeout`` s for one."""
+        block = timeout > 0
+        while True:
+            try:
+                event = self._events.get(timeout=timeout) if block else self._events.get_nowait()
+            except queue.Empty:
+                self._check_alive()
+                return
+            self._raise_on_error(event)
+            self._handle(event)
+            block = False
+
+    def _raise_on_error(self, event: tuple) -> None:
+        if event[0] == "error":
+            self.close()
+            raise RuntimeError(f"vLLM engine {event[1]} failed:\n{event[2]}")
+
+    def _handle(self, event: tuple) -> None:
+        kind, index = event[0], event[1]
+        engine = self._engines[index]
+        if kind == "samples":
+            samples, engine.oldest = event[2], event[3]
+            engine.outstanding -= len(samples)
+            self._done.extend(samples)
+        elif kind == "pushed":
+            engine.oldest = event[6]
+            self._acks.setdefault(event[2], []).append(event)
+
+    def _check_alive(self) -> None:
+        for engine in self._engines:
+            if not engine.worker.is_alive():
+                self.close()
+                raise RuntimeError(f"vLLM engine {engine.index} exited unexpectedly")
+
+    # -- checks and shutdown ----------------------------------------------------------------
+    def _budget(self) -> int | None:
+        return None if self.policy is None else self.policy.draw_budget()
+
+    def _check_prompt(self, prompt: Sequence[int]) -> tuple[int, ...]:
+        ids = tuple(int(t) for t in prompt)
+        if not ids:
+            raise ValueError("empty prompt")
+        vocab = self._hf.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        limit = min(e.max_model_len for e in self._engines)
+        if len(ids) >= limit:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len {limit}")
+        return ids
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the generator pool is closed")
+
+    def close(self) -> None:
+        """Stop the engines (requests in flight are dropped). Idempotent."""
+        engines, self._engines = getattr(self, "_engines", []), []
+        self._closed = True
+        for engine in engines:
+            try:
+                engine.commands.put(("stop",))
+            except (ValueError, OSError):  # queue already closed
+                pass
+        for engine in engines:
+            engine.worker.join(timeout=30)
+            if hasattr(engine.worker, "terminate") and engine.worker.is_alive():
+                engine.worker.terminate()
+
+    def __enter__(self) -> GeneratorPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_one_rank_world() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "rollout.placement 'in_process' runs vLLM inside this process, which needs a "
+            f"one-rank torch.distributed world (this one has {dist.get_world_size()}); "
+            "use placement: subprocess"
+        )
+
+
+def _text_config(hf_dir: str):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    return getattr(config, "text_config", config)
+
+
+def _hf_encoder(hf_dir: str) -> Callable[[str], list[int]]:
+    from pathlib import Path
+
+    if not any(Path(hf_dir).glob("tokenizer*")):
+        raise ValueError(
+            "rollout.interruption needs a tokenizer: pass encode= or put one in the model dir"
+        )
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)

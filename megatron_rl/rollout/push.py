@@ -1,0 +1,28 @@
+"""Push a Megatron model's weights into the generator pool (called on every trainer rank)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.conversion.weight_stream import DEFAULT_BUCKET_BYTES, iter_hf_weights
+from megatron_rl.rollout.samples import PushStats
+
+
+def push_megatron_weights(
+    pool, model, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+) -> PushStats | None:
+    """Stream ``model``'s weights (HF names, full tensors) into ``pool``.
+
+    Every rank of the trainer calls this (the TP / EP / PP gathers are collectives); the rank
+    that holds the pool (the stream's sender: TP / EP / DP rank 0 of the first pipeline stage)
+    passes it, the others pass None. Returns the push statistics on the sender, else None.
+    """
+    buckets = iter_hf_weights(model, bucket_bytes=bucket_bytes, dtype=dtype)
+    if pool is None:
+        for bucket in buckets:
+            raise RuntimeError(
+                f"this rank yields weights ({bucket[0][0]} ...) but has no generator pool: "
+                "create the pool on the stream's sender rank"
+            )
+        return None
+    return pool.push_weights(buckets)

@@ -1,0 +1,251 @@
+"""The loop that owns one engine: requests, interruptions, policy versions, weight loads.
+
+An :class:`EngineRunner` steps its :class:`~megatron_rl.rollout.engine.VLLMEngine` and, between
+two steps, handles commands from the pool: new requests, or a weight push (the engine loads
+the buckets while its requests in flight wait in vLLM's scheduler, then generation goes on
+with the new weights). Every token is tagged with the version of the weights that produced
+it. It runs on a thread of the trainer's process or as the main loop of an engine process;
+both talk to the pool through queues:
+
+- ``commands``: ``("submit", [RequestSpec])``, ``("push", version)``, ``("stop",)``;
+- ``weights``: a push's bucket update infos, then ``None``;
+- ``events`` (shared by all engines): ``("ready", i, info)``, ``("samples", i, [Sample],
+  oldest)``, ``("pushed", i, version, load_seconds, tensors, bytes, oldest)``,
+  ``("error", i, traceback)``, ``("stopped", i)``. ``oldest`` is the oldest policy version
+  still in flight on engine i (None when it is idle).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.interruption import find_subsequence
+from megatron_rl.rollout.samples import Sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One sample to generate; ``budget``: its thinking budget (None: no interruption)."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    budget: int | None = None
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """What every request of an engine shares."""
+
+    stop_token_ids: tuple[int, ...]
+    text_ids: tuple[int, ...] = ()  # interruption text
+    close_ids: tuple[int, ...] = ()  # think-close marker
+    answer_budget: int = 0
+
+
+@dataclass
+class _Track:
+    spec: RequestSpec
+    sample: Sample
+    phase: str = "think"  # "think" -> ("answer" after an interruption)
+    closed: bool = False  # the think-close marker appeared within the budget
+    request_id: str = ""
+
+
+class EngineRunner:
+    """Requests and versions of one engine (see the module docstring)."""
+
+    def __init__(self, index: int, engine, settings: RunnerSettings, events) -> None:
+        self.index = index
+        self.engine = engine
+        self.settings = settings
+        self.events = events
+        self.version = 0
+        self.requests: dict[str, _Track] = {}
+        self._finished: list[Sample] = []
+        self._seq = 0
+
+    # -- commands ---------------------------------------------------------------------------
+    def serve(self, commands, weights_get: Callable[[], Any]) -> None:
+        """Handle commands between engine steps until ``("stop",)``."""
+        while True:
+            for command in _commands(commands, block=not self.engine.has_work()):
+                if command[0] == "stop":
+                    return
+                if command[0] == "submit":
+                    for spec in command[1]:
+                        self._submit(spec)
+                elif command[0] == "push":
+                    self._push(command[1], weights_get)
+                else:
+                    raise ValueError(f"unknown runner command {command[0]!r}")
+            if self.engine.has_work():
+                for delta in self.engine.step():
+                    track = self.requests.get(delta.request_id)
+                    if track is not None:
+                        self._advance(track, delta)
+            self._flush()
+
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among the samples in flight (None if there are none)."""
+        versions = [
+            t.sample.versions[0] if t.sample.versions else self.version
+            for t in self.requests.values()
+        ]
+        return min(versions, default=None)
+
+    def _push(self, version: int, weights_get: Callable[[], Any]) -> None:
+        start = time.perf_counter()
+        try:
+            tensors, nbytes = self.engine.load_weights(_until_none(weights_get))
+        except BaseException:
+            for _ in _until_none(weights_get):  # let the pusher finish sending
+                pass
+            raise
+        self.version = version
+        seconds = time.perf_counter() - start
+        self.events.put(
+            ("pushed", self.index, version, seconds, tensors, nbytes, self.oldest_version())
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+    def _submit(self, spec: RequestSpec) -> None:
+        sample = Sample(
+            spec.prompt_index,
+            spec.sample_index,
+            list(spec.prompt_ids),
+            thinking_budget=spec.budget,
+            engine=self.index,
+        )
+        self._start(_Track(spec, sample), list(spec.prompt_ids), spec.max_tokens)
+
+    def _start(self, track: _Track, prompt_ids: list[int], max_tokens: int) -> None:
+        max_tokens = min(max_tokens, self.engine.max_model_len - len(prompt_ids))
+        if max_tokens < 1:
+            self._finish(track, "length")
+            return
+        self._seq += 1
+        track.request_id = f"e{self.index}-{self._seq}"
+        self.requests[track.request_id] = track
+        self.engine.add(
+            track.request_id,
+            prompt_ids,
+            max_tokens,
+            track.spec.temperature,
+            track.spec.top_p,
+            list(self.settings.stop_token_ids),
+            # prefix-cache blocks are shared only among requests of one policy version
+            cache_salt=f"v{self.version}",
+        )
+
+    def _advance(self, track: _Track, delta) -> None:
+        sample = track.sample
+        before = len(sample.response_ids)
+        sample.append(delta.token_ids, delta.logprobs, self.version, True)
+        budget = track.spec.budget
+        if track.phase == "think" and budget is not None:
+            close = self.settings.close_ids
+            if not track.closed:
+                start = max(0, before - len(close) + 1)
+                track.closed = find_subsequence(sample.response_ids[:budget], close, start) >= 0
+            natural_stop = (
+                delta.finished and delta.finish_reason == "stop" and len(sample) <= budget
+            )
+            if len(sample) >= budget and not track.closed and not natural_stop:
+                if not delta.finished:
+                    self.engine.abort([delta.request_id])
+                del self.requests[delta.request_id]
+                self._interrupt(track)
+                return
+        if delta.finished:
+            del self.requests[delta.request_id]
+            self._finish(track, delta.finish_reason or "length")
+
+    def _interrupt(self, track: _Track) -> None:
+        """Cut at the budget, append the interruption text (masked), go on answering."""
+        sample, text = track.sample, list(self.settings.text_ids)
+        sample.truncate(track.spec.budget)
+        sample.append(text, [0.0] * len(text), self.version, False)
+        sample.interrupted = True
+        track.phase = "answer"
+        self._start(track, sample.prompt_ids + sample.response_ids, self.settings.answer_budget)
+
+    def _finish(self, track: _Track, reason: str) -> None:
+        track.sample.finish_reason = reason
+        self._finished.append(track.sample)
+
+    def _flush(self) -> None:
+        if self._finished:
+            self.events.put(("samples", self.index, self._finished, self.oldest_version()))
+            self._finished = []
+
+
+def _commands(commands, block: bool) -> Iterator[Any]:
+    """The commands waiting now (after blocking for the first one if ``block``)."""
+    try:
+        yield commands.get() if block else commands.get_nowait()
+    except queue.Empty:
+        return
+    while True:
+        try:
+            yield commands.get_nowait()
+        except queue.Empty:
+            return
+
+
+def _until_none(get: Callable[[], Any]) -> Iterator[Any]:
+    while (item := get()) is not None:
+        yield item
+
+
+def run_engine(
+    index: int,
+    hf_dir: str,
+    config: RolloutConfig,
+    settings: RunnerSettings,
+    commands,
+    weights_get: Callable[[], Any],
+    events,
+) -> None:
+    """Build engine ``index`` and serve until stopped; failures become ``error`` events."""
+    try:
+        from megatron_rl.rollout.engine import VLLMEngine
+
+        engine = VLLMEngine(hf_dir, config, index)
+        runner = EngineRunner(index, engine, settings, events)
+        events.put(("ready", index, {"max_model_len": engine.max_model_len, "pid": os.getpid()}))
+        runner.serve(commands, weights_get)
+        events.put(("stopped", index))
+    except BaseException:  # reported to the pool, which raises it in the trainer
+        events.put(("error", index, traceback.format_exc()))
+
+
+def subprocess_main(
+    index: int,
+    hf_dir: str,
+    config: RolloutConfig,
+    settings: RunnerSettings,
+    commands,
+    weights,
+    events,
+) -> None:
+    """Entry point of an engine process (``placement: subprocess``)."""
+    # The engine forms its own one-process world; the trainer's launcher variables would
+    # only confuse it.
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    logging.basicConfig(level=logging.WARNING)
+    run_engine(index, hf_dir, config, settings, commands, weights.get, events)

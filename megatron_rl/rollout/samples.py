@@ -1,0 +1,76 @@
+"""What the generator returns (plain Python data: cheap to pass between processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    """One generated response.
+
+    Per-token lists all have the response's length ``T``:
+    ``logprobs [T]``: the generator's log-prob of each token (0.0 on appended tokens);
+    ``versions [T]``: the policy version whose weights produced each token (for appended
+    tokens: the version current when they were appended);
+    ``mask [T]``: True where the policy generated the token, False on the interruption text
+    appended by the generator (no loss there).
+
+    ``finish_reason``: "stop" (a stop token, included in ``response_ids``), "length" (a token
+    budget ran out) or "abort". ``interrupted``: the thinking budget was hit and the
+    interruption text appended. ``thinking_budget``: the budget drawn for this sample (None
+    without interruptions).
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    finish_reason: str = ""
+    interrupted: bool = False
+    thinking_budget: int | None = None
+    engine: int = -1
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version that produced a token of this sample."""
+        return min(self.versions) if self.versions else None
+
+    @property
+    def newest_version(self) -> int | None:
+        return max(self.versions) if self.versions else None
+
+    def append(self, token_ids: list[int], logprobs: list[float], version: int, mask: bool) -> None:
+        """Append tokens that share a version and a mask value."""
+        assert len(token_ids) == len(logprobs)
+        self.response_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        self.versions.extend([version] * len(token_ids))
+        self.mask.extend([mask] * len(token_ids))
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` response tokens."""
+        del self.response_ids[length:], self.logprobs[length:]
+        del self.versions[length:], self.mask[length:]
+
+
+@dataclass(frozen=True)
+class PushStats:
+    """One weight push into every engine of the pool."""
+
+    version: int
+    tensors: int
+    bytes: int
+    buckets: int
+    seconds: float  # wall time of the push, from the first bucket to the last engine's ack
+    load_seconds: float  # slowest engine: time spent loading (generation paused)
+
+    @property
+    def gb_per_second(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9

@@ -1,0 +1,170 @@
+"""Weight transport into vLLM engines on CPU: a backend of vLLM's weight-transfer registry.
+
+vLLM 0.32 ships weight-transfer engines for GPUs (``nccl``, CUDA ``ipc`` ...) behind
+``WeightTransferEngineFactory``; none works without CUDA. We register ``megatron_rl_cpu``:
+the worker side receives buckets of HF-named tensors and loads them through vLLM's
+layerwise reload (``start_weight_update`` -> ``update_weights`` per bucket ->
+``finish_weight_update``), exactly like the CUDA ``ipc`` backend. A bucket arrives either as
+the trainer's own tensors (engine in the same process: no copy) or as one flat shared-memory
+buffer plus a layout (engine in another process: one copy, shared by every engine).
+
+It also fixes a vLLM 0.32 CPU bug: after a reload, fused-MoE expert weights are not
+re-prepacked for the CPU kernel (the prepack runs only on first load: with
+``is_weight_update`` the unquantized MoE method skips ``fused_experts
+.process_weights_after_loading``), so MoE outputs are garbage. ``finish_weight_update`` runs
+it again for every CPU fused-MoE layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from megatron_rl.conversion.weight_stream import WeightBucket
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "megatron_rl_cpu"
+_ALIGN = 64  # byte alignment of tensors inside a flat buffer
+
+
+@dataclass
+class CpuTransferInitInfo(WeightTransferInitInfo):
+    """No rendezvous: buckets arrive with each update."""
+
+
+@dataclass
+class CpuTransferUpdateInfo(WeightTransferUpdateInfo):
+    """One bucket: ``names`` with either ``tensors`` or a flat uint8 ``buffer`` holding
+    tensor i at byte ``offsets[i]`` with ``dtype_names[i]`` and ``shapes[i]``."""
+
+    names: list[str]
+    tensors: list[torch.Tensor] | None = None
+    buffer: torch.Tensor | None = None
+    dtype_names: list[str] | None = None
+    shapes: list[list[int]] | None = None
+    offsets: list[int] | None = None
+
+    def weights(self) -> list[tuple[str, torch.Tensor]]:
+        if self.tensors is not None:
+            assert len(self.tensors) == len(self.names)
+            return list(zip(self.names, self.tensors))
+        assert self.buffer is not None and self.offsets is not None
+        return list(
+            zip(self.names, unpack_views(self.buffer, self.dtype_names, self.shapes, self.offsets))
+        )
+
+
+class CpuWeightTransferEngine(WeightTransferEngine[CpuTransferInitInfo, CpuTransferUpdateInfo]):
+    """Worker side of the ``megatron_rl_cpu`` backend (checkpoint-format, layerwise reload)."""
+
+    init_info_cls = CpuTransferInitInfo
+    update_info_cls = CpuTransferUpdateInfo
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: CpuTransferInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises without one.
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: CpuTransferUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        with disable_mtp_completeness_check():
+            self.model.load_weights(update_info.weights())
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        reprepack_cpu_moe(self.model)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def reprepack_cpu_moe(model: torch.nn.Module) -> int:
+    """Re-run the CPU fused-MoE weight prepack on every MoE layer (the vLLM 0.32 reload bug).
+
+    Returns the number of layers repacked.
+    """
+    count = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(module)
+            count += 1
+    return count
+
+
+def register_backend() -> None:
+    """Register ``megatron_rl_cpu`` with vLLM's WeightTransferEngineFactory (idempotent)."""
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, CpuWeightTransferEngine)
+
+
+def tensors_update(bucket: WeightBucket) -> dict[str, Any]:
+    """Update info that hands the bucket's own tensors over (engine in this process)."""
+    return {"names": [n for n, _ in bucket], "tensors": [t.detach() for _, t in bucket]}
+
+
+def shared_update(bucket: WeightBucket) -> dict[str, Any]:
+    """Update info with the bucket copied into one shared-memory buffer (any process).
+
+    The buffer travels through ``torch.multiprocessing`` queues as a file descriptor; its
+    memory is freed when the last engine drops it.
+    """
+    offsets, total = [], 0
+    for _, tensor in bucket:
+        offsets.append(total)
+        total += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+    buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(total, 1)))
+    for (_, tensor), view in zip(
+        bucket,
+        unpack_views(
+            buffer,
+            [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            [list(t.shape) for _, t in bucket],
+            offsets,
+        ),
+    ):
+        view.copy_(tensor.detach())
+    return {
+        "names": [n for n, _ in bucket],
+        "buffer": buffer,
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+        "offsets": offsets,
+    }
+
+
+def unpack_views(
+    buffer: torch.Tensor, dtype_names: list[str], shapes: list[list[int]], offsets: list[int]
+) -> list[torch.Tensor]:
+    """Tensor views into a flat uint8 ``buffer`` (no copy)."""
+    views = []
+    for dtype_name, shape, offset in zip(dtype_names, shapes, offsets):
+        dtype = getattr(torch, dtype_name)
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        views.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
+    return views
