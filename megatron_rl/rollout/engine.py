@@ -176,10 +176,13 @@ class VLLMEngine:
             )
         return deltas
 
-    def load_weights(self, updates: Iterable[dict[str, Any]]) -> tuple[int, int]:
+    def load_weights(
+        self, updates: Iterable[dict[str, Any]], kv_on_push: str = "keep"
+    ) -> tuple[int, int]:
         """Load buckets (update infos of the ``megatron_rl_cpu`` transport) through vLLM's
         weight-transfer API; returns (tensors, bytes) loaded. Requests in flight are kept;
-        with ``kv_on_push="recompute"`` their KV cache is recomputed by the new weights."""
+        with ``kv_on_push="recompute"`` their KV cache is recomputed by the new weights
+        (they are preempted and prefilled again), with "keep" it stays as it is."""
         tensors = nbytes = 0
         rpc = self.engine.collective_rpc
         with _ENGINE_LOCK:
@@ -193,7 +196,7 @@ class VLLMEngine:
         finally:
             with _ENGINE_LOCK:
                 rpc("finish_weight_update")
-                if self.config.kv_on_push == "recompute":
+                if kv_on_push == "recompute":
                     self.engine.reset_prefix_cache(reset_running_requests=True)
         return tensors, nbytes
 

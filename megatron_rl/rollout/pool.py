@@ -70,6 +70,7 @@ class GeneratorPool:
         self._next_prompt = 0
         self._done: list[Sample] = []
         self._acks: dict[int, list[tuple]] = {}
+        self._status: dict[int, dict[str, Any]] = {}
         self._closed = False
         self._engines = self._start_engines(self._settings())
 
@@ -143,13 +144,14 @@ class GeneratorPool:
         top_p: float | None = None,
     ) -> list[int]:
         """Queue ``samples_per_prompt`` samples of every prompt (token ids); returns the
-        prompts' indices (``Sample.prompt_index``). Settings default to the config's."""
+        prompts' indices (``Sample.prompt_index``). Settings default to the config's;
+        ``temperature=0`` samples greedily (evaluation)."""
         self._check_open()
         n = samples_per_prompt or self.config.samples_per_prompt
         max_tokens = max_tokens or self.config.max_tokens
         temperature = self.config.temperature if temperature is None else temperature
         top_p = self.config.top_p if top_p is None else top_p
-        if n < 1 or max_tokens < 1 or temperature <= 0 or not 0 < top_p <= 1:
+        if n < 1 or max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(
                 f"invalid sampling settings: samples_per_prompt={n} max_tokens={max_tokens} "
                 f"temperature={temperature} top_p={top_p}"
@@ -210,6 +212,17 @@ class GeneratorPool:
         versions = [e.oldest for e in self._engines if e.outstanding and e.oldest is not None]
         return min(versions, default=None)
 
+    def engine_status(self) -> list[dict[str, Any]]:
+        """Each engine's state, asked now (answered between two engine steps): policy
+        ``version``, ``requests`` / ``tokens`` in flight, ``oldest_version`` in flight."""
+        self._check_open()
+        self._status = {}
+        for engine in self._engines:
+            engine.commands.put(("status",))
+        while len(self._status) < len(self._engines):
+            self._pump(_POLL_SECONDS)
+        return [self._status[e.index] for e in self._engines]
+
     @property
     def staleness(self) -> int:
         """How many versions the newest weights are ahead of the oldest sample in flight."""
@@ -217,21 +230,27 @@ class GeneratorPool:
         return 0 if oldest is None else self.version - oldest
 
     # -- weights ----------------------------------------------------------------------------
-    def push_weights(self, buckets: Iterable[WeightBucket]) -> PushStats:
+    def push_weights(
+        self, buckets: Iterable[WeightBucket], kv_on_push: str | None = None
+    ) -> PushStats:
         """Load HF-named full tensors into every engine (in flight: requests are kept) and
         advance the policy version. Returns when every engine runs the new weights.
 
         ``buckets``: e.g. ``iter_hf_weights(model, config.weight_bucket_bytes)``. At most
-        two buckets per engine are held at a time.
+        two buckets per engine are held at a time. ``kv_on_push``: "keep" or "recompute"
+        (see RolloutConfig); default: the config's.
         """
         from megatron_rl.rollout.transport import shared_update, tensors_update
 
         self._check_open()
+        kv_on_push = kv_on_push or self.config.kv_on_push
+        if kv_on_push not in ("keep", "recompute"):
+            raise ValueError(f"kv_on_push must be 'keep' or 'recompute', got {kv_on_push!r}")
         version = self.version + 1
         pack = tensors_update if self.config.placement == "in_process" else shared_update
         start = time.perf_counter()
         for engine in self._engines:
-            engine.commands.put(("push", version))
+            engine.commands.put(("push", version, kv_on_push))
         tensors = nbytes = count = 0
         try:
             for bucket in buckets:
@@ -310,6 +329,8 @@ class GeneratorPool:
         elif kind == "pushed":
             engine.oldest = event[6]
             self._acks.setdefault(event[2], []).append(event)
+        elif kind == "status":
+            self._status[index] = event[2]
 
     def _check_alive(self) -> None:
         for engine in self._engines:

@@ -7,11 +7,12 @@ with the new weights). Every token is tagged with the version of the weights tha
 it. It runs on a thread of the trainer's process or as the main loop of an engine process;
 both talk to the pool through queues:
 
-- ``commands``: ``("submit", [RequestSpec])``, ``("push", version)``, ``("stop",)``;
+- ``commands``: ``("submit", [RequestSpec])``, ``("push", version, kv_on_push)``,
+  ``("status",)``, ``("stop",)``;
 - ``weights``: a push's bucket update infos, then ``None``;
 - ``events`` (shared by all engines): ``("ready", i, info)``, ``("samples", i, [Sample],
   oldest)``, ``("pushed", i, version, load_seconds, tensors, bytes, oldest)``,
-  ``("error", i, traceback)``, ``("stopped", i)``. ``oldest`` is the oldest policy version
+  ``("status", i, dict)``, ``("error", i, traceback)``, ``("stopped", i)``. ``oldest`` is the oldest policy version
   still in flight on engine i (None when it is idle).
 """
 
@@ -87,17 +88,23 @@ class EngineRunner:
                     return
                 if command[0] == "submit":
                     for spec in command[1]:
-                        self._submit(spec)
+                        self.submit(spec)
                 elif command[0] == "push":
-                    self._push(command[1], weights_get)
+                    self.push(command[1], command[2], weights_get)
+                elif command[0] == "status":
+                    self.events.put(("status", self.index, self.status()))
                 else:
                     raise ValueError(f"unknown runner command {command[0]!r}")
-            if self.engine.has_work():
-                for delta in self.engine.step():
-                    track = self.requests.get(delta.request_id)
-                    if track is not None:
-                        self._advance(track, delta)
-            self._flush()
+            self.step()
+
+    def step(self) -> None:
+        """One engine step (if there is work); finished samples go out as an event."""
+        if self.engine.has_work():
+            for delta in self.engine.step():
+                track = self.requests.get(delta.request_id)
+                if track is not None:
+                    self._advance(track, delta)
+        self._flush()
 
     def oldest_version(self) -> int | None:
         """The oldest policy version among the samples in flight (None if there are none)."""
@@ -107,10 +114,20 @@ class EngineRunner:
         ]
         return min(versions, default=None)
 
-    def _push(self, version: int, weights_get: Callable[[], Any]) -> None:
+    def status(self) -> dict[str, Any]:
+        """Version, requests and tokens in flight, oldest version in flight."""
+        return {
+            "version": self.version,
+            "requests": len(self.requests),
+            "tokens": sum(len(t.sample) for t in self.requests.values()),
+            "oldest_version": self.oldest_version(),
+        }
+
+    def push(self, version: int, kv_on_push: str, weights_get: Callable[[], Any]) -> None:
+        """Load the buckets that ``weights_get`` returns (until None), then run ``version``."""
         start = time.perf_counter()
         try:
-            tensors, nbytes = self.engine.load_weights(_until_none(weights_get))
+            tensors, nbytes = self.engine.load_weights(_until_none(weights_get), kv_on_push)
         except BaseException:
             for _ in _until_none(weights_get):  # let the pusher finish sending
                 pass
@@ -122,7 +139,8 @@ class EngineRunner:
         )
 
     # -- requests ---------------------------------------------------------------------------
-    def _submit(self, spec: RequestSpec) -> None:
+    def submit(self, spec: RequestSpec) -> None:
+        """Start generating one sample."""
         sample = Sample(
             spec.prompt_index,
             spec.sample_index,

@@ -1,0 +1,253 @@
+"""Rollout logic without a vLLM engine: config checks, interruption, versions, bucket packing.
+
+The runner is driven by a scripted fake engine whose token at absolute position ``p`` of a
+sequence is ``script(prompt, p)``, so every expected response is written down by hand.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+
+import pytest
+import torch
+
+from megatron_rl.rollout.config import InterruptionConfig, RolloutConfig
+from megatron_rl.rollout.engine import TokenDelta
+from megatron_rl.rollout.interruption import (
+    InterruptionPolicy,
+    count_subsequence,
+    find_subsequence,
+)
+from megatron_rl.rollout.runner import EngineRunner, RequestSpec, RunnerSettings
+
+TEXT = (90, 91, 92)  # interruption text
+CLOSE = (70, 71)  # think-close marker (two tokens: it can straddle a step boundary)
+STOP = 2
+
+
+class FakeEngine:
+    """One token per request per step: ``script(prompt_ids, absolute_position)``."""
+
+    def __init__(self, script, max_model_len: int = 1000) -> None:
+        self.script = script
+        self.max_model_len = max_model_len
+        self.active: dict[str, list] = {}
+        self.added: list[tuple[str, list[int], int]] = []
+        self.aborted: list[str] = []
+        self.loaded: list = []
+
+    def add(self, request_id, prompt_ids, max_tokens, temperature, top_p, stop, cache_salt=None):
+        self.added.append((request_id, list(prompt_ids), max_tokens))
+        self.active[request_id] = [list(prompt_ids), 0, max_tokens, stop]
+
+    def abort(self, request_ids):
+        for rid in request_ids:
+            self.aborted.append(rid)
+            del self.active[rid]
+
+    def has_work(self) -> bool:
+        return bool(self.active)
+
+    def step(self) -> list[TokenDelta]:
+        deltas = []
+        for rid, state in list(self.active.items()):
+            prompt, count, max_tokens, stop = state
+            token = self.script(prompt, len(prompt) + count)
+            state[1] = count = count + 1
+            reason = "stop" if token in stop else ("length" if count >= max_tokens else None)
+            if reason:
+                del self.active[rid]
+            deltas.append(TokenDelta(rid, [token], [-0.25], reason is not None, reason))
+        return deltas
+
+    def load_weights(self, updates, kv_on_push="keep"):
+        self.loaded.extend(updates)
+        return len(self.loaded), 0
+
+
+def make_runner(script, max_model_len=1000, answer_budget=5):
+    events = queue.Queue()
+    settings = RunnerSettings((STOP,), TEXT, CLOSE, answer_budget)
+    engine = FakeEngine(script, max_model_len)
+    return EngineRunner(0, engine, settings, events), engine, events
+
+
+def run_to_end(runner, engine, events):
+    while engine.has_work():
+        runner.step()
+    samples = []
+    while not events.empty():
+        event = events.get()
+        if event[0] == "samples":
+            samples += event[2]
+    return samples
+
+
+def spec(prompt, budget, max_tokens=30, index=0):
+    return RequestSpec(index, 0, tuple(prompt), max_tokens, 1.0, 1.0, budget)
+
+
+def counting(prompt, pos):
+    """Tokens 10, 11, 12 ... by absolute position (never the marker, the text or STOP)."""
+    return 10 + pos % 50
+
+
+def test_interrupted_sample_gets_the_text_once_after_the_cut_and_an_answer_budget():
+    runner, engine, events = make_runner(counting, answer_budget=5)
+    runner.submit(spec([1, 2, 3], budget=7, max_tokens=30))
+    (sample,) = run_to_end(runner, engine, events)
+    think = [counting(None, p) for p in range(3, 10)]  # positions 3..9: the 7 budget tokens
+    answer_start = 3 + 7 + len(TEXT)
+    answer = [counting(None, p) for p in range(answer_start, answer_start + 5)]
+    assert sample.response_ids == think + list(TEXT) + answer
+    assert sample.interrupted and sample.finish_reason == "length"
+    assert sample.mask == [True] * 7 + [False] * 3 + [True] * 5
+    assert sample.logprobs == [-0.25] * 7 + [0.0] * 3 + [-0.25] * 5
+    assert count_subsequence(sample.response_ids, TEXT) == 1
+    assert len(sample) == 7 + len(TEXT) + 5
+    # the thinking request was cut at exactly the budget; the answer continues the sequence
+    first, second = engine.added
+    assert first[1] == [1, 2, 3] and engine.aborted == [first[0]]
+    assert second[1] == [1, 2, 3, *think, *TEXT] and second[2] == 5
+
+
+def test_sample_that_closes_its_thinking_is_untouched():
+    def closes(prompt, pos):  # marker at positions 6, 7 (response tokens 3 and 4)
+        return {6: CLOSE[0], 7: CLOSE[1]}.get(pos, counting(prompt, pos))
+
+    runner, engine, events = make_runner(closes)
+    runner.submit(spec([1, 2, 3], budget=7, max_tokens=20))
+    (sample,) = run_to_end(runner, engine, events)
+    assert sample.response_ids == [closes(None, p) for p in range(3, 23)]
+    assert not sample.interrupted and sample.finish_reason == "length"
+    assert all(sample.mask) and len(engine.added) == 1 and not engine.aborted
+
+
+def test_marker_straddling_the_budget_does_not_count_as_closed():
+    def late(prompt, pos):  # marker at response tokens 6, 7: completes after a budget of 7
+        return {9: CLOSE[0], 10: CLOSE[1]}.get(pos, counting(prompt, pos))
+
+    runner, engine, events = make_runner(late, answer_budget=2)
+    runner.submit(spec([1, 2, 3], budget=7))
+    (sample,) = run_to_end(runner, engine, events)
+    assert sample.interrupted
+    assert sample.response_ids[:7] == [late(None, p) for p in range(3, 10)]
+    assert sample.response_ids[7:10] == list(TEXT)
+
+
+def test_stop_token_at_the_budget_ends_the_sample_without_interruption():
+    def stops(prompt, pos):
+        return STOP if pos == 3 + 6 else counting(prompt, pos)  # 7th response token
+
+    runner, engine, events = make_runner(stops)
+    runner.submit(spec([1, 2, 3], budget=7))
+    (sample,) = run_to_end(runner, engine, events)
+    assert sample.finish_reason == "stop" and not sample.interrupted
+    assert sample.response_ids[-1] == STOP and len(sample) == 7
+
+
+def test_no_budget_means_no_interruption_and_max_model_len_caps_every_request():
+    runner, engine, events = make_runner(counting, max_model_len=12, answer_budget=50)
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30, index=0))
+    runner.submit(spec([1, 2, 3], budget=4, max_tokens=30, index=1))
+    plain, cut = sorted(run_to_end(runner, engine, events), key=lambda s: s.prompt_index)
+    assert len(plain) == 12 - 3 and not plain.interrupted
+    # 3 prompt + 4 thinking + 3 text leave 2 positions for the answer
+    assert cut.interrupted and len(cut) == 4 + 3 + 2 and cut.finish_reason == "length"
+
+
+def test_tokens_after_a_push_carry_the_new_version():
+    runner, engine, events = make_runner(counting)
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=10))
+    for _ in range(4):
+        runner.step()
+    assert runner.status() == {"version": 0, "requests": 1, "tokens": 4, "oldest_version": 0}
+    buckets = collections.deque([{"names": ["w"]}, None])
+    runner.push(1, "keep", buckets.popleft)
+    assert engine.loaded == [{"names": ["w"]}]
+    pushed = events.get()
+    assert pushed[0] == "pushed" and pushed[2] == 1 and pushed[6] == 0  # oldest still 0
+    (sample,) = run_to_end(runner, engine, events)
+    assert sample.versions == [0] * 4 + [1] * 6
+    assert runner.oldest_version() is None
+
+
+def test_budget_draws_are_uniform_over_the_inclusive_range_and_seeded():
+    config = InterruptionConfig(enabled=True, thinking_budget=(5, 8), text="ab", think_close="c")
+    policy = InterruptionPolicy.from_config(config, lambda s: [ord(c) for c in s])
+    draws = [policy.draw_budget() for _ in range(4000)]
+    counts = collections.Counter(draws)
+    assert set(counts) == {5, 6, 7, 8}
+    assert all(abs(c / 4000 - 0.25) < 0.04 for c in counts.values())
+    again = InterruptionPolicy.from_config(config, lambda s: [ord(c) for c in s])
+    assert [again.draw_budget() for _ in range(50)] == draws[:50]
+    assert policy.text_ids == (97, 98) and policy.close_ids == (99,)
+    assert policy.max_response_tokens(8) == 8 + 2 + config.answer_budget
+
+
+def test_subsequence_search():
+    assert find_subsequence([1, 2, 3, 2, 3], [2, 3]) == 1
+    assert find_subsequence([1, 2, 3, 2, 3], [2, 3], start=2) == 3
+    assert find_subsequence([1, 2], [2, 3]) == -1
+    assert count_subsequence([7, 7, 7], [7, 7]) == 2
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"engines": 0}, "engines"),
+        ({"placement": "remote"}, "placement"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"kv_on_push": "drop"}, "kv_on_push"),
+        ({"logprobs_mode": "raw_logits"}, "logprobs_mode"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"interruption": InterruptionConfig(thinking_budget=(9, 3))}, "thinking_budget"),
+        ({"interruption": InterruptionConfig(answer_budget=0)}, "answer_budget"),
+        (
+            {"max_tokens": 100, "interruption": InterruptionConfig(enabled=True)},
+            "thinking_budget",
+        ),
+    ],
+)
+def test_config_errors_name_the_field(changes, field):
+    config = RolloutConfig(**changes)
+    with pytest.raises(ValueError, match=field):
+        config.validate()
+
+
+def test_rollout_config_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import megatron_rl.rollout.config, sys; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_shared_buffer_roundtrip_is_exact_for_mixed_dtypes():
+    from megatron_rl.rollout.transport import shared_update, tensors_update
+
+    gen = torch.Generator().manual_seed(0)
+    bucket = [
+        ("a", torch.randn(3, 5, generator=gen)),
+        ("b", torch.randn(7, generator=gen).to(torch.bfloat16)),
+        ("c", torch.arange(11, dtype=torch.int64).view(11, 1)),
+        ("d", torch.randn(2, 3, 4, generator=gen).double()),
+    ]
+    update = shared_update(bucket)
+    assert update["buffer"].is_shared()
+    assert all(offset % 64 == 0 for offset in update["offsets"])
+    from megatron_rl.rollout.transport import CpuTransferUpdateInfo
+
+    unpacked = CpuTransferUpdateInfo(**update).weights()
+    assert [n for n, _ in unpacked] == ["a", "b", "c", "d"]
+    for (_, ref), (_, got) in zip(bucket, unpacked):
+        assert got.dtype == ref.dtype and got.shape == ref.shape and torch.equal(got, ref)
+    direct = CpuTransferUpdateInfo(**tensors_update(bucket)).weights()
+    assert all(
+        got is not ref and got.data_ptr() == ref.data_ptr()
+        for (_, ref), (_, got) in zip(bucket, direct)
+    )  # no copy in-process
