@@ -123,6 +123,11 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
         "staleness_mean": sum(lags) / max(len(lags), 1),
         "staleness_max": max(lags, default=0),
         "samples": len(samples),
+        "prompt_ids": [g.prompt_id for g in groups],
+        "group_pass_rates": [
+            sum(s.reward > 0 for s in samples if s.group == i) / max(len(g.samples), 1)
+            for i, g in enumerate(groups)
+        ],
     }
     return samples, info
 

@@ -1,0 +1,201 @@
+"""The training loop end to end on the tiny CPU recipe (real megatron, vLLM, rewards)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import load_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
+SMALL = [
+    "warm_start.steps=40",
+    "data.val_size=16",
+    "data.synthetic.num_problems=200",
+    "batch.prompts_per_step=4",
+    "batch.samples_per_prompt=4",
+    "validation.samples_per_prompt=2",
+    "validation.every_steps=3",
+    "checkpoint.every_steps=3",
+    "logging.tensorboard=false",
+    "logging.progress_bar=false",
+]
+
+
+def train_cmd(run_dir: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "megatron_rl.cli",
+        "train",
+        str(RECIPE),
+        *SMALL,
+        *overrides,
+        "--run-dir",
+        str(run_dir),
+    ]
+
+
+def run_train(run_dir: Path, *overrides: str) -> None:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        train_cmd(run_dir, *overrides), cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def held_out_ids(run_dir: Path) -> set[int]:
+    from megatron_rl.data import load_prompt_data
+
+    cfg = load_run_config(run_dir / "config.yaml", check_model=False)
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(run_dir / "hf_init")
+    return set(load_prompt_data(cfg.data, tok).val_ids)
+
+
+def test_pipeline_rl_run_invariants(tmp_path):
+    run_dir = tmp_path / "run"
+    run_train(run_dir, "training.max_steps=6", "off_policy.max_lag=1")
+    recs = records(run_dir)
+    steps = [r for r in recs if "reward_mean" in r]
+    vals = [r for r in recs if "val_pass_rate" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in vals] == [0, 3, 6]
+    assert all(r["staleness_max"] <= 1 for r in steps)  # never beyond k versions of lag
+    assert all(0.0 <= r["effective_batch_fraction"] <= 1.0 for r in steps)
+    trained = {pid for r in steps for pid in r["prompt_ids"]}
+    assert not trained & held_out_ids(run_dir)  # validation prompts never trained on
+    gpu_hours = [r["gpu_hours"] for r in recs]
+    assert gpu_hours == sorted(gpu_hours) and gpu_hours[-1] > 0
+    assert (run_dir / "reward_curve.png").is_file() and (run_dir / "config.yaml").is_file()
+    assert (run_dir / "checkpoints" / "step_00000006" / "meta.json").is_file()
+
+
+def test_zero_variance_fraction_matches_group_pass_rates(tmp_path):
+    run_dir = tmp_path / "run"
+    run_train(
+        run_dir,
+        "training.max_steps=3",
+        "off_policy.mode=ppo",
+        "off_policy.k=1",
+        "validation.enabled=false",
+    )
+    for r in [r for r in records(run_dir) if "reward_mean" in r]:
+        mixed = [0.0 < p < 1.0 for p in r["group_pass_rates"]]
+        assert r["effective_batch_fraction"] == pytest.approx(sum(mixed) / len(mixed))
+
+
+def test_retired_prompts_stop_appearing(tmp_path):
+    run_dir = tmp_path / "run"
+    # A tiny training set seen over several epochs; retire at pass rate >= 0.5.
+    run_train(
+        run_dir,
+        "training.max_steps=8",
+        "off_policy.mode=ppo",
+        "off_policy.k=1",
+        "data.synthetic.num_problems=28",
+        "algorithm.npr_threshold=0.5",
+        "validation.enabled=false",
+    )
+    passes, seen, retired_at = {}, {}, {}
+    for r in [r for r in records(run_dir) if "reward_mean" in r]:
+        for pid, rate in zip(r["prompt_ids"], r["group_pass_rates"]):
+            assert pid not in retired_at, (
+                f"prompt {pid} retired at step {retired_at.get(pid)} reappeared"
+            )
+            passes[pid] = passes.get(pid, 0.0) + rate
+            seen[pid] = seen.get(pid, 0) + 1
+            if passes[pid] / seen[pid] >= 0.5:
+                retired_at[pid] = r["step"]
+    assert retired_at and max(
+        r["npr_retired"] for r in records(run_dir) if "npr_retired" in r
+    ) == len(retired_at)
+
+
+def _kill_after_checkpoint(run_dir: Path, step: int, *overrides: str) -> None:
+    """Start a run, SIGKILL it once checkpoint ``step`` is complete."""
+    import signal
+    import time
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.Popen(
+        train_cmd(run_dir, *overrides),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    meta = run_dir / "checkpoints" / f"step_{step:08d}" / "meta.json"
+    deadline = time.monotonic() + 50
+    while not meta.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert meta.is_file(), "the run never wrote the checkpoint"
+
+
+def _final_weights(run_dir: Path, step: int) -> dict:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run_dir / "weights.pt"
+    dcp_to_torch_save(
+        str(run_dir / "checkpoints" / f"step_{step:08d}" / "model" / "model"), str(out)
+    )
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()}
+
+
+TIMING = ("gpu_hours", "seconds", "per_s", "gb_per_s")
+
+
+def _comparable(recs: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in recs]
+
+
+def test_ppo_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
+    import torch
+
+    args = (
+        "training.max_steps=4",
+        "off_policy.mode=ppo",
+        "off_policy.k=1",
+        "checkpoint.every_steps=2",
+    )
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_train(full, *args)
+    _kill_after_checkpoint(resumed, 2, *args)
+    run_train(resumed, *args)
+    a, b = _final_weights(full, 4), _final_weights(resumed, 4)
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5), key
+    assert _comparable(records(full)) == _comparable(records(resumed))
+
+
+def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path):
+    run_dir = tmp_path / "run"
+    # 28 problems - 16 held out = 12 training prompts = 3 steps of 4 per epoch; no retirement.
+    args = (
+        "training.max_steps=3",
+        "data.synthetic.num_problems=28",
+        "algorithm.npr_threshold=null",
+        "checkpoint.every_steps=1",
+        "validation.enabled=false",
+    )
+    _kill_after_checkpoint(run_dir, 1, *args)
+    run_train(run_dir, *args)
+    trained = [pid for r in records(run_dir) if "prompt_ids" in r for pid in r["prompt_ids"]]
+    assert sorted(trained) == sorted(set(trained)) and len(trained) == 12
+    assert [r["step"] for r in records(run_dir) if "prompt_ids" in r] == [1, 2, 3]
