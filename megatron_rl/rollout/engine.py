@@ -8,6 +8,7 @@ across a load, which is what makes weight pushes in-flight (PipelineRL).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 # context): two engines of one process stepping at once corrupt memory. Every call into an
 # engine holds this lock, so in-process engines take turns (engine processes each own one).
 _ENGINE_LOCK = threading.RLock()
+_live_engines = 0  # engines of this process (vLLM's parallel state is process-wide)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,28 @@ def _preserve_process_state():
         torch.set_rng_state(states[0])
         np.random.set_state(states[1])
         random.setstate(states[2])
+
+
+def _fix_cuda_stream_stand_ins() -> None:
+    """Importing vLLM's CPU worker (``vllm/v1/worker/cpu/shm.py``) replaces ``torch.cuda.Stream``,
+    ``current_stream`` and ``stream`` process-wide by placeholders whose ``record_event()``
+    returns None; Megatron's alltoall MoE dispatcher, in the same process, then calls
+    ``.synchronize()`` on it. Keep vLLM's placeholders, with ``record_event`` returning one."""
+    from vllm.v1.worker.cpu import shm
+
+    if getattr(torch.cuda.Stream, "_records_events", False):
+        return
+
+    class Stream(shm._StreamPlaceholder):
+        _records_events = True
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.record_event = lambda *a, **k: shm._EventPlaceholder()
+
+    torch.cuda.Stream = Stream
+    torch.cuda.current_stream = lambda *args, **kwargs: Stream()
+    torch.cuda.stream = lambda *args, **kwargs: Stream()
 
 
 def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
@@ -105,6 +129,28 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
     )
 
 
+def _check_process_layout(hf_dir: str) -> None:
+    """vLLM's parallel groups are process-wide and made for the first engine's model: one
+    without experts gets no expert-parallel group, and an MoE engine built next would fail."""
+    import transformers
+    from vllm.distributed import parallel_state
+
+    if _live_engines == 0 or not parallel_state.model_parallel_is_initialized():
+        return
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    text = getattr(config, "text_config", config)
+    moe = any(getattr(text, k, 0) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    try:
+        parallel_state.get_ep_group()
+    except AssertionError:
+        if moe:
+            raise ValueError(
+                "an MoE model cannot get an in-process vLLM engine while a dense model's engine "
+                "lives in this process (vLLM's parallel groups are process-wide); close that pool "
+                "first or use rollout.placement: subprocess"
+            ) from None
+
+
 class VLLMEngine:
     """A vLLM ``LLMEngine`` driven step by step, with weight loading between steps."""
 
@@ -114,15 +160,53 @@ class VLLMEngine:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.kv_cache_gb)))
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        from megatron_rl.platform import get_platform
         from megatron_rl.rollout.transport import register_backend
 
         register_backend()
         self.config = config
         self.index = index
+        global _live_engines
         with _ENGINE_LOCK, _preserve_process_state():
+            _check_process_layout(hf_dir)
             self.engine = LLMEngine.from_engine_args(engine_args(hf_dir, config, index))
+            _live_engines += 1
             self.engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+            if not get_platform().is_gpu:
+                _fix_cuda_stream_stand_ins()
         self.max_model_len = self.engine.model_config.max_model_len
+
+    def close(self) -> None:
+        """Shut the engine down, leaving the process's torch.distributed world alone.
+
+        vLLM's in-process engine core tears down *all* distributed state on shutdown,
+        including the default process group, which in-process is the trainer's. We keep it
+        and destroy only vLLM's own model-parallel groups, once the process's last engine is
+        gone: they are process-wide and fixed by the first engine's model (a dense model's
+        layout has no expert-parallel group, so a later MoE engine would fail).
+        """
+        global _live_engines
+        import vllm.v1.engine.core as engine_core
+        from vllm.distributed import parallel_state
+
+        with _ENGINE_LOCK:
+            if getattr(self, "engine", None) is None:
+                return
+            _live_engines -= 1
+            last = _live_engines == 0
+
+            def cleanup(*args, **kwargs) -> None:
+                gc.unfreeze()
+                if last:
+                    parallel_state.destroy_model_parallel()
+
+            original = engine_core.cleanup_dist_env_and_memory
+            engine_core.cleanup_dist_env_and_memory = cleanup
+            try:
+                self.engine.engine_core.shutdown()
+            finally:
+                engine_core.cleanup_dist_env_and_memory = original
+                self.engine = None
 
     def add(
         self,
@@ -145,6 +229,9 @@ class VLLMEngine:
             max_tokens=max_tokens,
             logprobs=0,
             stop_token_ids=stop_token_ids,
+            # the pool decides what stops a sample (default: the model's EOS ids, passed in
+            # stop_token_ids); vLLM would otherwise add generation_config.json's EOS
+            ignore_eos=True,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
         )

@@ -141,20 +141,13 @@ def check_parity(options: ParityOptions) -> ParityResult:
 
 def parity_rank(rank: int, world: int, options: ParityOptions) -> ParityResult | None:
     """One trainer rank of the check; rank 0 owns the engine and returns the result."""
-    import torch
-
-    from megatron_rl.conversion.hf import load_hf_weights
-    from megatron_rl.models import ModelConfig
-    from megatron_rl.models.provider import build_model
     from megatron_rl.platform import ParallelConfig, init_distributed
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.rollout.push import push_megatron_weights
 
     parallel = ParallelConfig(tensor=options.tensor, expert=options.expert)
     init_distributed(parallel, seed=options.seed)
-    model = build_model(ModelConfig(hf_path=options.hf_dir, dtype="float32"), parallel)
-    load_hf_weights(model, options.hf_dir, torch.float32)
-    model.eval()
+    model = megatron_from_hf(options.hf_dir, parallel)
     perturb_(model, options.seed, options.noise)
     pool = None
     placement = options.placement or ("in_process" if world == 1 else "subprocess")
@@ -193,6 +186,21 @@ def parity_rank(rank: int, world: int, options: ParityOptions) -> ParityResult |
     )
 
 
+def megatron_from_hf(hf_dir: str, parallel=None):
+    """This rank's FP32 Megatron model (FP32 head) with the HF weights, in eval mode."""
+    import torch
+
+    from megatron_rl.conversion.hf import load_hf_weights
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig
+
+    parallel = parallel or ParallelConfig()
+    model = build_model(ModelConfig(hf_path=hf_dir, dtype="float32", fp32_head=True), parallel)
+    load_hf_weights(model, hf_dir, torch.float32)
+    return model.eval()
+
+
 def perturb_(model, seed: int, noise: float) -> None:
     """Add seeded Gaussian noise (``noise`` x each tensor's std, at least 0.02) in place.
 
@@ -225,7 +233,6 @@ def _prompts(options: ParityOptions, vocab: int) -> list[list[int]]:
 
 def _compare(model, pool, prompts: list[list[int]]) -> tuple[float, float, int]:
     """Sample on rank 0, score the samples with Megatron on every rank: (mean, max, tokens)."""
-    import torch
     import torch.distributed as dist
 
     samples = pool.generate(prompts) if pool is not None else None
@@ -233,21 +240,24 @@ def _compare(model, pool, prompts: list[list[int]]) -> tuple[float, float, int]:
         box = [samples]
         dist.broadcast_object_list(box, src=0)
         samples = box[0]
-    deltas = torch.cat([_deltas(model, s) for s in samples])
+    deltas = logprob_deltas(model, samples)
     return deltas.mean().item(), deltas.max().item(), deltas.numel()
 
 
-def _deltas(model, sample) -> torch.Tensor:
-    """|Megatron log-prob - generator log-prob| per response token ``[T]``."""
+def logprob_deltas(model, samples) -> torch.Tensor:
+    """|Megatron log-prob - generator log-prob| of every response token of ``samples``
+    (concatenated ``[sum T]``). Call on every TP rank with the same samples."""
     import torch
 
     from megatron_rl.models.logprobs import token_logprobs
 
-    tokens = torch.tensor([sample.prompt_ids + sample.response_ids])
-    with torch.no_grad():
-        ours = token_logprobs(model, tokens)[0, len(sample.prompt_ids) - 1 :]
-    theirs = torch.tensor(sample.logprobs, dtype=torch.float32)
-    return (ours - theirs).abs()
+    out = []
+    for sample in samples:
+        tokens = torch.tensor([sample.prompt_ids + sample.response_ids])
+        with torch.no_grad():
+            ours = token_logprobs(model, tokens)[0, len(sample.prompt_ids) - 1 :]
+        out.append((ours - torch.tensor(sample.logprobs, dtype=torch.float32)).abs())
+    return torch.cat(out)
 
 
 def copy_seconds(nbytes: int, repeats: int = 3) -> float:

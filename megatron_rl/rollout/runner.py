@@ -239,6 +239,7 @@ def run_engine(
     events,
 ) -> None:
     """Build engine ``index`` and serve until stopped; failures become ``error`` events."""
+    engine = None
     try:
         from megatron_rl.rollout.engine import VLLMEngine
 
@@ -246,9 +247,12 @@ def run_engine(
         runner = EngineRunner(index, engine, settings, events)
         events.put(("ready", index, {"max_model_len": engine.max_model_len, "pid": os.getpid()}))
         runner.serve(commands, weights_get)
+        engine.close()
         events.put(("stopped", index))
     except BaseException:  # reported to the pool, which raises it in the trainer
         events.put(("error", index, traceback.format_exc()))
+        if engine is not None:
+            engine.close()
 
 
 def subprocess_main(

@@ -8,7 +8,9 @@ layerwise reload (``start_weight_update`` -> ``update_weights`` per bucket ->
 the trainer's own tensors (engine in the same process: no copy) or as one flat shared-memory
 buffer plus a layout (engine in another process: one copy, shared by every engine).
 
-It also fixes a vLLM 0.32 CPU bug: after a reload, fused-MoE expert weights are not
+Two vLLM 0.32 problems are handled here. Rotary embeddings, shared by the engines of one
+process, are kept out of the reload (see :func:`keep_shared_modules_out_of_reload`). And a
+CPU bug: after a reload, fused-MoE expert weights are not
 re-prepacked for the CPU kernel (the prepack runs only on first load: with
 ``is_weight_update`` the unquantized MoE method skips ``fused_experts
 .process_weights_after_loading``), so MoE outputs are garbage. ``finish_weight_update`` runs
@@ -76,6 +78,7 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuTransferInitInfo, CpuTrans
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        keep_shared_modules_out_of_reload(self.model)
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -115,6 +118,22 @@ def reprepack_cpu_moe(model: torch.nn.Module) -> int:
             experts.process_weights_after_loading(module)
             count += 1
     return count
+
+
+def keep_shared_modules_out_of_reload(model: torch.nn.Module) -> None:
+    """Exclude rotary embeddings from vLLM's layerwise reload (for good: idempotent).
+
+    vLLM caches RotaryEmbedding modules process-wide (``get_rope``'s ``_ROPE_DICT``), so the
+    engines of one process share them. The reload moves every module's tensors to the meta
+    device until the update finishes, so another engine stepping meanwhile would fail ("Cannot
+    copy out of meta tensor"). They hold no weights (only a cos/sin cache): nothing to reload.
+    """
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+    from vllm.model_executor.model_loader.reload import meta
+
+    for module in model.modules():
+        if isinstance(module, RotaryEmbeddingBase) and not list(module.parameters(recurse=False)):
+            meta.SKIP_MODULES.add(type(module).__name__)
 
 
 def register_backend() -> None:

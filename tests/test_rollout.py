@@ -1,0 +1,160 @@
+"""The vLLM generator pool end to end (engines in this process, tiny models, fp32).
+
+- After a push of perturbed Megatron weights, vLLM's sampled-token log-probs equal Megatron's
+  (FP32 head); before the push they differ.
+- In-flight pushes: requests started before a push finish; their later tokens carry the new
+  version and have the log-probs of the new weights, computed by transformers (an independent
+  reference) on the KV cache the engine actually had: old weights' KV before the push ("keep"),
+  or all KV recomputed by the new weights ("recompute").
+- Staleness: the oldest version in flight.
+
+The Llama-4 (MoE) engine lives in test_rollout_moe.py: vLLM's parallel groups are
+process-wide, so a dense and an MoE engine cannot share a process.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from megatron_rl.conversion.weight_stream import iter_hf_weights
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.parity import logprob_deltas, megatron_from_hf, perturb_
+from megatron_rl.rollout.push import push_megatron_weights
+
+BUCKET = 256 * 1024
+
+
+def prompts(count: int, length: int = 8, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (count, length), generator=gen).tolist()
+
+
+def hf_state(model) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for b in iter_hf_weights(model, BUCKET) for n, t in b}
+
+
+def hf_model(hf_dir: str, state: dict[str, torch.Tensor]):
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def response_logprobs(logits: torch.Tensor, seq: list[int], first: int) -> torch.Tensor:
+    """log p(seq[t]) for t >= first, from logits whose row i predicts seq[offset + i + 1]."""
+    logp = torch.log_softmax(logits.float(), -1)
+    targets = torch.tensor(seq[first:])
+    return logp[torch.arange(len(targets)), targets]
+
+
+def reference_logprobs(old, new, sample, switch: int | None, keep_kv: bool) -> torch.Tensor:
+    """transformers log-probs of the response: tokens before ``switch`` by the old model; after
+    it by the new model, attending to the old model's KV of the positions computed before the
+    push (``keep_kv``) or to its own (recompute)."""
+    seq = sample.prompt_ids + sample.response_ids
+    p = len(sample.prompt_ids)
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        old_all = response_logprobs(old(ids).logits[0, p - 1 : -1], seq, p)
+        if switch is None:
+            return old_all
+        if not keep_kv:
+            new_all = response_logprobs(new(ids).logits[0, p - 1 : -1], seq, p)
+            return torch.cat([old_all[:switch], new_all[switch:]])
+        # KV of positions [0, p + switch - 1) was written by the old weights
+        cut = p + switch - 1
+        cache = old(ids[:, :cut], use_cache=True).past_key_values
+        logits = new(ids[:, cut:], past_key_values=cache, use_cache=True).logits[0, :-1]
+        return torch.cat([old_all[:switch], response_logprobs(logits, seq, cut + 1)])
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_hf_dirs, megatron_single_rank):
+    from megatron_rl.rollout.pool import GeneratorPool
+
+    hf_dir = tiny_hf_dirs["tiny-llama"]
+    config = RolloutConfig(
+        engines=2,
+        samples_per_prompt=2,
+        max_tokens=24,
+        dtype="float32",
+        stop_token_ids=[],  # no EOS: every sample runs to its length (in-flight test)
+        max_num_seqs=16,
+        seed=0,
+    )
+    pool = GeneratorPool(hf_dir, config)
+    yield SimpleNamespace(hf_dir=hf_dir, model=megatron_from_hf(hf_dir), pool=pool)
+    pool.close()
+
+
+def test_push_makes_vllm_logprobs_equal_megatron_dense(dense):
+    model, pool = dense.model, dense.pool
+    perturb_(model, seed=1, noise=0.5)
+    before = pool.generate(prompts(6))
+    stale = logprob_deltas(model, before)
+    assert stale.mean() > 0.05  # vLLM still runs the HF weights: the check can fail
+    stats = push_megatron_weights(pool, model, bucket_bytes=BUCKET)
+    assert stats.version == pool.version == 1 and stats.buckets > 2 and stats.bytes > 4e6
+    after = pool.generate(prompts(6))
+    assert len(after) == 12 and {s.engine for s in after} == {0, 1}  # both engines pushed
+    assert all(v == 1 for s in after for v in s.versions)
+    delta = logprob_deltas(model, after)
+    assert delta.numel() == 12 * 24
+    assert delta.mean() < 1e-5 and delta.max() < 1e-4, (delta.mean(), delta.max())
+
+
+def _in_flight(pool, model, kv_on_push: str, seed: int):
+    """Start long requests, push new weights once they are under way, wait for them."""
+    old = hf_state(model)
+    perturb_(model, seed=seed, noise=0.5)
+    new = hf_state(model)
+    version = pool.version
+    pool.submit(prompts(4, seed=seed), samples_per_prompt=1, max_tokens=300)
+    deadline = time.monotonic() + 60
+    while sum(s["tokens"] for s in pool.engine_status()) < 40:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    pool.push_weights(iter_hf_weights(model, BUCKET), kv_on_push=kv_on_push)
+    staleness = pool.staleness
+    samples = []
+    while len(samples) < 4:
+        samples += pool.poll(timeout=5.0)
+    return old, new, version, staleness, samples
+
+
+@pytest.mark.parametrize("kv_on_push", ["keep", "recompute"])
+def test_in_flight_push(dense, kv_on_push):
+    pool = dense.pool
+    seed = {"keep": 2, "recompute": 3}[kv_on_push]
+    old_state, new_state, version, staleness, samples = _in_flight(
+        pool, dense.model, kv_on_push, seed
+    )
+    assert pool.version == version + 1
+    assert staleness == 1  # the requests started before the push were still in flight
+    assert pool.staleness == 0 and pool.oldest_version_in_flight() is None
+    old, new = hf_model(dense.hf_dir, old_state), hf_model(dense.hf_dir, new_state)
+    switched = 0
+    for s in samples:
+        assert len(s) == 300 and s.finish_reason == "length"  # kept and finished
+        n_old = s.versions.count(version)
+        assert s.versions == [version] * n_old + [version + 1] * (300 - n_old)
+        assert 300 - n_old > 0  # tokens after the push carry the new version
+        switched += n_old > 0
+        got = torch.tensor(s.logprobs)
+        ref = reference_logprobs(old, new, s, n_old or None, keep_kv=kv_on_push == "keep")
+        assert (got - ref).abs().mean() < 1e-5 and (got - ref).abs().max() < 1e-4
+        if n_old:  # ... and not the old weights' log-probs
+            stale = reference_logprobs(old, new, s, None, keep_kv=True)
+            assert (got[n_old:] - stale[n_old:]).abs().mean() > 1e-2
+    assert switched >= 1  # at least one request produced tokens with both versions
+
+
+def test_moe_engine_next_to_a_dense_one_is_refused_clearly(dense, tiny_hf_dirs):
+    from megatron_rl.rollout.pool import GeneratorPool
+
+    with pytest.raises(RuntimeError, match="MoE model cannot get an in-process vLLM engine"):
+        GeneratorPool(tiny_hf_dirs["tiny-llama4"], RolloutConfig(dtype="float32"))
