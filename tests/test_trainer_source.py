@@ -93,3 +93,25 @@ def test_ppo_generates_k_batches_at_one_version():
     versions = {s.versions[0] for b in batches for g in b for s in g.samples}
     assert versions == {0}  # all generated before any update
     assert len(pool.submitted) == 12
+
+
+@pytest.mark.parametrize("mode", ["pipeline_rl", "ppo"])
+def test_exhausted_sampler_drains_then_stops(mode):
+    from megatron_rl.trainer.rollout_source import PromptsExhausted
+
+    pool = SimulatedPool(lambda pid: 2)
+    left = iter(range(6))  # six prompts, then every prompt is retired
+
+    def draw(n):
+        out = [p for _, p in zip(range(n), left)]
+        if len(out) < n and not out:
+            raise RuntimeError("all training prompts are retired (No-Positive-Resampling)")
+        return out
+
+    source = RolloutSource(pool, draw, lambda pid: [pid], 4, 2, mode, 1)
+    trained = []
+    with pytest.raises(PromptsExhausted):
+        for _ in range(10):
+            trained += [g.prompt_id for g in source.next_batch(pool.version)]
+            pool.push()
+    assert sorted(trained) == list(range(6))  # everything drawn is trained on, once

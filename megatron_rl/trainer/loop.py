@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.trainer.batch import TrainSample
-from megatron_rl.trainer.rollout_source import Group, RolloutSource
+from megatron_rl.trainer.rollout_source import Group, PromptsExhausted, RolloutSource
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update
 
@@ -46,7 +46,11 @@ def train(config: RunConfig, run_dir: Path) -> int:
     try:
         while step < config.training.max_steps and not _budget_spent(run):
             t0 = time.perf_counter()
-            groups = source.next_batch(pool.version)
+            try:
+                groups = source.next_batch(pool.version)
+            except PromptsExhausted:
+                logger.info("every training prompt is retired: stopping at step %d", step)
+                break
             samples, info = score_groups(run, groups, pool.version)
             t1 = time.perf_counter()
             result = policy_update(

@@ -23,6 +23,10 @@ from megatron_rl.rollout.samples import Sample
 logger = logging.getLogger(__name__)
 
 
+class PromptsExhausted(Exception):
+    """Every training prompt is retired (No-Positive-Resampling) and nothing is left to train."""
+
+
 @dataclass
 class Group:
     """The samples of one prompt (complete when ``len(samples) == size``)."""
@@ -71,6 +75,17 @@ class RolloutSource:
         self._groups: dict[int, Group] = {}  # pool prompt index -> group
         self._ready: list[Group] = []
         self._ppo_queue: list[list[Group]] = []
+        self.exhausted = False
+
+    def _draw(self, n: int) -> list[int]:
+        if self.exhausted or n <= 0:
+            return []
+        try:
+            return self.next_prompt_ids(n)
+        except RuntimeError as err:  # the sampler: every prompt retired
+            logger.info("%s: training on what is in flight, then stopping", err)
+            self.exhausted = True
+            return []
 
     # -- bookkeeping ------------------------------------------------------------------------
     def in_flight_prompt_ids(self) -> list[int]:
@@ -104,15 +119,16 @@ class RolloutSource:
 
     def _next_pipeline_batch(self, version: int) -> list[Group]:
         # Keep two batches of prompts in flight (the next one generates while we train).
-        want = 2 * self.batch_prompts - len(self._groups) - len(self._ready)
-        if want > 0:
-            self.submit(self.next_prompt_ids(want))
+        self.submit(self._draw(2 * self.batch_prompts - len(self._groups) - len(self._ready)))
         while True:
             self._collect(timeout=0.0)
             due = [g for g in self._groups.values() if version - g.oldest_version >= self.k]
-            if len(self._ready) >= self.batch_prompts and not due:
+            enough = len(self._ready) >= self.batch_prompts or (self.exhausted and not self._groups)
+            if enough and not due:
                 break
             self._collect(timeout=1.0)
+        if not self._ready:
+            raise PromptsExhausted()
         # Oldest first: groups that would exceed the lag next step are trained on now.
         self._ready.sort(key=lambda g: g.oldest_version)
         must = sum(1 for g in self._ready if version - g.oldest_version >= self.k)
@@ -122,7 +138,7 @@ class RolloutSource:
 
     def _next_ppo_batch(self) -> list[Group]:
         if not self._ppo_queue:
-            self.submit(self.next_prompt_ids(self.k * self.batch_prompts))
+            self.submit(self._draw(self.k * self.batch_prompts))
             while self._groups:
                 self._collect(timeout=1.0)
             groups, self._ready = self._ready, []
@@ -131,6 +147,8 @@ class RolloutSource:
                 groups[i : i + self.batch_prompts]
                 for i in range(0, len(groups), self.batch_prompts)
             ]
+        if not self._ppo_queue:
+            raise PromptsExhausted()
         return self._ppo_queue.pop(0)
 
     def wants_push(self) -> bool:
