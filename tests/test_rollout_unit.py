@@ -228,7 +228,7 @@ def test_rollout_config_imports_no_torch():
 
 
 def test_shared_buffer_roundtrip_is_exact_for_mixed_dtypes():
-    from megatron_rl.rollout.transport import shared_update, tensors_update
+    from megatron_rl.rollout.buckets import shared_update, tensors_update
 
     gen = torch.Generator().manual_seed(0)
     bucket = [

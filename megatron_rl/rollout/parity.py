@@ -143,25 +143,26 @@ def parity_rank(rank: int, world: int, options: ParityOptions) -> ParityResult |
     """One trainer rank of the check; rank 0 owns the engine and returns the result."""
     from megatron_rl.platform import ParallelConfig, init_distributed
     from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.pool import GeneratorPool
     from megatron_rl.rollout.push import push_megatron_weights
 
+    placement = options.placement or ("in_process" if world == 1 else "subprocess")
+    config = RolloutConfig(
+        placement=placement,
+        samples_per_prompt=options.samples,
+        max_tokens=options.max_tokens,
+        dtype="float32",
+        max_num_seqs=16,
+        seed=options.seed,
+    )
+    pool = None
+    if rank == 0 and placement == "subprocess":  # the engine starts while we build the model
+        pool = GeneratorPool(options.hf_dir, config, wait=False)
     parallel = ParallelConfig(tensor=options.tensor, expert=options.expert)
     init_distributed(parallel, seed=options.seed)
     model = megatron_from_hf(options.hf_dir, parallel)
     perturb_(model, options.seed, options.noise)
-    pool = None
-    placement = options.placement or ("in_process" if world == 1 else "subprocess")
-    if rank == 0:
-        from megatron_rl.rollout.pool import GeneratorPool
-
-        config = RolloutConfig(
-            placement=placement,
-            samples_per_prompt=options.samples,
-            max_tokens=options.max_tokens,
-            dtype="float32",
-            max_num_seqs=16,
-            seed=options.seed,
-        )
+    if rank == 0 and pool is None:
         pool = GeneratorPool(options.hf_dir, config)
     prompts = _prompts(options, model.architecture.vocab_size)
     before = _compare(model, pool, prompts)

@@ -51,11 +51,16 @@ class GeneratorPool:
     ``hf_dir``: the HF model directory the engines start from (config + initial weights).
     ``encode``: text -> token ids without special tokens; needed for interruptions
     (the interruption text and the think-close marker). Without it, and with interruptions
-    enabled, the HF tokenizer in ``hf_dir`` is used.
+    enabled, the HF tokenizer in ``hf_dir`` is used. ``wait=False`` returns while the engines
+    start (the first call that needs them waits), so that the caller can work meanwhile.
     """
 
     def __init__(
-        self, hf_dir: str, config: RolloutConfig, encode: Callable[[str], list[int]] | None = None
+        self,
+        hf_dir: str,
+        config: RolloutConfig,
+        encode: Callable[[str], list[int]] | None = None,
+        wait: bool = True,
     ) -> None:
         config.validate()
         self.config = config
@@ -73,6 +78,8 @@ class GeneratorPool:
         self._status: dict[int, dict[str, Any]] = {}
         self._closed = False
         self._engines = self._start_engines(self._settings())
+        if wait:
+            self._wait_ready()
 
     # -- set-up -----------------------------------------------------------------------------
     def _settings(self) -> RunnerSettings:
@@ -124,15 +131,16 @@ class GeneratorPool:
                 )
             worker.start()
             engines.append(_Engine(index, commands, weights, worker))
-        self._engines = engines
-        ready = 0
-        while ready < len(engines):
-            event = self._next_event()
-            if event[0] == "ready":
-                engines[event[1]].max_model_len = event[2]["max_model_len"]
-                ready += 1
-        logger.info("generator pool: %d engine(s) ready (%s)", len(engines), config.placement)
         return engines
+
+    def _wait_ready(self) -> None:
+        if all(e.max_model_len for e in self._engines):
+            return
+        while not all(e.max_model_len for e in self._engines):
+            self._handle(self._next_event())
+        logger.info(
+            "generator pool: %d engine(s) ready (%s)", len(self._engines), self.config.placement
+        )
 
     # -- generation -------------------------------------------------------------------------
     def submit(
@@ -240,7 +248,7 @@ class GeneratorPool:
         two buckets per engine are held at a time. ``kv_on_push``: "keep" or "recompute"
         (see RolloutConfig); default: the config's.
         """
-        from megatron_rl.rollout.transport import shared_update, tensors_update
+        from megatron_rl.rollout.buckets import shared_update, tensors_update
 
         self._check_open()
         kv_on_push = kv_on_push or self.config.kv_on_push
@@ -331,6 +339,8 @@ class GeneratorPool:
             self._acks.setdefault(event[2], []).append(event)
         elif kind == "status":
             self._status[index] = event[2]
+        elif kind == "ready":
+            engine.max_model_len = event[2]["max_model_len"]
 
     def _check_alive(self) -> None:
         for engine in self._engines:
@@ -358,6 +368,7 @@ class GeneratorPool:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the generator pool is closed")
+        self._wait_ready()
 
     def close(self) -> None:
         """Stop the engines (requests in flight are dropped). Idempotent."""

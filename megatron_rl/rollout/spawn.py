@@ -30,6 +30,10 @@ def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, args: t
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    import torch
+
+    # the ranks share this machine's cores: one intra-op thread each
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     result = fn(rank, world, *args)
     with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(result, f)

@@ -30,12 +30,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megatron_rl.conversion.weight_stream import WeightBucket
+from megatron_rl.rollout.buckets import unpack_views
 
 logger = logging.getLogger(__name__)
 
 BACKEND = "megatron_rl_cpu"
-_ALIGN = 64  # byte alignment of tensors inside a flat buffer
 
 
 @dataclass
@@ -140,50 +139,3 @@ def register_backend() -> None:
     """Register ``megatron_rl_cpu`` with vLLM's WeightTransferEngineFactory (idempotent)."""
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, CpuWeightTransferEngine)
-
-
-def tensors_update(bucket: WeightBucket) -> dict[str, Any]:
-    """Update info that hands the bucket's own tensors over (engine in this process)."""
-    return {"names": [n for n, _ in bucket], "tensors": [t.detach() for _, t in bucket]}
-
-
-def shared_update(bucket: WeightBucket) -> dict[str, Any]:
-    """Update info with the bucket copied into one shared-memory buffer (any process).
-
-    The buffer travels through ``torch.multiprocessing`` queues as a file descriptor; its
-    memory is freed when the last engine drops it.
-    """
-    offsets, total = [], 0
-    for _, tensor in bucket:
-        offsets.append(total)
-        total += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
-    buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(total, 1)))
-    for (_, tensor), view in zip(
-        bucket,
-        unpack_views(
-            buffer,
-            [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            [list(t.shape) for _, t in bucket],
-            offsets,
-        ),
-    ):
-        view.copy_(tensor.detach())
-    return {
-        "names": [n for n, _ in bucket],
-        "buffer": buffer,
-        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-        "shapes": [list(t.shape) for _, t in bucket],
-        "offsets": offsets,
-    }
-
-
-def unpack_views(
-    buffer: torch.Tensor, dtype_names: list[str], shapes: list[list[int]], offsets: list[int]
-) -> list[torch.Tensor]:
-    """Tensor views into a flat uint8 ``buffer`` (no copy)."""
-    views = []
-    for dtype_name, shape, offset in zip(dtype_names, shapes, offsets):
-        dtype = getattr(torch, dtype_name)
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        views.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
-    return views

@@ -1,0 +1,39 @@
+"""Multi-rank trainers (gloo ranks spawned here) pushing into an engine process:
+``megatron-rl check-parity --tp 2`` on the tiny dense Llama and ``--ep 2`` on the tiny Llama-4.
+After the push vLLM's log-probs equal Megatron's (fp32); before it they differ."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from megatron_rl.rollout import parity
+
+
+def check(hf_dir: str, tp: int, ep: int, capsys) -> dict:
+    parser = argparse.ArgumentParser()
+    parity.add_arguments(parser)
+    args = parser.parse_args([hf_dir, "--tp", str(tp), "--ep", str(ep), "--json"])
+    code = parity.run(args)
+    result = json.loads(capsys.readouterr().out)
+    assert code == (0 if result["passed"] else 1)
+    return result
+
+
+@pytest.mark.slow
+def test_check_parity_tp2_dense(tiny_hf_dirs, capsys):
+    r = check(tiny_hf_dirs["tiny-llama"], 2, 1, capsys)
+    assert r["placement"] == "subprocess" and r["tensor"] == 2
+    assert r["before_mean_abs_delta"] > 0.05  # the check can fail
+    assert r["mean_abs_delta"] < 1e-5 and r["max_abs_delta"] < 1e-4 and r["passed"]
+    assert r["tokens"] > 100 and r["bytes_pushed"] > 4e6
+    assert r["push_seconds"] > 0 and r["copy_seconds"] > 0 and r["push_to_copy_ratio"] > 0
+
+
+@pytest.mark.slow
+def test_check_parity_ep2_llama4(tiny_hf_dirs, capsys):
+    r = check(tiny_hf_dirs["tiny-llama4"], 1, 2, capsys)
+    assert r["expert"] == 2 and r["before_mean_abs_delta"] > 0.05
+    assert r["mean_abs_delta"] < 1e-5 and r["max_abs_delta"] < 1e-4 and r["passed"]
