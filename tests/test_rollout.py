@@ -105,6 +105,11 @@ def test_push_makes_vllm_logprobs_equal_megatron_dense(dense):
     delta = logprob_deltas(model, after)
     assert delta.numel() == 12 * 24
     assert delta.mean() < 1e-5 and delta.max() < 1e-4, (delta.mean(), delta.max())
+    # at another temperature the generator's log-probs are those of the tempered distribution
+    hot = pool.generate(prompts(3), temperature=0.7)
+    assert logprob_deltas(model, hot).mean() > 1e-2
+    delta = logprob_deltas(model, hot, temperature=0.7)
+    assert delta.mean() < 1e-5 and delta.max() < 1e-4, (delta.mean(), delta.max())
 
 
 def _in_flight(pool, model, kv_on_push: str, seed: int):

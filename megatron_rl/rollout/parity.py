@@ -245,9 +245,10 @@ def _compare(model, pool, prompts: list[list[int]]) -> tuple[float, float, int]:
     return deltas.mean().item(), deltas.max().item(), deltas.numel()
 
 
-def logprob_deltas(model, samples) -> torch.Tensor:
+def logprob_deltas(model, samples, temperature: float = 1.0) -> torch.Tensor:
     """|Megatron log-prob - generator log-prob| of every response token of ``samples``
-    (concatenated ``[sum T]``). Call on every TP rank with the same samples."""
+    (concatenated ``[sum T]``), Megatron's at ``temperature`` (the generator's are those of
+    the distribution it sampled from). Call on every TP rank with the same samples."""
     import torch
 
     from megatron_rl.models.logprobs import token_logprobs
@@ -256,7 +257,7 @@ def logprob_deltas(model, samples) -> torch.Tensor:
     for sample in samples:
         tokens = torch.tensor([sample.prompt_ids + sample.response_ids])
         with torch.no_grad():
-            ours = token_logprobs(model, tokens)[0, len(sample.prompt_ids) - 1 :]
+            ours = token_logprobs(model, tokens, temperature)[0, len(sample.prompt_ids) - 1 :]
         out.append((ours - torch.tensor(sample.logprobs, dtype=torch.float32)).abs())
     return torch.cat(out)
 
