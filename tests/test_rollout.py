@@ -158,6 +158,21 @@ def test_in_flight_push(dense, kv_on_push):
     assert switched >= 1  # at least one request produced tokens with both versions
 
 
+def test_bad_requests_are_refused_with_clear_errors(dense):
+    pool, version = dense.pool, dense.pool.version
+    with pytest.raises(ValueError, match="empty prompt"):
+        pool.submit([[]])
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        pool.submit([[1, 128]])
+    with pytest.raises(ValueError, match="does not fit max_model_len 512"):
+        pool.submit([[5] * 512])
+    with pytest.raises(ValueError, match="kv_on_push"):
+        pool.push_weights([], kv_on_push="drop")
+    with pytest.raises(ValueError, match="no buckets"):
+        pool.push_weights([])
+    assert pool.version == version and pool.in_flight == 0
+
+
 def test_moe_engine_next_to_a_dense_one_is_refused_clearly(dense, tiny_hf_dirs):
     from megatron_rl.rollout.pool import GeneratorPool
 

@@ -204,6 +204,7 @@ def test_subsequence_search():
         ({"logprobs_mode": "raw_logits"}, "logprobs_mode"),
         ({"dtype": "int8"}, "dtype"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"engines": 2, "gpu_ids": [0, 1, 2]}, "gpu_ids"),
         ({"interruption": InterruptionConfig(thinking_budget=(9, 3))}, "thinking_budget"),
         ({"interruption": InterruptionConfig(answer_budget=0)}, "answer_budget"),
         (
@@ -251,3 +252,12 @@ def test_shared_buffer_roundtrip_is_exact_for_mixed_dtypes():
         got is not ref and got.data_ptr() == ref.data_ptr()
         for (_, ref), (_, got) in zip(bucket, direct)
     )  # no copy in-process
+
+
+def test_engine_tensor_parallelism_needs_gpus(tiny_hf_dirs):
+    from megatron_rl.rollout.pool import GeneratorPool
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    with pytest.raises(ValueError, match="tensor_parallel / gpu_ids need GPUs"):
+        GeneratorPool(tiny_hf_dirs["tiny-llama"], RolloutConfig(tensor_parallel=2))

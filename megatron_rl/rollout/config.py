@@ -83,6 +83,8 @@ class RolloutConfig:
         max_num_seqs: concurrent sequences per engine.
         max_model_len: prompt + response limit per sequence; None = the model's maximum.
         tensor_parallel: GPUs per engine (GPU only).
+        gpu_ids: GPUs of the engine processes: engine i gets ``gpu_ids[i * tp : (i + 1) * tp]``
+            (``CUDA_VISIBLE_DEVICES``); None: the process's visible GPUs.
         prefix_caching: share prompt KV blocks between samples (keyed by policy version).
         enforce_eager: no CUDA graphs / torch.compile (fast start; the CPU default).
         seed: engine sampling seed (engine i uses seed + i).
@@ -105,6 +107,7 @@ class RolloutConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     tensor_parallel: int = 1
+    gpu_ids: list[int] | None = None
     prefix_caching: bool = True
     enforce_eager: bool = True
     seed: int = 0
@@ -128,6 +131,11 @@ class RolloutConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+        if self.gpu_ids is not None and len(self.gpu_ids) != self.engines * self.tensor_parallel:
+            raise ValueError(
+                f"gpu_ids lists {len(self.gpu_ids)} GPUs; engines x tensor_parallel = "
+                f"{self.engines} x {self.tensor_parallel} are needed"
+            )
         self.interruption.validate()
         if self.interruption.enabled and self.interruption.thinking_budget[1] > self.max_tokens:
             raise ValueError(

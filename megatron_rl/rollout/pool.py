@@ -94,7 +94,11 @@ class GeneratorPool:
         )
 
     def _start_engines(self, settings: RunnerSettings) -> list[_Engine]:
+        from megatron_rl.platform import get_platform
+
         config = self.config
+        if not get_platform().is_gpu and (config.tensor_parallel > 1 or config.gpu_ids):
+            raise ValueError("rollout.tensor_parallel / gpu_ids need GPUs; this machine has none")
         if config.placement == "in_process":
             _check_one_rank_world()
             self._events = queue.Queue()

@@ -269,5 +269,9 @@ def subprocess_main(
     # only confuse it.
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)
+    if config.gpu_ids is not None:  # before anything initialises CUDA
+        tp = config.tensor_parallel
+        mine = config.gpu_ids[index * tp : (index + 1) * tp]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in mine)
     logging.basicConfig(level=logging.WARNING)
     run_engine(index, hf_dir, config, settings, commands, weights.get, events)
