@@ -1,5 +1,6 @@
 """Multi-rank trainers (gloo ranks spawned here) pushing into an engine process:
-``megatron-rl check-parity --tp 2`` on the tiny dense Llama and ``--ep 2`` on the tiny Llama-4.
+``megatron-rl check-parity --tp 2`` on the tiny dense Llama and ``--tp 2 --ep 2`` on the tiny
+Llama-4 (attention split over 2 TP ranks, experts over 2 EP ranks).
 After the push vLLM's log-probs equal Megatron's (fp32); before it they differ."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def test_check_parity_tp2_dense(tiny_hf_dirs, capsys):
 
 
 @pytest.mark.slow
-def test_check_parity_ep2_llama4(tiny_hf_dirs, capsys):
-    r = check(tiny_hf_dirs["tiny-llama4"], 1, 2, capsys)
-    assert r["expert"] == 2 and r["before_mean_abs_delta"] > 0.05
+def test_check_parity_tp2_ep2_llama4(tiny_hf_dirs, capsys):
+    r = check(tiny_hf_dirs["tiny-llama4"], 2, 2, capsys)
+    assert r["tensor"] == r["expert"] == 2 and r["before_mean_abs_delta"] > 0.05
     assert r["mean_abs_delta"] < 1e-5 and r["max_abs_delta"] < 1e-4 and r["passed"]

@@ -211,14 +211,15 @@ def perturb_(model, seed: int, noise: float) -> None:
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_tensor_model_parallel_rank()
+    etp_rank = ps.get_expert_tensor_parallel_rank()
     ep_rank = ps.get_expert_model_parallel_rank()
     with torch.no_grad():
-        for i, param in enumerate(model.parameters()):
+        for i, (name, param) in enumerate(model.named_parameters()):
             key = seed * 1_000_003 + i * 1009
-            if getattr(param, "tensor_model_parallel", False):
+            if ".experts.local_experts." in name:  # sharded by expert TP, spread by EP
+                key += 17 * etp_rank + 31 * ep_rank + 1
+            elif getattr(param, "tensor_model_parallel", False):
                 key += 17 * tp_rank + 1
-            if getattr(param, "allreduce", True) is False:  # an expert shard
-                key += 31 * ep_rank + 2
             gen = torch.Generator().manual_seed(key)
             scale = noise * max(param.float().std().item() if param.numel() > 1 else 0.0, 0.02)
             param.add_(scale * torch.randn(param.shape, generator=gen).to(param.dtype))
