@@ -197,7 +197,7 @@ def test_subsequence_search():
     "changes, field",
     [
         ({"engines": 0}, "engines"),
-        ({"placement": "remote"}, "placement"),
+        ({"placement": "cloud"}, "placement"),
         ({"temperature": 0.0}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"kv_on_push": "drop"}, "kv_on_push"),

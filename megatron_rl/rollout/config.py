@@ -13,7 +13,7 @@ from typing import Literal
 DEFAULT_INTERRUPTION_TEXT = (
     "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 )
-PLACEMENTS: tuple[str, ...] = ("in_process", "subprocess")
+PLACEMENTS: tuple[str, ...] = ("in_process", "subprocess", "remote")
 LOGPROBS_MODES: tuple[str, ...] = ("processed_logprobs", "raw_logprobs")
 KV_ON_PUSH: tuple[str, ...] = ("keep", "recompute")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
@@ -61,8 +61,10 @@ class RolloutConfig:
     Attributes:
         engines: number of vLLM engines (N >= 1); prompts are spread over them.
         placement: "in_process" (engines stepped by threads of the trainer's process; the
-            trainer's torch.distributed world must then have one rank) or "subprocess" (one
-            process per engine; on GPU each engine owns ``tensor_parallel`` GPUs).
+            trainer's torch.distributed world must then have one rank), "subprocess" (one
+            process per engine; on GPU each engine owns ``tensor_parallel`` GPUs) or "remote"
+            (engines are tasks of their own, e.g. on other nodes of a Slurm job, that connect
+            to the pool: ``megatron_rl.launch.bridge``).
         temperature / top_p: sampling settings.
         samples_per_prompt: n samples drawn for every prompt.
         max_tokens: response length cap (with interruptions: for samples that close their
@@ -91,7 +93,7 @@ class RolloutConfig:
     """
 
     engines: int = 1
-    placement: Literal["in_process", "subprocess"] = "in_process"
+    placement: Literal["in_process", "subprocess", "remote"] = "in_process"
     temperature: float = 1.0
     top_p: float = 1.0
     samples_per_prompt: int = 16

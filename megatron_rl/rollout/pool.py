@@ -9,7 +9,9 @@ Typical use (PipelineRL)::
     pool.close()
 
 ``generate(prompts)`` is the blocking form. The pool is driven from one thread; the engines
-run on their own threads (``placement: in_process``) or processes (``subprocess``).
+run on their own threads (``placement: in_process``), processes (``subprocess``) or tasks
+that connect over TCP (``remote``, see ``megatron_rl.launch.bridge``); all of them run
+:func:`megatron_rl.rollout.runner.run_engine` behind the same three queues.
 """
 
 from __future__ import annotations
@@ -99,6 +101,12 @@ class GeneratorPool:
         config = self.config
         if not get_platform().is_gpu and (config.tensor_parallel > 1 or config.gpu_ids):
             raise ValueError("rollout.tensor_parallel / gpu_ids need GPUs; this machine has none")
+        if config.placement == "remote":  # engine tasks connect to us (megatron_rl.launch)
+            from megatron_rl.launch.bridge import accept_engines
+
+            self._events = queue.Queue()
+            handles = accept_engines(config.engines, self.hf_dir, config, settings, self._events)
+            return [_Engine(h.index, h.commands, h.weights, h.worker) for h in handles]
         if config.placement == "in_process":
             _check_one_rank_world()
             self._events = queue.Queue()
@@ -259,7 +267,9 @@ class GeneratorPool:
         if kv_on_push not in ("keep", "recompute"):
             raise ValueError(f"kv_on_push must be 'keep' or 'recompute', got {kv_on_push!r}")
         version = self.version + 1
-        pack = tensors_update if self.config.placement == "in_process" else shared_update
+        # a subprocess engine reads one shared buffer; in-process and remote engines (the
+        # bridge serialises tensors itself) take the tensors as they are
+        pack = shared_update if self.config.placement == "subprocess" else tensors_update
         start = time.perf_counter()
         for engine in self._engines:
             engine.commands.put(("push", version, kv_on_push))
