@@ -60,8 +60,9 @@ class RolloutConfig:
 
     Attributes:
         engines: number of vLLM engines (N >= 1); prompts are spread over them.
-        placement: "in_process" (engines stepped by threads of the trainer's process; the
-            trainer's torch.distributed world must then have one rank), "subprocess" (one
+        placement: "in_process" (engines stepped by threads of the trainer's process, taking
+            turns: vLLM's state is process-wide; the trainer's torch.distributed world must
+            have one rank, and dense and MoE engines cannot mix), "subprocess" (one
             process per engine; on GPU each engine owns ``tensor_parallel`` GPUs) or "remote"
             (engines are tasks of their own, e.g. on other nodes of a Slurm job, that connect
             to the pool: ``megatron_rl.launch.bridge``).
