@@ -1,0 +1,95 @@
+"""A generator task: one vLLM engine served to the trainer over TCP.
+
+    python -m megatron_rl.launch.generator [--connect HOST:PORT] [--engine N]
+
+Run by the sbatch script of ``megatron-rl launch`` (one task per engine, ``--engine`` =
+``SLURM_PROCID``); the address and the key come from ``$MEGATRON_RL_GENERATOR_ADDR`` and
+``$MEGATRON_RL_GENERATOR_KEY``. The task connects to the trainer (retrying until it listens),
+receives the model directory and the rollout settings, and runs the same engine loop as the
+pool's other placements until the trainer sends ``stop`` (exit 0) or goes away (exit 3).
+
+SIGTERM and SIGUSR1 are logged and otherwise ignored: at preemption or the pre-timeout
+signal the trainer still needs its engines to finish the step it checkpoints at; the trainer
+ends the engines when it is done (and Slurm's SIGKILL ends them in the worst case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from megatron_rl.launch import bridge
+
+logger = logging.getLogger("megatron_rl.launch.generator")
+
+
+def _parse_address(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def _note_signal(signum: int, frame) -> None:
+    logger.warning(
+        "%s: keeping the engine up until the trainer stops it", signal.Signals(signum).name
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve one engine to the trainer; returns the exit status (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.launch.generator")
+    parser.add_argument(
+        "--connect",
+        type=_parse_address,
+        default=None,
+        help=f"the trainer's HOST:PORT (default: ${bridge.ADDR_ENV})",
+    )
+    parser.add_argument(
+        "--engine",
+        type=int,
+        default=int(os.environ.get("SLURM_PROCID", 0)),
+        help="this engine's index in the pool (default: $SLURM_PROCID)",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=None,
+        help=f"seconds to wait for the trainer (default: ${bridge.CONNECT_TIMEOUT_ENV} or "
+        f"{bridge.DEFAULT_CONNECT_TIMEOUT:.0f})",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # The engine forms its own one-process world: the trainer's rendezvous variables, which
+    # the job exports to every task, would only confuse it.
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, _note_signal)
+    try:
+        address = args.connect or bridge.address_from_env()
+        authkey = bridge.authkey_from_env()
+        timeout = args.connect_timeout or bridge.seconds_from_env(
+            bridge.CONNECT_TIMEOUT_ENV, bridge.DEFAULT_CONNECT_TIMEOUT
+        )
+        logger.info("engine %d: connecting to the trainer at %s:%d", args.engine, *address)
+        link = bridge.connect(address, authkey, timeout)
+    except (ValueError, ConnectionError) as err:
+        logger.error("engine %d: %s", args.engine, err)
+        return 2
+    try:
+        status = bridge.serve_engine(link, args.engine)
+    finally:
+        link.close()
+    logger.info("engine %d: exiting with status %d", args.engine, status)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

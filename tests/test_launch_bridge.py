@@ -1,0 +1,217 @@
+"""The TCP bridge between the generator pool and engine tasks (megatron_rl.launch.bridge).
+
+The engine side runs a scripted runner with the real runner's queue protocol, on threads of
+this process; the vLLM engine itself is exercised by the Slurm test.
+"""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.launch import bridge
+from megatron_rl.rollout.buckets import shared_update, tensors_update, unpack_views
+from megatron_rl.rollout.samples import Sample
+from megatron_rl.rollout.spawn import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def scripted_runner(index, hf_dir, config, settings, commands, weights_get, events):
+    """The runner's protocol without vLLM: echoes submits, reports pushed tensors."""
+    events.put(("ready", index, {"max_model_len": 64, "hf_dir": hf_dir, "config": config}))
+    while True:
+        command = commands.get()
+        if command[0] == "stop":
+            events.put(("stopped", index))
+            return
+        if command[0] == "fail":
+            events.put(("error", index, "Traceback: scripted failure"))
+            return
+        if command[0] == "submit":
+            samples = [
+                Sample(s.prompt_index, s.sample_index, list(s.prompt_ids)) for s in command[1]
+            ]
+            events.put(("samples", index, samples, None))
+        elif command[0] == "push":
+            received = {}
+            while (update := weights_get()) is not None:
+                views = unpack_views(
+                    update["buffer"], update["dtype_names"], update["shapes"], update["offsets"]
+                )
+                received.update({n: v.clone() for n, v in zip(update["names"], views)})
+            events.put(("pushed", index, command[1], 0.0, len(received), 0, None))
+            events.put(("received", index, received))
+
+
+@pytest.fixture
+def job_env(monkeypatch):
+    port = free_port()
+    monkeypatch.setenv(bridge.ADDR_ENV, f"127.0.0.1:{port}")
+    monkeypatch.setenv(bridge.KEY_ENV, "0123456789abcdef0123")
+    return ("127.0.0.1", port), b"0123456789abcdef0123"
+
+
+def start_engine_task(address, authkey, index, results, runner=scripted_runner):
+    def task():
+        link = bridge.connect(address, authkey, timeout=20)
+        results[index] = bridge.serve_engine(link, index, runner)
+        link.close()
+
+    thread = threading.Thread(target=task, daemon=True)
+    thread.start()
+    return thread
+
+
+def next_event(events, kind, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        event = events.get(timeout=deadline - time.monotonic())
+        if event[0] == kind:
+            return event
+    raise AssertionError(f"no {kind} event")
+
+
+def weight_bucket():
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("w.bf16", torch.randn(5, 7, generator=g).to(torch.bfloat16)),
+        ("w.f32.transposed", torch.randn(3, 4, generator=g).t()),  # not contiguous
+        ("w.i64", torch.arange(-3, 6, dtype=torch.int64).reshape(3, 3)),
+        ("w.bool", torch.tensor([True, False, True])),
+        ("w.scalar", torch.tensor(2.5)),
+        ("w.empty", torch.empty(0, 4)),
+    ]
+
+
+def test_commands_weights_and_events_cross_the_connection_exactly(job_env):
+    address, key = job_env
+    results: dict[int, int] = {}
+    tasks = [start_engine_task(address, key, i, results) for i in (1, 0)]  # any order
+    events: queue.Queue = queue.Queue()
+    engines = bridge.accept_engines(2, "/models/hf", {"engines": 2}, None, events)
+    assert [e.index for e in engines] == [0, 1]
+    ready = [next_event(events, "ready"), next_event(events, "ready")]
+    assert {e[1] for e in ready} == {0, 1}
+    assert all(e[2]["hf_dir"] == "/models/hf" and e[2]["config"] == {"engines": 2} for e in ready)
+
+    bucket = weight_bucket()
+    for engine in engines:
+        engine.commands.put(("push", 1, "keep"))
+        engine.weights.put(tensors_update(bucket[:3]))  # tensors form (in-process pools)
+        engine.weights.put(shared_update(bucket[3:]))  # flat-buffer form (subprocess pools)
+        engine.weights.put(None)
+    for _ in engines:
+        index, received = next_event(events, "received")[1:]
+        assert list(received) == [name for name, _ in bucket]
+        for name, tensor in bucket:
+            assert received[name].dtype == tensor.dtype and received[name].shape == tensor.shape
+            assert torch.equal(received[name], tensor), (index, name)
+
+    from megatron_rl.rollout.runner import RequestSpec
+
+    engines[1].commands.put(("submit", [RequestSpec(7, 0, (1, 2, 3), 8, 1.0, 1.0)]))
+    samples = next_event(events, "samples")
+    assert samples[1] == 1 and samples[2][0].prompt_ids == [1, 2, 3]
+
+    for engine in engines:
+        engine.commands.put(("stop",))
+    for engine in engines:
+        engine.join(timeout=10)
+    for task in tasks:
+        task.join(timeout=10)
+    assert results == {0: 0, 1: 0}  # both engine tasks exit 0 after stop
+
+
+def test_engine_task_that_goes_away_is_dead_and_pushes_to_it_fail_clearly(job_env):
+    address, key = job_env
+    events: queue.Queue = queue.Queue()
+    link_box = {}
+
+    def vanishing_task():
+        link = bridge.connect(address, key, timeout=20)
+        link.send(("hello", 0, {"host": "test", "pid": 0}))
+        link_box["init"] = link.recv()
+        link.close()  # the task dies
+
+    thread = threading.Thread(target=vanishing_task, daemon=True)
+    thread.start()
+    (engine,) = bridge.accept_engines(1, "/hf", None, None, events)
+    thread.join(timeout=10)
+    assert link_box["init"][0] == "init"
+    deadline = time.monotonic() + 10
+    while engine.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.is_alive()
+    with pytest.raises(ConnectionError, match="generator engine 0"):
+        for _ in range(50):  # the first sends may still land in the socket buffer
+            engine.weights.put(tensors_update(weight_bucket()))
+
+
+def test_silent_engine_counts_as_dead_after_the_timeout(job_env, monkeypatch):
+    address, key = job_env
+    monkeypatch.setenv(bridge.TIMEOUT_ENV, "0.5")
+    events: queue.Queue = queue.Queue()
+
+    def silent_task():  # connected, never sends a heartbeat
+        link = bridge.connect(address, key, timeout=20)
+        link.send(("hello", 0, {"host": "test", "pid": 0}))
+        link.recv()
+        time.sleep(5)
+        link.close()
+
+    threading.Thread(target=silent_task, daemon=True).start()
+    (engine,) = bridge.accept_engines(1, "/hf", None, None, events)
+    assert engine.is_alive()
+    time.sleep(0.8)
+    assert not engine.is_alive()
+
+
+def test_engine_task_exits_3_when_the_trainer_goes_away_and_1_when_its_engine_fails(job_env):
+    address, key = job_env
+    results: dict[int, int] = {}
+    tasks = [start_engine_task(address, key, i, results) for i in (0, 1)]
+    events: queue.Queue = queue.Queue()
+    engines = bridge.accept_engines(2, "/hf", None, None, events)
+    next_event(events, "ready"), next_event(events, "ready")
+    engines[0].terminate()  # no stop command: the trainer crashed
+    engines[1].commands.put(("fail",))
+    assert next_event(events, "error")[2] == "Traceback: scripted failure"
+    for task in tasks:
+        task.join(timeout=15)
+    assert results == {0: 3, 1: 1}
+
+
+def test_missing_engine_is_named_after_the_connect_timeout_and_bad_index_rejected(
+    job_env, monkeypatch
+):
+    address, key = job_env
+    monkeypatch.setenv(bridge.CONNECT_TIMEOUT_ENV, "3")
+    results: dict[int, int] = {}
+    start_engine_task(address, key, 5, results)  # out of range: rejected
+    start_engine_task(address, key, 0, results)
+    with pytest.raises(RuntimeError, match=r"generator engine\(s\) \[1\] did not connect"):
+        bridge.accept_engines(2, "/hf", None, None, queue.Queue())
+    assert results.get(5) == 4
+
+
+def test_generator_entry_reports_a_missing_job_environment_and_an_absent_trainer(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "megatron_rl.launch.generator"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and bridge.ADDR_ENV in proc.stderr
+    env.update(
+        {bridge.ADDR_ENV: f"127.0.0.1:{free_port()}", bridge.KEY_ENV: "k" * 32, "SLURM_PROCID": "3"}
+    )
+    proc = subprocess.run(
+        [*cmd, "--connect-timeout", "2"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "engine 3" in proc.stderr and "did not accept a connection within 2 s" in proc.stderr
