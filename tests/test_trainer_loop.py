@@ -82,47 +82,6 @@ def test_pipeline_rl_run_invariants(tmp_path):
     assert (run_dir / "checkpoints" / "step_00000006" / "meta.json").is_file()
 
 
-def test_zero_variance_fraction_matches_group_pass_rates(tmp_path):
-    run_dir = tmp_path / "run"
-    run_train(
-        run_dir,
-        "training.max_steps=3",
-        "off_policy.mode=ppo",
-        "off_policy.k=1",
-        "validation.enabled=false",
-    )
-    for r in [r for r in records(run_dir) if "reward_mean" in r]:
-        mixed = [0.0 < p < 1.0 for p in r["group_pass_rates"]]
-        assert r["effective_batch_fraction"] == pytest.approx(sum(mixed) / len(mixed))
-
-
-def test_retired_prompts_stop_appearing(tmp_path):
-    run_dir = tmp_path / "run"
-    # A tiny training set seen over several epochs; retire at pass rate >= 0.5.
-    run_train(
-        run_dir,
-        "training.max_steps=8",
-        "off_policy.mode=ppo",
-        "off_policy.k=1",
-        "data.synthetic.num_problems=28",
-        "algorithm.npr_threshold=0.5",
-        "validation.enabled=false",
-    )
-    passes, seen, retired_at = {}, {}, {}
-    for r in [r for r in records(run_dir) if "reward_mean" in r]:
-        for pid, rate in zip(r["prompt_ids"], r["group_pass_rates"]):
-            assert pid not in retired_at, (
-                f"prompt {pid} retired at step {retired_at.get(pid)} reappeared"
-            )
-            passes[pid] = passes.get(pid, 0.0) + rate
-            seen[pid] = seen.get(pid, 0) + 1
-            if passes[pid] / seen[pid] >= 0.5:
-                retired_at[pid] = r["step"]
-    assert retired_at and max(
-        r["npr_retired"] for r in records(run_dir) if "npr_retired" in r
-    ) == len(retired_at)
-
-
 def _kill_after_checkpoint(run_dir: Path, step: int, *overrides: str) -> None:
     """Start a run, SIGKILL it once checkpoint ``step`` is complete."""
     import signal
@@ -164,11 +123,16 @@ def _comparable(recs: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in recs]
 
 
+# PPO-off-policy-1 over a 12-prompt training set (several epochs), retiring prompts at a
+# pass rate >= 0.25, so that the resume also has to restore the pass-rate history.
 PPO_ARGS = (
-    "training.max_steps=4",
+    "training.max_steps=6",
     "off_policy.mode=ppo",
     "off_policy.k=1",
-    "checkpoint.every_steps=2",
+    "checkpoint.every_steps=3",
+    "validation.every_steps=3",
+    "data.synthetic.num_problems=28",
+    "algorithm.npr_threshold=0.25",
 )
 
 
@@ -181,18 +145,41 @@ def ppo_full_run(tmp_path_factory):
 
 def test_ppo_run_learns_from_its_batches(ppo_full_run):
     steps = [r for r in records(ppo_full_run) if "reward_mean" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1)) and steps
     assert all(r["staleness_max"] == 0 for r in steps)  # PPO-off-policy-1: on-policy
     assert any(r["grad_norm"] > 0 for r in steps)  # some groups had reward variance
+
+
+def test_zero_variance_fraction_matches_group_pass_rates(ppo_full_run):
+    for r in [r for r in records(ppo_full_run) if "reward_mean" in r]:
+        mixed = [0.0 < p < 1.0 for p in r["group_pass_rates"]]
+        assert r["effective_batch_fraction"] == pytest.approx(sum(mixed) / len(mixed))
+
+
+def test_retired_prompts_stop_appearing(ppo_full_run):
+    passes, seen, retired_at = {}, {}, {}
+    steps = [r for r in records(ppo_full_run) if "reward_mean" in r]
+    for r in steps:
+        for pid, rate in zip(r["prompt_ids"], r["group_pass_rates"]):
+            assert pid not in retired_at, (
+                f"prompt {pid} retired at step {retired_at[pid]} reappeared"
+            )
+            passes[pid] = passes.get(pid, 0.0) + rate
+            seen[pid] = seen.get(pid, 0) + 1
+            if passes[pid] / seen[pid] >= 0.25:
+                retired_at[pid] = r["step"]
+    assert retired_at and steps[-1]["npr_retired"] == len(retired_at)
+    assert len(seen) == 12  # the whole training set was drawn before retirement mattered
 
 
 def test_ppo_resume_after_sigkill_matches_uninterrupted_run(ppo_full_run, tmp_path):
     import torch
 
     resumed = tmp_path / "resumed"
-    _kill_after_checkpoint(resumed, 2, *PPO_ARGS)
+    _kill_after_checkpoint(resumed, 3, *PPO_ARGS)
     run_train(resumed, *PPO_ARGS)
-    a, b = _final_weights(ppo_full_run, 4), _final_weights(resumed, 4)
+    last = max(r["step"] for r in records(ppo_full_run))
+    a, b = _final_weights(ppo_full_run, last), _final_weights(resumed, last)
     assert a.keys() == b.keys() and a
     for key in a:
         assert torch.allclose(a[key], b[key], atol=1e-5), key

@@ -19,7 +19,7 @@ class SimulatedPool:
         self._live: dict[int, list[Sample]] = {}
         self.submitted: list[int] = []
 
-    def submit(self, prompts, samples_per_prompt):
+    def submit(self, prompts, samples_per_prompt, seeds=None):
         out = []
         for prompt in prompts:
             index = self._next

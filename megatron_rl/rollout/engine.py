@@ -217,8 +217,10 @@ class VLLMEngine:
         top_p: float,
         stop_token_ids: list[int],
         cache_salt: str | None = None,
+        seed: int | None = None,
     ) -> None:
-        """Queue a request; its tokens come back from :meth:`step` as deltas."""
+        """Queue a request; its tokens come back from :meth:`step` as deltas. With ``seed``
+        the request samples from its own generator (reproducible whatever else runs)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -234,6 +236,7 @@ class VLLMEngine:
             ignore_eos=True,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
+            seed=seed,
         )
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
         if cache_salt is not None and self.config.prefix_caching:

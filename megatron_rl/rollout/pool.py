@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -63,11 +64,13 @@ class GeneratorPool:
         config: RolloutConfig,
         encode: Callable[[str], list[int]] | None = None,
         wait: bool = True,
+        initial_version: int = 0,
     ) -> None:
         config.validate()
         self.config = config
         self.hf_dir = str(hf_dir)
-        self.version = 0
+        # A resumed trainer continues its numbering: the next push is initial_version + 1.
+        self.version = initial_version
         self._hf = _text_config(self.hf_dir)
         self.policy = None
         if config.interruption.enabled:
@@ -162,10 +165,13 @@ class GeneratorPool:
         max_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[int]:
         """Queue ``samples_per_prompt`` samples of every prompt (token ids); returns the
         prompts' indices (``Sample.prompt_index``). Settings default to the config's;
-        ``temperature=0`` samples greedily (evaluation)."""
+        ``temperature=0`` samples greedily (evaluation). ``seeds`` (one per prompt) make the
+        samples (and their thinking budgets) reproducible: sample j of a prompt with seed s
+        uses the seeds derived from (s, j), whichever engine runs it and whatever else runs."""
         self._check_open()
         n = samples_per_prompt or self.config.samples_per_prompt
         max_tokens = max_tokens or self.config.max_tokens
@@ -176,14 +182,19 @@ class GeneratorPool:
                 f"invalid sampling settings: samples_per_prompt={n} max_tokens={max_tokens} "
                 f"temperature={temperature} top_p={top_p}"
             )
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         indices = []
-        for prompt in prompts:
+        for p, prompt in enumerate(prompts):
             ids = self._check_prompt(prompt)
             index = self._next_prompt
             self._next_prompt += 1
+            sample_seeds = (
+                [None] * n if seeds is None else [_sample_seed(seeds[p], j) for j in range(n)]
+            )
             specs = [
-                RequestSpec(index, j, ids, max_tokens, temperature, top_p, self._budget())
-                for j in range(n)
+                RequestSpec(index, j, ids, max_tokens, temperature, top_p, self._budget(seed), seed)
+                for j, seed in enumerate(sample_seeds)
             ]
             engine = min(self._engines, key=lambda e: e.outstanding)  # least loaded
             engine.commands.put(("submit", specs))
@@ -363,8 +374,12 @@ class GeneratorPool:
                 raise RuntimeError(f"vLLM engine {engine.index} exited unexpectedly")
 
     # -- checks and shutdown ----------------------------------------------------------------
-    def _budget(self) -> int | None:
-        return None if self.policy is None else self.policy.draw_budget()
+    def _budget(self, seed: int | None = None) -> int | None:
+        if self.policy is None:
+            return None
+        if seed is None:
+            return self.policy.draw_budget()
+        return random.Random(seed).randint(*self.policy.budget_range)
 
     def _check_prompt(self, prompt: Sequence[int]) -> tuple[int, ...]:
         ids = tuple(int(t) for t in prompt)
@@ -434,3 +449,8 @@ def _hf_encoder(hf_dir: str) -> Callable[[str], list[int]]:
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+
+def _sample_seed(prompt_seed: int, sample_index: int) -> int:
+    """Seed of sample ``sample_index`` of a prompt seeded ``prompt_seed`` (63-bit)."""
+    return (int(prompt_seed) * 1_000_003 + sample_index * 7_919 + 1) % (2**63 - 1)

@@ -45,6 +45,7 @@ class RequestSpec:
     temperature: float
     top_p: float
     budget: int | None = None
+    seed: int | None = None  # sampling seed: the same request draws the same tokens anywhere
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,8 @@ class EngineRunner:
             list(self.settings.stop_token_ids),
             # prefix-cache blocks are shared only among requests of one policy version
             cache_salt=f"v{self.version}",
+            # the answer phase after an interruption is a new request: a different stream
+            seed=None if track.spec.seed is None else track.spec.seed + (track.phase != "think"),
         )
 
     def _advance(self, track: _Track, delta) -> None:

@@ -23,7 +23,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
     """Run (or resume) the recipe in ``run_dir``. Returns a process exit code."""
     run = build_run(config, Path(run_dir))
     step, carry = resume_or_warm_start(run)
-    pool = start_generators(run)
+    pool = start_generators(run, step)
+    run.step = step
     source = RolloutSource(
         pool,
         run.sampler.next_prompts,
@@ -32,6 +33,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
         config.batch.samples_per_prompt,
         config.off_policy.mode,
         _lag(config),
+        seed_of=lambda prompt_id: _sampling_seed(config.seed, prompt_id, run.step),
     )
     source.submit(carry)  # prompts in flight at the last checkpoint are regenerated
     stop = _StopFlag(config.checkpoint.on_signals)
@@ -63,7 +65,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
                 temperature=config.rollout.temperature,
             )
             run.scheduler.step()
-            step += 1
+            step = run.step = step + 1
             t2 = time.perf_counter()
             push = push_weights(run, pool) if source.wants_push() else None
             record = step_record(run, step, info, result, t0, t1, t2, push, pool)
@@ -145,6 +147,7 @@ def validate(run: Run, pool, step: int) -> float:
     t0 = time.perf_counter()
     samples = pool.generate(
         [run.encode(i) for i in ids],
+        seeds=[_sampling_seed(run.config.seed, -1 - i, step) for i in ids],
         samples_per_prompt=cfg.samples_per_prompt,
         temperature=cfg.temperature,
     )
@@ -215,8 +218,9 @@ def warm_start(run: Run) -> None:
     run.metrics.log({"step": 0, "gpu_hours": run.clock.gpu_hours, "warm_start_loss": losses[-1]})
 
 
-def start_generators(run: Run):
-    """The vLLM pool, started from the run's HF directory and synced to the trainer's weights."""
+def start_generators(run: Run, step: int):
+    """The vLLM pool, started from the run's HF directory and synced to the trainer's weights
+    (policy version ``step + 1`` after the first push, so a resumed run numbers as before)."""
     from megatron_rl.rollout.pool import GeneratorPool
 
     tok = run.tokenizer
@@ -227,6 +231,7 @@ def start_generators(run: Run):
         str(run.hf_dir),
         run.config.rollout,
         encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
+        initial_version=step,
     )
     push_weights(run, pool)  # warm-started or resumed weights
     return pool
@@ -277,6 +282,11 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         record.update(push_seconds=push.seconds, push_gb_per_s=push.gb_per_second)
     record["gen_tokens_per_s"] = info["response_tokens"] / max(record["step_seconds"], 1e-9)
     return record
+
+
+def _sampling_seed(seed: int, prompt_id: int, step: int) -> int:
+    """Sampling seed of a prompt submitted at ``step``: the same in a resumed run."""
+    return (seed * 1_000_003 + prompt_id * 10_007 + step * 101 + 17) % (2**62)
 
 
 def _lag(config: RunConfig) -> int:

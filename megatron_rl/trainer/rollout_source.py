@@ -64,6 +64,7 @@ class RolloutSource:
         samples_per_prompt: int,
         mode: str,
         k: int,
+        seed_of: Callable[[int], int] | None = None,
     ) -> None:
         self.pool = pool
         self.next_prompt_ids = next_prompt_ids
@@ -72,6 +73,7 @@ class RolloutSource:
         self.samples_per_prompt = samples_per_prompt
         self.mode = mode
         self.k = k
+        self.seed_of = seed_of  # prompt id -> sampling seed (reproducible generation)
         self._groups: dict[int, Group] = {}  # pool prompt index -> group
         self._ready: list[Group] = []
         self._ppo_queue: list[list[Group]] = []
@@ -98,7 +100,10 @@ class RolloutSource:
     def submit(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             return
-        indices = self.pool.submit([self.encode(p) for p in prompt_ids], self.samples_per_prompt)
+        seeds = [self.seed_of(p) for p in prompt_ids] if self.seed_of else None
+        indices = self.pool.submit(
+            [self.encode(p) for p in prompt_ids], self.samples_per_prompt, seeds=seeds
+        )
         for index, prompt_id in zip(indices, prompt_ids):
             self._groups[index] = Group(prompt_id, self.samples_per_prompt, self.pool.version)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ class Run:
     metrics: Any
     clock: Any
     prompt_tokens: dict[int, list[int]]
+    encode: Callable[[int], list[int]]  # prompt id -> prompt token ids (cached)
+    step: int = 0  # optimizer steps done
 
 
 def prepare_hf_dir(config: RunConfig, run_dir: Path) -> Path:
@@ -152,6 +155,6 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
         metrics=MetricsLogger(run_dir, tensorboard=config.logging.tensorboard),
         clock=ComputeClock(devices),
         prompt_tokens=prompt_tokens,
+        encode=encode,
     )
-    run.encode = encode
     return run
