@@ -1,0 +1,181 @@
+"""The tiny recipe through `megatron-rl launch` on a real Slurm cluster (tools/local_slurm.sh).
+
+Skipped unless a cluster answers: ``$SLURM_CONF`` set (or the env file that
+``tools/local_slurm.sh start`` writes) and ``sinfo`` showing a usable node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
+ENV_FILE = Path(os.environ.get("MEGATRON_RL_SLURM_DIR", "/tmp/megatron_rl_slurm")) / "env"
+SMALL = [
+    "warm_start.steps=20",
+    "data.val_size=16",
+    "data.synthetic.num_problems=200",
+    "batch.prompts_per_step=4",
+    "batch.samples_per_prompt=4",
+    "validation.samples_per_prompt=2",
+    "logging.tensorboard=false",
+    "logging.progress_bar=false",
+]
+JOB_SECONDS = 400  # a run takes about a minute here; the machine is shared
+
+
+def _slurm_env() -> dict[str, str] | None:
+    env = dict(os.environ)
+    if "SLURM_CONF" not in env and ENV_FILE.is_file():
+        match = re.search(r"SLURM_CONF=(\S+)", ENV_FILE.read_text())
+        if match:
+            env["SLURM_CONF"] = match.group(1)
+    if "SLURM_CONF" not in env or not shutil.which("sbatch"):
+        return None
+    try:
+        state = subprocess.run(
+            ["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if state.returncode != 0 or not re.search(r"idle|mix|alloc", state.stdout):
+        return None
+    return env
+
+
+SLURM_ENV = _slurm_env()
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.timeout(2 * JOB_SECONDS),
+    pytest.mark.skipif(SLURM_ENV is None, reason="no Slurm cluster (tools/local_slurm.sh start)"),
+]
+
+
+def slurm(*cmd: str) -> str:
+    proc = subprocess.run(cmd, env=SLURM_ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"{cmd}: {proc.stderr}"
+    return proc.stdout
+
+
+def launch(run_dir: Path, *overrides: str) -> str:
+    """Submit the tiny recipe; returns the job id."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "launch", TINY, *SMALL, *overrides]
+        + ["--device", "cpu", "--run-dir", str(run_dir)],
+        env=SLURM_ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return re.search(r"submitted job (\d+)", proc.stdout).group(1)
+
+
+def job_fields(job: str) -> dict[str, str]:
+    text = slurm("scontrol", "show", "job", job)
+    return dict(re.findall(r"(\w+)=(\S+)", text))
+
+
+def wait_for(predicate, what: str, run_dir: Path, timeout: float = JOB_SECONDS):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    logs = "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in (run_dir / "logs").glob("*"))
+    raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+
+def finished(job: str) -> dict[str, str] | None:
+    fields = job_fields(job)
+    done = fields["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+    return fields if done else None
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def log(run_dir: Path, job: str, role: str) -> str:
+    return (run_dir / "logs" / f"tiny_cpu-{job}-{role}.log").read_text(errors="replace")
+
+
+def task_line(text: str, role: str) -> dict[str, str]:
+    line = re.search(rf"megatron-rl task: role={role} (.*)", text).group(1)
+    return dict(re.findall(r"(\w+)=(\S+)", line))
+
+
+def test_tiny_recipe_runs_as_a_trainer_task_and_a_generator_task(tmp_path):
+    run_dir = tmp_path / "run"
+    job = launch(
+        run_dir, "training.max_steps=4", "validation.every_steps=2", "checkpoint.save_at_end=false"
+    )
+    fields = wait_for(lambda: finished(job), f"job {job} to finish", run_dir)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log(
+        run_dir, job, "batch"
+    )
+
+    recs = records(run_dir)
+    assert [r["step"] for r in recs if "reward_mean" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in recs if "val_pass_rate" in r] == [0, 2, 4]
+
+    trainer, generator = log(run_dir, job, "trainer"), log(run_dir, job, "generator")
+    t, g = task_line(trainer, "trainer"), task_line(generator, "generator")
+    # two Slurm steps of one job, each with its own task and process
+    assert (t["rank"], t["world_size"], t["procid"], g["engine"]) == ("0", "1", "0", "0")
+    assert t["step"] != g["step"] and t["pid"] != g["pid"]
+    # every weight push crossed into the generator's process: the first push (version 1) and
+    # one after each of the 4 updates, all logged by the engine task's own process
+    loads = re.findall(r"engine 0: loaded policy version (\d+) \((\d+) tensors", generator)
+    assert [int(v) for v, _ in loads] == [1, 2, 3, 4, 5]
+    assert all(int(n) > 0 for _, n in loads)
+    assert "generator engine 0 connected" in trainer
+    assert "training finished" in log(run_dir, job, "batch")
+
+
+def test_pre_timeout_signal_checkpoints_requeues_and_resumes_with_every_step_once(tmp_path):
+    run_dir = tmp_path / "run"
+    max_steps = 20
+    job = launch(
+        run_dir,
+        f"training.max_steps={max_steps}",
+        "validation.every_steps=5",
+        "checkpoint.every_steps=100",  # only the signal's and the final checkpoint
+    )
+    wait_for(lambda: any("reward_mean" in r for r in records(run_dir)), "the first step", run_dir)
+    slurm("scancel", "--signal=USR1", "--batch", job)  # what Slurm sends before the limit
+
+    def requeued():
+        fields = job_fields(job)
+        return fields if fields["Restarts"] == "1" and fields["JobState"] == "PENDING" else None
+
+    wait_for(requeued, "the requeue", run_dir)
+    slurm("scontrol", "update", f"jobid={job}", "starttime=now")  # skip Slurm's ~2 min hold
+    fields = wait_for(lambda: finished(job), f"job {job} to finish", run_dir)
+    batch = log(run_dir, job, "batch")
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1")
+    assert "requeueing job" in batch and "(restart 1)" in batch
+
+    trainer = log(run_dir, job, "trainer")
+    stopped = int(re.search(r"stopping on SIGUSR1 after checkpointing step (\d+)", trainer)[1])
+    assert 1 <= stopped < max_steps, "the signal must land mid-run"
+    assert re.search(rf"resumed from \S+ at step {stopped}\b", trainer)
+    recs = records(run_dir)
+    assert [r["step"] for r in recs if "reward_mean" in r] == list(range(1, max_steps + 1))
+    assert [r["step"] for r in recs if "val_pass_rate" in r] == [0, 5, 10, 15, 20]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{max_steps:08d}"
