@@ -179,3 +179,21 @@ def test_pre_timeout_signal_checkpoints_requeues_and_resumes_with_every_step_onc
     assert [r["step"] for r in recs if "reward_mean" in r] == list(range(1, max_steps + 1))
     assert [r["step"] for r in recs if "val_pass_rate" in r] == [0, 5, 10, 15, 20]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{max_steps:08d}"
+
+
+def test_a_killed_generator_task_ends_the_job_with_the_failure_in_the_logs(tmp_path):
+    run_dir = tmp_path / "run"
+    job = launch(run_dir, "training.max_steps=500", "validation.enabled=false")
+    wait_for(lambda: any("reward_mean" in r for r in records(run_dir)), "the first step", run_dir)
+    steps = slurm("squeue", "--steps", "--noheader", f"--jobs={job}", "--format=%i %j")
+    generator_step = re.search(r"^\s*(\S+) generator$", steps, re.M).group(1)
+    slurm("scancel", "--signal=KILL", generator_step)  # the engine dies without a word
+
+    fields = wait_for(lambda: finished(job), f"job {job} to end", run_dir, timeout=120)
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0"
+    batch, trainer = log(run_dir, job, "batch"), log(run_dir, job, "trainer")
+    assert "ERROR: the generator step failed" in batch
+    assert "ERROR: the trainer failed" in batch
+    assert "generator engine 0" in trainer and "connection lost" in trainer
+    assert "vLLM engine 0 exited unexpectedly" in trainer
+    assert len([r for r in records(run_dir) if "reward_mean" in r]) < 500
