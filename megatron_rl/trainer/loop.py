@@ -74,7 +74,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
             bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
             if config.validation.enabled and step % config.validation.every_steps == 0:
                 validate(run, pool, step)
-            if step % config.checkpoint.every_steps == 0 or stop.requested:
+            if _due(step, config.checkpoint.every_steps) or stop.requested:
                 save_checkpoint(run, step, source)
             if stop.requested:
                 logger.info("stopping on %s after checkpointing step %d", stop.requested, step)
@@ -282,6 +282,11 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         record.update(push_seconds=push.seconds, push_gb_per_s=push.gb_per_second)
     record["gen_tokens_per_s"] = info["response_tokens"] / max(record["step_seconds"], 1e-9)
     return record
+
+
+def _due(step: int, every: int) -> bool:
+    """Every ``every`` steps; 0 = never (checkpoints: only on signals and at the end)."""
+    return every > 0 and step % every == 0
 
 
 def _sampling_seed(seed: int, prompt_id: int, step: int) -> int:
