@@ -194,6 +194,11 @@ def test_a_killed_generator_task_ends_the_job_with_the_failure_in_the_logs(tmp_p
     batch, trainer = log(run_dir, job, "batch"), log(run_dir, job, "trainer")
     assert "ERROR: the generator step failed" in batch
     assert "ERROR: the trainer failed" in batch
+    # the trainer fails where it notices: waiting for samples, or pushing weights
+    assert re.search(
+        r"RuntimeError: vLLM engine 0 exited unexpectedly|ConnectionError: generator engine 0 "
+        r"\S+ connection lost",
+        trainer,
+    )
     assert "generator engine 0" in trainer and "connection lost" in trainer
-    assert "vLLM engine 0 exited unexpectedly" in trainer
     assert len([r for r in records(run_dir) if "reward_mean" in r]) < 500
