@@ -32,10 +32,26 @@ def tiny_hf_dirs(tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="session")
-def megatron_single_rank():
-    """torch.distributed + megatron parallel state with one rank (TP=PP=EP=1) in this process."""
+def ensure_megatron_single_rank() -> None:
+    """torch.distributed + megatron parallel state with one rank (TP=PP=EP=1) in this process,
+    (re)initialised if a test before tore it down (in-process conversions do)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
     from megatron_rl.platform import ParallelConfig, init_distributed
 
-    init_distributed(ParallelConfig())
+    if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        init_distributed(ParallelConfig())
+
+
+@pytest.fixture
+def megatron_single_rank():
+    ensure_megatron_single_rank()
+    yield
+
+
+@pytest.fixture(scope="module")
+def megatron_single_rank_module():
+    """Module-scoped form, for module-scoped fixtures that build models."""
+    ensure_megatron_single_rank()
     yield

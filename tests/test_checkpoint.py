@@ -15,7 +15,7 @@ from megatron_rl.trainer.state import CheckpointManager
 
 
 @pytest.fixture(scope="module")
-def model(megatron_single_rank):
+def model(megatron_single_rank_module):
     from megatron_rl.models import ModelConfig
     from megatron_rl.models.provider import build_model
     from megatron_rl.platform import ParallelConfig

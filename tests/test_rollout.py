@@ -73,7 +73,7 @@ def reference_logprobs(old, new, sample, switch: int | None, keep_kv: bool) -> t
 
 
 @pytest.fixture(scope="module")
-def dense(tiny_hf_dirs, megatron_single_rank):
+def dense(tiny_hf_dirs, megatron_single_rank_module):
     from megatron_rl.rollout.pool import GeneratorPool
 
     hf_dir = tiny_hf_dirs["tiny-llama"]

@@ -165,7 +165,11 @@ def test_pre_timeout_signal_checkpoints_requeues_and_resumes_with_every_step_onc
         return fields if fields["Restarts"] == "1" and fields["JobState"] == "PENDING" else None
 
     wait_for(requeued, "the requeue", run_dir)
-    slurm("scontrol", "update", f"jobid={job}", "starttime=now")  # skip Slurm's ~2 min hold
+    # Skip Slurm's ~2 min hold, but not within the second of the requeue: slurmd revokes the
+    # old credential at that second and kills a restart whose credential is not newer
+    # ("Job credential revoked").
+    time.sleep(2)
+    slurm("scontrol", "update", f"jobid={job}", "starttime=now")
     fields = wait_for(lambda: finished(job), f"job {job} to finish", run_dir)
     batch = log(run_dir, job, "batch")
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1")

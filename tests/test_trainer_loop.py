@@ -42,8 +42,17 @@ def train_cmd(run_dir: Path, *overrides: str) -> list[str]:
     ]
 
 
+DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def train_env() -> dict[str, str]:
+    """This process's environment for a fresh single-process trainer."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    return {**env, "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
 def run_train(run_dir: Path, *overrides: str) -> None:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = train_env()
     proc = subprocess.run(
         train_cmd(run_dir, *overrides), cwd=ROOT, env=env, capture_output=True, text=True
     )
@@ -87,7 +96,7 @@ def _kill_after_checkpoint(run_dir: Path, step: int, *overrides: str) -> None:
     import signal
     import time
 
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = train_env()
     proc = subprocess.Popen(
         train_cmd(run_dir, *overrides),
         cwd=ROOT,

@@ -16,14 +16,14 @@ from megatron_rl.trainer.warm_start import supervised_warm_start
 
 
 @pytest.fixture(scope="module")
-def base(megatron_single_rank):
+def base(megatron_single_rank_module):
     torch.manual_seed(0)
     model = build_model(ModelConfig(preset="tiny-llama", dtype="float32"), ParallelConfig())
     return model, {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
 
 @pytest.fixture
-def model(base):
+def model(base, megatron_single_rank):
     """The module-wide model, reset to its initial weights (megatron models do not deepcopy)."""
     model, state = base
     model.load_state_dict(state, strict=False)

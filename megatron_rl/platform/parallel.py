@@ -27,18 +27,21 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
 
     platform = get_platform()
     if not dist.is_initialized():
-        rank = int(os.environ.get("RANK", 0))
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
         if platform.is_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(
-            backend=platform.backend,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
-        )
+        if "WORLD_SIZE" in os.environ:  # torchrun, srun wrappers, run_local_ranks: env://
+            dist.init_process_group(backend=platform.backend, timeout=timeout)
+        else:
+            # A lone process: a private rendezvous. Nothing goes into os.environ, where child
+            # processes (a trainer started by a test, an sbatch job) would inherit the port.
+            dist.init_process_group(
+                backend=platform.backend,
+                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                rank=0,
+                world_size=1,
+                timeout=timeout,
+            )
     world = dist.get_world_size()
     model_parallel = parallel.model_parallel_size
     if world % model_parallel:
