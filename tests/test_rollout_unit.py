@@ -38,7 +38,15 @@ class FakeEngine:
         self.loaded: list = []
 
     def add(
-        self, request_id, prompt_ids, max_tokens, temperature, top_p, stop, cache_salt=None, seed=None
+        self,
+        request_id,
+        prompt_ids,
+        max_tokens,
+        temperature,
+        top_p,
+        stop,
+        cache_salt=None,
+        seed=None,
     ):
         self.added.append((request_id, list(prompt_ids), max_tokens))
         self.active[request_id] = [list(prompt_ids), 0, max_tokens, stop]
