@@ -27,3 +27,25 @@ def logits_worker(
     if dist.get_rank() == 0:
         torch.save(logits, out_path)
     destroy_distributed()
+
+
+def dp_update_worker(samples, out_path: str, world: int) -> None:
+    """Build the tiny model (seeded), one SGD policy update over ``samples``; save the params.
+    With ``world`` 2 the ranks form a DP=2 group and split the batch by groups."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_rl.algorithms.config import AlgorithmConfig
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_rl.trainer.step import policy_update
+
+    init_distributed(ParallelConfig(), seed=5)
+    model = build_model(ModelConfig(preset="tiny-llama", dtype="float32"), ParallelConfig())
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    group = parallel_state.get_data_parallel_group() if world > 1 else None
+    policy_update(model, opt, samples, AlgorithmConfig(), 3, grad_clip=0.0, dp_group=group)
+    if dist.get_rank() == 0:
+        torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out_path)
+    destroy_distributed()

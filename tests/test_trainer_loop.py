@@ -210,3 +210,26 @@ def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path):
     trained = [pid for r in records(run_dir) if "prompt_ids" in r for pid in r["prompt_ids"]]
     assert sorted(trained) == sorted(set(trained)) and len(trained) == 12
     assert [r["step"] for r in records(run_dir) if "prompt_ids" in r] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("layout", ["parallel.tensor=2", "parallel.tensor=1"], ids=["tp2", "dp2"])
+def test_two_trainer_ranks(tmp_path, layout):
+    """Two torch.distributed ranks (TP=2, or DP=2): the main rank owns the pool (an engine
+    process) and the metrics; updates, pushes and checkpoints are collective."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "megatron_rl.cli", "train", str(RECIPE), *SMALL, layout,
+        "rollout.placement=subprocess", "training.max_steps=2", "validation.every_steps=2",
+        "cluster.gpus_per_node=3", "cluster.trainer_gpus=2", "cluster.generator_gpus=1",
+        "checkpoint.every_steps=2", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    env = {**train_env(), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = records(run_dir)
+    assert [r["step"] for r in recs if "reward_mean" in r] == [1, 2]  # one writer
+    assert [r["step"] for r in recs if "val_pass_rate" in r] == [0, 2]
+    assert all(r["staleness_max"] <= 8 for r in recs if "reward_mean" in r)
+    meta = json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert meta["world_size"] == 2

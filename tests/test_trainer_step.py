@@ -115,3 +115,29 @@ def test_warm_start_lowers_the_loss(model):
     examples = [([5, 6, 7], [8, 9, 10, 2]), ([11, 12], [13, 14, 2])]
     losses = supervised_warm_start(m, examples, steps=30, lr=3e-3, batch_size=2)
     assert losses[-1] < 0.2 * losses[0]
+
+
+def test_data_parallel_update_equals_single_rank(tmp_path):
+    """Two DP ranks, each training on half the groups, make the single-rank update exactly."""
+    from mp_workers import dp_update_worker
+
+    from megatron_rl.platform import run_local_ranks
+
+    gen = torch.Generator().manual_seed(11)
+    samples = []
+    for group, rewards in enumerate([[1, -1, -1], [1, 1, 1], [-1, 1, -1], [1, -1, 1], [-1, -1, 1]]):
+        prompt = torch.randint(3, 128, (4,), generator=gen).tolist()
+        for r in rewards:
+            n = int(torch.randint(2, 7, (1,), generator=gen))
+            samples.append(
+                TrainSample(
+                    group, group, prompt, torch.randint(3, 128, (n,), generator=gen).tolist(),
+                    (-torch.rand(n, generator=gen) * 5).tolist(), [True] * n, float(r), [0] * n,
+                )
+            )  # fmt: skip
+    run_local_ranks(dp_update_worker, 1, samples, str(tmp_path / "one.pt"), 1)
+    run_local_ranks(dp_update_worker, 2, samples, str(tmp_path / "two.pt"), 2)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert one.keys() == two.keys()
+    for key in one:
+        assert torch.allclose(one[key], two[key], atol=1e-6), key

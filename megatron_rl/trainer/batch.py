@@ -47,16 +47,21 @@ class MicroBatch:
 
 
 def flat_response_tensors(
-    samples: Sequence[TrainSample], advantages: torch.Tensor, keep: torch.Tensor, offset: int = 0
+    samples: Sequence[TrainSample],
+    advantages: torch.Tensor,
+    keep: torch.Tensor,
+    ids: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Per-token tensors of the response tokens of ``samples`` (sample i has id offset + i)."""
+    """Per-token tensors of the response tokens of ``samples`` (sample i has id ``ids[i]``,
+    default i: ids must be unique over the step's whole batch, all ranks included)."""
+    ids = list(range(len(samples))) if ids is None else list(ids)
     cols: dict[str, list] = {k: [] for k in ("gen", "adv", "mask", "sid", "pid")}
     for i, s in enumerate(samples):
         n = len(s.response_tokens)
         cols["gen"].append(torch.tensor(s.gen_logprobs, dtype=torch.float32))
         cols["adv"].append(torch.full((n,), float(advantages[i])))
         cols["mask"].append(torch.tensor(s.policy_mask, dtype=torch.bool) & bool(keep[i]))
-        cols["sid"].append(torch.full((n,), offset + i, dtype=torch.long))
+        cols["sid"].append(torch.full((n,), ids[i], dtype=torch.long))
         cols["pid"].append(torch.full((n,), s.group, dtype=torch.long))
     return {k: torch.cat(v) if v else torch.empty(0) for k, v in cols.items()}
 
@@ -67,8 +72,10 @@ def make_micro_batches(
     keep: torch.Tensor,
     micro_batch_size: int,
     pad_id: int = 0,
+    ids: Sequence[int] | None = None,
 ) -> list[MicroBatch]:
     """Split samples (in order) into micro-batches of ``micro_batch_size`` sequences."""
+    ids = list(range(len(samples))) if ids is None else list(ids)
     batches = []
     for start in range(0, len(samples), micro_batch_size):
         chunk = samples[start : start + micro_batch_size]
@@ -80,12 +87,8 @@ def make_micro_batches(
             tokens[row, : len(seq)] = torch.tensor(seq)
             p = len(s.prompt_tokens)
             select[row, p - 1 : p - 1 + len(s.response_tokens)] = True
-        flat = flat_response_tensors(
-            chunk,
-            advantages[start : start + micro_batch_size],
-            keep[start : start + micro_batch_size],
-            start,
-        )
+        part = slice(start, start + micro_batch_size)
+        flat = flat_response_tensors(chunk, advantages[part], keep[part], ids[part])
         batches.append(
             MicroBatch(
                 tokens, select, flat["gen"], flat["adv"], flat["mask"], flat["sid"], flat["pid"]

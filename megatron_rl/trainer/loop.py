@@ -20,40 +20,47 @@ logger = logging.getLogger(__name__)
 
 
 def train(config: RunConfig, run_dir: Path) -> int:
-    """Run (or resume) the recipe in ``run_dir``. Returns a process exit code."""
+    """Run (or resume) the recipe in ``run_dir`` on every trainer rank. Returns an exit code.
+
+    The main rank (global rank 0) owns the generator pool, the rollout source, rewards,
+    validation and metrics; each step it broadcasts the scored batch to all ranks, which
+    update together (TP inside the model, DP by groups) and push weights collectively.
+    """
     run = build_run(config, Path(run_dir))
     step, carry = resume_or_warm_start(run)
-    pool = start_generators(run, step)
     run.step = step
-    source = RolloutSource(
-        pool,
-        run.sampler.next_prompts,
-        run.encode,
-        config.batch.prompts_per_step,
-        config.batch.samples_per_prompt,
-        config.off_policy.mode,
-        _lag(config),
-        seed_of=lambda prompt_id: _sampling_seed(config.seed, prompt_id, run.step),
-    )
-    source.submit(carry)  # prompts in flight at the last checkpoint are regenerated
+    main = _is_main()
+    pool = start_generators(run, step) if main else None
+    push_weights(run, pool)  # warm-started or resumed weights
+    source = None
+    if main:
+        source = RolloutSource(
+            pool,
+            run.sampler.next_prompts,
+            run.encode,
+            config.batch.prompts_per_step,
+            config.batch.samples_per_prompt,
+            config.off_policy.mode,
+            _lag(config),
+            seed_of=lambda prompt_id: _sampling_seed(config.seed, prompt_id, run.step),
+        )
+        source.submit(carry)  # prompts in flight at the last checkpoint are regenerated
     stop = _StopFlag(config.checkpoint.on_signals)
-    if step == 0 and config.validation.enabled and config.validation.at_start:
+    if main and step == 0 and config.validation.enabled and config.validation.at_start:
         validate(run, pool, step)
     bar = tqdm(
         total=config.training.max_steps,
         initial=step,
         desc="train",
-        disable=not config.logging.progress_bar,
+        disable=not (main and config.logging.progress_bar),
     )
     try:
-        while step < config.training.max_steps and not _budget_spent(run):
+        while step < config.training.max_steps:
             t0 = time.perf_counter()
-            try:
-                groups = source.next_batch(pool.version)
-            except PromptsExhausted:
-                logger.info("every training prompt is retired: stopping at step %d", step)
+            batch = _broadcast(next_batch(run, source, pool) if main else None)
+            if batch is None:  # every prompt retired, or the GPU-hour budget spent
                 break
-            samples, info = score_groups(run, groups, pool.version)
+            samples, info, wants_push = batch
             t1 = time.perf_counter()
             result = policy_update(
                 run.model,
@@ -62,34 +69,53 @@ def train(config: RunConfig, run_dir: Path) -> int:
                 config.algorithm,
                 _micro_batch(config, samples),
                 grad_clip=config.optimizer.grad_clip,
+                dp_group=_dp_group(),
                 temperature=config.rollout.temperature,
             )
             run.scheduler.step()
             step = run.step = step + 1
             t2 = time.perf_counter()
-            push = push_weights(run, pool) if source.wants_push() else None
-            record = step_record(run, step, info, result, t0, t1, t2, push, pool)
-            run.metrics.log(record)
-            bar.update(1)
-            bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
-            if config.validation.enabled and step % config.validation.every_steps == 0:
-                validate(run, pool, step)
-            if _due(step, config.checkpoint.every_steps) or stop.requested:
+            push = push_weights(run, pool) if wants_push else None
+            if main:
+                run.metrics.log(step_record(run, step, info, result, t0, t1, t2, push, pool))
+                bar.update(1)
+                bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
+                if config.validation.enabled and step % config.validation.every_steps == 0:
+                    validate(run, pool, step)
+            signalled = _any_rank(stop.requested is not None)
+            if _due(step, config.checkpoint.every_steps) or signalled:
                 save_checkpoint(run, step, source)
-            if stop.requested:
-                logger.info("stopping on %s after checkpointing step %d", stop.requested, step)
+            if signalled:
+                logger.info("stopping on a signal after checkpointing step %d", step)
                 return 0
-        if config.validation.enabled and step % config.validation.every_steps != 0:
+        if main and config.validation.enabled and step % config.validation.every_steps != 0:
             validate(run, pool, step)
         if config.checkpoint.save_at_end:
             save_checkpoint(run, step, source)
     finally:
         bar.close()
-        pool.close()
+        if pool is not None:
+            pool.close()
         run.rewards.close()
         run.metrics.close()
-    _plot(run)
+    if main:
+        _plot(run)
     return 0
+
+
+def next_batch(run: Run, source: RolloutSource, pool):
+    """(samples, info, wants_push) of the next step, or None when training must end (main
+    rank only)."""
+    if _budget_spent(run):
+        logger.info("GPU-hour budget spent: stopping at step %d", run.step)
+        return None
+    try:
+        groups = source.next_batch(pool.version)
+    except PromptsExhausted:
+        logger.info("every training prompt is retired: stopping at step %d", run.step)
+        return None
+    samples, info = score_groups(run, groups, pool.version)
+    return samples, info, source.wants_push()
 
 
 def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[TrainSample], dict]:
@@ -233,16 +259,16 @@ def start_generators(run: Run, step: int):
         encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
         initial_version=step,
     )
-    push_weights(run, pool)  # warm-started or resumed weights
     return pool
 
 
 def push_weights(run: Run, pool):
-    """Stream the trainer's weights (HF names, full tensors, bounded buckets) into the pool."""
-    from megatron_rl.conversion.weight_stream import iter_hf_weights
+    """Stream the trainer's weights (HF names, full tensors, bounded buckets) into the pool.
+    Every rank calls this (the gathers are collectives); ``pool`` is None off the main rank."""
+    from megatron_rl.rollout.push import push_megatron_weights
 
     with torch.no_grad():
-        return pool.push_weights(iter_hf_weights(run.model, run.config.rollout.weight_bucket_bytes))
+        return push_megatron_weights(pool, run.model, run.config.rollout.weight_bucket_bytes)
 
 
 def save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:
@@ -252,7 +278,7 @@ def save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:
         "tracker": run.tracker.state_dict() if run.tracker is not None else None,
         "clock": run.clock.state_dict(),
         "metrics_position": run.metrics.position(),
-        "in_flight": source.in_flight_prompt_ids(),
+        "in_flight": source.in_flight_prompt_ids() if source is not None else [],
     }
     run.checkpoints.save(step, run.model, run.optimizer.state_dict(), extra)
 
@@ -282,6 +308,40 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         record.update(push_seconds=push.seconds, push_gb_per_s=push.gb_per_second)
     record["gen_tokens_per_s"] = info["response_tokens"] / max(record["step_seconds"], 1e-9)
     return record
+
+
+def _is_main() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _broadcast(obj):
+    """``obj`` of global rank 0 on every rank (plain Python objects)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank if it is True on any (e.g. only some ranks got the signal)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _dp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()
 
 
 def _due(step: int, every: int) -> bool:

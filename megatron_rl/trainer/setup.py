@@ -38,6 +38,24 @@ class Run:
     step: int = 0  # optimizer steps done
 
 
+class NullMetrics:
+    """The metrics sink of trainer ranks other than the main one (which writes the files)."""
+
+    path = None
+
+    def log(self, record) -> None:
+        pass
+
+    def position(self) -> int:
+        return 0
+
+    def truncate(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def prepare_hf_dir(config: RunConfig, run_dir: Path) -> Path:
     """The HF directory the run starts from (weights + tokenizer), for vLLM and conversion.
 
@@ -105,7 +123,12 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     init_distributed(config.parallel, seed=config.seed)
-    hf_dir = prepare_hf_dir(config, run_dir)
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:  # one rank writes the initial HF directory, the others wait
+        prepare_hf_dir(config, run_dir)
+    dist.barrier()
+    hf_dir = prepare_hf_dir(config, run_dir)  # now only finds it
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model_cfg = config.model
     model_cfg.hf_path = str(hf_dir)
@@ -129,8 +152,6 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
     sampler = PromptSampler(
         data.train_ids, seed=config.data.sampler_seed, shuffle=config.data.shuffle, tracker=tracker
     )
-    import torch.distributed as dist
-
     # GPU-hours: trainer devices plus generator devices (on a CPU run: processes and engines).
     rollout = config.rollout
     devices = run_devices(
@@ -152,7 +173,11 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
         tracker=tracker,
         rewards=RewardPool(config.reward),
         checkpoints=CheckpointManager(run_dir, config.checkpoint.keep_last, hf_source_dir=hf_dir),
-        metrics=MetricsLogger(run_dir, tensorboard=config.logging.tensorboard),
+        metrics=(
+            MetricsLogger(run_dir, tensorboard=config.logging.tensorboard)
+            if dist.get_rank() == 0
+            else NullMetrics()
+        ),
         clock=ComputeClock(devices),
         prompt_tokens=prompt_tokens,
         encode=encode,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.algorithms import (
     compute_advantages,
@@ -68,15 +68,27 @@ def policy_update(
     dp_group=None,
     temperature: float = 1.0,
 ) -> StepResult:
-    """Compute the loss over all samples in micro-batches, backward, clip, step."""
+    """Compute the loss over the samples in micro-batches, backward, clip, step.
+
+    ``samples`` is the whole step's batch on every rank. With a data-parallel group, each DP
+    rank trains on the groups ``g`` with ``g % dp_size == dp_rank``; advantages and loss
+    normalisers are those of the whole batch, and gradients are summed over the group.
+    """
     adv, keep = advantages_and_keep(samples, algo)
-    flat = flat_response_tensors(samples, adv, keep)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        size, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        mine = [i for i, s in enumerate(samples) if s.group % size == rank]
+        samples = [samples[i] for i in mine]
+        adv, keep, ids = adv[mine], keep[mine], mine
+    else:
+        dp_group, ids = None, list(range(len(samples)))
+    flat = flat_response_tensors(samples, adv, keep, ids)
     norms = compute_loss_normalizers(flat["mask"], flat["sid"], flat["pid"], group=dp_group)
     params = algo.loss_params()
     model.train()
     optimizer.zero_grad(set_to_none=True)
     totals = {"loss": 0.0, "rho_sum": 0.0, "rho_max": 0.0, "clip": 0.0, "absdiff": 0.0, "n": 0}
-    for mb in make_micro_batches(samples, adv, keep, micro_batch_size):
+    for mb in make_micro_batches(samples, adv, keep, micro_batch_size, ids=ids):
         logprobs = token_logprobs(model, mb.tokens, temperature)[mb.select]
         loss, stats = policy_loss(
             algo.loss,
@@ -101,11 +113,15 @@ def policy_update(
         if n:
             totals["rho_max"] = max(totals["rho_max"], float(stats["rho_max"]))
     if dp_group is not None:
+        # Every rank reduces every parameter (a rank whose groups all had zero variance has
+        # no gradients of its own), in the same order: a SUM, see algorithms/aggregation.py.
         for p in model.parameters():
-            if p.grad is not None:
-                torch.distributed.all_reduce(p.grad, group=dp_group)  # SUM, see aggregation.py
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf))
-    if totals["n"]:
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                torch.distributed.all_reduce(p.grad, group=dp_group)
+    grad_norm = clip_grad_norm(model, grad_clip)
+    if norms.num_tokens:  # global count: every rank steps, or none does
         optimizer.step()
     n = max(totals["n"], 1)
     return StepResult(
@@ -118,3 +134,29 @@ def policy_update(
         abs_logprob_diff=totals["absdiff"] / n,
         num_tokens=totals["n"],
     )
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip by the global gradient norm over the model-parallel group; returns the norm.
+
+    Tensor-parallel shards count once each, replicated parameters once in all (megatron marks
+    shards with ``tensor_model_parallel``). megatron's own ``get_grad_norm_fp32`` allocates
+    on ``device='cuda'``, so it cannot serve the CPU path.
+    """
+    from megatron.core import parallel_state
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    square = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    for p in model.parameters():
+        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
+            square += p.grad.float().pow(2).sum()
+    if dist.is_initialized() and parallel_state.get_model_parallel_group().size() > 1:
+        dist.all_reduce(square, group=parallel_state.get_model_parallel_group())
+    norm = float(square.sqrt())
+    if max_norm and norm > max_norm:
+        for g in grads:
+            g.mul_(max_norm / (norm + 1e-6))
+    return norm
