@@ -214,8 +214,8 @@ def test_diff_keys_lists_dotted_leaves():
 
 
 def test_schema_module_imports_no_torch_of_its_own():
-    """The schema's own imports are torch-free; only megatron_rl.platform's package __init__
-    (imported for ParallelConfig) pulls torch in."""
+    """The schema's own imports are torch-free (and, with megatron_rl.platform's lazy
+    exports, nothing else pulls torch in either: see the next test)."""
     code = (
         "import sys, builtins\n"
         "real = builtins.__import__\n"
@@ -299,3 +299,18 @@ def test_recipe_file_errors_are_config_errors(tmp_path):
     assert "dotted.key=value" in error_of(TINY, ["optimizer.lr"])
     assert "'optimizer.lr' is not a section" in error_of(TINY, ["optimizer.lr.x=1"])
     assert "'optimizer': expected a mapping" in error_of(TINY, ["optimizer=3"])
+
+
+def test_loading_a_recipe_imports_no_torch():
+    """The config schema (all sections, model-shape checks included) is torch-free."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from megatron_rl.config import load_run_config; "
+        "load_run_config('recipes/scalerl_scout.yaml'); print('torch' in sys.modules)"
+    )
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

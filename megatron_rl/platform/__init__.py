@@ -1,23 +1,29 @@
 """Platform layer: CPU (gloo) vs GPU (nccl), distributed + megatron parallel state.
 
-This package is the only place in megatron_rl that asks whether CUDA exists.
+This package is the only place in megatron_rl that asks whether CUDA exists. Names are
+loaded lazily so that ``ParallelConfig`` (part of the torch-free config schema) does not pull
+in torch.
 """
 
-from megatron_rl.platform.config import ParallelConfig
-from megatron_rl.platform.device import Platform, get_platform
-from megatron_rl.platform.parallel import (
-    destroy_distributed,
-    init_distributed,
-    run_local_ranks,
-    set_seed,
-)
+from __future__ import annotations
 
-__all__ = [
-    "ParallelConfig",
-    "Platform",
-    "destroy_distributed",
-    "get_platform",
-    "init_distributed",
-    "run_local_ranks",
-    "set_seed",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ParallelConfig": "megatron_rl.platform.config",
+    "Platform": "megatron_rl.platform.device",
+    "get_platform": "megatron_rl.platform.device",
+    "destroy_distributed": "megatron_rl.platform.parallel",
+    "init_distributed": "megatron_rl.platform.parallel",
+    "run_local_ranks": "megatron_rl.platform.parallel",
+    "set_seed": "megatron_rl.platform.parallel",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megatron_rl.platform' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
