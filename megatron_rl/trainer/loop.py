@@ -86,7 +86,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
             if _due(step, config.checkpoint.every_steps) or signalled:
                 save_checkpoint(run, step, source)
             if signalled:
-                logger.info("stopping on a signal after checkpointing step %d", step)
+                signal_name = stop.requested or "a signal to another rank"
+                logger.info("stopping on %s after checkpointing step %d", signal_name, step)
                 return 0
         if main and config.validation.enabled and step % config.validation.every_steps != 0:
             validate(run, pool, step)
