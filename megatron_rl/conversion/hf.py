@@ -17,6 +17,7 @@ import torch
 from megatron_rl.conversion import checkpoint
 from megatron_rl.conversion.modelopt_bridge import modelopt_export
 from megatron_rl.models.config import ModelConfig
+from megatron_rl.models.provider import DTYPES
 from megatron_rl.platform import (
     ParallelConfig,
     destroy_distributed,
@@ -25,8 +26,6 @@ from megatron_rl.platform import (
 )
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def check_hf_dir(hf_dir: str | Path) -> Path:
