@@ -37,7 +37,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
             # processes (a trainer started by a test, an sbatch job) would inherit the port.
             dist.init_process_group(
                 backend=platform.backend,
-                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                init_method=f"tcp://127.0.0.1:{free_port()}",
                 rank=0,
                 world_size=1,
                 timeout=timeout,
@@ -94,7 +94,8 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that is free on localhost right now."""
     import socket
 
     with socket.socket() as sock:
@@ -114,19 +115,24 @@ def run_local_ranks(fn, world_size: int, *args) -> None:
         return
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    port = free_port()
     mp.start_processes(
         _rank_entry, args=(fn, world_size, port, args), nprocs=world_size, start_method="spawn"
     )
 
 
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The env:// rendezvous variables of local rank ``rank`` (what torchrun would set)."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def _rank_entry(rank: int, fn, world_size: int, port: int, args) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(rank_environment(rank, world_size, port))
     torch.set_num_threads(1)
     fn(*args)

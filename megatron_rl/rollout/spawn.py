@@ -8,28 +8,18 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.platform.parallel import free_port, rank_environment
 
-def free_port() -> int:
-    """A TCP port that is free on localhost right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["free_port", "run_ranks"]
 
 
 def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, args: tuple) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(rank_environment(rank, world, port))
     import torch
 
     # the ranks share this machine's cores: one intra-op thread each
