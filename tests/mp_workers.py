@@ -33,19 +33,55 @@ def dp_update_worker(samples, out_path: str, world: int) -> None:
     """Build the tiny model (seeded), one SGD policy update over ``samples``; save the params.
     With ``world`` 2 the ranks form a DP=2 group and split the batch by groups."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_rl.algorithms.config import AlgorithmConfig
     from megatron_rl.models import ModelConfig
     from megatron_rl.models.provider import build_model
     from megatron_rl.platform import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_rl.trainer.optim import wrap_model
     from megatron_rl.trainer.step import policy_update
 
     init_distributed(ParallelConfig(), seed=5)
     model = build_model(ModelConfig(preset="tiny-llama", dtype="float32"), ParallelConfig())
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    group = parallel_state.get_data_parallel_group() if world > 1 else None
-    policy_update(model, opt, samples, AlgorithmConfig(), 3, grad_clip=0.0, dp_group=group)
+    ddp = wrap_model(model)
+    cfg = OptimizerConfig(
+        optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0
+    )
+    opt = get_megatron_optimizer(cfg, [ddp], use_gloo_process_groups=False)
+    policy_update(ddp, opt, samples, AlgorithmConfig(), 3)
     if dist.get_rank() == 0:
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out_path)
+    destroy_distributed()
+
+
+def layout_update_worker(preset: str, layout: dict, samples, out_path: str) -> None:
+    """One SGD (lr 1) policy update of ``preset`` (seeded) in a parallel ``layout``; rank 0
+    saves the full HF-named weights after it, and the step's statistics."""
+    import torch.distributed as dist
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_rl.algorithms.config import AlgorithmConfig
+    from megatron_rl.conversion.hf import load_hf_weights
+    from megatron_rl.conversion.weight_stream import iter_hf_weights
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_rl.trainer.optim import wrap_model
+    from megatron_rl.trainer.step import policy_update
+
+    parallel = ParallelConfig(**layout)
+    init_distributed(parallel, seed=5)
+    hf_dir = out_path + ".hf"
+    model = build_model(ModelConfig(hf_path=hf_dir, dtype="float32"), parallel)
+    load_hf_weights(model, hf_dir, torch.float32)
+    ddp = wrap_model(model)
+    cfg = OptimizerConfig(
+        optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0
+    )
+    opt = get_megatron_optimizer(cfg, [ddp], use_gloo_process_groups=False)
+    result = policy_update(ddp, opt, samples, AlgorithmConfig(), 2)
+    full = {name: t.clone() for bucket in iter_hf_weights(model) for name, t in bucket}
+    if dist.get_rank() == 0:
+        torch.save({"weights": full, "result": result}, out_path)
     destroy_distributed()

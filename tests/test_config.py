@@ -120,6 +120,11 @@ def test_model_shape_checks_name_the_parallel_key(tmp_path):
         TINY, [*ok, "parallel.expert=3", "cluster.trainer_gpus=3", "cluster.generator_gpus=1"]
     )
     assert "'parallel.expert'" in msg and "4 experts" in msg
+    # megatron trains MoE layers under TP only with sequence parallelism.
+    tp2 = [*ok, "parallel.tensor=2", "cluster.trainer_gpus=2", "cluster.generator_gpus=2"]
+    msg = error_of(TINY, tp2)
+    assert "'parallel.sequence_parallel'" in msg
+    assert load_run_config(TINY, [*tp2, "parallel.sequence_parallel=true"]).parallel.tensor == 2
 
 
 def test_hf_path_model_is_checked_from_its_config_json(tmp_path):

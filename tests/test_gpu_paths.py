@@ -120,3 +120,37 @@ def test_pipeline_schedule_forward_backward(tiny_hf_dirs, gpu_rank):
         model.output_layer.weight.grad is not None
         or model.output_layer.weight.main_grad is not None
     )
+
+
+def test_policy_update_with_distributed_optimizer_and_its_checkpoint(
+    tiny_hf_dirs, gpu_rank, tmp_path
+):
+    """The trainer's own path on GPU: DDP + distributed optimizer (bf16, fp32 main params),
+    one policy update, then the optimizer state through dist_checkpointing and back."""
+    from megatron_rl.algorithms.config import AlgorithmConfig
+    from megatron_rl.config.sections import OptimizerConfig
+    from megatron_rl.trainer.batch import TrainSample
+    from megatron_rl.trainer.optim import build_optimizer, wrap_model
+    from megatron_rl.trainer.state import CheckpointManager
+    from megatron_rl.trainer.step import policy_update
+
+    model = _model(tiny_hf_dirs["tiny-llama"], dtype="bfloat16", layer_spec="te")
+    ddp = wrap_model(model)
+    assert ddp.ddp_config.use_distributed_optimizer  # the GPU default
+    optim = build_optimizer(ddp, OptimizerConfig(lr=1e-3, warmup_steps=0))
+    gen = torch.Generator().manual_seed(0)
+    samples = [
+        TrainSample(g, g, [5, 6, 7], torch.randint(3, 128, (6,), generator=gen).tolist(),
+                    [-2.0] * 6, [True] * 6, float(r), [0] * 6)
+        for g, rewards in enumerate([[1, 0], [0, 1]]) for r in rewards
+    ]  # fmt: skip
+    before = model.output_layer.weight.detach().clone()
+    result = policy_update(ddp, optim.optimizer, samples, AlgorithmConfig(), 2)
+    assert result.grad_norm > 0 and result.num_tokens == 24
+    assert not torch.equal(before, model.output_layer.weight.detach())
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, model, {"x": 1}, optimizer=optim.optimizer)
+    after = model.output_layer.weight.detach().clone()
+    policy_update(ddp, optim.optimizer, samples, AlgorithmConfig(), 2)
+    assert manager.load(model, optimizer=optim.optimizer).extra == {"x": 1}
+    assert torch.equal(after, model.output_layer.weight.detach())

@@ -212,10 +212,15 @@ def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path):
     assert [r["step"] for r in records(run_dir) if "prompt_ids" in r] == [1, 2, 3]
 
 
-@pytest.mark.parametrize("layout", ["parallel.tensor=2", "parallel.tensor=1"], ids=["tp2", "dp2"])
+@pytest.mark.parametrize(
+    "layout",
+    ["parallel.tensor=2", "parallel.tensor=1", "parallel.pipeline=2"],
+    ids=["tp2", "dp2", "pp2"],
+)
 def test_two_trainer_ranks(tmp_path, layout):
-    """Two torch.distributed ranks (TP=2, or DP=2): the main rank owns the pool (an engine
-    process) and the metrics; updates, pushes and checkpoints are collective."""
+    """Two torch.distributed ranks (TP=2, DP=2 or PP=2): the main rank owns the pool (an
+    engine process) and the metrics; updates, pushes and checkpoints are collective. The TP=2
+    run then resumes on one rank (model and optimizer state reshard)."""
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -233,3 +238,9 @@ def test_two_trainer_ranks(tmp_path, layout):
     assert all(r["staleness_max"] <= 8 for r in recs if "reward_mean" in r)
     meta = json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["world_size"] == 2
+    if layout != "parallel.tensor=2":
+        return
+    run_train(run_dir, "training.max_steps=3", "validation.every_steps=2")
+    recs = records(run_dir)
+    assert [r["step"] for r in recs if "reward_mean" in r] == [1, 2, 3]
+    assert [r["step"] for r in recs if "val_pass_rate" in r] == [0, 2, 3]

@@ -6,28 +6,32 @@ import pytest
 import torch
 
 from megatron_rl.algorithms.config import AlgorithmConfig
+from megatron_rl.config.sections import OptimizerConfig
 from megatron_rl.models import ModelConfig
 from megatron_rl.models.logprobs import token_logprobs
 from megatron_rl.models.provider import build_model
 from megatron_rl.platform import ParallelConfig
 from megatron_rl.trainer.batch import TrainSample, make_micro_batches
+from megatron_rl.trainer.optim import build_optimizer, wrap_model
 from megatron_rl.trainer.step import advantages_and_keep, policy_update
 from megatron_rl.trainer.warm_start import supervised_warm_start
 
 
-@pytest.fixture(scope="module")
-def base(megatron_single_rank_module):
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(preset="tiny-llama", dtype="float32"), ParallelConfig())
-    return model, {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
-
-
 @pytest.fixture
-def model(base, megatron_single_rank):
-    """The module-wide model, reset to its initial weights (megatron models do not deepcopy)."""
-    model, state = base
-    model.load_state_dict(state, strict=False)
-    return model
+def model(megatron_single_rank):
+    """The tiny model (seeded) in megatron's DDP wrapper, as the trainer runs it."""
+    torch.manual_seed(0)
+    return wrap_model(
+        build_model(ModelConfig(preset="tiny-llama", dtype="float32"), ParallelConfig())
+    )
+
+
+def sgd(ddp, lr: float = 1.0):
+    """Megatron's SGD (no momentum, decay or clipping): an update that is the raw gradient."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = OptimizerConfig(optimizer="sgd", lr=lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0)
+    return get_megatron_optimizer(cfg, [ddp], use_gloo_process_groups=False)
 
 
 def make_samples(model, rewards_by_group, seed=0):
@@ -52,12 +56,11 @@ def make_samples(model, rewards_by_group, seed=0):
 
 
 def params_after(model, samples, algo, micro_batch_size):
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    result = policy_update(model, opt, samples, algo, micro_batch_size, grad_clip=0.0)
-    after = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    before = {k: v.detach().clone() for k, v in model.module.named_parameters()}
+    result = policy_update(model, sgd(model), samples, algo, micro_batch_size)
+    after = torch.cat([p.detach().flatten().clone() for p in model.module.parameters()])
     with torch.no_grad():
-        for k, p in model.named_parameters():
+        for k, p in model.module.named_parameters():
             p.copy_(before[k])
     return after, result
 
@@ -87,7 +90,7 @@ def test_zero_variance_groups_contribute_nothing(model):
 def test_cispo_update_raises_logprob_of_rewarded_samples(model):
     samples = make_samples(model, [[1, -1], [-1, 1]], seed=3)
     m = model
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    opt = build_optimizer(m, OptimizerConfig(lr=1e-3, warmup_steps=0, eps=1e-8)).optimizer
     res = policy_update(m, opt, samples, AlgorithmConfig(), micro_batch_size=4)
     assert res.rho_mean == pytest.approx(1.0, abs=1e-5)  # on-policy: trainer == generator
     assert res.abs_logprob_diff < 1e-5 and res.num_tokens == sum(
@@ -141,3 +144,65 @@ def test_data_parallel_update_equals_single_rank(tmp_path):
     assert one.keys() == two.keys()
     for key in one:
         assert torch.allclose(one[key], two[key], atol=1e-6), key
+
+
+def random_samples(seed: int, vocab: int = 128) -> list[TrainSample]:
+    """Five groups of three samples with off-policy generator log-probs (rho != 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for group, rewards in enumerate([[1, -1, -1], [1, 1, 1], [-1, 1, -1], [1, -1, 1], [-1, -1, 1]]):
+        prompt = torch.randint(
+            3, vocab, (int(torch.randint(3, 6, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for r in rewards:
+            n = int(torch.randint(2, 7, (1,), generator=gen))
+            samples.append(
+                TrainSample(
+                    group, group, prompt, torch.randint(3, vocab, (n,), generator=gen).tolist(),
+                    (-torch.rand(n, generator=gen) * 5).tolist(), [True] * n, float(r), [0] * n,
+                )
+            )  # fmt: skip
+    return samples
+
+
+LAYOUTS = [
+    ("tiny-llama", {"tensor": 2}),
+    ("tiny-llama", {"pipeline": 2}),
+    ("tiny-llama4", {"expert": 2}),
+    # megatron trains MoE with TP only under sequence parallelism
+    ("tiny-llama4", {"tensor": 2, "expert": 2, "sequence_parallel": True}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,layout", LAYOUTS, ids=lambda v: str(v))
+def test_update_in_a_parallel_layout_equals_one_rank(preset, layout, tiny_hf_dirs, tmp_path):
+    """TP, PP (megatron's pipeline schedule) and EP (experts exchanged by all-to-all, expert
+    gradients reduced over the expert-data-parallel group) make the one-rank update, to
+    float rounding: the SGD (lr 1) update is the gradient itself."""
+    import shutil
+    from pathlib import Path
+
+    from mp_workers import layout_update_worker
+    from safetensors.torch import load_file
+
+    from megatron_rl.platform import run_local_ranks
+
+    samples = random_samples(3)
+    outs = {}
+    for name, lay, world in (("one", {}, 1), ("many", layout, 2)):
+        out = str(tmp_path / f"{name}.pt")
+        shutil.copytree(tiny_hf_dirs[preset], out + ".hf")
+        run_local_ranks(layout_update_worker, world, preset, lay, samples, out)
+        outs[name] = torch.load(out, weights_only=False)
+    one, many = outs["one"], outs["many"]
+    assert one["weights"].keys() == many["weights"].keys()
+    for key, ref in one["weights"].items():  # updates are up to ~0.1
+        assert torch.allclose(ref, many["weights"][key], atol=1e-6, rtol=0), key
+    initial = load_file(str(Path(tiny_hf_dirs[preset]) / "model.safetensors"))
+    assert max(float((one["weights"][k] - initial[k]).abs().max()) for k in initial) > 1e-2
+    for field in ("loss", "grad_norm", "rho_mean", "abs_logprob_diff"):
+        assert getattr(many["result"], field) == pytest.approx(
+            getattr(one["result"], field), rel=1e-4
+        ), field
+    assert many["result"].num_tokens == one["result"].num_tokens > 0

@@ -73,6 +73,12 @@ def check_model_shapes(config: RunConfig) -> None:
             f"recipe key 'parallel.expert': {p.expert} needs an MoE model; {source} is dense"
         )
     _divides("parallel.expert", p.expert, experts, "experts", source)
+    if experts and p.tensor > 1 and not p.sequence_parallel:
+        raise ConfigError(
+            f"recipe key 'parallel.sequence_parallel': megatron-core trains the MoE layers of "
+            f"{source} with tensor parallelism ({p.tensor}) only under sequence parallelism; "
+            "set parallel.sequence_parallel: true"
+        )
     positions = fields.get("max_position_embeddings")
     longest = config.data.max_prompt_tokens + config.max_response_tokens()
     if isinstance(positions, int) and longest > positions:

@@ -47,6 +47,8 @@ class OptimizerConfig:
         betas: AdamW betas. The paper is silent; default: the AdamW defaults (0.9, 0.999).
         grad_clip: global gradient-norm clip. The paper is silent; default 1.0 (Megatron's
             default); 0 disables clipping.
+        distributed: megatron's distributed optimizer (optimizer state sharded over
+            data-parallel ranks). Default (null): on GPU yes; on CPU it is unavailable.
     """
 
     lr: float = 5e-7
@@ -55,6 +57,7 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
+    distributed: bool | None = None
 
     def validate(self) -> None:
         _check_positive(self, "lr")

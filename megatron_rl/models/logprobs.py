@@ -7,13 +7,22 @@ from megatron.core import parallel_state, tensor_parallel
 
 
 def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    """This rank's vocab shard of the logits ``[b, s, V/tp]`` for ``tokens [b, s]``.
+    """This rank's vocab shard of the logits ``[b, s, V/tp]`` for ``tokens [b, s]`` (on an
+    earlier pipeline stage: the hidden states it passes on).
 
     Positions are 0..s-1 and attention is causal (right padding needs no mask).
     """
     b, s = tokens.shape
-    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-    return model(tokens, position_ids, None)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if model.config.sequence_parallel and s % tp:
+        # Sequence parallelism splits the sequence over TP ranks: right-pad to a multiple
+        # (causal attention: the padding changes nothing before it) and cut the logits back.
+        tokens = torch.nn.functional.pad(tokens, (0, tp - s % tp))
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand(b, -1)
+    output = model(tokens, position_ids, None)
+    if parallel_state.is_pipeline_last_stage():
+        return output[:, :s]
+    return output  # an earlier pipeline stage's hidden states, for the next stage
 
 
 def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
@@ -30,7 +39,15 @@ def token_logprobs(model, tokens: torch.Tensor, temperature: float = 1.0) -> tor
     With the FP32 head the logits, and so the log-softmax, are FP32. ``temperature`` divides
     the logits first (the distribution a sampler at that temperature draws from).
     """
-    logits = forward_logits(model, tokens)[:, :-1].float()
+    return logits_to_logprobs(forward_logits(model, tokens), tokens, temperature)
+
+
+def logits_to_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``[b, s-1]`` log-probs of ``tokens[:, 1:]`` from this rank's vocab shard of the logits
+    ``[b, s, V/tp]`` (the last pipeline stage's output), as in :func:`token_logprobs`."""
+    logits = logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
     targets = tokens[:, 1:]

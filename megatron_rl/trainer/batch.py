@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -44,6 +44,9 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [T] bool
     sample_ids: torch.Tensor  # [T]
     prompt_ids: torch.Tensor  # [T]
+
+    def to(self, device) -> MicroBatch:
+        return MicroBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def flat_response_tensors(

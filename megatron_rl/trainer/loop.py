@@ -63,16 +63,14 @@ def train(config: RunConfig, run_dir: Path) -> int:
             samples, info, wants_push = batch
             t1 = time.perf_counter()
             result = policy_update(
-                run.model,
-                run.optimizer,
+                run.ddp,
+                run.optim.optimizer,
                 samples,
                 config.algorithm,
                 _micro_batch(config, samples),
-                grad_clip=config.optimizer.grad_clip,
-                dp_group=_dp_group(),
                 temperature=config.rollout.temperature,
             )
-            run.scheduler.step()
+            run.optim.scheduler.step(increment=1)
             step = run.step = step + 1
             t2 = time.perf_counter()
             push = push_weights(run, pool) if wants_push else None
@@ -199,15 +197,22 @@ def validate(run: Run, pool, step: int) -> float:
 
 
 def resume_or_warm_start(run: Run) -> tuple[int, list[int]]:
-    """Resume from the latest checkpoint (step, prompts to regenerate), or warm-start."""
-    ckpt = run.checkpoints.load(run.model)
-    if ckpt is None:
+    """Resume from the latest checkpoint (step, prompts to regenerate), or warm-start.
+
+    The RL optimizer is built after the warm start (its fp32 main parameters copy the
+    weights it starts from), or before loading a checkpoint's state into it.
+    """
+    from megatron_rl.trainer.optim import build_optimizer
+
+    if run.checkpoints.latest() is None:
         run.metrics.truncate(0)
         warm_start(run)
+        run.optim = build_optimizer(run.ddp, run.config.optimizer)
         return 0, []
-    run.optimizer.load_state_dict(ckpt.optimizer_state)
+    run.optim = build_optimizer(run.ddp, run.config.optimizer)
+    ckpt = run.checkpoints.load(run.model, optimizer=run.optim.optimizer)
     extra = ckpt.extra
-    run.scheduler.load_state_dict(extra["scheduler"])
+    run.optim.scheduler.load_state_dict(extra["scheduler"])
     run.sampler.load_state_dict(extra["sampler"])
     if run.tracker is not None:
         run.tracker.load_state_dict(extra["tracker"])
@@ -234,7 +239,7 @@ def warm_start(run: Run) -> None:
     if not examples:
         raise ValueError("warm_start.steps > 0 but no training prompt has a solution")
     losses = supervised_warm_start(
-        run.model,
+        run.ddp,
         examples,
         cfg.steps,
         cfg.lr,
@@ -274,14 +279,14 @@ def push_weights(run: Run, pool):
 
 def save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:
     extra = {
-        "scheduler": run.scheduler.state_dict(),
+        "scheduler": run.optim.scheduler.state_dict(),
         "sampler": run.sampler.state_dict(),
         "tracker": run.tracker.state_dict() if run.tracker is not None else None,
         "clock": run.clock.state_dict(),
         "metrics_position": run.metrics.position(),
         "in_flight": source.in_flight_prompt_ids() if source is not None else [],
     }
-    run.checkpoints.save(step, run.model, run.optimizer.state_dict(), extra)
+    run.checkpoints.save(step, run.model, extra, optimizer=run.optim.optimizer)
 
 
 def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool) -> dict:
@@ -299,7 +304,7 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         "rho_max": result.rho_max,
         "clip_frac": result.clip_frac,
         "abs_logprob_diff": result.abs_logprob_diff,
-        "lr": run.scheduler.get_last_lr()[0],
+        "lr": run.optim.lr,
         "train_tokens_per_s": result.num_tokens / max(train_seconds, 1e-9),
         "gen_wait_seconds": gen_seconds,
         "step_seconds": time.perf_counter() - t0,
@@ -337,12 +342,6 @@ def _any_rank(flag: bool) -> bool:
     value = torch.tensor([int(flag)])
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
-
-
-def _dp_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_group()
 
 
 def _due(step: int, every: int) -> bool:

@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from megatron_rl.config.schema import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -23,9 +21,8 @@ class Run:
     run_dir: Path
     hf_dir: Path
     tokenizer: Any
-    model: Any
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
+    model: Any  # this rank's megatron GPTModel (weights, checkpoints, pushes)
+    ddp: Any  # the model in megatron's DistributedDataParallel (training)
     data: Any
     sampler: Any
     tracker: Any
@@ -35,6 +32,7 @@ class Run:
     clock: Any
     prompt_tokens: dict[int, list[int]]
     encode: Callable[[int], list[int]]  # prompt id -> prompt token ids (cached)
+    optim: Any = None  # trainer.optim.Optimizer, built after the warm start (or to resume)
     step: int = 0  # optimizer steps done
 
 
@@ -90,23 +88,6 @@ def prepare_hf_dir(config: RunConfig, run_dir: Path) -> Path:
     return out
 
 
-def build_optimizer(model, config: RunConfig):
-    """AdamW with linear warmup then constant lr (ScaleRL). Returns (optimizer, scheduler)."""
-    opt = config.optimizer
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=opt.lr,
-        betas=tuple(opt.betas),
-        eps=opt.eps,
-        weight_decay=opt.weight_decay,
-    )
-    warmup = max(opt.warmup_steps, 0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-    )
-    return optimizer, scheduler
-
-
 def build_run(config: RunConfig, run_dir: Path) -> Run:
     """Model (HF weights loaded), optimizer, data, sampler, rewards, metrics, checkpoints."""
     import transformers
@@ -115,10 +96,11 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
     from megatron_rl.conversion.hf import load_hf_weights
     from megatron_rl.data import PromptSampler, load_prompt_data, render_prompt
     from megatron_rl.models.provider import DTYPES, build_model
-    from megatron_rl.platform import init_distributed
+    from megatron_rl.platform import get_platform, init_distributed
     from megatron_rl.rewards import RewardPool
     from megatron_rl.trainer.compute import ComputeClock, run_devices
     from megatron_rl.trainer.metrics import MetricsLogger
+    from megatron_rl.trainer.optim import wrap_model
     from megatron_rl.trainer.state import CheckpointManager
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +116,7 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
     model_cfg.hf_path = str(hf_dir)
     model = build_model(model_cfg, config.parallel)
     load_hf_weights(model, hf_dir, DTYPES[model_cfg.dtype])
-    optimizer, scheduler = build_optimizer(model, config)
+    ddp = wrap_model(model, config.optimizer.distributed)
 
     data = load_prompt_data(config.data, tokenizer)
     prompt_tokens = {}
@@ -158,7 +140,7 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
         dist.get_world_size(),
         rollout.engines,
         rollout.tensor_parallel,
-        gpu=torch.cuda.is_available(),
+        gpu=get_platform().is_gpu,
     )
     run = Run(
         config=config,
@@ -166,8 +148,7 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
         hf_dir=hf_dir,
         tokenizer=tokenizer,
         model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
+        ddp=ddp,
         data=data,
         sampler=sampler,
         tracker=tracker,

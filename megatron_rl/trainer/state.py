@@ -6,15 +6,18 @@ Layout under ``RUN_DIR/checkpoints``::
         model/                 megatron_rl.conversion.checkpoint.save_model output
                                (model/ dist checkpoint + hf_config/): loads into any
                                TP/PP/EP layout and converts to HF as is
-        state/rank_00000.pt    per rank: optimizer state, loop state (``extra``), RNG states
+        optimizer/             the megatron optimizer's sharded state (dist checkpoint):
+                               loads into any TP/PP/EP/DP layout too
+        state/loop.pt          the loop state (``extra``: sampler, scheduler, ...), rank 0's
+        state/rng_00000.pt     per rank: RNG states
         meta.json              step, world size; written last inside the directory
     latest                     name of the newest checkpoint (for people and tools)
 
 Everything is written into ``step_XXXXXXXX.tmp`` and renamed into place only when complete,
 then the ``latest`` pointer is replaced, then old checkpoints are pruned; a crash at any
 point leaves the previous checkpoint complete and found by ``latest()``. All ranks call
-``save`` and ``load`` (collectively). The optimizer state is per rank (``torch.save``): a
-resume needs the same world size and layout (the model part reshards freely).
+``save`` and ``load`` (collectively). A run may resume with another world size or parallel
+layout: model and optimizer reshard; the RNG states are then not restored (they are per rank).
 """
 
 from __future__ import annotations
@@ -34,13 +37,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.conversion import checkpoint as model_checkpoint
+from megatron_rl.platform import get_platform
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest"
 META_FILE = "meta.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+OPTIMIZER_SUBDIR = "optimizer"
+LOOP_STATE = "loop.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -53,7 +59,7 @@ def capture_rng_state() -> dict[str, Any]:
         "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if get_platform().is_gpu:
         state["cuda"] = torch.cuda.get_rng_state_all()
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -70,7 +76,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and get_platform().is_gpu:
         torch.cuda.set_rng_state_all(state["cuda"])
     if "megatron_tracker" in state:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -86,7 +92,6 @@ class Checkpoint:
 
     step: int
     path: Path
-    optimizer_state: Any
     extra: dict[str, Any]
 
 
@@ -157,12 +162,17 @@ class CheckpointManager:
         return self.root / f"step_{step:08d}"
 
     def save(
-        self, step: int, model: Any, optimizer_state: Any, extra: dict[str, Any] | None = None
+        self,
+        step: int,
+        model: Any,
+        extra: dict[str, Any] | None = None,
+        optimizer: Any = None,
     ) -> Path:
         """Write checkpoint ``step`` (all ranks call this) and return its directory.
 
-        ``extra`` is this rank's loop state (sampler, pass-rate tracker, scheduler, compute
-        clock, metrics position ...) as plain data and tensors; RNG states are added here.
+        ``extra`` is the loop state (sampler, pass-rate tracker, scheduler, compute clock,
+        metrics position ...) as plain data and tensors; rank 0's is kept. ``optimizer`` is
+        the megatron optimizer of ``model`` (saved sharded); RNG states are added here.
         """
         rank, world = _rank_world()
         final = self.path_for(step)
@@ -173,22 +183,22 @@ class CheckpointManager:
         _barrier()
         hf_config = self.hf_config or model.architecture.text_config
         model_checkpoint.save_model(model, tmp / "model", hf_config, self.hf_source_dir)
-        payload = {
-            "step": step,
-            "optimizer": optimizer_state,
-            "extra": dict(extra or {}),
-            "rng": capture_rng_state(),
-        }
-        _write_state(payload, tmp / "state" / f"rank_{rank:05d}.pt")
+        if optimizer is not None:
+            from megatron_rl.trainer.optim import save_optimizer
+
+            save_optimizer(optimizer, model, tmp / OPTIMIZER_SUBDIR)
+        if rank == 0:
+            _write_state({"step": step, "extra": dict(extra or {})}, tmp / "state" / LOOP_STATE)
+        _write_state(capture_rng_state(), tmp / "state" / f"rng_{rank:05d}.pt")
         _barrier()
         if rank == 0:
-            self._publish(tmp, final, step, world)
+            self._publish(tmp, final, step, world, optimizer is not None)
         _barrier()
         logger.info("saved checkpoint %s", final)
         return final
 
-    def _publish(self, tmp: Path, final: Path, step: int, world: int) -> None:
-        meta = {"step": step, "world_size": world, "format": FORMAT_VERSION}
+    def _publish(self, tmp: Path, final: Path, step: int, world: int, optimizer: bool) -> None:
+        meta = {"step": step, "world_size": world, "format": FORMAT_VERSION, "optimizer": optimizer}
         _write_text(tmp / META_FILE, json.dumps(meta) + "\n")
         _fsync_dir(tmp / "state")
         _fsync_dir(tmp)
@@ -217,12 +227,15 @@ class CheckpointManager:
         if not (_STEP_DIR.match(path.name) and (path / META_FILE).is_file()):
             return False
         try:
-            world = json.loads((path / META_FILE).read_text())["world_size"]
+            meta = json.loads((path / META_FILE).read_text())
+            world, optimizer = meta["world_size"], meta["optimizer"]
         except (OSError, ValueError, KeyError):
             return False
-        model_dir = path / "model" / model_checkpoint.MODEL_SUBDIR
-        states = [path / "state" / f"rank_{r:05d}.pt" for r in range(world)]
-        return model_dir.is_dir() and all(s.is_file() for s in states)
+        parts = [path / "model" / model_checkpoint.MODEL_SUBDIR, path / "state" / LOOP_STATE]
+        parts += [path / "state" / f"rng_{r:05d}.pt" for r in range(world)]
+        if optimizer:
+            parts.append(path / OPTIMIZER_SUBDIR)
+        return all(p.exists() for p in parts)
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -237,11 +250,16 @@ class CheckpointManager:
         return complete[-1] if complete else None
 
     def load(
-        self, model: Any = None, path: str | Path | None = None, restore_rng: bool = True
+        self,
+        model: Any = None,
+        path: str | Path | None = None,
+        optimizer: Any = None,
+        restore_rng: bool = True,
     ) -> Checkpoint | None:
-        """Load checkpoint ``path`` (default: ``latest()``) into ``model`` (all ranks call
-        this); returns this rank's optimizer state and loop state, or None if there is no
-        checkpoint. RNG states are restored unless ``restore_rng`` is False."""
+        """Load checkpoint ``path`` (default: ``latest()``) into ``model`` and its megatron
+        ``optimizer`` (all ranks call this, in any parallel layout); returns the loop state, or
+        None if there is no checkpoint. RNG states are restored unless ``restore_rng`` is
+        False or the checkpoint was written by another number of ranks."""
         path = Path(path) if path is not None else self.latest()
         if path is None:
             return None
@@ -249,17 +267,24 @@ class CheckpointManager:
             raise ValueError(f"{path}: not a complete checkpoint")
         rank, world = _rank_world()
         meta = json.loads((path / META_FILE).read_text())
-        if meta["world_size"] != world:
-            raise ValueError(
-                f"{path}: saved by {meta['world_size']} ranks, this run has {world}; the "
-                "optimizer state is per rank (resume with the same layout)"
-            )
         if model is not None:
             model_checkpoint.load_model(model, path / "model")
-        payload = torch.load(
-            path / "state" / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True
-        )
-        if restore_rng:
-            restore_rng_state(payload["rng"])
-        logger.info("loaded checkpoint %s (step %d)", path, payload["step"])
-        return Checkpoint(payload["step"], path, payload["optimizer"], payload["extra"])
+        if optimizer is not None:
+            if not meta["optimizer"]:
+                raise ValueError(f"{path}: saved without optimizer state")
+            from megatron_rl.trainer.optim import load_optimizer
+
+            load_optimizer(optimizer, model, path / OPTIMIZER_SUBDIR)
+        loop = torch.load(path / "state" / LOOP_STATE, map_location="cpu", weights_only=True)
+        if restore_rng and meta["world_size"] == world:
+            rng = path / "state" / f"rng_{rank:05d}.pt"
+            restore_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
+        elif restore_rng:
+            logger.warning(
+                "%s: written by %d ranks, this run has %d: RNG states not restored",
+                path,
+                meta["world_size"],
+                world,
+            )
+        logger.info("loaded checkpoint %s (step %d)", path, loop["step"])
+        return Checkpoint(loop["step"], path, loop["extra"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,8 @@ from megatron_rl.algorithms import (
     zero_variance_mask,
 )
 from megatron_rl.algorithms.config import AlgorithmConfig
-from megatron_rl.models.logprobs import token_logprobs
+from megatron_rl.models.logprobs import forward_logits, logits_to_logprobs
+from megatron_rl.platform import get_platform
 from megatron_rl.trainer.batch import TrainSample, flat_response_tensors, make_micro_batches
 
 
@@ -59,37 +61,40 @@ def advantages_and_keep(samples: Sequence[TrainSample], algo: AlgorithmConfig):
 
 
 def policy_update(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model,
+    optimizer,
     samples: Sequence[TrainSample],
     algo: AlgorithmConfig,
     micro_batch_size: int,
-    grad_clip: float = 1.0,
-    dp_group=None,
     temperature: float = 1.0,
 ) -> StepResult:
-    """Compute the loss over the samples in micro-batches, backward, clip, step.
+    """One optimizer step on the step's whole batch (``samples``, the same on every rank).
 
-    ``samples`` is the whole step's batch on every rank. With a data-parallel group, each DP
-    rank trains on the groups ``g`` with ``g % dp_size == dp_rank``; advantages and loss
-    normalisers are those of the whole batch, and gradients are summed over the group.
+    ``model`` is the DDP-wrapped policy (``trainer.optim.wrap_model``), ``optimizer`` its
+    megatron optimizer. Each data-parallel rank trains on the groups ``g`` with
+    ``g % dp_size == dp_rank``; advantages and loss normalisers are those of the whole batch,
+    gradients are summed over ranks. Pipeline stages run megatron's schedule; the returned
+    statistics are global and the same on every rank.
     """
+    from megatron.core import parallel_state
+
     adv, keep = advantages_and_keep(samples, algo)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        size, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-        mine = [i for i, s in enumerate(samples) if s.group % size == rank]
-        samples = [samples[i] for i in mine]
-        adv, keep, ids = adv[mine], keep[mine], mine
-    else:
-        dp_group, ids = None, list(range(len(samples)))
-    flat = flat_response_tensors(samples, adv, keep, ids)
-    norms = compute_loss_normalizers(flat["mask"], flat["sid"], flat["pid"], group=dp_group)
+    effective = float(keep.float().mean()) if len(samples) else 0.0
+    dp_group = parallel_state.get_data_parallel_group()
+    size, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    mine = [i for i, s in enumerate(samples) if s.group % size == rank]
+    samples, adv, keep = [samples[i] for i in mine], adv[mine], keep[mine]
+    flat = flat_response_tensors(samples, adv, keep, mine)
+    # Counted on the CPU: over the gloo twin of the DP group where the default one is NCCL.
+    count_group = parallel_state.get_data_parallel_group_gloo() if _is_gpu() else dp_group
+    norms = compute_loss_normalizers(
+        flat["mask"], flat["sid"], flat["pid"], group=count_group if size > 1 else None
+    )
+    norms = _normalizers_to(norms, get_platform().torch_device())
     params = algo.loss_params()
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    totals = {"loss": 0.0, "rho_sum": 0.0, "rho_max": 0.0, "clip": 0.0, "absdiff": 0.0, "n": 0}
-    for mb in make_micro_batches(samples, adv, keep, micro_batch_size, ids=ids):
-        logprobs = token_logprobs(model, mb.tokens, temperature)[mb.select]
+
+    def loss_fn(mb, logits):
+        logprobs = logits_to_logprobs(logits, mb.tokens, temperature)[mb.select]
         loss, stats = policy_loss(
             algo.loss,
             logprobs,
@@ -102,61 +107,107 @@ def policy_update(
             normalizers=norms,
             **params,
         )
-        if mb.loss_mask.any():
-            loss.backward()
-        n = int(stats["num_tokens"])
-        totals["loss"] += float(loss)
-        totals["n"] += n
-        totals["rho_sum"] += float(stats["rho_mean"]) * n
-        totals["clip"] += float(stats["clip_frac"]) * n
-        totals["absdiff"] += float(stats["abs_log_ratio_mean"]) * n
-        if n:
-            totals["rho_max"] = max(totals["rho_max"], float(stats["rho_max"]))
-    if dp_group is not None:
-        # Every rank reduces every parameter (a rank whose groups all had zero variance has
-        # no gradients of its own), in the same order: a SUM, see algorithms/aggregation.py.
-        for p in model.parameters():
-            if p.requires_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                torch.distributed.all_reduce(p.grad, group=dp_group)
-    grad_norm = clip_grad_norm(model, grad_clip)
-    if norms.num_tokens:  # global count: every rank steps, or none does
-        optimizer.step()
-    n = max(totals["n"], 1)
+        n = stats["num_tokens"].float()
+        sums = torch.stack(
+            [
+                loss.detach().float(),
+                n,
+                stats["rho_mean"].float() * n,
+                stats["clip_frac"].float() * n,
+                stats["abs_log_ratio_mean"].float() * n,
+            ]
+        )
+        rho_max = stats["rho_max"].float() if n > 0 else torch.zeros(())
+        return loss + 0.0 * logprobs.sum(), sums, rho_max.reshape(1)
+
+    batches = make_micro_batches(samples, adv, keep, micro_batch_size, ids=mine)
+    sums, maxes = forward_backward(model, optimizer, batches, loss_fn, num_sums=5, num_maxes=1)
+    # A global token count: every rank steps, or none does.
+    grad_norm = optimizer.step()[1] if norms.num_tokens else 0.0
+    n = max(float(sums[1]), 1.0)
     return StepResult(
-        loss=totals["loss"],
-        grad_norm=grad_norm,
-        effective_batch_fraction=float(keep.float().mean()) if len(samples) else 0.0,
-        rho_mean=totals["rho_sum"] / n,
-        rho_max=totals["rho_max"],
-        clip_frac=totals["clip"] / n,
-        abs_logprob_diff=totals["absdiff"] / n,
-        num_tokens=totals["n"],
+        loss=float(sums[0]),
+        grad_norm=float(grad_norm or 0.0),
+        effective_batch_fraction=effective,
+        rho_mean=float(sums[2]) / n,
+        rho_max=float(maxes[0]),
+        clip_frac=float(sums[3]) / n,
+        abs_logprob_diff=float(sums[4]) / n,
+        num_tokens=int(sums[1]),
     )
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Clip by the global gradient norm over the model-parallel group; returns the norm.
+def forward_backward(
+    model, optimizer, micro_batches: list, loss_fn, num_sums: int, num_maxes: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero the gradients, then forward and backward over ``micro_batches`` with megatron's
+    schedule (pipelined when PP > 1); gradients end reduced over data-parallel ranks.
 
-    Tensor-parallel shards count once each, replicated parameters once in all (megatron marks
-    shards with ``tensor_model_parallel``). megatron's own ``get_grad_norm_fp32`` allocates
-    on ``device='cuda'``, so it cannot serve the CPU path.
+    ``loss_fn(mb, logits) -> (loss, sums [num_sums], maxes [num_maxes])`` runs on the last
+    pipeline stage; ``loss`` is this micro-batch's term of the global loss. Returns the sums
+    summed, and the maxes maxed, over micro-batches and data-parallel ranks, on every rank.
+    Data-parallel ranks with fewer micro-batches run empty ones (expert-parallel MoE layers
+    exchange tokens inside every forward and backward, so all ranks must run as many).
     """
     from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    square = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-    for p in model.parameters():
-        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
-            square += p.grad.float().pow(2).sum()
-    if dist.is_initialized() and parallel_state.get_model_parallel_group().size() > 1:
-        dist.all_reduce(square, group=parallel_state.get_model_parallel_group())
-    norm = float(square.sqrt())
-    if max_norm and norm > max_norm:
-        for g in grads:
-            g.mul_(max_norm / (norm + 1e-6))
-    return norm
+    dp_group = parallel_state.get_data_parallel_group()
+    device = get_platform().torch_device()  # where the process groups' backend reduces
+    count = torch.tensor([len(micro_batches)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+    batches = list(micro_batches) + [None] * (int(count) - len(micro_batches))
+    empty = torch.zeros((1, 2), dtype=torch.long)
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        mb = None if mb is None else mb.to(device)
+        output = forward_logits(chunk, (empty if mb is None else mb.tokens).to(device))
+
+        def loss_func(logits):
+            if mb is None:
+                loss = 0.0 * logits.float().sum()
+                sums, maxes = torch.zeros(num_sums), torch.zeros(num_maxes)
+            else:
+                loss, sums, maxes = loss_fn(mb, logits)
+            return loss, torch.tensor(0), {"sums": sums.detach().cpu(), "maxes": maxes.cpu()}
+
+        return output, loss_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    model.train()
+    longest = max((int(mb.tokens.shape[1]) for mb in micro_batches), default=2)
+    widest = max((int(mb.tokens.shape[0]) for mb in micro_batches), default=1)
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=longest,
+        micro_batch_size=widest,
+        forward_only=False,
+    )
+    sums, maxes = torch.zeros(num_sums, dtype=torch.float64), torch.zeros(max(num_maxes, 1))
+    for record in out:  # the last pipeline stage's records; empty elsewhere
+        sums += record["sums"].double()
+        if num_maxes:
+            maxes[:num_maxes] = torch.maximum(maxes[:num_maxes], record["maxes"].float())
+    sums, maxes = sums.to(device), maxes.to(device)
+    # Sum over DP ranks, then hand the last stage's numbers to every stage (zeros elsewhere).
+    dist.all_reduce(sums, group=dp_group)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp_group)
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(sums, group=pp_group)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=pp_group)
+    return sums.cpu(), maxes[:num_maxes].cpu()
+
+
+def _is_gpu() -> bool:
+    return get_platform().is_gpu
+
+
+def _normalizers_to(norms, device):
+    tensors = ("sample_keys", "sample_tokens", "prompt_keys", "prompt_tokens")
+    return dataclasses.replace(norms, **{k: getattr(norms, k).to(device) for k in tensors})

@@ -11,19 +11,29 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from megatron_rl.models.logprobs import token_logprobs
+from megatron_rl.config.sections import OptimizerConfig
+from megatron_rl.models.logprobs import logits_to_logprobs
 
 logger = logging.getLogger(__name__)
 
 
-def sft_loss(
-    model, examples: Sequence[tuple[list[int], list[int]]], pad_id: int = 0
-) -> torch.Tensor:
-    """Mean negative log-likelihood of the target tokens of ``(prompt, target)`` pairs."""
+@dataclass
+class SFTBatch:
+    """Right-padded ``(prompt + target)`` rows; ``select [b, s-1]`` marks target positions."""
+
+    tokens: torch.Tensor  # [b, s]
+    select: torch.Tensor  # [b, s-1]
+
+    def to(self, device) -> SFTBatch:
+        return SFTBatch(self.tokens.to(device), self.select.to(device))
+
+
+def sft_batch(examples: Sequence[tuple[list[int], list[int]]], pad_id: int = 0) -> SFTBatch:
     length = max(len(p) + len(t) for p, t in examples)
     tokens = torch.full((len(examples), length), pad_id, dtype=torch.long)
     select = torch.zeros((len(examples), length - 1), dtype=torch.bool)
@@ -31,7 +41,7 @@ def sft_loss(
         seq = prompt + target
         tokens[row, : len(seq)] = torch.tensor(seq)
         select[row, len(prompt) - 1 : len(seq) - 1] = True
-    return -token_logprobs(model, tokens)[select].mean()
+    return SFTBatch(tokens, select)
 
 
 def supervised_warm_start(
@@ -43,22 +53,39 @@ def supervised_warm_start(
     seed: int = 0,
     pad_id: int = 0,
 ) -> list[float]:
-    """Train ``model`` on ``(prompt_tokens, target_tokens)`` pairs; returns the loss per step."""
+    """Train the DDP-wrapped ``model`` on ``(prompt_tokens, target_tokens)`` pairs with a
+    megatron AdamW of its own (no weight decay, clip 1.0); returns the mean target-token NLL
+    of each step's batch. Data-parallel ranks split each batch; every rank draws the same one.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_rl.trainer.optim import build_optimizer
+    from megatron_rl.trainer.step import forward_backward
+
     if steps <= 0 or not examples:
         return []
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
+    opt = build_optimizer(
+        model, OptimizerConfig(lr=lr, warmup_steps=0, eps=1e-8, weight_decay=0.0)
+    ).optimizer
+    dp = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
     losses = []
     bar = tqdm(range(steps), desc="warm start (SFT)", leave=False)
     for _ in bar:
         batch = rng.sample(list(examples), min(batch_size, len(examples)))
-        loss = sft_loss(model, batch, pad_id)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(float(loss))
+        total = sum(len(target) for _, target in batch)
+        mine = batch[dp_rank::dp]
+
+        def loss_fn(mb, logits, total=total):
+            nll = -logits_to_logprobs(logits, mb.tokens)[mb.select].sum()
+            return nll / total, (nll.detach() / total).reshape(1), torch.zeros(0)
+
+        sums, _ = forward_backward(
+            model, opt, [sft_batch(mine, pad_id)] if mine else [], loss_fn, 1
+        )
+        opt.step()
+        losses.append(float(sums[0]))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     logger.info("warm start: %d steps, loss %.3f -> %.3f", steps, losses[0], losses[-1])
     return losses

@@ -1,0 +1,164 @@
+"""Megatron-Core's data parallelism and optimizer around the policy, and their checkpoints.
+
+The model is wrapped in ``megatron.core.distributed.DistributedDataParallel`` (gradients in
+contiguous buffers, reduced over the data-parallel group and, for MoE experts, over the
+expert-data-parallel group) and trained by ``get_megatron_optimizer`` (AdamW; gradient-norm
+clipping over the model-parallel group; one chained optimizer for dense and expert
+parameters). On GPU the optimizer is the distributed (ZeRO-1) optimizer by default; on CPU
+it is the plain one, whose inner optimizer is ``torch.optim.AdamW`` (megatron-core falls back
+to it without Transformer Engine / Apex), and parameters must be fp32 (megatron's
+mixed-precision optimizers check CUDA tensor types).
+
+Loss convention: every micro-batch's loss is already a term of the step's global loss (the
+normalisers span the whole batch, all ranks), so gradients are summed over data-parallel
+ranks and micro-batches, never averaged: megatron's ``calculate_per_token_loss`` mode, with
+the token-count division of ``finalize_model_grads`` left out.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_rl.config.sections import OptimizerConfig
+from megatron_rl.platform import get_platform
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Optimizer:
+    """The megatron optimizer of a run and its lr / weight-decay scheduler."""
+
+    optimizer: object  # megatron.core.optimizer.MegatronOptimizer
+    scheduler: object  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+def _finalize_grads_summed(model_chunks, num_tokens=None, **kwargs) -> None:
+    """megatron's ``finalize_model_grads`` (DP / expert-DP reductions, tied embeddings across
+    pipeline stages) without dividing by the token count: our losses are normalised already."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model_chunks, None, **kwargs)
+
+
+def wrap_model(model, distributed_optimizer: bool | None = None):
+    """``model`` in megatron's DistributedDataParallel, configured for summed RL losses.
+
+    ``distributed_optimizer``: shard optimizer state over data-parallel ranks (default: on
+    GPU). Sets the schedule hooks on ``model.config``. Returns the wrapper (one model chunk).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    platform = get_platform()
+    if distributed_optimizer is None:
+        distributed_optimizer = platform.is_gpu
+    if distributed_optimizer and not platform.is_gpu:
+        raise ValueError(
+            "optimizer.distributed: megatron-core's distributed optimizer needs a GPU "
+            "(on CPU it checks CUDA tensor types); leave it unset or false here"
+        )
+    if not platform.is_gpu:
+        wrong = {p.dtype for p in model.parameters() if p.dtype != torch.float32}
+        if wrong:
+            raise ValueError(
+                f"model.dtype: training on CPU needs float32 parameters, got {sorted(map(str, wrong))} "
+                "(megatron-core's mixed-precision optimizer is CUDA-only)"
+            )
+    config = model.config
+    config.calculate_per_token_loss = True  # no division by micro-batch count or DP size
+    config.variable_seq_lengths = True  # micro-batches are padded to their own longest
+    config.finalize_model_grads_func = _finalize_grads_summed
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    return DistributedDataParallel(config, ddp_config, model)
+
+
+def build_optimizer(
+    ddp_model, cfg: OptimizerConfig, *, lr: float | None = None, weight_decay: float | None = None
+) -> Optimizer:
+    """AdamW over ``ddp_model`` with ``cfg``'s schedule: linear warmup to ``lr``, then constant
+    (ScaleRL). Biases and other 1-D parameters get no weight decay (megatron's default).
+
+    ``lr`` / ``weight_decay`` override ``cfg``'s (the supervised warm start uses its own).
+    """
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    platform = get_platform()
+    lr = cfg.lr if lr is None else lr
+    wd = cfg.weight_decay if weight_decay is None else weight_decay
+    dtype = next(ddp_model.parameters()).dtype
+    mcfg = MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=lr,
+        weight_decay=wd,
+        adam_beta1=cfg.betas[0],
+        adam_beta2=cfg.betas[1],
+        adam_eps=cfg.eps,
+        clip_grad=cfg.grad_clip,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=ddp_model.ddp_config.use_distributed_optimizer,
+    )
+    # On CPU the default process groups are gloo already (no extra gloo groups exist).
+    optimizer = get_megatron_optimizer(mcfg, [ddp_model], use_gloo_process_groups=platform.is_gpu)
+    # Megatron warms up from init_lr at step 0 to max_lr at step lr_warmup_steps; with
+    # init = lr / W over W - 1 steps the update with index s gets lr * (s + 1) / W, exactly
+    # OptimizerConfig.lr_factor.
+    warmup = max(cfg.warmup_steps, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=lr / warmup,
+        max_lr=lr,
+        min_lr=lr,
+        lr_warmup_steps=warmup - 1,
+        lr_decay_steps=warmup,
+        lr_decay_style="constant",
+        start_wd=wd,
+        end_wd=wd,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    return Optimizer(optimizer, scheduler)
+
+
+def zero_grads(ddp_model, optimizer) -> None:
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+
+def save_optimizer(optimizer, model, ckpt_dir: Path) -> None:
+    """``optimizer``'s state as a megatron dist checkpoint (all ranks call this), sharded like
+    the parameters of ``model`` (the unwrapped module), so it loads into another TP / PP / EP /
+    DP layout."""
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=False)
+    dist_checkpointing.save({"optimizer": state}, str(ckpt_dir))
+
+
+def load_optimizer(optimizer, model, ckpt_dir: Path) -> None:
+    """Inverse of :func:`save_optimizer`, into this rank's layout."""
+    from megatron.core import dist_checkpointing
+
+    state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)
+    loaded = dist_checkpointing.load({"optimizer": state}, str(ckpt_dir))
+    optimizer.load_state_dict(loaded["optimizer"])
