@@ -154,3 +154,14 @@ def test_policy_update_with_distributed_optimizer_and_its_checkpoint(
     policy_update(ddp, optim.optimizer, samples, AlgorithmConfig(), 2)
     assert manager.load(model, optimizer=optim.optimizer).extra == {"x": 1}
     assert torch.equal(after, model.output_layer.weight.detach())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL weight transfer needs 2 GPUs")
+def test_nccl_weight_transport_parity(tiny_hf_dirs):
+    """Trainer on GPU 0, engine process on GPU 1, weights by NCCL broadcast (vLLM's nccl
+    backend): after the push vLLM's log-probs match Megatron's."""
+    from megatron_rl.rollout.parity import ParityOptions, check_parity
+
+    result = check_parity(ParityOptions(tiny_hf_dirs["tiny-llama"], transport="nccl"))
+    assert result.placement == "subprocess" and result.bytes_pushed > 0
+    assert result.max_abs_delta < 1e-3 < result.before_max_abs_delta

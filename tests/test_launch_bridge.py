@@ -43,6 +43,9 @@ def scripted_runner(index, hf_dir, config, settings, commands, weights_get, even
         elif command[0] == "push":
             received = {}
             while (update := weights_get()) is not None:
+                if "buffer" not in update:  # an NCCL bucket header: the tensors go by NCCL
+                    events.put(("header", index, update))
+                    continue
                 views = unpack_views(
                     update["buffer"], update["dtype_names"], update["shapes"], update["offsets"]
                 )
@@ -215,3 +218,32 @@ def test_generator_entry_reports_a_missing_job_environment_and_an_absent_trainer
     )
     assert proc.returncode == 2
     assert "engine 3" in proc.stderr and "did not accept a connection within 2 s" in proc.stderr
+
+
+def test_nccl_bucket_headers_cross_the_connection_as_they_are(job_env):
+    """With weight_transport nccl only a bucket's header (vLLM's NCCL update info) goes to a
+    remote engine; the tensors follow by broadcast."""
+    from megatron_rl.rollout.nccl import bucket_header, group_layout
+
+    bucket = weight_bucket()
+    header = bucket_header(bucket)
+    assert header["names"] == [n for n, _ in bucket]
+    assert header["dtype_names"] == ["bfloat16", "float32", "int64", "bool", "float32", "float32"]
+    assert header["shapes"] == [[5, 7], [4, 3], [3, 3], [3], [], [0, 4]]
+    assert group_layout(3, 2) == (7, [1, 3, 5])  # sender 0, then 2 workers per engine
+
+    address, key = job_env
+    results: dict[int, int] = {}
+    task = start_engine_task(address, key, 0, results)
+    events: queue.Queue = queue.Queue()
+    (engine,) = bridge.accept_engines(1, "/models/hf", {"engines": 1}, None, events)
+    next_event(events, "ready")
+    engine.commands.put(("push", 1, "keep"))
+    engine.weights.put(header)
+    engine.weights.put(None)
+    assert next_event(events, "header")[2] == header
+    assert next_event(events, "received")[2] == {}
+    engine.commands.put(("stop",))
+    engine.join(timeout=10)
+    task.join(timeout=10)
+    assert results == {0: 0}

@@ -215,6 +215,9 @@ def test_subsequence_search():
         ({"dtype": "int8"}, "dtype"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"engines": 2, "gpu_ids": [0, 1, 2]}, "gpu_ids"),
+        ({"weight_transport": "rdma"}, "weight_transport"),
+        ({"weight_transport": "nccl"}, "placement"),  # in_process: engines share our GPU
+        ({"weight_transport": "nccl", "placement": "subprocess"}, "gpu_ids"),
         ({"interruption": InterruptionConfig(thinking_budget=(9, 3))}, "thinking_budget"),
         ({"interruption": InterruptionConfig(answer_budget=0)}, "answer_budget"),
         (

@@ -268,8 +268,10 @@ class _WeightSender:
         link = self._engine._link
         if update is None:
             self._engine._send(lambda: link.send(("weights_end",)))
-        else:
+        elif "tensors" in update or "buffer" in update:
             self._engine._send(lambda: link.send_update(update))
+        else:  # a bucket's header: its tensors come by NCCL broadcast (rollout.nccl)
+            self._engine._send(lambda: link.send(("weights_header", update)))
 
 
 def accept_engines(
@@ -439,6 +441,8 @@ def _pump_from_trainer(
                 commands.put(message[1])
             elif message[0] == "weights":
                 weights.put(link.recv_update(message[1]))
+            elif message[0] == "weights_header":
+                weights.put(message[1])
             elif message[0] == "weights_end":
                 weights.put(None)
     except (EOFError, OSError):

@@ -81,6 +81,12 @@ class RolloutConfig:
         stop_token_ids: tokens that end a sample; None = the model's EOS token(s).
         interruption: forced length interruption.
         weight_bucket_mb: size of the buckets in which weights are streamed.
+        weight_transport: how buckets reach the engines: "host" (through host memory: the
+            trainer's tensors in process, shared memory to engine processes, TCP to remote
+            engines; vLLM backend ``megatron_rl_cpu``) or "nccl" (GPU: one NCCL broadcast
+            from the trainer's sender to every engine worker, vLLM's ``nccl`` backend; needs
+            ``placement`` subprocess or remote, see ``megatron_rl.rollout.nccl``).
+        nccl_address: the sender's address for the NCCL rendezvous (None: this host's name).
         kv_cache_gb: KV cache per engine (CPU: ``VLLM_CPU_KVCACHE_SPACE``, rounded up to whole
             GiB; GPU: bytes reserved).
         max_num_seqs: concurrent sequences per engine.
@@ -106,6 +112,8 @@ class RolloutConfig:
     stop_token_ids: list[int] | None = None
     interruption: InterruptionConfig = field(default_factory=InterruptionConfig)
     weight_bucket_mb: int = 256
+    weight_transport: Literal["host", "nccl"] = "host"
+    nccl_address: str | None = None
     kv_cache_gb: float = 1.0
     max_num_seqs: int = 64
     max_model_len: int | None = None
@@ -124,6 +132,17 @@ class RolloutConfig:
         _check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         _check_choice("kv_on_push", self.kv_on_push, KV_ON_PUSH)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("weight_transport", self.weight_transport, ("host", "nccl"))
+        if self.weight_transport == "nccl" and self.placement == "in_process":
+            raise ValueError(
+                "weight_transport 'nccl' needs engines on GPUs of their own: placement "
+                "'subprocess' or 'remote', not 'in_process'"
+            )
+        if self.weight_transport == "nccl" and self.placement == "subprocess" and not self.gpu_ids:
+            raise ValueError(
+                "weight_transport 'nccl' with placement 'subprocess' needs gpu_ids: the "
+                "engines' GPUs, none of them the trainer's (NCCL has one rank per GPU)"
+            )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -121,7 +121,9 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         logprobs_mode=config.logprobs_mode,
         hf_overrides={"head_dtype": "float32"} if config.fp32_head else None,
         override_generation_config=overrides,
-        weight_transfer_config={"backend": BACKEND},
+        weight_transfer_config={
+            "backend": BACKEND if config.weight_transport == "host" else "nccl"
+        },
         # One scheduled batch at a time: a weight load between two steps then separates the
         # tokens of the old weights from those of the new ones exactly.
         async_scheduling=False,
@@ -171,10 +173,15 @@ class VLLMEngine:
             _check_process_layout(hf_dir)
             self.engine = LLMEngine.from_engine_args(engine_args(hf_dir, config, index))
             _live_engines += 1
-            self.engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+            if config.weight_transport == "host":  # nccl: init_transport joins the group
+                self.init_transport({})
             if not get_platform().is_gpu:
                 _fix_cuda_stream_stand_ins()
         self.max_model_len = self.engine.model_config.max_model_len
+
+    def init_transport(self, init_info: dict[str, Any]) -> None:
+        """vLLM's ``init_weight_transfer_engine`` on every worker (nccl: joins the group)."""
+        self.engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
     def close(self) -> None:
         """Shut the engine down, leaving the process's torch.distributed world alone.
@@ -269,8 +276,8 @@ class VLLMEngine:
     def load_weights(
         self, updates: Iterable[dict[str, Any]], kv_on_push: str = "keep"
     ) -> tuple[int, int]:
-        """Load buckets (update infos of the ``megatron_rl_cpu`` transport) through vLLM's
-        weight-transfer API; returns (tensors, bytes) loaded. Requests in flight are kept;
+        """Load buckets (update infos of the ``megatron_rl_cpu`` transport, or the headers of
+        NCCL broadcasts) through vLLM's weight-transfer API; returns (tensors, bytes) loaded. Requests in flight are kept;
         with ``kv_on_push="recompute"`` their KV cache is recomputed by the new weights
         (they are preempted and prefilled again), with "keep" it stays as it is."""
         tensors = nbytes = 0

@@ -39,6 +39,7 @@ class ParityOptions:
     max_tokens: int = 40
     bucket_mb: float = 1.0
     placement: str | None = None  # default: in_process with one rank, else subprocess
+    transport: str = "host"  # rollout.weight_transport; nccl: the engine gets GPU `world`
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=2, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="weight bucket size (MiB)")
+    parser.add_argument(
+        "--transport",
+        choices=("host", "nccl"),
+        default="host",
+        help="weight transport (nccl: GPU; the engine runs on the GPU after the trainer's)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         samples=args.samples,
         max_tokens=args.max_tokens,
         bucket_mb=args.bucket_mb,
+        transport=args.transport,
     )
     result = check_parity(options)
     passed = result.max_abs_delta <= args.threshold
@@ -146,8 +154,11 @@ def parity_rank(rank: int, world: int, options: ParityOptions) -> ParityResult |
     from megatron_rl.rollout.pool import GeneratorPool
     from megatron_rl.rollout.push import push_megatron_weights
 
-    placement = options.placement or ("in_process" if world == 1 else "subprocess")
+    nccl = options.transport == "nccl"
+    placement = options.placement or ("in_process" if world == 1 and not nccl else "subprocess")
     config = RolloutConfig(
+        weight_transport=options.transport,
+        gpu_ids=[world] if nccl else None,  # the trainer ranks hold GPUs 0 .. world - 1
         placement=placement,
         samples_per_prompt=options.samples,
         max_tokens=options.max_tokens,

@@ -82,6 +82,8 @@ class GeneratorPool:
         self._acks: dict[int, list[tuple]] = {}
         self._status: dict[int, dict[str, Any]] = {}
         self._closed = False
+        self._nccl = None  # the NcclSender of weight_transport "nccl", once connected
+        self._transport_acks: set[int] = set()
         self._engines = self._start_engines(self._settings())
         if wait:
             self._wait_ready()
@@ -156,6 +158,31 @@ class GeneratorPool:
         logger.info(
             "generator pool: %d engine(s) ready (%s)", len(self._engines), self.config.placement
         )
+        if self.config.weight_transport == "nccl":
+            self._connect_nccl()
+
+    def _connect_nccl(self) -> None:
+        """Form the NCCL weight-transfer group: every engine's workers, then this sender."""
+        import socket
+
+        from megatron_rl.platform import free_port, get_platform
+        from megatron_rl.rollout.nccl import NcclSender, group_layout, worker_payload
+
+        if not get_platform().is_gpu:
+            raise ValueError("rollout.weight_transport 'nccl' needs GPUs; this machine has none")
+        config = self.config
+        address = config.nccl_address or socket.gethostname()
+        port = free_port()
+        world, offsets = group_layout(len(self._engines), config.tensor_parallel)
+        bucket = config.weight_bucket_bytes
+        for engine, offset in zip(self._engines, offsets):
+            payload = worker_payload(address, port, offset, world, bucket)
+            engine.commands.put(("transport", payload))
+        sender = NcclSender(address, port, world, bucket)
+        sender.connect()  # returns when every worker has joined
+        while len(self._transport_acks) < len(self._engines):
+            self._pump(_POLL_SECONDS)
+        self._nccl = sender
 
     # -- generation -------------------------------------------------------------------------
     def submit(
@@ -281,6 +308,10 @@ class GeneratorPool:
         # a subprocess engine reads one shared buffer; in-process and remote engines (the
         # bridge serialises tensors itself) take the tensors as they are
         pack = shared_update if self.config.placement == "subprocess" else tensors_update
+        if self._nccl is not None:  # announce each bucket; its tensors go by NCCL broadcast
+            from megatron_rl.rollout.nccl import bucket_header
+
+            pack = bucket_header
         start = time.perf_counter()
         for engine in self._engines:
             engine.commands.put(("push", version, kv_on_push))
@@ -290,6 +321,8 @@ class GeneratorPool:
                 update = pack(bucket)
                 for engine in self._engines:
                     self._put_weights(engine, update)
+                if self._nccl is not None:
+                    self._nccl.send(bucket)
                 count += 1
                 tensors += len(bucket)
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -366,6 +399,8 @@ class GeneratorPool:
             self._status[index] = event[2]
         elif kind == "ready":
             engine.max_model_len = event[2]["max_model_len"]
+        elif kind == "transport":
+            self._transport_acks.add(index)
 
     def _check_alive(self) -> None:
         for engine in self._engines:

@@ -8,11 +8,12 @@ it. It runs on a thread of the trainer's process or as the main loop of an engin
 both talk to the pool through queues:
 
 - ``commands``: ``("submit", [RequestSpec])``, ``("push", version, kv_on_push)``,
-  ``("status",)``, ``("stop",)``;
+  ``("status",)``, ``("transport", init_info)``, ``("stop",)``;
 - ``weights``: a push's bucket update infos, then ``None``;
 - ``events`` (shared by all engines): ``("ready", i, info)``, ``("samples", i, [Sample],
   oldest)``, ``("pushed", i, version, load_seconds, tensors, bytes, oldest)``,
-  ``("status", i, dict)``, ``("error", i, traceback)``, ``("stopped", i)``. ``oldest`` is the oldest policy version
+  ``("status", i, dict)``, ``("transport", i)``, ``("error", i, traceback)``,
+  ``("stopped", i)``. ``oldest`` is the oldest policy version
   still in flight on engine i (None when it is idle).
 """
 
@@ -94,6 +95,9 @@ class EngineRunner:
                     self.push(command[1], command[2], weights_get)
                 elif command[0] == "status":
                     self.events.put(("status", self.index, self.status()))
+                elif command[0] == "transport":  # join the NCCL weight-transfer group
+                    self.engine.init_transport(command[1])
+                    self.events.put(("transport", self.index))
                 else:
                     raise ValueError(f"unknown runner command {command[0]!r}")
             self.step()
