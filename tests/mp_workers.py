@@ -29,9 +29,10 @@ def logits_worker(
     destroy_distributed()
 
 
-def dp_update_worker(samples, out_path: str, world: int) -> None:
+def dp_update_worker(samples, out_path: str, world: int, overlap: bool = False) -> None:
     """Build the tiny model (seeded), one SGD policy update over ``samples``; save the params.
-    With ``world`` 2 the ranks form a DP=2 group and split the batch by groups."""
+    With ``world`` 2 the ranks form a DP=2 group and split the batch by groups; ``overlap``:
+    gradients reduced bucket by bucket during the backward (megatron's overlap_grad_reduce)."""
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -44,7 +45,7 @@ def dp_update_worker(samples, out_path: str, world: int) -> None:
 
     init_distributed(ParallelConfig(), seed=5)
     model = build_model(ModelConfig(preset="tiny-llama", dtype="float32"), ParallelConfig())
-    ddp = wrap_model(model)
+    ddp = wrap_model(model, overlap_grad_reduce=overlap)
     cfg = OptimizerConfig(
         optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0
     )

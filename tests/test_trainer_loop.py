@@ -159,6 +159,25 @@ def test_ppo_run_learns_from_its_batches(ppo_full_run):
     assert any(r["grad_norm"] > 0 for r in steps)  # some groups had reward variance
 
 
+# What every step record carries (the loop issue's metrics list).
+STEP_METRICS = (
+    "step", "gpu_hours", "samples", "response_tokens", "reward_mean", "pass_rate",
+    "truncation_rate", "interruption_rate", "effective_batch_fraction", "npr_retired",
+    "rho_mean", "rho_max", "clip_frac", "abs_logprob_diff", "staleness_mean", "staleness_max",
+    "gen_tokens_per_s", "train_tokens_per_s", "step_seconds", "lr", "grad_norm", "loss",
+)  # fmt: skip
+
+
+def test_step_records_carry_every_metric_and_the_lr_schedule(ppo_full_run):
+    cfg = load_run_config(ppo_full_run / "config.yaml", check_model=False).optimizer
+    steps = [r for r in records(ppo_full_run) if "reward_mean" in r]
+    for r in steps:
+        assert set(STEP_METRICS) <= r.keys(), set(STEP_METRICS) - r.keys()
+        # linear warmup over warmup_steps updates, then constant (update s has index s - 1)
+        assert r["lr"] == pytest.approx(cfg.lr * min(1.0, r["step"] / cfg.warmup_steps))
+    assert cfg.warmup_steps > 1 and steps[0]["lr"] < steps[-1]["lr"]
+
+
 def test_zero_variance_fraction_matches_group_pass_rates(ppo_full_run):
     for r in [r for r in records(ppo_full_run) if "reward_mean" in r]:
         mixed = [0.0 < p < 1.0 for p in r["group_pass_rates"]]

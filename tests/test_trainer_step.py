@@ -120,8 +120,10 @@ def test_warm_start_lowers_the_loss(model):
     assert losses[-1] < 0.2 * losses[0]
 
 
-def test_data_parallel_update_equals_single_rank(tmp_path):
-    """Two DP ranks, each training on half the groups, make the single-rank update exactly."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_data_parallel_update_equals_single_rank(tmp_path, overlap):
+    """Two DP ranks, each training on half the groups, make the single-rank update exactly
+    (also with the gradient reduction overlapped with the backward, as on GPU)."""
     from mp_workers import dp_update_worker
 
     from megatron_rl.platform import run_local_ranks
@@ -139,7 +141,7 @@ def test_data_parallel_update_equals_single_rank(tmp_path):
                 )
             )  # fmt: skip
     run_local_ranks(dp_update_worker, 1, samples, str(tmp_path / "one.pt"), 1)
-    run_local_ranks(dp_update_worker, 2, samples, str(tmp_path / "two.pt"), 2)
+    run_local_ranks(dp_update_worker, 2, samples, str(tmp_path / "two.pt"), 2, overlap)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert one.keys() == two.keys()
     for key in one:

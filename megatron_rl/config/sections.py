@@ -49,6 +49,8 @@ class OptimizerConfig:
             default); 0 disables clipping.
         distributed: megatron's distributed optimizer (optimizer state sharded over
             data-parallel ranks). Default (null): on GPU yes; on CPU it is unavailable.
+        overlap_grad_reduce: reduce gradients over data-parallel ranks bucket by bucket
+            during the backward of a step's last micro-batch. Default (null): on GPU.
     """
 
     lr: float = 5e-7
@@ -58,6 +60,7 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     distributed: bool | None = None
+    overlap_grad_reduce: bool | None = None
 
     def validate(self) -> None:
         _check_positive(self, "lr")

@@ -61,6 +61,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
             if batch is None:  # every prompt retired, or the GPU-hour budget spent
                 break
             samples, info, wants_push = batch
+            info["lr"] = run.optim.lr  # the rate of this update (the scheduler moves on after)
             t1 = time.perf_counter()
             result = policy_update(
                 run.ddp,
@@ -304,7 +305,6 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         "rho_max": result.rho_max,
         "clip_frac": result.clip_frac,
         "abs_logprob_diff": result.abs_logprob_diff,
-        "lr": run.optim.lr,
         "train_tokens_per_s": result.num_tokens / max(train_seconds, 1e-9),
         "gen_wait_seconds": gen_seconds,
         "step_seconds": time.perf_counter() - t0,

@@ -49,17 +49,24 @@ def _finalize_grads_summed(model_chunks, num_tokens=None, **kwargs) -> None:
     finalize_model_grads(model_chunks, None, **kwargs)
 
 
-def wrap_model(model, distributed_optimizer: bool | None = None):
+def wrap_model(
+    model, distributed_optimizer: bool | None = None, overlap_grad_reduce: bool | None = None
+):
     """``model`` in megatron's DistributedDataParallel, configured for summed RL losses.
 
     ``distributed_optimizer``: shard optimizer state over data-parallel ranks (default: on
-    GPU). Sets the schedule hooks on ``model.config``. Returns the wrapper (one model chunk).
+    GPU). ``overlap_grad_reduce``: reduce gradients bucket by bucket during the last
+    micro-batch's backward (default: on GPU). Parameters are never gathered asynchronously:
+    the weight push reads them right after the optimizer step. Sets the schedule hooks on
+    ``model.config``. Returns the wrapper (one model chunk).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     platform = get_platform()
     if distributed_optimizer is None:
         distributed_optimizer = platform.is_gpu
+    if overlap_grad_reduce is None:
+        overlap_grad_reduce = platform.is_gpu
     if distributed_optimizer and not platform.is_gpu:
         raise ValueError(
             "optimizer.distributed: megatron-core's distributed optimizer needs a GPU "
@@ -78,10 +85,14 @@ def wrap_model(model, distributed_optimizer: bool | None = None):
     config.finalize_model_grads_func = _finalize_grads_summed
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=distributed_optimizer,
     )
-    return DistributedDataParallel(config, ddp_config, model)
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    # The schedules run every micro-batch but the last under no_sync (gradients accumulate
+    # locally); with overlap, the last one's backward launches each bucket's reduction.
+    config.no_sync_func = ddp.no_sync if overlap_grad_reduce else None
+    return ddp
 
 
 def build_optimizer(
