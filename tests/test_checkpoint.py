@@ -98,6 +98,22 @@ def test_round_trip_restores_model_optimizer_and_loop_state(trainer, tmp_path):
         assert torch.equal(a, b)
 
 
+def test_checkpoint_before_the_first_optimizer_step_resumes(trainer, tmp_path):
+    """A run checkpointed before AdamW ever stepped (every update so far had no token with
+    loss) resumes, and its first step equals a fresh optimizer's."""
+    model, ddp, optimizer = trainer
+    start = weights(model)
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, model, {}, optimizer=optimizer)
+    manager.load(model, optimizer=optimizer)
+    train_step(ddp, optimizer)
+    resumed = weights(model)
+    fresh_model, fresh_ddp, fresh = make_trainer(ParallelConfig(), seed=7)
+    fresh_model.load_state_dict(start, strict=False)
+    train_step(fresh_ddp, fresh)
+    assert_same(resumed, weights(fresh_model))
+
+
 def test_crash_mid_save_leaves_the_previous_checkpoint(trainer, tmp_path, monkeypatch):
     model, ddp, optimizer = trainer
     manager = CheckpointManager(tmp_path, keep_last=3)

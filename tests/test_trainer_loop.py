@@ -233,17 +233,22 @@ def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path):
 
 @pytest.mark.parametrize(
     "layout",
-    ["parallel.tensor=2", "parallel.tensor=1", "parallel.pipeline=2"],
-    ids=["tp2", "dp2", "pp2"],
+    [
+        "parallel.tensor=2",
+        "parallel.tensor=1",
+        "parallel.pipeline=2",
+        "model.preset=tiny-llama4 parallel.expert=2",
+    ],
+    ids=["tp2", "dp2", "pp2", "ep2_moe"],
 )
 def test_two_trainer_ranks(tmp_path, layout):
-    """Two torch.distributed ranks (TP=2, DP=2 or PP=2): the main rank owns the pool (an
-    engine process) and the metrics; updates, pushes and checkpoints are collective. The TP=2
+    """Two torch.distributed ranks (TP=2, DP=2, PP=2, or EP=2 on the tiny Llama-4 MoE): the
+    main rank owns the pool (an engine process) and the metrics; updates, pushes and checkpoints are collective. The TP=2
     run then resumes on one rank (model and optimizer state reshard)."""
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "megatron_rl.cli", "train", str(RECIPE), *SMALL, layout,
+        "-m", "megatron_rl.cli", "train", str(RECIPE), *SMALL, *layout.split(),
         "rollout.placement=subprocess", "training.max_steps=2", "validation.every_steps=2",
         "cluster.gpus_per_node=3", "cluster.trainer_gpus=2", "cluster.generator_gpus=1",
         "checkpoint.every_steps=2", "--run-dir", str(run_dir),

@@ -162,6 +162,7 @@ def save_optimizer(optimizer, model, ckpt_dir: Path) -> None:
     from megatron.core import dist_checkpointing
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    _materialize_state(optimizer)
     state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=False)
     dist_checkpointing.save({"optimizer": state}, str(ckpt_dir))
 
@@ -172,4 +173,41 @@ def load_optimizer(optimizer, model, ckpt_dir: Path) -> None:
 
     state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)
     loaded = dist_checkpointing.load({"optimizer": state}, str(ckpt_dir))
+    _restore_zero_step(loaded["optimizer"])
     optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _restore_zero_step(tree) -> None:
+    """megatron-core 0.16.1 saves the AdamW step shared by all parameters only ``if step:``,
+    so the step 0 of a never-stepped optimizer (see :func:`_materialize_state`) comes back
+    missing and torch's AdamW refuses the state. Put it back (in every torch optimizer state
+    dict of the loaded tree: ``{"state": ..., "param_groups": ...}``)."""
+    if not isinstance(tree, dict):
+        return
+    state = tree.get("state")
+    if isinstance(state, dict) and "param_groups" in tree:
+        moments = [v for v in state.values() if isinstance(v, dict) and "exp_avg" in v]
+        if moments and "common_step" not in state and all("step" not in v for v in moments):
+            state["common_step"] = torch.tensor(0.0)
+        return
+    for value in tree.values():
+        _restore_zero_step(value)
+
+
+def _materialize_state(optimizer) -> None:
+    """Give a never-stepped optimizer the state its first step would create.
+
+    torch's AdamW creates its state lazily, so a checkpoint taken before the first step
+    (every update so far had no token with loss: all groups zero-variance) would hold no
+    moments, and loading it fails on the keys it lacks. Zero moments and ``step`` 0 are
+    exactly the lazy initial state, so the resumed run steps as the original would.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner, init = getattr(opt, "optimizer", None), getattr(opt, "init_state_fn", None)
+        if inner is None or not callable(init):
+            continue
+        init(inner, opt.config)  # megatron's: zero exp_avg / exp_avg_sq where state is empty
+        if isinstance(inner, (torch.optim.AdamW, torch.optim.Adam)):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p].setdefault("step", torch.tensor(0.0))
