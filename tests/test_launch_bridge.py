@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from megatron_rl.launch import bridge
+from megatron_rl.platform import free_port
 from megatron_rl.rollout.buckets import shared_update, tensors_update, unpack_views
 from megatron_rl.rollout.samples import Sample
-from megatron_rl.rollout.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,7 +223,7 @@ def test_generator_entry_reports_a_missing_job_environment_and_an_absent_trainer
 def test_nccl_bucket_headers_cross_the_connection_as_they_are(job_env):
     """With weight_transport nccl only a bucket's header (vLLM's NCCL update info) goes to a
     remote engine; the tensors follow by broadcast."""
-    from megatron_rl.rollout.nccl import bucket_header, group_layout
+    from megatron_rl.rollout.nccl import bucket_header, group_layout, worker_payload
 
     bucket = weight_bucket()
     header = bucket_header(bucket)
@@ -231,6 +231,10 @@ def test_nccl_bucket_headers_cross_the_connection_as_they_are(job_env):
     assert header["dtype_names"] == ["bfloat16", "float32", "int64", "bool", "float32", "float32"]
     assert header["shapes"] == [[5, 7], [4, 3], [3, 3], [3], [], [0, 4]]
     assert group_layout(3, 2) == (7, [1, 3, 5])  # sender 0, then 2 workers per engine
+    payload = worker_payload("10.0.0.1", 29511, 3, 7, 2**20)  # vLLM's worker init info
+    assert payload["master_address"] == "10.0.0.1" and payload["master_port"] == 29511
+    assert (payload["rank_offset"], payload["world_size"], payload["packed"]) == (3, 7, True)
+    assert payload["packed_buffer_size_bytes"] == 2**20 and "nccl_unique_id_b64" not in payload
 
     address, key = job_env
     results: dict[int, int] = {}

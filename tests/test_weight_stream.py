@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.conversion.weight_stream import bucket_nbytes, iter_hf_weights, unshard
-from megatron_rl.rollout.spawn import run_ranks
+from megatron_rl.platform import run_local_ranks
 
 BUCKET = 256 * 1024  # small, so that every model streams in several buckets
 
@@ -93,14 +93,15 @@ LAYOUTS = {  # (model, tensor, expert, pipeline)
 }
 
 
-def stream_layouts_rank(rank: int, world: int, hf_dirs: dict) -> dict:
+def stream_layouts_rank(hf_dirs: dict) -> dict:
     """Each layout on two gloo ranks: rank 0's stream vs the HF file, rank 1 yields nothing."""
+    import torch.distributed as dist
+
     from megatron_rl.conversion.hf import load_hf_weights
     from megatron_rl.models import ModelConfig
     from megatron_rl.models.provider import build_model
     from megatron_rl.platform import ParallelConfig, init_distributed
 
-    torch.set_num_threads(1)
     results = {}
     for key, (name, tensor, expert, pipeline) in LAYOUTS.items():
         parallel = ParallelConfig(tensor=tensor, expert=expert, pipeline=pipeline)
@@ -111,7 +112,7 @@ def stream_layouts_rank(rank: int, world: int, hf_dirs: dict) -> dict:
         _, names, streamed = _stream(model)
         after = {n: (p.data_ptr(), tuple(p.shape)) for n, p in model.named_parameters()}
         results[key] = {
-            "bad": _compare(streamed, hf_dirs[name]) if rank == 0 else None,
+            "bad": _compare(streamed, hf_dirs[name]) if dist.get_rank() == 0 else None,
             "count": len(names),
             "unique": len(set(names)) == len(names),
             "restored": before == after,
@@ -121,7 +122,7 @@ def stream_layouts_rank(rank: int, world: int, hf_dirs: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def layouts(tiny_hf_dirs):
-    return run_ranks(stream_layouts_rank, 2, dict(tiny_hf_dirs))
+    return run_local_ranks(stream_layouts_rank, 2, dict(tiny_hf_dirs))
 
 
 @pytest.mark.slow

@@ -103,22 +103,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_local_ranks(fn, world_size: int, *args) -> None:
-    """Run ``fn(*args)`` on ``world_size`` local processes that form one process group.
+def run_local_ranks(fn, world_size: int, *args) -> list:
+    """Run ``fn(*args)`` on ``world_size`` local processes that form one process group and
+    return their (picklable) results by rank.
 
     For single-node tools and tests (CPU: gloo). Each child gets RANK / WORLD_SIZE /
     LOCAL_RANK / MASTER_ADDR / MASTER_PORT; ``fn`` then calls :func:`init_distributed`.
-    Under torchrun / srun (WORLD_SIZE already set) or with one rank, ``fn`` runs in-process.
+    Under torchrun / srun (WORLD_SIZE already set) or with one rank, ``fn`` runs in-process
+    (and the list holds its one result). ``fn`` must be importable (module level); an
+    exception in any rank is raised here with that rank's traceback.
     """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     if world_size == 1 or "WORLD_SIZE" in os.environ:
-        fn(*args)
-        return
+        return [fn(*args)]
+    import pickle
+    import tempfile
+    from pathlib import Path
+
     import torch.multiprocessing as mp
 
-    port = free_port()
-    mp.start_processes(
-        _rank_entry, args=(fn, world_size, port, args), nprocs=world_size, start_method="spawn"
-    )
+    with tempfile.TemporaryDirectory(prefix="megatron_rl_ranks_") as out_dir:
+        mp.start_processes(
+            _rank_entry,
+            args=(fn, world_size, free_port(), out_dir, args),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+        results = []
+        for rank in range(world_size):
+            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+    return results
 
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -132,7 +148,12 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _rank_entry(rank: int, fn, world_size: int, port: int, args) -> None:
+def _rank_entry(rank: int, fn, world_size: int, port: int, out_dir: str, args) -> None:
+    import pickle
+    from pathlib import Path
+
     os.environ.update(rank_environment(rank, world_size, port))
-    torch.set_num_threads(1)
-    fn(*args)
+    torch.set_num_threads(1)  # the ranks share this machine's cores
+    result = fn(*args)
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)

@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -139,16 +140,16 @@ def check_parity(options: ParityOptions) -> ParityResult:
     from megatron_rl.conversion.hf import check_hf_dir
 
     check_hf_dir(options.hf_dir)
+    from megatron_rl.platform import run_local_ranks
+
     world = math.lcm(options.tensor, options.expert)
-    if world == 1:
-        return parity_rank(0, 1, options)
-    from megatron_rl.rollout.spawn import run_ranks
-
-    return run_ranks(parity_rank, world, options)[0]
+    return run_local_ranks(parity_rank, world, world, options)[0]
 
 
-def parity_rank(rank: int, world: int, options: ParityOptions) -> ParityResult | None:
-    """One trainer rank of the check; rank 0 owns the engine and returns the result."""
+def parity_rank(world: int, options: ParityOptions) -> ParityResult | None:
+    """One of the ``world`` trainer ranks of the check; rank 0 owns the engine and returns
+    the result."""
+    rank = int(os.environ.get("RANK", "0"))  # known before the process group exists
     from megatron_rl.platform import ParallelConfig, init_distributed
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.rollout.pool import GeneratorPool
