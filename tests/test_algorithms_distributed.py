@@ -3,11 +3,9 @@
 import datetime
 import itertools
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_rl.algorithms import (
     AGGREGATIONS,
@@ -16,6 +14,7 @@ from megatron_rl.algorithms import (
     compute_loss_normalizers,
     policy_loss,
 )
+from megatron_rl.platform import run_local_ranks
 
 PARAMS = {
     "cispo": {"eps_max": 1.3},
@@ -69,13 +68,10 @@ def _grad(kind, aggregation, problem, micro_batches, group=None):
     return weight.grad, norm
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)  # two ranks share the machine's cores
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
+def _worker() -> dict:
+    """One gloo rank (env:// from run_local_ranks): its gradients after the DP reduction."""
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
         problem = make_problem()
         results = {}
@@ -86,23 +82,16 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             dist.all_reduce(grad, op=dist.ReduceOp.SUM)  # DP gradient reduction: a SUM
             results[(kind, aggregation)] = grad
         results["norm"] = norm
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        return results
     finally:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_two_gloo_ranks_match_one_batch(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_two_gloo_ranks_match_one_batch():
+    by_rank = run_local_ranks(_worker, 2)
     problem = make_problem()
     full_norm = compute_loss_normalizers(problem[5], problem[6], problem[7])
-    for rank in range(2):
-        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    for results in by_rank:
         norm = results["norm"]
         assert torch.equal(norm.sample_keys, full_norm.sample_keys)
         assert torch.equal(norm.sample_tokens, full_norm.sample_tokens)
