@@ -272,3 +272,58 @@ def test_resume_in_another_layout_continues_the_same_run(tmp_path):
             assert torch.allclose(after[name], resumed[name], atol=1e-5, rtol=0), name
         assert max(float((after[k] - no_moments[k]).abs().max()) for k in after) > 1e-3
         shutil.rmtree(run_dir / "checkpoints")
+
+
+SAVE_THEN_WAIT = """
+import sys, time
+from megatron_rl.conversion import checkpoint
+from megatron_rl.models import ModelConfig, preset_hf_config
+from megatron_rl.models.provider import build_model
+from megatron_rl.platform import ParallelConfig, init_distributed
+if __name__ == "__main__":
+    init_distributed(ParallelConfig())
+    model = build_model(ModelConfig(preset="tiny-llama", dtype="float32"), ParallelConfig())
+    checkpoint.save_model(model, sys.argv[1], preset_hf_config("tiny-llama"))
+    print("MANAGER_PID", checkpoint._RESULTS_MANAGER._process.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_checkpoint_writer_helper_exits_when_its_trainer_is_killed(tmp_path):
+    """megatron's checkpoint writer keeps a multiprocessing Manager process; a SIGKILLed
+    trainer used to leave it behind. Ours exits with its parent."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_rollout_parallel import running
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_THEN_WAIT)
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        line = ""
+        while not line.startswith("MANAGER_PID"):
+            line = trainer.stdout.readline()
+            assert line, "the save script ended early"
+        manager = int(line.split()[1])
+        assert running(manager)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and running(manager):
+            time.sleep(0.2)
+        if running(manager):
+            os.kill(manager, signal.SIGKILL)
+            pytest.fail("the checkpoint writer's Manager outlived its killed trainer")
+    finally:
+        trainer.kill()

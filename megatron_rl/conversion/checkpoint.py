@@ -58,6 +58,7 @@ def save_model(
         (tmp / MODEL_SUBDIR).mkdir(parents=True)
         save_hf_config(hf_config, hf_source_dir, tmp / HF_CONFIG_SUBDIR)
     _barrier()
+    start_results_manager()
     dist_checkpointing.save(model.sharded_state_dict(), str(tmp / MODEL_SUBDIR))
     _barrier()
     if rank0:
@@ -71,6 +72,30 @@ def save_model(
             tmp.rename(ckpt_dir)
     _barrier()
     logger.info("saved model checkpoint %s", ckpt_dir)
+
+
+_RESULTS_MANAGER = None
+
+
+def start_results_manager() -> None:
+    """megatron-core 0.16.1's filesystem writer keeps its results queue in a spawned
+    multiprocessing Manager (``filesystem_async._get_write_results_queue``) that nothing
+    stops when the trainer is SIGKILLed: each killed trainer left one (~330 MB) behind. Start
+    that Manager here, first, with a server process that exits with its parent."""
+    global _RESULTS_MANAGER
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron_rl.platform import exit_with_parent
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=exit_with_parent)
+    filesystem_async._results_queue = manager.Queue()
+    _RESULTS_MANAGER = manager  # alive as long as this process
 
 
 def load_hf_config(ckpt_dir: str | Path) -> transformers.PretrainedConfig:

@@ -15,6 +15,7 @@ _EXPORTS = {
     "Platform": "megatron_rl.platform.device",
     "get_platform": "megatron_rl.platform.device",
     "destroy_distributed": "megatron_rl.platform.parallel",
+    "exit_with_parent": "megatron_rl.platform.parallel",
     "free_port": "megatron_rl.platform.parallel",
     "init_distributed": "megatron_rl.platform.parallel",
     "run_local_ranks": "megatron_rl.platform.parallel",

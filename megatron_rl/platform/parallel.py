@@ -157,3 +157,19 @@ def _rank_entry(rank: int, fn, world_size: int, port: int, out_dir: str, args) -
     result = fn(*args)
     with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
+
+
+def exit_with_parent(poll_seconds: float = 1.0) -> None:
+    """End this (helper) process when the process that started it is gone (SIGKILL, OOM
+    kill): nobody would stop it, and it would keep its memory (and GPUs)."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

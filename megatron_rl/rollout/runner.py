@@ -281,20 +281,7 @@ def subprocess_main(
         mine = config.gpu_ids[index * tp : (index + 1) * tp]
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in mine)
     logging.basicConfig(level=logging.WARNING)
-    _exit_with_parent()
+    from megatron_rl.platform import exit_with_parent
+
+    exit_with_parent()
     run_engine(index, hf_dir, config, settings, commands, weights.get, events)
-
-
-def _exit_with_parent(poll_seconds: float = 1.0) -> None:
-    """End this engine process when the trainer that started it is gone (SIGKILL, OOM
-    kill): nobody would stop it, and it would hold its memory and GPUs."""
-    import threading
-
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_seconds)
-        os._exit(3)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
