@@ -277,9 +277,10 @@ class VLLMEngine:
         self, updates: Iterable[dict[str, Any]], kv_on_push: str = "keep"
     ) -> tuple[int, int]:
         """Load buckets (update infos of the ``megatron_rl_cpu`` transport, or the headers of
-        NCCL broadcasts) through vLLM's weight-transfer API; returns (tensors, bytes) loaded. Requests in flight are kept;
-        with ``kv_on_push="recompute"`` their KV cache is recomputed by the new weights
-        (they are preempted and prefilled again), with "keep" it stays as it is."""
+        NCCL broadcasts) through vLLM's weight-transfer API; returns (tensors, bytes) loaded.
+        Requests in flight are kept; with ``kv_on_push="recompute"`` their KV cache is
+        recomputed by the new weights (they are preempted and prefilled again), with "keep"
+        it stays as it is."""
         tensors = nbytes = 0
         rpc = self.engine.collective_rpc
         with _ENGINE_LOCK:

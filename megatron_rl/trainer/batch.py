@@ -49,6 +49,21 @@ class MicroBatch:
         return MicroBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
+def right_padded(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens [b, s]``: the rows ``prompt + response``, right-padded; ``select [b, s-1]``:
+    the positions of ``token_logprobs(model, tokens)`` that predict a response token."""
+    length = max(len(p) + len(r) for p, r in pairs)
+    tokens = torch.full((len(pairs), length), pad_id, dtype=torch.long)
+    select = torch.zeros((len(pairs), length - 1), dtype=torch.bool)
+    for row, (prompt, response) in enumerate(pairs):
+        seq = list(prompt) + list(response)
+        tokens[row, : len(seq)] = torch.tensor(seq)
+        select[row, len(prompt) - 1 : len(seq) - 1] = True
+    return tokens, select
+
+
 def flat_response_tensors(
     samples: Sequence[TrainSample],
     advantages: torch.Tensor,
@@ -82,14 +97,7 @@ def make_micro_batches(
     batches = []
     for start in range(0, len(samples), micro_batch_size):
         chunk = samples[start : start + micro_batch_size]
-        length = max(len(s.prompt_tokens) + len(s.response_tokens) for s in chunk)
-        tokens = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-        select = torch.zeros((len(chunk), length - 1), dtype=torch.bool)
-        for row, s in enumerate(chunk):
-            seq = s.prompt_tokens + s.response_tokens
-            tokens[row, : len(seq)] = torch.tensor(seq)
-            p = len(s.prompt_tokens)
-            select[row, p - 1 : p - 1 + len(s.response_tokens)] = True
+        tokens, select = right_padded([(s.prompt_tokens, s.response_tokens) for s in chunk], pad_id)
         part = slice(start, start + micro_batch_size)
         flat = flat_response_tensors(chunk, advantages[part], keep[part], ids[part])
         batches.append(

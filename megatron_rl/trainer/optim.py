@@ -95,21 +95,16 @@ def wrap_model(
     return ddp
 
 
-def build_optimizer(
-    ddp_model, cfg: OptimizerConfig, *, lr: float | None = None, weight_decay: float | None = None
-) -> Optimizer:
-    """AdamW over ``ddp_model`` with ``cfg``'s schedule: linear warmup to ``lr``, then constant
-    (ScaleRL). Biases and other 1-D parameters get no weight decay (megatron's default).
-
-    ``lr`` / ``weight_decay`` override ``cfg``'s (the supervised warm start uses its own).
-    """
+def build_optimizer(ddp_model, cfg: OptimizerConfig) -> Optimizer:
+    """AdamW over ``ddp_model`` with ``cfg``'s schedule: linear warmup to ``cfg.lr``, then
+    constant (ScaleRL). Biases and other 1-D parameters get no weight decay (megatron's
+    default)."""
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     platform = get_platform()
-    lr = cfg.lr if lr is None else lr
-    wd = cfg.weight_decay if weight_decay is None else weight_decay
+    lr, wd = cfg.lr, cfg.weight_decay
     dtype = next(ddp_model.parameters()).dtype
     mcfg = MegatronOptimizerConfig(
         optimizer="adam",
@@ -145,11 +140,6 @@ def build_optimizer(
         wd_incr_style="constant",
     )
     return Optimizer(optimizer, scheduler)
-
-
-def zero_grads(ddp_model, optimizer) -> None:
-    ddp_model.zero_grad_buffer()
-    optimizer.zero_grad()
 
 
 # -- checkpoints ---------------------------------------------------------------------------

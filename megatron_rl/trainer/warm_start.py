@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from megatron_rl.config.sections import OptimizerConfig
 from megatron_rl.models.logprobs import logits_to_logprobs
+from megatron_rl.trainer.batch import right_padded
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +35,7 @@ class SFTBatch:
 
 
 def sft_batch(examples: Sequence[tuple[list[int], list[int]]], pad_id: int = 0) -> SFTBatch:
-    length = max(len(p) + len(t) for p, t in examples)
-    tokens = torch.full((len(examples), length), pad_id, dtype=torch.long)
-    select = torch.zeros((len(examples), length - 1), dtype=torch.bool)
-    for row, (prompt, target) in enumerate(examples):
-        seq = prompt + target
-        tokens[row, : len(seq)] = torch.tensor(seq)
-        select[row, len(prompt) - 1 : len(seq) - 1] = True
-    return SFTBatch(tokens, select)
+    return SFTBatch(*right_padded(examples, pad_id))
 
 
 def supervised_warm_start(
