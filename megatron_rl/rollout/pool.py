@@ -447,6 +447,9 @@ class GeneratorPool:
             engine.worker.join(timeout=30)
             if hasattr(engine.worker, "terminate") and engine.worker.is_alive():
                 engine.worker.terminate()
+        if getattr(self, "_nccl", None) is not None:  # the weight-transfer group's sender end
+            self._nccl.close()
+            self._nccl = None
 
     def __enter__(self) -> GeneratorPool:
         return self
