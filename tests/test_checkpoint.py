@@ -284,7 +284,7 @@ if __name__ == "__main__":
     init_distributed(ParallelConfig())
     model = build_model(ModelConfig(preset="tiny-llama", dtype="float32"), ParallelConfig())
     checkpoint.save_model(model, sys.argv[1], preset_hf_config("tiny-llama"))
-    print("MANAGER_PID", checkpoint._RESULTS_MANAGER._process.pid, flush=True)
+    print("HELPER_PID", checkpoint._RESULTS_MANAGER._process.pid, flush=True)
     time.sleep(600)
 """
 
@@ -292,38 +292,12 @@ if __name__ == "__main__":
 def test_checkpoint_writer_helper_exits_when_its_trainer_is_killed(tmp_path):
     """megatron's checkpoint writer keeps a multiprocessing Manager process; a SIGKILLed
     trainer used to leave it behind. Ours exits with its parent."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+    from orphans import assert_helper_exits_with_parent
 
-    from test_rollout_parallel import running
-
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    script = tmp_path / "save.py"
-    script.write_text(SAVE_THEN_WAIT)
-    trainer = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path / "ckpt")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
+    assert_helper_exits_with_parent(
+        SAVE_THEN_WAIT,
+        [str(tmp_path / "ckpt")],
+        tmp_path,
+        "the checkpoint writer's Manager",
+        within=15,
     )
-    try:
-        line = ""
-        while not line.startswith("MANAGER_PID"):
-            line = trainer.stdout.readline()
-            assert line, "the save script ended early"
-        manager = int(line.split()[1])
-        assert running(manager)
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait(timeout=10)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and running(manager):
-            time.sleep(0.2)
-        if running(manager):
-            os.kill(manager, signal.SIGKILL)
-            pytest.fail("the checkpoint writer's Manager outlived its killed trainer")
-    finally:
-        trainer.kill()

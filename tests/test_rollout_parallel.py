@@ -46,7 +46,7 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.pool import GeneratorPool
 if __name__ == "__main__":
     pool = GeneratorPool(sys.argv[1], RolloutConfig(placement="subprocess", max_tokens=8))
-    print("ENGINE_PID", pool._engines[0].worker.pid, flush=True)
+    print("HELPER_PID", pool._engines[0].worker.pid, flush=True)
     time.sleep(600)
 """
 
@@ -54,47 +54,13 @@ if __name__ == "__main__":
 def test_engine_process_exits_when_its_trainer_is_killed(tiny_hf_dirs, tmp_path):
     """A SIGKILLed trainer cannot stop its engine processes; they notice and exit (else they
     would keep their memory and GPUs)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+    from orphans import assert_helper_exits_with_parent
 
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    script = tmp_path / "pool.py"
-    script.write_text(POOL_THEN_WAIT)
-    trainer = subprocess.Popen(
-        [sys.executable, str(script), tiny_hf_dirs["tiny-llama"]],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
+    assert_helper_exits_with_parent(
+        POOL_THEN_WAIT,
+        [tiny_hf_dirs["tiny-llama"]],
+        tmp_path,
+        "the engine process",
+        within=20,
+        VLLM_CPU_KVCACHE_SPACE="1",
     )
-    try:
-        line = ""
-        while not line.startswith("ENGINE_PID"):  # vLLM logs to stdout too
-            line = trainer.stdout.readline()
-            assert line, "the pool script ended early"
-        engine_pid = int(line.split()[1])
-        assert running(engine_pid)
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait(timeout=10)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and running(engine_pid):
-            time.sleep(0.2)
-        if running(engine_pid):
-            os.kill(engine_pid, signal.SIGKILL)
-            pytest.fail("the engine process outlived its killed trainer by 20 s")
-    finally:
-        trainer.kill()
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's exit is reaped by whatever PID 1 is, or not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
