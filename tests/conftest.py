@@ -22,13 +22,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_hf_dirs(tmp_path_factory):
-    """{"tiny-llama": dir, "tiny-llama4": dir} of random HF models (seed 0)."""
+    """{"tiny-llama": dir, "tiny-llama-tied": dir, "tiny-llama4": dir} of random HF models
+    (seed 0)."""
     from megatron_rl.models import make_hf_model, preset_hf_config
 
     root = tmp_path_factory.mktemp("hf")
     return {
         name: make_hf_model(preset_hf_config(name), str(root / name), seed=0)
-        for name in ("tiny-llama", "tiny-llama4")
+        for name in ("tiny-llama", "tiny-llama-tied", "tiny-llama4")
     }
 
 

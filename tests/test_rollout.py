@@ -112,6 +112,31 @@ def test_push_makes_vllm_logprobs_equal_megatron_dense(dense):
     assert delta.mean() < 1e-5 and delta.max() < 1e-4, (delta.mean(), delta.max())
 
 
+@pytest.mark.timeout(300)
+def test_tied_head_follows_the_pushed_embedding(tiny_hf_dirs, megatron_single_rank):
+    """A model with ``tie_word_embeddings``: the engine's lm_head is the embedding's parameter,
+    never loaded itself; vLLM 0.32 CPU kept its GEMM packed from the first load, so the
+    generator sampled from a stale head after every push (fixed in rollout.transport)."""
+    from megatron_rl.rollout import transport
+    from megatron_rl.rollout.pool import GeneratorPool
+
+    hf_dir = tiny_hf_dirs["tiny-llama-tied"]
+    model = megatron_from_hf(hf_dir)
+    assert model.share_embeddings_and_output_weights
+    perturb_(model, seed=2, noise=0.5)
+    config = RolloutConfig(samples_per_prompt=2, max_tokens=24, dtype="float32", max_num_seqs=16)
+    with GeneratorPool(hf_dir, config) as pool:
+        assert logprob_deltas(model, pool.generate(prompts(4))).mean() > 0.05
+        with pytest.MonkeyPatch.context() as patch:  # the upstream bug, unfixed
+            patch.setattr(transport, "repack_cpu_stale_layers", lambda model: 0)
+            push_megatron_weights(pool, model, bucket_bytes=BUCKET)
+            broken = logprob_deltas(model, pool.generate(prompts(4)))
+        push_megatron_weights(pool, model, bucket_bytes=BUCKET)
+        delta = logprob_deltas(model, pool.generate(prompts(4)))
+    assert broken.mean() > 1e-2, broken.mean()
+    assert delta.mean() < 1e-5 and delta.max() < 1e-4, (delta.mean(), delta.max())
+
+
 def _in_flight(pool, model, kv_on_push: str, seed: int):
     """Start long requests, push new weights once they are under way, wait for them."""
     old = hf_state(model)

@@ -33,7 +33,7 @@ def test_push_makes_vllm_logprobs_equal_megatron_llama4(
     with GeneratorPool(hf_dir, config) as pool:
         assert logprob_deltas(model, pool.generate(prompts(4))).mean() > 0.05
         with monkeypatch.context() as patch:  # the upstream bug, unfixed
-            patch.setattr(transport, "reprepack_cpu_moe", lambda model: 0)
+            patch.setattr(transport, "repack_cpu_stale_layers", lambda model: 0)
             push_megatron_weights(pool, model, bucket_bytes=BUCKET)
             broken = logprob_deltas(model, pool.generate(prompts(4)))
         push_megatron_weights(pool, model, bucket_bytes=BUCKET)

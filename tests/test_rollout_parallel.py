@@ -40,6 +40,31 @@ def test_check_parity_tp2_ep2_llama4(tiny_hf_dirs, capsys):
     assert r["mean_abs_delta"] < 1e-5 and r["max_abs_delta"] < 1e-4 and r["passed"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_check_parity_tied_embeddings_json_only_on_stdout(tiny_hf_dirs):
+    """The command as a user runs it: stdout is the JSON alone (vLLM logs to stderr), and a
+    model whose lm_head is tied to the embedding (Llama-3.2-1B/3B) passes after the push
+    (before the fix its engine kept sampling from the first load's head: mean gap 0.13)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "check-parity", tiny_hf_dirs["tiny-llama-tied"]]
+        + ["--json", "--prompts", "4"],
+        capture_output=True,
+        text=True,
+        env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    result = json.loads(proc.stdout)  # nothing but the JSON
+    assert "INFO" in proc.stderr  # the logs went to stderr
+    assert result["before_mean_abs_delta"] > 0.05
+    assert result["mean_abs_delta"] < 1e-5 and result["max_abs_delta"] < 1e-4, result
+    assert proc.returncode == 0 and result["passed"]
+
+
 POOL_THEN_WAIT = """
 import sys, time
 from megatron_rl.rollout.config import RolloutConfig

@@ -11,9 +11,9 @@ from megatron_rl.models import ModelConfig
 from megatron_rl.models.logprobs import token_logprobs
 from megatron_rl.models.provider import build_model
 from megatron_rl.platform import ParallelConfig
-from megatron_rl.trainer.batch import TrainSample, make_micro_batches
+from megatron_rl.trainer.batch import TrainSample, make_micro_batches, token_multiple
 from megatron_rl.trainer.optim import build_optimizer, wrap_model
-from megatron_rl.trainer.step import advantages_and_keep, policy_update
+from megatron_rl.trainer.step import LogprobGapError, advantages_and_keep, policy_update
 from megatron_rl.trainer.warm_start import supervised_warm_start
 
 
@@ -55,9 +55,9 @@ def make_samples(model, rewards_by_group, seed=0):
     return samples
 
 
-def params_after(model, samples, algo, micro_batch_size):
+def params_after(model, samples, algo, micro_batch_size, **kwargs):
     before = {k: v.detach().clone() for k, v in model.module.named_parameters()}
-    result = policy_update(model, sgd(model), samples, algo, micro_batch_size)
+    result = policy_update(model, sgd(model), samples, algo, micro_batch_size, **kwargs)
     after = torch.cat([p.detach().flatten().clone() for p in model.module.parameters()])
     with torch.no_grad():
         for k, p in model.module.named_parameters():
@@ -208,3 +208,78 @@ def test_update_in_a_parallel_layout_equals_one_rank(preset, layout, tiny_hf_dir
             getattr(one["result"], field), rel=1e-4
         ), field
     assert many["result"].num_tokens == one["result"].num_tokens > 0
+
+
+def test_logprob_gap_is_measured_on_every_on_policy_token(model):
+    """All policy tokens of samples made by the trainer's current version count, those of
+    zero-variance groups included; interruption tokens and stale samples do not."""
+    samples = make_samples(model, [[1, -1], [-1, -1], [1, 1]], seed=5)
+    samples[0].policy_mask[0] = False  # an interruption token
+    stale = samples[5]
+    stale.versions = [3] * (len(stale.versions) - 1) + [4]  # started before the last push
+    stale.gen_logprobs = [lp - 0.5 for lp in stale.gen_logprobs]  # policy drift: not a fault
+    for s in samples:
+        s.versions = [4] * len(s.versions) if s is not stale else s.versions
+    _, res = params_after(model, samples, AlgorithmConfig(), 4, monitor_version=4)
+    expected = sum(sum(s.policy_mask) for s in samples if s is not stale)
+    assert res.logprob_gap_tokens == expected
+    assert res.logprob_gap < 1e-5
+    _, ahead = params_after(model, samples, AlgorithmConfig(), 4, monitor_version=None)
+    assert ahead.logprob_gap_tokens == 0  # trainer ahead of every sample: nothing exact
+
+
+def test_logprob_gap_above_the_limit_stops_before_the_update(model):
+    samples = make_samples(model, [[1, -1], [-1, 1]], seed=6)
+    for s in samples:
+        s.versions = [2] * len(s.versions)
+    broken = samples[1]  # one sample from a generator with a stale head: off by 0.06 / token
+    broken.gen_logprobs = [lp + 0.06 for lp in broken.gen_logprobs]
+    before = torch.cat([p.detach().flatten().clone() for p in model.module.parameters()])
+    with pytest.raises(LogprobGapError, match="max_logprob_gap 0.001.*check-parity"):
+        policy_update(
+            model,
+            sgd(model),
+            samples,
+            AlgorithmConfig(),
+            4,
+            monitor_version=2,
+            max_logprob_gap=1e-3,
+        )
+    after = torch.cat([p.detach().flatten().clone() for p in model.module.parameters()])
+    assert torch.equal(before, after)  # the update was not applied
+    tokens = sum(len(s.response_tokens) for s in samples)
+    expected = 0.06 * len(broken.response_tokens) / tokens
+    _, res = params_after(model, samples, AlgorithmConfig(), 4, monitor_version=2)
+    assert res.logprob_gap == pytest.approx(expected, abs=1e-5)
+    # within the limit the step goes ahead
+    _, ok = params_after(
+        model, samples, AlgorithmConfig(), 4, monitor_version=2, max_logprob_gap=0.05
+    )
+    assert ok.grad_norm > 0
+
+
+def test_fp8_padding_rule():
+    assert token_multiple(False, 4, True) == 1
+    assert token_multiple(True, 1, False) == 16
+    assert token_multiple(True, 4, False) == 16
+    assert token_multiple(True, 4, True) == 64  # s / tp per rank must divide by 16
+    for tp, sp in ((1, False), (2, True), (4, True), (8, True)):
+        multiple = token_multiple(True, tp, sp)
+        for length in (2, 17, 63, 100):
+            padded = -(-length // multiple) * multiple
+            assert padded % (16 * (tp if sp else 1)) == 0 and padded >= length
+
+
+def test_fp8_padding_leaves_loss_and_update_unchanged(model):
+    samples = make_samples(model, [[1, -1, -1], [1, 1, -1], [-1, 1, 1]], seed=7)
+    algo = AlgorithmConfig()
+    adv, keep = advantages_and_keep(samples, algo)
+    for mb in make_micro_batches(samples, adv, keep, 4, multiple=16):
+        assert mb.tokens.shape[1] % 16 == 0
+        assert int(mb.select.sum()) == mb.loss_mask.numel()
+    plain, res_plain = params_after(model, samples, algo, 4)
+    padded, res_padded = params_after(model, samples, algo, 4, token_multiple=16)
+    assert max(len(s.prompt_tokens) + len(s.response_tokens) for s in samples) % 16  # padded
+    assert res_padded.loss == pytest.approx(res_plain.loss, abs=1e-7)
+    assert res_padded.num_tokens == res_plain.num_tokens
+    assert torch.allclose(plain, padded, atol=1e-7)

@@ -204,15 +204,45 @@ class TrainingConfig:
     Attributes:
         max_steps: optimizer updates (ScaleRL 8B: 7,400; Scout: 7,100).
         max_gpu_hours: GPU-hours of the whole run (trainers + generators); null: no limit.
+        check_logprob_gap: stop the run when the generator's log-probs of tokens sampled with
+            the trainer's current weights differ from the trainer's by more than
+            ``max_logprob_gap`` (mean |delta| per token, checked every step before the
+            update is applied). A generator that silently diverges (a stale tied head, a
+            wrong dtype, a failed push) must never train for hours.
+        max_logprob_gap: the limit; null: by ``model.dtype`` (:data:`LOGPROB_GAP_LIMITS`).
     """
 
     max_steps: int = 7400
     max_gpu_hours: float | None = None
+    check_logprob_gap: bool = True
+    max_logprob_gap: float | None = None
 
     def validate(self) -> None:
         _check_int(self, "max_steps", 1)
         if self.max_gpu_hours is not None:
             _check_positive(self, "max_gpu_hours")
+        if not isinstance(self.check_logprob_gap, bool):
+            raise ValueError(f"check_logprob_gap must be a bool, got {self.check_logprob_gap!r}")
+        if self.max_logprob_gap is not None:
+            _check_positive(self, "max_logprob_gap")
+
+    def logprob_gap_limit(self, dtype: str) -> float | None:
+        """The gap limit of a run whose trainer computes in ``dtype`` (None: no check)."""
+        if not self.check_logprob_gap:
+            return None
+        if self.max_logprob_gap is not None:
+            return self.max_logprob_gap
+        return LOGPROB_GAP_LIMITS[dtype]
+
+
+# Default limits of the trainer-vs-generator log-prob gap (mean |delta| per on-policy token).
+# float32: a healthy weight path measures ~1e-6 (vLLM CPU vs megatron, fp32, dense and MoE),
+# a broken one 0.06-0.5 (a stale tied head: 0.06-0.13). bfloat16: both sides round their
+# activations to bf16 in different kernels; measured on CPU (tools/bench_bf16_head.py, tiny
+# models, FP32 head on both sides, the same bf16 head weight) the healthy gap is ~1e-2 mean,
+# so the bf16 limit is 5e-2: above the kernel noise, below a broken path. Not yet measured
+# on GPU (no GPU was lent so far); tools/gpu_check.sh prints the trainer-side numbers.
+LOGPROB_GAP_LIMITS: dict[str, float] = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 
 
 @dataclass

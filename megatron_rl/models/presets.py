@@ -91,6 +91,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eos_token_id": 2,
         "pad_token_id": 0,
     },
+    # tiny-llama with the output layer tied to the embedding (as Llama-3.2-1B / 3B).
+    "tiny-llama-tied": {},  # filled in below
     # Tiny Llama-4 text MoE: 4 experts top-1 + shared expert, dense/MoE interleaved, NoPE on
     # layer 4, chunked attention (chunk 32) on RoPE layers, temperature tuning on NoPE layers.
     "tiny-llama4": {
@@ -121,6 +123,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "pad_token_id": 0,
     },
 }
+
+PRESETS["tiny-llama-tied"] = {**PRESETS["tiny-llama"], "tie_word_embeddings": True}
 
 
 def preset_names() -> list[str]:

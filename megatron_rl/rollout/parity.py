@@ -13,6 +13,7 @@ Exit code 1 when the "after" max |delta| exceeds ``--threshold``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -98,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
         bucket_mb=args.bucket_mb,
         transport=args.transport,
     )
-    result = check_parity(options)
+    # With --json, stdout carries the JSON alone: everything else written to file descriptor 1
+    # meanwhile (vLLM's loggers, C++ warnings, by this process or the ranks it spawns) goes
+    # to stderr.
+    with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+        result = check_parity(options)
     passed = result.max_abs_delta <= args.threshold
     if args.json:
         print(
@@ -115,6 +120,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_report(result, args.threshold, passed))
     return 0 if passed else 1
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Point file descriptor 1 at stderr for the block (child processes inherit it)."""
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _report(r: ParityResult, threshold: float, passed: bool) -> str:
@@ -234,7 +255,8 @@ def perturb_(model, seed: int, noise: float) -> None:
                 key += 17 * tp_rank + 1
             gen = torch.Generator().manual_seed(key)
             scale = noise * max(param.float().std().item() if param.numel() > 1 else 0.0, 0.02)
-            param.add_(scale * torch.randn(param.shape, generator=gen).to(param.dtype))
+            noise_t = torch.randn(param.shape, generator=gen)
+            param.add_(scale * noise_t.to(param.device, param.dtype))
 
 
 def _prompts(options: ParityOptions, vocab: int) -> list[list[int]]:
@@ -266,12 +288,14 @@ def logprob_deltas(model, samples, temperature: float = 1.0) -> torch.Tensor:
 
     from megatron_rl.models.logprobs import token_logprobs
 
+    device = next(model.parameters()).device  # CUDA on GPU: inputs go where the model is
     out = []
     for sample in samples:
-        tokens = torch.tensor([sample.prompt_ids + sample.response_ids])
+        tokens = torch.tensor([sample.prompt_ids + sample.response_ids], device=device)
         with torch.no_grad():
             ours = token_logprobs(model, tokens, temperature)[0, len(sample.prompt_ids) - 1 :]
-        out.append((ours - torch.tensor(sample.logprobs, dtype=torch.float32)).abs())
+        theirs = torch.tensor(sample.logprobs, dtype=torch.float32, device=device)
+        out.append((ours - theirs).abs().cpu())
     return torch.cat(out)
 
 

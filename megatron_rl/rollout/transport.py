@@ -8,13 +8,19 @@ layerwise reload (``start_weight_update`` -> ``update_weights`` per bucket ->
 the trainer's own tensors (engine in the same process: no copy) or as one flat shared-memory
 buffer plus a layout (engine in another process: one copy, shared by every engine).
 
-Two vLLM 0.32 problems are handled here. Rotary embeddings, shared by the engines of one
-process, are kept out of the reload (see :func:`keep_shared_modules_out_of_reload`). And a
-CPU bug: after a reload, fused-MoE expert weights are not
-re-prepacked for the CPU kernel (the prepack runs only on first load: with
-``is_weight_update`` the unquantized MoE method skips ``fused_experts
-.process_weights_after_loading``), so MoE outputs are garbage. ``finish_weight_update`` runs
-it again for every CPU fused-MoE layer.
+Three vLLM 0.32 problems are handled here. Rotary embeddings, shared by the engines of one
+process, are kept out of the reload (see :func:`keep_shared_modules_out_of_reload`). And two
+CPU bugs where a layer's GEMM runs on a packed copy made at first load that the reload never
+refreshes, so the engine samples from stale weights:
+
+- fused-MoE expert weights are not re-prepacked (with ``is_weight_update`` the unquantized
+  MoE method skips ``fused_experts.process_weights_after_loading``): garbage MoE outputs;
+- a tied ``lm_head`` (``tie_word_embeddings``: Llama-3.2-1B/3B) shares the embedding's
+  parameter, which the reload updates in place, but it is never loaded itself (the checkpoint
+  has no ``lm_head.weight``), so its packed GEMM handle (``cpu_linear``, oneDNN / sgl) keeps
+  the weights of the first load: log-probs off by ~0.1 nats after a push.
+
+``finish_weight_update`` re-runs the packing for both (:func:`repack_cpu_stale_layers`).
 """
 
 from __future__ import annotations
@@ -98,24 +104,32 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuTransferInitInfo, CpuTrans
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        reprepack_cpu_moe(self.model)
+        repack_cpu_stale_layers(self.model)
 
     def shutdown(self) -> None:
         pass
 
 
-def reprepack_cpu_moe(model: torch.nn.Module) -> int:
-    """Re-run the CPU fused-MoE weight prepack on every MoE layer (the vLLM 0.32 reload bug).
-
-    Returns the number of layers repacked.
+def repack_cpu_stale_layers(model: torch.nn.Module) -> int:
+    """Re-run the CPU weight packing that vLLM 0.32's reload skips (see the module docstring):
+    every fused-MoE layer, and every layer whose weight is a parameter shared with another
+    layer (a tied ``lm_head``). Returns the number of layers repacked.
     """
     count = 0
+    sharers: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
             experts.process_weights_after_loading(module)
             count += 1
+        elif (weight := module._parameters.get("weight")) is not None:
+            sharers.setdefault(id(weight), []).append(module)
+    for modules in sharers.values():
+        for module in modules if len(modules) > 1 else ():
+            if hasattr(module, "cpu_linear"):  # re-pack its GEMM from the current weight
+                module.quant_method.process_weights_after_loading(module)
+                count += 1
     return count
 
 

@@ -1,7 +1,8 @@
 """`megatron-rl train RECIPE.yaml [dotted.key=value ...]`: run (or resume) an RL recipe.
 
 A malformed recipe fails before anything starts, with the dotted key path in one line on
-stderr and exit status 2 (no traceback). ``--dry-run`` prints the resolved config and exits.
+stderr and exit status 2 (no traceback); a run stopped by the log-prob gap monitor exits
+with status 3 and its reason on stderr. ``--dry-run`` prints the resolved config and exits.
 Re-running the same command on an existing run directory resumes it.
 """
 
@@ -41,5 +42,10 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config.name
     save_run_config(config, run_dir / "config.yaml")
     from megatron_rl.trainer.loop import train
+    from megatron_rl.trainer.step import LogprobGapError
 
-    return int(train(config, run_dir) or 0)
+    try:
+        return int(train(config, run_dir) or 0)
+    except LogprobGapError as err:  # the run is stopped on purpose: say why, no traceback
+        print(f"megatron-rl train: error: {err}", file=sys.stderr)
+        return 3

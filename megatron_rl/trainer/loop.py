@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
-from megatron_rl.trainer.batch import TrainSample
+from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.rollout_source import Group, PromptsExhausted, RolloutSource
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update
@@ -45,6 +45,14 @@ def train(config: RunConfig, run_dir: Path) -> int:
             seed_of=lambda prompt_id: _sampling_seed(config.seed, prompt_id, run.step),
         )
         source.submit(carry)  # prompts in flight at the last checkpoint are regenerated
+    # The trainer's weights are those of the generator's current policy version right after
+    # a push; an update without a push (PPO-off-policy-k) puts the trainer ahead of every
+    # sample, and the log-prob gap monitor then has nothing exact to compare.
+    synced = True
+    gap_limit = config.training.logprob_gap_limit(config.model.dtype)
+    multiple = token_multiple(
+        config.model.fp8 is not None, config.parallel.tensor, config.parallel.sequence_parallel
+    )
     stop = _StopFlag(config.checkpoint.on_signals)
     if main and step == 0 and config.validation.enabled and config.validation.at_start:
         validate(run, pool, step)
@@ -70,7 +78,11 @@ def train(config: RunConfig, run_dir: Path) -> int:
                 config.algorithm,
                 _micro_batch(config, samples),
                 temperature=config.rollout.temperature,
+                monitor_version=info["generator_version"] if synced else None,
+                max_logprob_gap=gap_limit,
+                token_multiple=multiple,
             )
+            synced = wants_push
             run.optim.scheduler.step(increment=1)
             step = run.step = step + 1
             t2 = time.perf_counter()
@@ -115,6 +127,7 @@ def next_batch(run: Run, source: RolloutSource, pool):
         logger.info("every training prompt is retired: stopping at step %d", run.step)
         return None
     samples, info = score_groups(run, groups, pool.version)
+    info["generator_version"] = pool.version  # of the weights the generator holds now
     return samples, info, source.wants_push()
 
 
@@ -305,6 +318,8 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         "rho_max": result.rho_max,
         "clip_frac": result.clip_frac,
         "abs_logprob_diff": result.abs_logprob_diff,
+        "logprob_gap": result.logprob_gap,
+        "logprob_gap_tokens": result.logprob_gap_tokens,
         "train_tokens_per_s": result.num_tokens / max(train_seconds, 1e-9),
         "gen_wait_seconds": gen_seconds,
         "step_seconds": time.perf_counter() - t0,

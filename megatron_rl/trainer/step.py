@@ -19,7 +19,12 @@ from megatron_rl.algorithms import (
 from megatron_rl.algorithms.config import AlgorithmConfig
 from megatron_rl.models.logprobs import forward_logits, logits_to_logprobs
 from megatron_rl.platform import get_platform
-from megatron_rl.trainer.batch import TrainSample, flat_response_tensors, make_micro_batches
+from megatron_rl.trainer.batch import (
+    TrainSample,
+    flat_response_tensors,
+    make_micro_batches,
+    padded_length,
+)
 
 
 @dataclass
@@ -34,6 +39,23 @@ class StepResult:
     clip_frac: float
     abs_logprob_diff: float
     num_tokens: int
+    logprob_gap: float = float("nan")  # mean |trainer - generator| over on-policy tokens
+    logprob_gap_tokens: int = 0  # the tokens it is measured on
+
+
+class LogprobGapError(RuntimeError):
+    """The generator's log-probs of tokens sampled with the trainer's current weights differ
+    from the trainer's: the weight path is broken (raised before the optimizer steps)."""
+
+
+GAP_CAUSES = (
+    "likely causes: the generator did not load the pushed weights (a failed or partial push, a "
+    "stale packed or tied lm_head in the engine), a different dtype or head precision on the "
+    "two sides (model.dtype / model.fp32_head vs rollout.dtype / rollout.fp32_head), a weight "
+    "name or layout mapping error in the HF export, or attention settings that differ "
+    "(Llama-4 chunking / temperature tuning). Run `megatron-rl check-parity HF_DIR` on the "
+    "model; raise training.max_logprob_gap only if the gap is expected (e.g. bf16 kernels)"
+)
 
 
 def shaped_rewards(samples: Sequence[TrainSample], algo: AlgorithmConfig) -> torch.Tensor:
@@ -67,6 +89,9 @@ def policy_update(
     algo: AlgorithmConfig,
     micro_batch_size: int,
     temperature: float = 1.0,
+    monitor_version: int | None = None,
+    max_logprob_gap: float | None = None,
+    token_multiple: int = 1,
 ) -> StepResult:
     """One optimizer step on the step's whole batch (``samples``, the same on every rank).
 
@@ -75,6 +100,11 @@ def policy_update(
     ``g % dp_size == dp_rank``; advantages and loss normalisers are those of the whole batch,
     gradients are summed over ranks. Pipeline stages run megatron's schedule; the returned
     statistics are global and the same on every rank.
+
+    The log-prob gap is measured on the samples generated entirely by ``monitor_version``
+    (the trainer's current weights; None: the trainer is ahead of every sample): above
+    ``max_logprob_gap`` :class:`LogprobGapError` is raised before the optimizer steps.
+    Micro-batch lengths are padded to a ``token_multiple`` (FP8, see ``batch.token_multiple``).
     """
     from megatron.core import parallel_state
 
@@ -108,6 +138,7 @@ def policy_update(
             **params,
         )
         n = stats["num_tokens"].float()
+        gap = (logprobs.detach().float() - mb.gen_logprobs)[mb.monitor_mask].abs()
         sums = torch.stack(
             [
                 loss.detach().float(),
@@ -115,13 +146,35 @@ def policy_update(
                 stats["rho_mean"].float() * n,
                 stats["clip_frac"].float() * n,
                 stats["abs_log_ratio_mean"].float() * n,
+                gap.sum(),
+                torch.tensor(float(gap.numel()), device=gap.device),
             ]
         )
         rho_max = stats["rho_max"].float() if n > 0 else torch.zeros(())
         return loss + 0.0 * logprobs.sum(), sums, rho_max.reshape(1)
 
-    batches = make_micro_batches(samples, adv, keep, micro_batch_size, ids=mine)
-    sums, maxes = forward_backward(model, optimizer, batches, loss_fn, num_sums=5, num_maxes=1)
+    batches = make_micro_batches(
+        samples,
+        adv,
+        keep,
+        micro_batch_size,
+        ids=mine,
+        monitor_version=monitor_version,
+        multiple=token_multiple,
+    )
+    sums, maxes = forward_backward(
+        model, optimizer, batches, loss_fn, num_sums=7, num_maxes=1, token_multiple=token_multiple
+    )
+    gap_tokens = int(sums[6])
+    gap = float(sums[5]) / gap_tokens if gap_tokens else float("nan")
+    # The sums are global: every rank raises, or none does.
+    if max_logprob_gap is not None and gap_tokens and gap > max_logprob_gap:
+        raise LogprobGapError(
+            f"trainer vs generator log-prob gap {gap:.3g} (mean over {gap_tokens} tokens "
+            f"sampled with the trainer's current weights, policy version {monitor_version}) "
+            f"exceeds training.max_logprob_gap {max_logprob_gap:g}; the update was not applied. "
+            + GAP_CAUSES
+        )
     # A global token count: every rank steps, or none does.
     grad_norm = optimizer.step()[1] if norms.num_tokens else 0.0
     n = max(float(sums[1]), 1.0)
@@ -134,11 +187,19 @@ def policy_update(
         clip_frac=float(sums[3]) / n,
         abs_logprob_diff=float(sums[4]) / n,
         num_tokens=int(sums[1]),
+        logprob_gap=gap,
+        logprob_gap_tokens=gap_tokens,
     )
 
 
 def forward_backward(
-    model, optimizer, micro_batches: list, loss_fn, num_sums: int, num_maxes: int = 0
+    model,
+    optimizer,
+    micro_batches: list,
+    loss_fn,
+    num_sums: int,
+    num_maxes: int = 0,
+    token_multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero the gradients, then forward and backward over ``micro_batches`` with megatron's
     schedule (pipelined when PP > 1); gradients end reduced over data-parallel ranks.
@@ -157,7 +218,7 @@ def forward_backward(
     count = torch.tensor([len(micro_batches)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
     batches = list(micro_batches) + [None] * (int(count) - len(micro_batches))
-    empty = torch.zeros((1, 2), dtype=torch.long)
+    empty = torch.zeros((1, padded_length(2, token_multiple)), dtype=torch.long)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
