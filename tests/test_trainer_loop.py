@@ -165,6 +165,7 @@ STEP_METRICS = (
     "truncation_rate", "interruption_rate", "effective_batch_fraction", "npr_retired",
     "rho_mean", "rho_max", "clip_frac", "abs_logprob_diff", "staleness_mean", "staleness_max",
     "gen_tokens_per_s", "train_tokens_per_s", "step_seconds", "lr", "grad_norm", "loss",
+    "logprob_gap", "logprob_gap_tokens",
 )  # fmt: skip
 
 
@@ -198,6 +199,55 @@ def test_retired_prompts_stop_appearing(ppo_full_run):
                 retired_at[pid] = r["step"]
     assert retired_at and steps[-1]["npr_retired"] == len(retired_at)
     assert len(seen) == 12  # the whole training set was drawn before retirement mattered
+
+
+@pytest.mark.timeout(480)
+def test_tied_embedding_model_trains_with_the_generator_in_parity(tmp_path):
+    """A tied model (as Llama-3.2-1B/3B) whose weights move in the warm start before RL: the
+    generator's log-probs equal the trainer's at every step (they were 0.06 apart, with
+    importance ratios up to 1.84, while the engine kept a stale head)."""
+    run_dir = tmp_path / "run"
+    run_train(
+        run_dir,
+        "model.preset=tiny-llama-tied",
+        "warm_start.steps=20",
+        "training.max_steps=3",
+        "validation.enabled=false",
+        "checkpoint.every_steps=0",
+        "checkpoint.save_at_end=false",
+    )
+    steps = [r for r in records(run_dir) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert steps[0]["logprob_gap_tokens"] > 0  # the first batch is all on-policy
+    for r in steps:
+        assert r["logprob_gap_tokens"] == 0 or r["logprob_gap"] < 1e-4, r
+    assert steps[0]["abs_logprob_diff"] < 1e-4 and steps[0]["rho_max"] < 1.001
+
+
+@pytest.mark.timeout(480)
+def test_a_diverging_generator_stops_the_run_with_a_clear_error(tmp_path):
+    """The generator runs in bf16 against an fp32 trainer (a wrong rollout.dtype): the monitor
+    stops the run at its first step, before the update, naming the causes."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        train_cmd(
+            run_dir,
+            "rollout.dtype=bfloat16",
+            "warm_start.steps=0",
+            "training.max_steps=3",
+            "validation.enabled=false",
+            "checkpoint.every_steps=0",
+        ),
+        cwd=ROOT,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("megatron-rl train: error: trainer vs generator log-prob gap"), last
+    assert "training.max_logprob_gap 0.001" in last and "rollout.dtype" in last
+    assert not [r for r in records(run_dir) if "reward_mean" in r]  # no step was trained
 
 
 def test_ppo_resume_after_sigkill_matches_uninterrupted_run(ppo_full_run, tmp_path):
