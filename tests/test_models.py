@@ -106,6 +106,27 @@ def test_fp32_head_gives_fp32_logits_closer_to_fp64(tmp_path, megatron_single_ra
     assert errors[True] < 0.95 * errors[False], errors
 
 
+def test_fp32_head_multiplies_the_weight_the_generator_holds(tiny_hf_dirs, megatron_single_rank):
+    """BF16 model, FP32 head: the trainer's logits are the FP32 product of the BF16 head
+    weight it pushes, i.e. of the values a vLLM engine holds after loading it (its
+    ``head_dtype: float32`` keeps the weight in the model dtype and accumulates in FP32)."""
+    from megatron_rl.conversion.weight_stream import iter_hf_weights
+    from megatron_rl.rollout.parity import perturb_
+
+    model = megatron_model(tiny_hf_dirs["tiny-llama"], dtype="bfloat16", fp32_head=True)
+    perturb_(model, seed=5, noise=0.5)  # as after updates
+    pushed = dict(p for bucket in iter_hf_weights(model) for p in bucket)["lm_head.weight"]
+    engine_weight = pushed.to(torch.bfloat16)  # what the engine's bf16 parameter holds
+    assert torch.equal(engine_weight, pushed)  # the push loses nothing
+    seen = {}
+    model.output_layer.register_forward_hook(lambda m, args, out: seen.update(x=args[0]))
+    with torch.no_grad():
+        logits = forward_logits(model, TOKENS)
+    assert logits.dtype == torch.float32
+    ref = seen["x"].double() @ engine_weight.double().t()  # [s, b, V]
+    assert (logits.double() - ref.transpose(0, 1)).abs().max().item() < 1e-5
+
+
 def test_token_logprobs_match_log_softmax(tiny_hf_dirs, megatron_single_rank):
     hf_dir = tiny_hf_dirs["tiny-llama"]
     ref = torch.log_softmax(hf_logits(hf_dir).double()[:, :-1], -1).gather(-1, TOKENS[:, 1:, None])[

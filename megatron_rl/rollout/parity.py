@@ -42,6 +42,7 @@ class ParityOptions:
     bucket_mb: float = 1.0
     placement: str | None = None  # default: in_process with one rank, else subprocess
     transport: str = "host"  # rollout.weight_transport; nccl: the engine gets GPU `world`
+    dtype: str = "float32"  # of both sides; the LM head runs in FP32 on both
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class ParityResult:
     tensor: int
     expert: int
     placement: str
+    dtype: str = "float32"
 
     @property
     def push_to_copy_ratio(self) -> float:
@@ -76,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=2, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="weight bucket size (MiB)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="model dtype of trainer and engine (the LM head runs in FP32 on both)",
+    )
     parser.add_argument(
         "--transport",
         choices=("host", "nccl"),
@@ -98,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         bucket_mb=args.bucket_mb,
         transport=args.transport,
+        dtype=args.dtype,
     )
     # With --json, stdout carries the JSON alone: everything else written to file descriptor 1
     # meanwhile (vLLM's loggers, C++ warnings, by this process or the ranks it spawns) goes
@@ -142,7 +151,7 @@ def _report(r: ParityResult, threshold: float, passed: bool) -> str:
     mb = r.bytes_pushed / 2**20
     return "\n".join(
         [
-            f"check-parity  tp={r.tensor} ep={r.expert} engine={r.placement}",
+            f"check-parity  tp={r.tensor} ep={r.expert} dtype={r.dtype} engine={r.placement}",
             f"  after push : mean |dlogp| {r.mean_abs_delta:.3e}  max {r.max_abs_delta:.3e}"
             f"  over {r.tokens} tokens",
             f"  before push: mean |dlogp| {r.before_mean_abs_delta:.3e}"
@@ -184,7 +193,7 @@ def parity_rank(world: int, options: ParityOptions) -> ParityResult | None:
         placement=placement,
         samples_per_prompt=options.samples,
         max_tokens=options.max_tokens,
-        dtype="float32",
+        dtype=options.dtype,
         max_num_seqs=16,
         seed=options.seed,
     )
@@ -193,7 +202,7 @@ def parity_rank(world: int, options: ParityOptions) -> ParityResult | None:
         pool = GeneratorPool(options.hf_dir, config, wait=False)
     parallel = ParallelConfig(tensor=options.tensor, expert=options.expert)
     init_distributed(parallel, seed=options.seed)
-    model = megatron_from_hf(options.hf_dir, parallel)
+    model = megatron_from_hf(options.hf_dir, parallel, options.dtype)
     perturb_(model, options.seed, options.noise)
     if rank == 0 and pool is None:
         pool = GeneratorPool(options.hf_dir, config)
@@ -217,21 +226,20 @@ def parity_rank(world: int, options: ParityOptions) -> ParityResult | None:
         tensor=options.tensor,
         expert=options.expert,
         placement=placement,
+        dtype=options.dtype,
     )
 
 
-def megatron_from_hf(hf_dir: str, parallel=None):
-    """This rank's FP32 Megatron model (FP32 head) with the HF weights, in eval mode."""
-    import torch
-
+def megatron_from_hf(hf_dir: str, parallel=None, dtype: str = "float32"):
+    """This rank's Megatron model in ``dtype`` (FP32 head) with the HF weights, in eval mode."""
     from megatron_rl.conversion.hf import load_hf_weights
     from megatron_rl.models import ModelConfig
-    from megatron_rl.models.provider import build_model
+    from megatron_rl.models.provider import DTYPES, build_model
     from megatron_rl.platform import ParallelConfig
 
     parallel = parallel or ParallelConfig()
-    model = build_model(ModelConfig(hf_path=hf_dir, dtype="float32", fp32_head=True), parallel)
-    load_hf_weights(model, hf_dir, torch.float32)
+    model = build_model(ModelConfig(hf_path=hf_dir, dtype=dtype, fp32_head=True), parallel)
+    load_hf_weights(model, hf_dir, DTYPES[dtype])
     return model.eval()
 
 
