@@ -180,16 +180,15 @@ def _merge_over_group(
     keys: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum ``counts`` by key over the ranks of ``group``; keys may differ between ranks."""
+    from megatron_rl.platform import collectives
+
     size = torch.tensor([keys.numel()], dtype=torch.int64, device=keys.device)
-    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
-    width = int(size.item())
+    width = int(collectives.all_reduce(size, op=dist.ReduceOp.MAX, group=group).item())
     # One gather of [2, width]: row 0 keys, row 1 counts; padding has count 0 and is dropped.
     local = torch.zeros(2, width, dtype=torch.int64, device=keys.device)
     local[0, : keys.numel()] = keys
     local[1, : keys.numel()] = counts
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    table = torch.cat(gathered, dim=1)
+    table = torch.cat(collectives.all_gather(local, group=group), dim=1)
     table = table[:, table[1] > 0]
     merged_keys, inverse = torch.unique(table[0], sorted=True, return_inverse=True)
     merged = torch.zeros(merged_keys.numel(), dtype=torch.int64, device=keys.device)

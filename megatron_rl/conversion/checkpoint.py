@@ -129,5 +129,6 @@ def load_model(model, ckpt_dir: str | Path) -> None:
 
 
 def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    from megatron_rl.platform import collectives
+
+    collectives.barrier()

@@ -43,6 +43,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from megatron_rl.platform import collectives
+
 logger = logging.getLogger(__name__)
 
 WeightBucket = list[tuple[str, torch.Tensor]]
@@ -83,14 +85,7 @@ def _group_size(group) -> int:
 
 def _gather_to_first(tensor: torch.Tensor, group) -> list[torch.Tensor] | None:
     """Gather ``tensor`` from every rank of ``group`` onto its first rank (None elsewhere)."""
-    first = dist.get_global_rank(group, 0)
-    tensor = tensor.detach().contiguous()
-    if dist.get_rank() == first:
-        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.gather(tensor, out, dst=first, group=group)
-        return out
-    dist.gather(tensor, None, dst=first, group=group)
-    return None
+    return collectives.gather_to_first(tensor, group)
 
 
 def unshard(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
@@ -345,28 +340,27 @@ def _gather_pipeline(local: Iterator[WeightBucket], sender: bool) -> Iterator[We
         return
     for bucket in local:
         _send_bucket(bucket, first, group)
-    dist.send_object_list([None], dst=first, group=group)
+    collectives.send_object(None, dst=first, group=group)
 
 
 def _send_bucket(bucket: WeightBucket, dst: int, group) -> None:
+    """Send a bucket over the pipeline group (its tensors go through the group's device:
+    NCCL on GPU, whatever device modelopt's exporter left them on)."""
     meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
-    dist.send_object_list([meta], dst=dst, group=group)
+    collectives.send_object(meta, dst=dst, group=group)
     for _, tensor in bucket:
-        dist.send(tensor.detach().contiguous(), dst=dst, group=group)
+        collectives.send_tensor(tensor, dst=dst, group=group)
 
 
 def _receive_buckets(src: int, group) -> Iterator[WeightBucket]:
     while True:
-        box = [None]
-        dist.recv_object_list(box, src=src, group=group)
-        if box[0] is None:
+        meta = collectives.recv_object(src=src, group=group)
+        if meta is None:
             return
-        bucket = []
-        for name, shape, dtype in box[0]:
-            tensor = torch.empty(shape, dtype=dtype)
-            dist.recv(tensor, src=src, group=group)
-            bucket.append((name, tensor))
-        yield bucket
+        yield [
+            (name, collectives.recv_tensor(shape, dtype, src=src, group=group))
+            for name, shape, dtype in meta
+        ]
 
 
 def bucket_nbytes(bucket: WeightBucket) -> int:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rl.platform import collectives
 from megatron_rl.platform.config import ParallelConfig
 from megatron_rl.platform.device import get_platform
 
@@ -42,6 +43,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
                 world_size=1,
                 timeout=timeout,
             )
+        collectives.init_control_group(parallel.timeout_minutes)
     world = dist.get_world_size()
     model_parallel = parallel.model_parallel_size
     if world % model_parallel:
@@ -84,6 +86,7 @@ def destroy_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
+        collectives.reset_control_group()
         dist.destroy_process_group()
 
 

@@ -93,7 +93,15 @@ class RolloutConfig:
         max_model_len: prompt + response limit per sequence; None = the model's maximum.
         tensor_parallel: GPUs per engine (GPU only).
         gpu_ids: GPUs of the engine processes: engine i gets ``gpu_ids[i * tp : (i + 1) * tp]``
-            (``CUDA_VISIBLE_DEVICES``); None: the process's visible GPUs.
+            (``CUDA_VISIBLE_DEVICES``); None: with ``placement: subprocess`` the GPUs after
+            the trainer's on the node (``cluster.trainer_gpus`` ... , see
+            ``RunConfig.validate``).
+        colocate: allow engine GPUs that are also trainer GPUs (vLLM's start-up memory check
+            then needs ``gpu_memory`` left by the trainer); off: overlap is an error.
+        startup_timeout_minutes: how long the other trainer ranks wait (on a gloo barrier)
+            for the main rank to start the engines (Scout loads for many minutes).
+        push_timeout_seconds: a weight push that an engine does not acknowledge in this time
+            (the engine died or failed while loading) raises an error naming the engine.
         prefix_caching: share prompt KV blocks between samples (keyed by policy version).
         enforce_eager: no CUDA graphs / torch.compile (fast start; the CPU default).
         seed: engine sampling seed (engine i uses seed + i).
@@ -119,6 +127,9 @@ class RolloutConfig:
     max_model_len: int | None = None
     tensor_parallel: int = 1
     gpu_ids: list[int] | None = None
+    colocate: bool = False
+    startup_timeout_minutes: float = 120.0
+    push_timeout_seconds: float = 300.0
     prefix_caching: bool = True
     enforce_eager: bool = True
     seed: int = 0
@@ -147,6 +158,9 @@ class RolloutConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("startup_timeout_minutes", "push_timeout_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_model_len is not None and self.max_model_len < 2:

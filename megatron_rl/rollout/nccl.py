@@ -23,6 +23,8 @@ import logging
 from dataclasses import asdict
 from typing import Any
 
+import torch
+
 from megatron_rl.conversion.weight_stream import WeightBucket
 
 logger = logging.getLogger(__name__)
@@ -58,7 +60,9 @@ def worker_payload(
 
 
 def bucket_header(bucket: WeightBucket) -> dict[str, Any]:
-    """The update info that announces a bucket (vLLM's ``NCCLWeightTransferUpdateInfo``)."""
+    """The update info that announces a bucket: exactly the fields of vLLM's
+    ``NCCLWeightTransferUpdateInfo`` (the engine builds it with ``**header``: any other key
+    is a ``TypeError`` there)."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
     info = NCCLWeightTransferUpdateInfo(
@@ -66,16 +70,26 @@ def bucket_header(bucket: WeightBucket) -> dict[str, Any]:
         dtype_names=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
         shapes=[list(t.shape) for _, t in bucket],
     )
-    return {**asdict(info), "transport": BACKEND}
+    return asdict(info)
 
 
 class NcclSender:
     """The trainer end of the transfer group (rank 0). ``connect`` blocks until every engine
     worker has joined: start the engines' side first."""
 
-    def __init__(self, address: str, port: int, world_size: int, bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        world_size: int,
+        bucket_bytes: int,
+        device: torch.device | None = None,
+    ) -> None:
+        from megatron_rl.platform import get_platform
+
         self.address, self.port, self.world_size = address, port, world_size
         self.bucket_bytes = bucket_bytes
+        self.device = device or get_platform().torch_device()
         self.group = None
 
     def connect(self) -> None:
@@ -90,8 +104,14 @@ class NcclSender:
         )
         logger.info("NCCL weight transfer group ready (%d ranks)", self.world_size)
 
+    def on_device(self, item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        """A bucket tensor on the sender's device, where vLLM packs and broadcasts it (the
+        stream mixes host tensors, as modelopt's exporter returns, with CUDA ones)."""
+        return item[1].to(self.device, non_blocking=True)
+
     def send(self, bucket: WeightBucket) -> None:
-        """Broadcast the bucket's tensors (CUDA) in the order ``bucket_header`` announced."""
+        """Broadcast the bucket's tensors in the order ``bucket_header`` announced. Blocks
+        until every engine received them: the pool runs it under a watchdog."""
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         assert self.group is not None, "connect() first"
@@ -99,7 +119,7 @@ class NcclSender:
             iterator=iter(bucket),
             group=self.group,
             src=0,
-            post_iter_func=lambda item: item[1],
+            post_iter_func=self.on_device,
             buffer_size_bytes=self.bucket_bytes,
         )
 

@@ -277,13 +277,10 @@ def _prompts(options: ParityOptions, vocab: int) -> list[list[int]]:
 
 def _compare(model, pool, prompts: list[list[int]]) -> tuple[float, float, int]:
     """Sample on rank 0, score the samples with Megatron on every rank: (mean, max, tokens)."""
-    import torch.distributed as dist
 
-    samples = pool.generate(prompts) if pool is not None else None
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [samples]
-        dist.broadcast_object_list(box, src=0)
-        samples = box[0]
+    from megatron_rl.platform import collectives
+
+    samples = collectives.broadcast_object(pool.generate(prompts) if pool is not None else None)
     deltas = logprob_deltas(model, samples)
     return deltas.mean().item(), deltas.max().item(), deltas.numel()
 

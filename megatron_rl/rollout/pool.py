@@ -313,6 +313,9 @@ class GeneratorPool:
 
             pack = bucket_header
         start = time.perf_counter()
+        # No engine may keep the trainer waiting forever: one that died or failed raises at
+        # once (its event or its exit), one that hangs when the deadline passes.
+        deadline = time.monotonic() + self.config.push_timeout_seconds
         for engine in self._engines:
             engine.commands.put(("push", version, kv_on_push))
         tensors = nbytes = count = 0
@@ -320,16 +323,17 @@ class GeneratorPool:
             for bucket in buckets:
                 update = pack(bucket)
                 for engine in self._engines:
-                    self._put_weights(engine, update)
+                    self._put_weights(engine, update, deadline)
                 if self._nccl is not None:
-                    self._nccl.send(bucket)
+                    self._watched(lambda b=bucket: self._nccl.send(b), deadline, "NCCL broadcast")
                 count += 1
                 tensors += len(bucket)
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         finally:
-            for engine in self._engines:
-                self._put_weights(engine, None)
-        acks = self._wait_acks(version)
+            if not self._closed:  # a failed engine closed the pool: nobody to tell
+                for engine in self._engines:
+                    self._put_weights(engine, None, deadline)
+        acks = self._wait_acks(version, deadline)
         if count == 0:
             raise ValueError("push_weights got no buckets: this rank is not the stream's sender")
         self.version = version
@@ -342,18 +346,50 @@ class GeneratorPool:
             load_seconds=max(a[3] for a in acks),
         )
 
-    def _put_weights(self, engine: _Engine, item: Any) -> None:
+    def _put_weights(self, engine: _Engine, item: Any, deadline: float) -> None:
         while True:  # bounded queue: wait for the engine, but notice if it died
             try:
                 engine.weights.put(item, timeout=_POLL_SECONDS)
                 return
             except queue.Full:
                 self._pump(0.0)
+                self._check_deadline(deadline, f"engine {engine.index} taking a weight bucket")
 
-    def _wait_acks(self, version: int) -> list[tuple]:
+    def _wait_acks(self, version: int, deadline: float) -> list[tuple]:
         while len(self._acks.get(version, [])) < len(self._engines):
             self._pump(_POLL_SECONDS)
+            waiting = {e.index for e in self._engines} - {a[1] for a in self._acks.get(version, [])}
+            self._check_deadline(deadline, f"engine(s) {sorted(waiting)} loading the weights")
         return self._acks.pop(version)
+
+    def _watched(self, fn: Callable[[], None], deadline: float, what: str) -> None:
+        """Run ``fn`` (a blocking collective with the engines) on a helper thread while this
+        one watches the engines: an engine error or exit, or the deadline, raises here."""
+        failure: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                fn()
+            except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
+                failure.append(err)
+
+        worker = threading.Thread(target=target, name="weight-send", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(_POLL_SECONDS)
+            if worker.is_alive():
+                self._pump(0.0)  # raises if an engine failed or died
+                self._check_deadline(deadline, what)
+        if failure:
+            raise RuntimeError(f"weight push: {what} failed") from failure[0]
+
+    def _check_deadline(self, deadline: float, what: str) -> None:
+        if time.monotonic() > deadline:
+            self.close()
+            raise TimeoutError(
+                f"weight push: no progress from {what} within rollout.push_timeout_seconds "
+                f"({self.config.push_timeout_seconds:g} s); the generator pool was closed"
+            )
 
     # -- events -----------------------------------------------------------------------------
     def _next_event(self) -> tuple:

@@ -134,6 +134,9 @@ class EngineRunner:
         try:
             tensors, nbytes = self.engine.load_weights(_until_none(weights_get), kv_on_push)
         except BaseException:
+            # Report first: the pusher may be blocked until every engine has taken the bucket
+            # (an NCCL broadcast), and then never sends the end of the push we would wait for.
+            self.events.put(("error", self.index, traceback.format_exc()))
             for _ in _until_none(weights_get):  # let the pusher finish sending
                 pass
             raise

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.platform import collectives
 from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.rollout_source import Group, PromptsExhausted, RolloutSource
 from megatron_rl.trainer.setup import Run, build_run
@@ -31,6 +32,9 @@ def train(config: RunConfig, run_dir: Path) -> int:
     run.step = step
     main = _is_main()
     pool = start_generators(run, step) if main else None
+    # Engines can take many minutes to load (Scout); the other ranks wait here, on the gloo
+    # control group with a timeout of its own, not in an NCCL collective that would time out.
+    collectives.barrier(timeout_minutes=config.rollout.startup_timeout_minutes)
     push_weights(run, pool)  # warm-started or resumed weights
     source = None
     if main:
@@ -65,7 +69,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
     try:
         while step < config.training.max_steps:
             t0 = time.perf_counter()
-            batch = _broadcast(next_batch(run, source, pool) if main else None)
+            batch = collectives.broadcast_object(next_batch(run, source, pool) if main else None)
             if batch is None:  # every prompt retired, or the GPU-hour budget spent
                 break
             samples, info, wants_push = batch
@@ -93,7 +97,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
                 bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
                 if config.validation.enabled and step % config.validation.every_steps == 0:
                     validate(run, pool, step)
-            signalled = _any_rank(stop.requested is not None)
+            # only some ranks may have got the signal
+            signalled = collectives.any_rank(stop.requested is not None)
             if _due(step, config.checkpoint.every_steps) or signalled:
                 save_checkpoint(run, step, source)
             if signalled:
@@ -335,28 +340,6 @@ def _is_main() -> bool:
     import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _broadcast(obj):
-    """``obj`` of global rank 0 on every rank (plain Python objects)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _any_rank(flag: bool) -> bool:
-    """True on every rank if it is True on any (e.g. only some ranks got the signal)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
 
 
 def _due(step: int, every: int) -> bool:

@@ -107,9 +107,11 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
     init_distributed(config.parallel, seed=config.seed)
     import torch.distributed as dist
 
+    from megatron_rl.platform import collectives
+
     if dist.get_rank() == 0:  # one rank writes the initial HF directory, the others wait
         prepare_hf_dir(config, run_dir)
-    dist.barrier()
+    collectives.barrier()
     hf_dir = prepare_hf_dir(config, run_dir)  # now only finds it
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model_cfg = config.model

@@ -102,8 +102,9 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    from megatron_rl.platform import collectives
+
+    collectives.barrier()
 
 
 def _fsync_dir(path: Path) -> None:

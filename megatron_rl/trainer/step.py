@@ -18,7 +18,7 @@ from megatron_rl.algorithms import (
 )
 from megatron_rl.algorithms.config import AlgorithmConfig
 from megatron_rl.models.logprobs import forward_logits, logits_to_logprobs
-from megatron_rl.platform import get_platform
+from megatron_rl.platform import collectives, get_platform
 from megatron_rl.trainer.batch import (
     TrainSample,
     flat_response_tensors,
@@ -215,8 +215,9 @@ def forward_backward(
 
     dp_group = parallel_state.get_data_parallel_group()
     device = get_platform().torch_device()  # where the process groups' backend reduces
-    count = torch.tensor([len(micro_batches)], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+    count = collectives.all_reduce(
+        torch.tensor([len(micro_batches)]), op=dist.ReduceOp.MAX, group=dp_group
+    )
     batches = list(micro_batches) + [None] * (int(count) - len(micro_batches))
     empty = torch.zeros((1, padded_length(2, token_multiple)), dtype=torch.long)
 
@@ -254,15 +255,13 @@ def forward_backward(
         sums += record["sums"].double()
         if num_maxes:
             maxes[:num_maxes] = torch.maximum(maxes[:num_maxes], record["maxes"].float())
-    sums, maxes = sums.to(device), maxes.to(device)
     # Sum over DP ranks, then hand the last stage's numbers to every stage (zeros elsewhere).
-    dist.all_reduce(sums, group=dp_group)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp_group)
+    sums = collectives.all_reduce(sums, group=dp_group)
+    maxes = collectives.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp_group)
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    if dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(sums, group=pp_group)
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=pp_group)
-    return sums.cpu(), maxes[:num_maxes].cpu()
+    sums = collectives.all_reduce(sums, group=pp_group)
+    maxes = collectives.all_reduce(maxes, op=dist.ReduceOp.MAX, group=pp_group)
+    return sums, maxes[:num_maxes]
 
 
 def _is_gpu() -> bool:

@@ -1,0 +1,186 @@
+"""GPU-only branches of the weight path, run on CPU up to the CUDA call against the real
+library objects: vLLM's NCCL update-info dataclass and packing, the trainer's control
+collectives, and a push whose engine dies or fails (the trainer must raise, never hang)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.rollout.config import RolloutConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+MIXED_BUCKET = [
+    ("model.embed_tokens.weight", torch.randn(5, 7).to(torch.bfloat16)),
+    ("model.layers.0.mlp.experts.0.weight", torch.randn(4, 3)),
+    ("model.norm.weight", torch.ones(3, dtype=torch.float32)),
+    ("lm_head.weight", torch.zeros(0, 4)),
+]
+
+
+def test_every_nccl_header_is_accepted_by_vllms_engine():
+    """vLLM's NCCL engine builds its update info with ``**header``: an extra key (we sent
+    ``transport``) is a TypeError on every engine."""
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLWeightTransferEngine,
+        NCCLWeightTransferUpdateInfo,
+    )
+
+    from megatron_rl.rollout.nccl import bucket_header
+
+    engine = NCCLWeightTransferEngine.__new__(NCCLWeightTransferEngine)  # no GPU group
+    header = bucket_header(MIXED_BUCKET)
+    info = engine.parse_update_info(header)  # vLLM's own validation
+    assert isinstance(info, NCCLWeightTransferUpdateInfo)
+    assert info.names == [n for n, _ in MIXED_BUCKET]
+    assert info.dtype_names == ["bfloat16", "float32", "float32", "float32"]
+    assert [getattr(torch, d) for d in info.dtype_names] == [t.dtype for _, t in MIXED_BUCKET]
+
+
+def test_nccl_sender_moves_every_tensor_to_its_device_before_packing():
+    """modelopt's exporter hands back host tensors next to CUDA ones; vLLM packs with one
+    ``torch.cat`` on the sender's device. Run vLLM's real packing with the sender's
+    per-tensor hook, on the meta device standing in for CUDA."""
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    from megatron_rl.rollout.nccl import NcclSender
+
+    sender = NcclSender("127.0.0.1", 1, 2, 2**20, device=torch.device("meta"))
+    moved = []
+
+    def hook(item):
+        tensor = sender.on_device(item)
+        moved.append(tensor.device)
+        return tensor
+
+    chunk = pack_tensors(iter(MIXED_BUCKET), hook, 2**20)
+    assert moved == [torch.device("meta")] * len(MIXED_BUCKET)
+    assert chunk.packed_tensor.device == torch.device("meta")
+    assert chunk.packed_tensor.numel() == sum(t.numel() * t.element_size() for _, t in MIXED_BUCKET)
+
+
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+    "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list",
+    "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+    "send", "recv", "isend", "irecv", "send_object_list", "recv_object_list", "barrier",
+    "monitored_barrier",
+}  # fmt: skip
+
+
+def test_no_direct_collectives_outside_platform():
+    """A collective on a tensor a module built itself lands on the NCCL default group on GPU
+    (CPU tensors: 'No backend type associated with device type cpu'): every collective goes
+    through ``megatron_rl.platform.collectives``, which picks the group and the device."""
+    offenders = []
+    for path in sorted((ROOT / "megatron_rl").rglob("*.py")):
+        if "platform" in path.relative_to(ROOT / "megatron_rl").parts[:1]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in COLLECTIVES
+                and isinstance(node.func.value, (ast.Name, ast.Attribute))
+                and ast.unparse(node.func.value) in ("dist", "torch.distributed")
+            ):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_control_collectives_use_a_gloo_twin_of_an_nccl_world(monkeypatch):
+    """What the helpers pick on a GPU world, checked with the real torch.distributed calls
+    patched at the boundary: host tensors go to the gloo twin, data to the NCCL device."""
+    import torch.distributed as dist
+
+    from megatron_rl.platform import collectives
+
+    twin = object()
+    calls = []
+    monkeypatch.setattr(collectives, "_WORLD_GLOO", twin)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(
+        dist, "all_reduce", lambda t, op=None, group=None: calls.append((t.device, group))
+    )
+    monkeypatch.setattr(collectives, "group_device", lambda group=None: torch.device("meta"))
+    assert collectives.any_rank(False) is False
+    assert calls[-1] == (torch.device("cpu"), twin)  # a host flag on the gloo twin
+    with pytest.raises(NotImplementedError):  # meta stands in for CUDA: no data to copy back
+        collectives.all_reduce(torch.ones(3), group="dp")
+    assert calls[-1] == (torch.device("meta"), "dp")  # data on the group's device
+    with pytest.raises(ValueError, match="gloo"):
+        collectives.control_group("an nccl group")
+
+
+@pytest.fixture
+def engine_process(tiny_hf_dirs):
+    from megatron_rl.rollout.pool import GeneratorPool
+
+    config = RolloutConfig(
+        placement="subprocess", max_tokens=8, dtype="float32", push_timeout_seconds=60
+    )
+    pool = GeneratorPool(tiny_hf_dirs["tiny-llama"], config)
+    yield pool
+    pool.close()
+
+
+def _buckets_then(action, count: int = 40):
+    """Weight buckets; ``action`` runs after the first one is handed out (mid-push)."""
+    for i in range(count):
+        yield [(f"model.layers.{i}.x", torch.zeros(4096))]
+        if i == 0:
+            action()
+
+
+@pytest.mark.timeout(300)
+def test_push_to_an_engine_killed_mid_push_raises(engine_process):
+    pool = engine_process
+    pid = pool._engines[0].worker.pid
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="vLLM engine 0 (exited|failed)"):
+        pool.push_weights(_buckets_then(lambda: os.kill(pid, signal.SIGKILL)))
+    assert time.monotonic() - start < 30  # noticed at once, not at the deadline
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_failing_during_an_nccl_push_raises_instead_of_hanging(engine_process):
+    """The NCCL producer blocks until every engine received the broadcast; an engine that
+    fails to take the header never will. The pool watches the engines meanwhile."""
+    pool = engine_process
+    released = threading.Event()
+
+    class StuckSender:  # vLLM's producer waiting in synchronize() for a receiver
+        def send(self, bucket):
+            released.wait(120)
+
+        def close(self):
+            released.set()
+
+    pool._nccl = StuckSender()  # the engine gets NCCL headers its CPU backend cannot load
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="vLLM engine 0 failed"):
+        pool.push_weights(iter([MIXED_BUCKET]))
+    assert time.monotonic() - start < 60
+
+
+def test_a_push_that_makes_no_progress_times_out(monkeypatch):
+    """An engine alive but stuck: the deadline (rollout.push_timeout_seconds) raises."""
+    from megatron_rl.rollout.pool import GeneratorPool
+
+    pool = GeneratorPool.__new__(GeneratorPool)
+    pool.config = RolloutConfig(push_timeout_seconds=1)
+    pool._engines, pool._closed = [], False
+    monkeypatch.setattr(pool, "_pump", lambda timeout: time.sleep(0.05))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="push_timeout_seconds"):
+        pool._watched(lambda: time.sleep(30), time.monotonic() + 1, "NCCL broadcast")
+    assert time.monotonic() - start < 5
