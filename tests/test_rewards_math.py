@@ -15,6 +15,7 @@ from megatron_rl.rewards import math as math_reward
 from megatron_rl.rewards.extraction import (
     answer_section,
     extract_math_answer,
+    final_boxed,
     last_boxed,
     nesting_depth,
     unsafe_reason,
@@ -96,6 +97,97 @@ def test_configured_rewards_and_pattern():
         rewards = custom.score_batch(["</think> ANS=12", "</think> ANS=13"], ["12", "12"])
         assert custom._math is None  # plain integers are decided without a worker
     assert rewards == [1.0, 0.0]
+
+
+def test_stated_final_answers_are_read_without_a_box():
+    # Each was misread by the old "answer (is|:)" regex ("The final answer is", ": 42", "**").
+    config = RewardConfig()
+    stated = {
+        "Final Answer: The final answer is $\\frac{14}{3}$. I hope it is correct.": "\\frac{14}{3}",
+        "The answer is: 42": "42",
+        "**Final Answer:** $\\frac12$": "\\frac12",
+        "Final Answer: The largest $n$ is 34.": "34",
+        "The final answer is 12,000,023. I hope it is correct.": "12,000,023",
+        "Answer \\[ 9 \\]": "9",
+        'The final answer is "$12 $ and $13 $". I hope it is correct.': "12,13",
+        "So the answer is $ \\frac{1}{2} \\$ = \\frac{10}{9} $": "\\frac{1}{2} \\$ = \\frac{10}{9}",
+    }
+    for text, answer in stated.items():
+        assert extract_math_answer("<think>x</think>" + text, config) == answer, text
+    # An inline span does not cross lines (as in Math-Verify); no answer stated at all.
+    assert extract_math_answer("</think>Answer $ \n 9 \n $", config) is None
+    assert extract_math_answer("</think>I am not sure about the answer.", config) is None
+    # A "final answer" after the last box wins (the rightmost, as in Math-Verify).
+    late = "</think>so \\boxed{255} in interest. Final Answer: The final answer is $10,455$."
+    assert extract_math_answer(late, config) == "10,455"
+    assert extract_math_answer(late, RewardConfig(stated_answer=False)) == "255"
+
+
+def test_minerva_response_scores_plus_one(pool):
+    minerva = (
+        "<think>work</think>Final Answer: The final answer is $\\frac{2}{4}$. I hope it is correct."
+    )
+    assert pool.score_batch([minerva, minerva], ["0.5", "\\frac13"]) == [1.0, -1.0]
+
+
+def test_several_boxes_form_one_set_in_responses_and_references(pool):
+    assert final_boxed("so $\\boxed{1}$ and $\\boxed{-2}$.") == "1,-2"
+    assert final_boxed("\\boxed{(1, 2)}, \\boxed{(2, 1)}") == "(1, 2),(2, 1)"
+    # A repeated answer counts once; a box far from the last one is not part of it.
+    repeated = "\\boxed{004} is the correct answer.\n\n**Final Answer**\n\\boxed{004}"
+    assert final_boxed(repeated) == "004"
+    assert final_boxed("first \\boxed{3}." + " reasoning" * 10 + " so \\boxed{5}") == "5"
+    assert math_reward.reference_answer("\\(\\boxed{1}\\) and \\(\\boxed{-2}\\).") == "1,-2"
+    reference = "The roots are $\\boxed{1}$ and $\\boxed{-2}$."
+    responses = [
+        respond("-2, 1"),  # the set, in another order
+        "<think>x</think>The integers are \\boxed{-2} and \\boxed{1}.",  # boxes too
+        respond("-2"),  # one of the two: not the answer
+        respond("1"),
+    ]
+    assert pool.score_batch(responses, [reference] * 4) == [1.0, 1.0, -1.0, -1.0]
+    # Boxing several candidates does not earn the reward of the one that is right.
+    hedge = "<think>x</think>It is \\boxed{1}, \\boxed{2} or \\boxed{3}."
+    assert pool.score_batch([hedge], ["2"]) == [-1.0]
+
+
+def _spin_once_then_parse(real):
+    calls = []
+
+    def parse_target(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            while True:  # CPU-bound, as a sympy simplification that takes too long
+                pass
+        return real(*args, **kwargs)
+
+    return parse_target
+
+
+def test_verification_out_of_time_is_timeout_and_not_cached(monkeypatch):
+    # Math-Verify's own limit reported this as False, and the failed reference parse was
+    # cached: every later response to the prompt scored -1 in that worker.
+    import math_verify.parser
+
+    real = math_verify.parser.extract_target_from_pred
+    monkeypatch.setattr(math_verify.parser, "extract_target_from_pred", _spin_once_then_parse(real))
+    reference = "\\frac{7}{13}"  # parsed by no other test in this process
+    started = time.process_time()
+    assert math_reward.verify("7/13", reference, 2.0) == math_reward.TIMEOUT
+    assert time.process_time() - started < 2.0  # the CPU budget, not an endless loop
+    assert math_reward.verify("7/13", reference, 2.0) == math_reward.CORRECT
+    assert math_reward.verify("7/12", reference, 2.0) == math_reward.WRONG
+
+
+def test_timeouts_are_a_status_of_their_own():
+    with RewardPool(RewardConfig(num_workers=1, timeout_s=1.0)) as one:
+        rewards = one.score_batch(
+            [respond("10^{100000}!"), respond("\\frac{1}{2}"), respond("3"), "</think>none"],
+            ["5", "0.5", "4", "4"],
+        )
+        assert rewards == [-1.0, 1.0, -1.0, -1.0]
+        assert one.last_statuses == ["timeout", "correct", "in_process", "in_process"]
+        assert one.last_counts["timeout"] == 1
 
 
 def test_extraction_helpers():

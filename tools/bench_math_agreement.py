@@ -73,7 +73,9 @@ def main() -> int:
         for case, reward in zip(cases, rewards):
             if (reward > 0) != bool(case["expected"]):
                 response = case["response"].rsplit("</think>", 1)[-1].strip()
-                print(f"\n{case['id']} expected {case['expected']} got {reward:+.0f}")
+                print(
+                    f"\n{case['id']} ({case['answer_form']}) expected {case['expected']} got {reward:+.0f}"
+                )
                 print(f"  reference: {case['reference'][:200]!r}")
                 print(f"  response:  {response[-300:]!r}")
     return 0

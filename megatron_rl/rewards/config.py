@@ -14,10 +14,6 @@ from dataclasses import dataclass
 REWARD_KINDS: tuple[str, ...] = ("math", "code")
 NETWORK_ISOLATION: tuple[str, ...] = ("auto", "namespace", "audit")
 
-# Fallback when a response has no \boxed{...}: "answer is 42", "Answer: 42". Bounded
-# quantifiers keep the regex linear on hostile text.
-DEFAULT_ANSWER_PATTERN = r"(?i)\banswer\s{0,8}(?:is|:)\s{0,8}\$?([^\n$]{1,300})"
-
 
 @dataclass
 class RewardConfig:
@@ -31,8 +27,12 @@ class RewardConfig:
             never does scores incorrect. False: the whole response is the answer part.
         think_end_tag: end of the thinking section; only the text after its last occurrence
             is verified.
-        answer_pattern: regex whose group 1 is the answer when there is no ``\\boxed{}``;
-            empty disables the fallback.
+        answer_pattern: a custom regex whose group 1 is the answer when there is no
+            ``\\boxed{}`` (its last match near the end counts); empty: none.
+        stated_answer: without a ``\\boxed{}`` (or an ``answer_pattern`` match), read the
+            answer stated after the word "answer" ("The final answer is $X$. I hope it is
+            correct.", "Answer: 42", "**Final Answer:** $\\frac12$"); see
+            ``extraction.stated_answer``.
         num_workers: verifier processes (math) / concurrent sandboxes (code).
         timeout_s: hard wall-clock limit of one math verification (the worker is killed).
         worker_memory_mb: address-space limit of a math worker process (0 = none).
@@ -60,7 +60,8 @@ class RewardConfig:
     incorrect_reward: float = -1.0
     require_think_end: bool = True
     think_end_tag: str = "</think>"
-    answer_pattern: str = DEFAULT_ANSWER_PATTERN
+    answer_pattern: str = ""
+    stated_answer: bool = True
     num_workers: int = 2
     timeout_s: float = 5.0
     worker_memory_mb: int = 2048
@@ -98,8 +99,9 @@ class RewardConfig:
                 f"correct_reward ({self.correct_reward}) must be greater than incorrect_reward "
                 f"({self.incorrect_reward})"
             )
-        if not isinstance(self.require_think_end, bool):
-            raise ValueError(f"require_think_end must be a bool, got {self.require_think_end!r}")
+        for name in ("require_think_end", "stated_answer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.think_end_tag, str) or not self.think_end_tag:
             raise ValueError(
                 f"think_end_tag must be a non-empty string, got {self.think_end_tag!r}"
