@@ -250,6 +250,7 @@ def test_hostile_outputs_score_minus_one_fast_and_execute_nothing(pool, tmp_path
         "<think>" + "\\boxed{" * 100_000 + "</think>\\boxed{" * 50_000,  # unclosed boxes
         "</think>" + "\\left(" * 100_000,
     ]
+    assert pool.score_batch([respond("0.5")], ["\\frac12"]) == [1.0]  # workers started
     started = time.monotonic()
     rewards = pool.score_batch(responses, ["1"] * len(responses))
     elapsed = time.monotonic() - started
@@ -257,22 +258,19 @@ def test_hostile_outputs_score_minus_one_fast_and_execute_nothing(pool, tmp_path
     assert not canary.exists()
     assert pool.stats["blocked_events"] == 0  # nothing was even attempted
     # Everything is rejected up front except the last answer, which costs at most one
-    # time limit plus a worker restart.
+    # time limit (of CPU time: more on a loaded machine) plus a worker restart.
     assert elapsed < TIMEOUT_S + 15, elapsed
 
 
-def test_stuck_verification_is_killed_and_the_worker_replaced():
-    # timeout_s < 2 disables Math-Verify's own (signal) limit: only the hard kill is left.
+def test_stuck_verification_times_out_and_the_next_answer_is_verified():
+    # The worker's CPU budget (or the parent's kill, for a stall in C code) ends it.
     with RewardPool(RewardConfig(num_workers=1, timeout_s=1.0)) as one:
         assert one.score_batch([respond("\\frac{1}{4}")], ["0.25"]) == [1.0]
-        pids = one._math.worker_pids()
         started = time.monotonic()
         rewards = one.score_batch([respond("10^{100000}!"), respond("\\frac{1}{2}")], ["5", "0.5"])
         assert rewards == [-1.0, 1.0]  # the next answer still gets verified
         assert time.monotonic() - started < 20
         assert one.stats["verify_timeout"] == 1
-        assert one._math.num_killed == 1
-        assert one._math.worker_pids() != pids
 
 
 def test_score_batch_works_from_another_thread(pool):
@@ -311,6 +309,22 @@ def _double(x: int) -> int:
     return 2 * x
 
 
+def _sleep(seconds: float) -> str:
+    time.sleep(seconds)
+    return "slept"
+
+
+def test_worker_pool_limits_cpu_time_with_a_wall_clock_backstop():
+    # Waiting (as a worker starved by load does) uses no CPU: only the backstop ends it.
+    with WorkerPool(num_workers=1, timeout_s=0.5, wall_timeout_s=3.0) as workers:
+        assert workers.map(_sleep, [(1.5,)])[0].value == "slept"
+        started = time.monotonic()
+        assert workers.map(_sleep, [(60,)])[0].status == "timeout"
+        assert 3.0 <= time.monotonic() - started < 10
+    with pytest.raises(ValueError, match="wall_timeout_s"):
+        RewardConfig(timeout_s=5, wall_timeout_s=1).validate()
+
+
 def test_worker_pool_timeout_crash_and_order():
     with WorkerPool(num_workers=2, timeout_s=1.0) as workers:
         results = workers.map(_double, [(i,) for i in range(6)])
@@ -318,7 +332,7 @@ def test_worker_pool_timeout_crash_and_order():
         started = time.monotonic()
         mixed = workers.map(_spin, [()] * 2)
         assert [r.status for r in mixed] == ["timeout", "timeout"]
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 15  # 1 s of CPU each, on a loaded machine
         assert workers.map(_crash, [()])[0].status == "crashed"
         assert [r.value for r in workers.map(_double, [(5,)])] == [10]
 

@@ -34,7 +34,9 @@ class RewardConfig:
             correct.", "Answer: 42", "**Final Answer:** $\\frac12$"); see
             ``extraction.stated_answer``.
         num_workers: verifier processes (math) / concurrent sandboxes (code).
-        timeout_s: hard wall-clock limit of one math verification (the worker is killed).
+        timeout_s: hard CPU-time limit of one math verification (the worker is killed), so
+            that load on the machine does not turn correct answers into timeouts.
+        wall_timeout_s: hard wall-clock limit of one math verification (a backstop).
         worker_memory_mb: address-space limit of a math worker process (0 = none).
         max_response_chars: longer responses score incorrect without being parsed.
         max_answer_chars: longer extracted answers score incorrect without being parsed.
@@ -64,6 +66,7 @@ class RewardConfig:
     stated_answer: bool = True
     num_workers: int = 2
     timeout_s: float = 5.0
+    wall_timeout_s: float = 30.0
     worker_memory_mb: int = 2048
     max_response_chars: int = 262_144
     max_answer_chars: int = 1000
@@ -107,10 +110,14 @@ class RewardConfig:
                 f"think_end_tag must be a non-empty string, got {self.think_end_tag!r}"
             )
         self._validate_pattern()
-        for name in ("timeout_s", "code_test_timeout_s"):
+        for name in ("timeout_s", "wall_timeout_s", "code_test_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value <= 3600:
                 raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {value!r}")
+        if self.wall_timeout_s < self.timeout_s:
+            raise ValueError(
+                f"wall_timeout_s ({self.wall_timeout_s}) must be >= timeout_s ({self.timeout_s})"
+            )
         positive_ints = (
             "num_workers",
             "max_response_chars",

@@ -50,6 +50,7 @@ class RewardPool:
                 self.config.timeout_s,
                 memory_mb=self.config.worker_memory_mb,
                 init=math.load_verifier,
+                wall_timeout_s=self.config.wall_timeout_s,
             )
         return self._math
 
