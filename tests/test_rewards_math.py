@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -347,3 +349,49 @@ def test_config_validation():
     with pytest.raises(ValueError, match="timeout_s"):
         RewardConfig(timeout_s=0).validate()
     RewardConfig().validate()
+
+
+SUITE = Path(__file__).parent / "data" / "math_verify_suite.jsonl"
+
+
+def _suite_cases(forms: tuple[str, ...] = ("boxed", "stated")) -> list[dict]:
+    """Math-Verify's public test cases as responses (see tests/data/README.md)."""
+    with open(SUITE) as f:
+        cases = [json.loads(line) for line in f if line.strip() and not line.startswith("#")]
+    return [c for c in cases if c["answer_form"] in forms]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # ~40-90 s on 2 shared cores
+def test_agreement_with_math_verify_suite():
+    # The expected verdicts are Math-Verify's own, written in its tests.
+    cases = _suite_cases()
+    with RewardPool(RewardConfig(num_workers=2)) as two:
+        rewards = two.score_batch([c["response"] for c in cases], [c["reference"] for c in cases])
+        assert two.last_counts["timeout"] == 0
+    agree = [(r > 0) == bool(c["expected"]) for c, r in zip(cases, rewards)]
+    assert len(cases) >= 200
+    assert sum(agree) / len(cases) >= 0.95, [c["id"] for c, a in zip(cases, agree) if not a]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # ~40-120 s on 2 shared cores
+def test_same_rewards_with_one_and_two_workers_under_load():
+    # Several responses per reference (as in a group), in an order that differs per run.
+    cases = _suite_cases()[::8]
+    responses = [c["response"] for c in cases] * 2
+    references = [c["reference"] for c in cases] * 2
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        results = {}
+        for workers in (1, 2):
+            with RewardPool(RewardConfig(num_workers=workers)) as scoring:
+                results[workers] = scoring.score_batch(responses, references)
+                assert scoring.last_counts["timeout"] == 0, workers
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert results[1] == results[2]
+    assert results[1][: len(cases)] == results[1][len(cases) :]
+    assert 0 < sum(r > 0 for r in results[1]) < len(responses)  # not all one verdict
