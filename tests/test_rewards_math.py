@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,7 @@ from megatron_rl.rewards import math as math_reward
 from megatron_rl.rewards.extraction import (
     answer_section,
     extract_math_answer,
+    final_boxed,
     last_boxed,
     nesting_depth,
     unsafe_reason,
@@ -98,6 +101,97 @@ def test_configured_rewards_and_pattern():
     assert rewards == [1.0, 0.0]
 
 
+def test_stated_final_answers_are_read_without_a_box():
+    # Each was misread by the old "answer (is|:)" regex ("The final answer is", ": 42", "**").
+    config = RewardConfig()
+    stated = {
+        "Final Answer: The final answer is $\\frac{14}{3}$. I hope it is correct.": "\\frac{14}{3}",
+        "The answer is: 42": "42",
+        "**Final Answer:** $\\frac12$": "\\frac12",
+        "Final Answer: The largest $n$ is 34.": "34",
+        "The final answer is 12,000,023. I hope it is correct.": "12,000,023",
+        "Answer \\[ 9 \\]": "9",
+        'The final answer is "$12 $ and $13 $". I hope it is correct.': "12,13",
+        "So the answer is $ \\frac{1}{2} \\$ = \\frac{10}{9} $": "\\frac{1}{2} \\$ = \\frac{10}{9}",
+    }
+    for text, answer in stated.items():
+        assert extract_math_answer("<think>x</think>" + text, config) == answer, text
+    # An inline span does not cross lines (as in Math-Verify); no answer stated at all.
+    assert extract_math_answer("</think>Answer $ \n 9 \n $", config) is None
+    assert extract_math_answer("</think>I am not sure about the answer.", config) is None
+    # A "final answer" after the last box wins (the rightmost, as in Math-Verify).
+    late = "</think>so \\boxed{255} in interest. Final Answer: The final answer is $10,455$."
+    assert extract_math_answer(late, config) == "10,455"
+    assert extract_math_answer(late, RewardConfig(stated_answer=False)) == "255"
+
+
+def test_minerva_response_scores_plus_one(pool):
+    minerva = (
+        "<think>work</think>Final Answer: The final answer is $\\frac{2}{4}$. I hope it is correct."
+    )
+    assert pool.score_batch([minerva, minerva], ["0.5", "\\frac13"]) == [1.0, -1.0]
+
+
+def test_several_boxes_form_one_set_in_responses_and_references(pool):
+    assert final_boxed("so $\\boxed{1}$ and $\\boxed{-2}$.") == "1,-2"
+    assert final_boxed("\\boxed{(1, 2)}, \\boxed{(2, 1)}") == "(1, 2),(2, 1)"
+    # A repeated answer counts once; a box far from the last one is not part of it.
+    repeated = "\\boxed{004} is the correct answer.\n\n**Final Answer**\n\\boxed{004}"
+    assert final_boxed(repeated) == "004"
+    assert final_boxed("first \\boxed{3}." + " reasoning" * 10 + " so \\boxed{5}") == "5"
+    assert math_reward.reference_answer("\\(\\boxed{1}\\) and \\(\\boxed{-2}\\).") == "1,-2"
+    reference = "The roots are $\\boxed{1}$ and $\\boxed{-2}$."
+    responses = [
+        respond("-2, 1"),  # the set, in another order
+        "<think>x</think>The integers are \\boxed{-2} and \\boxed{1}.",  # boxes too
+        respond("-2"),  # one of the two: not the answer
+        respond("1"),
+    ]
+    assert pool.score_batch(responses, [reference] * 4) == [1.0, 1.0, -1.0, -1.0]
+    # Boxing several candidates does not earn the reward of the one that is right.
+    hedge = "<think>x</think>It is \\boxed{1}, \\boxed{2} or \\boxed{3}."
+    assert pool.score_batch([hedge], ["2"]) == [-1.0]
+
+
+def _spin_once_then_parse(real):
+    calls = []
+
+    def parse_target(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            while True:  # CPU-bound, as a sympy simplification that takes too long
+                pass
+        return real(*args, **kwargs)
+
+    return parse_target
+
+
+def test_verification_out_of_time_is_timeout_and_not_cached(monkeypatch):
+    # Math-Verify's own limit reported this as False, and the failed reference parse was
+    # cached: every later response to the prompt scored -1 in that worker.
+    import math_verify.parser
+
+    real = math_verify.parser.extract_target_from_pred
+    monkeypatch.setattr(math_verify.parser, "extract_target_from_pred", _spin_once_then_parse(real))
+    reference = "\\frac{7}{13}"  # parsed by no other test in this process
+    started = time.process_time()
+    assert math_reward.verify("7/13", reference, 2.0) == math_reward.TIMEOUT
+    assert time.process_time() - started < 2.0  # the CPU budget, not an endless loop
+    assert math_reward.verify("7/13", reference, 2.0) == math_reward.CORRECT
+    assert math_reward.verify("7/12", reference, 2.0) == math_reward.WRONG
+
+
+def test_timeouts_are_a_status_of_their_own():
+    with RewardPool(RewardConfig(num_workers=1, timeout_s=1.0)) as one:
+        rewards = one.score_batch(
+            [respond("10^{100000}!"), respond("\\frac{1}{2}"), respond("3"), "</think>none"],
+            ["5", "0.5", "4", "4"],
+        )
+        assert rewards == [-1.0, 1.0, -1.0, -1.0]
+        assert one.last_statuses == ["timeout", "correct", "in_process", "in_process"]
+        assert one.last_counts["timeout"] == 1
+
+
 def test_extraction_helpers():
     assert last_boxed("\\boxed{1} then \\boxed{\\frac{2}{3}}") == "\\frac{2}{3}"
     assert last_boxed("\\boxed{\\boxed{a}+b}") == "\\boxed{a}+b"
@@ -158,6 +252,7 @@ def test_hostile_outputs_score_minus_one_fast_and_execute_nothing(pool, tmp_path
         "<think>" + "\\boxed{" * 100_000 + "</think>\\boxed{" * 50_000,  # unclosed boxes
         "</think>" + "\\left(" * 100_000,
     ]
+    assert pool.score_batch([respond("0.5")], ["\\frac12"]) == [1.0]  # workers started
     started = time.monotonic()
     rewards = pool.score_batch(responses, ["1"] * len(responses))
     elapsed = time.monotonic() - started
@@ -165,22 +260,19 @@ def test_hostile_outputs_score_minus_one_fast_and_execute_nothing(pool, tmp_path
     assert not canary.exists()
     assert pool.stats["blocked_events"] == 0  # nothing was even attempted
     # Everything is rejected up front except the last answer, which costs at most one
-    # time limit plus a worker restart.
+    # time limit (of CPU time: more on a loaded machine) plus a worker restart.
     assert elapsed < TIMEOUT_S + 15, elapsed
 
 
-def test_stuck_verification_is_killed_and_the_worker_replaced():
-    # timeout_s < 2 disables Math-Verify's own (signal) limit: only the hard kill is left.
+def test_stuck_verification_times_out_and_the_next_answer_is_verified():
+    # The worker's CPU budget (or the parent's kill, for a stall in C code) ends it.
     with RewardPool(RewardConfig(num_workers=1, timeout_s=1.0)) as one:
         assert one.score_batch([respond("\\frac{1}{4}")], ["0.25"]) == [1.0]
-        pids = one._math.worker_pids()
         started = time.monotonic()
         rewards = one.score_batch([respond("10^{100000}!"), respond("\\frac{1}{2}")], ["5", "0.5"])
         assert rewards == [-1.0, 1.0]  # the next answer still gets verified
         assert time.monotonic() - started < 20
         assert one.stats["verify_timeout"] == 1
-        assert one._math.num_killed == 1
-        assert one._math.worker_pids() != pids
 
 
 def test_score_batch_works_from_another_thread(pool):
@@ -219,6 +311,22 @@ def _double(x: int) -> int:
     return 2 * x
 
 
+def _sleep(seconds: float) -> str:
+    time.sleep(seconds)
+    return "slept"
+
+
+def test_worker_pool_limits_cpu_time_with_a_wall_clock_backstop():
+    # Waiting (as a worker starved by load does) uses no CPU: only the backstop ends it.
+    with WorkerPool(num_workers=1, timeout_s=0.5, wall_timeout_s=3.0) as workers:
+        assert workers.map(_sleep, [(1.5,)])[0].value == "slept"
+        started = time.monotonic()
+        assert workers.map(_sleep, [(60,)])[0].status == "timeout"
+        assert 3.0 <= time.monotonic() - started < 10
+    with pytest.raises(ValueError, match="wall_timeout_s"):
+        RewardConfig(timeout_s=5, wall_timeout_s=1).validate()
+
+
 def test_worker_pool_timeout_crash_and_order():
     with WorkerPool(num_workers=2, timeout_s=1.0) as workers:
         results = workers.map(_double, [(i,) for i in range(6)])
@@ -226,7 +334,7 @@ def test_worker_pool_timeout_crash_and_order():
         started = time.monotonic()
         mixed = workers.map(_spin, [()] * 2)
         assert [r.status for r in mixed] == ["timeout", "timeout"]
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 15  # 1 s of CPU each, on a loaded machine
         assert workers.map(_crash, [()])[0].status == "crashed"
         assert [r.value for r in workers.map(_double, [(5,)])] == [10]
 
@@ -241,3 +349,49 @@ def test_config_validation():
     with pytest.raises(ValueError, match="timeout_s"):
         RewardConfig(timeout_s=0).validate()
     RewardConfig().validate()
+
+
+SUITE = Path(__file__).parent / "data" / "math_verify_suite.jsonl"
+
+
+def _suite_cases(forms: tuple[str, ...] = ("boxed", "stated")) -> list[dict]:
+    """Math-Verify's public test cases as responses (see tests/data/README.md)."""
+    with open(SUITE) as f:
+        cases = [json.loads(line) for line in f if line.strip() and not line.startswith("#")]
+    return [c for c in cases if c["answer_form"] in forms]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # ~40-90 s on 2 shared cores
+def test_agreement_with_math_verify_suite():
+    # The expected verdicts are Math-Verify's own, written in its tests.
+    cases = _suite_cases()
+    with RewardPool(RewardConfig(num_workers=2)) as two:
+        rewards = two.score_batch([c["response"] for c in cases], [c["reference"] for c in cases])
+        assert two.last_counts["timeout"] == 0
+    agree = [(r > 0) == bool(c["expected"]) for c, r in zip(cases, rewards)]
+    assert len(cases) >= 200
+    assert sum(agree) / len(cases) >= 0.95, [c["id"] for c, a in zip(cases, agree) if not a]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # ~40-120 s on 2 shared cores
+def test_same_rewards_with_one_and_two_workers_under_load():
+    # Several responses per reference (as in a group), in an order that differs per run.
+    cases = _suite_cases()[::8]
+    responses = [c["response"] for c in cases] * 2
+    references = [c["reference"] for c in cases] * 2
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        results = {}
+        for workers in (1, 2):
+            with RewardPool(RewardConfig(num_workers=workers)) as scoring:
+                results[workers] = scoring.score_batch(responses, references)
+                assert scoring.last_counts["timeout"] == 0, workers
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert results[1] == results[2]
+    assert results[1][: len(cases)] == results[1][len(cases) :]
+    assert 0 < sum(r > 0 for r in results[1]) < len(responses)  # not all one verdict

@@ -14,10 +14,6 @@ from dataclasses import dataclass
 REWARD_KINDS: tuple[str, ...] = ("math", "code")
 NETWORK_ISOLATION: tuple[str, ...] = ("auto", "namespace", "audit")
 
-# Fallback when a response has no \boxed{...}: "answer is 42", "Answer: 42". Bounded
-# quantifiers keep the regex linear on hostile text.
-DEFAULT_ANSWER_PATTERN = r"(?i)\banswer\s{0,8}(?:is|:)\s{0,8}\$?([^\n$]{1,300})"
-
 
 @dataclass
 class RewardConfig:
@@ -31,10 +27,16 @@ class RewardConfig:
             never does scores incorrect. False: the whole response is the answer part.
         think_end_tag: end of the thinking section; only the text after its last occurrence
             is verified.
-        answer_pattern: regex whose group 1 is the answer when there is no ``\\boxed{}``;
-            empty disables the fallback.
+        answer_pattern: a custom regex whose group 1 is the answer when there is no
+            ``\\boxed{}`` (its last match near the end counts); empty: none.
+        stated_answer: without a ``\\boxed{}`` (or an ``answer_pattern`` match), read the
+            answer stated after the word "answer" ("The final answer is $X$. I hope it is
+            correct.", "Answer: 42", "**Final Answer:** $\\frac12$"); see
+            ``extraction.stated_answer``.
         num_workers: verifier processes (math) / concurrent sandboxes (code).
-        timeout_s: hard wall-clock limit of one math verification (the worker is killed).
+        timeout_s: hard CPU-time limit of one math verification (the worker is killed), so
+            that load on the machine does not turn correct answers into timeouts.
+        wall_timeout_s: hard wall-clock limit of one math verification (a backstop).
         worker_memory_mb: address-space limit of a math worker process (0 = none).
         max_response_chars: longer responses score incorrect without being parsed.
         max_answer_chars: longer extracted answers score incorrect without being parsed.
@@ -60,9 +62,11 @@ class RewardConfig:
     incorrect_reward: float = -1.0
     require_think_end: bool = True
     think_end_tag: str = "</think>"
-    answer_pattern: str = DEFAULT_ANSWER_PATTERN
+    answer_pattern: str = ""
+    stated_answer: bool = True
     num_workers: int = 2
     timeout_s: float = 5.0
+    wall_timeout_s: float = 30.0
     worker_memory_mb: int = 2048
     max_response_chars: int = 262_144
     max_answer_chars: int = 1000
@@ -98,17 +102,22 @@ class RewardConfig:
                 f"correct_reward ({self.correct_reward}) must be greater than incorrect_reward "
                 f"({self.incorrect_reward})"
             )
-        if not isinstance(self.require_think_end, bool):
-            raise ValueError(f"require_think_end must be a bool, got {self.require_think_end!r}")
+        for name in ("require_think_end", "stated_answer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.think_end_tag, str) or not self.think_end_tag:
             raise ValueError(
                 f"think_end_tag must be a non-empty string, got {self.think_end_tag!r}"
             )
         self._validate_pattern()
-        for name in ("timeout_s", "code_test_timeout_s"):
+        for name in ("timeout_s", "wall_timeout_s", "code_test_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value <= 3600:
                 raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {value!r}")
+        if self.wall_timeout_s < self.timeout_s:
+            raise ValueError(
+                f"wall_timeout_s ({self.wall_timeout_s}) must be >= timeout_s ({self.timeout_s})"
+            )
         positive_ints = (
             "num_workers",
             "max_response_chars",

@@ -7,8 +7,11 @@ Safety (model text is hostile input):
   scores incorrect there, without parsing.
 - Verification runs in worker processes (``megatron_rl.rewards.workers``) with a hard time
   limit measured by the parent, which SIGKILLs and replaces a stuck worker; this works from
-  any thread of the trainer. Math-Verify's own signal-based limit is used inside the worker
-  as a softer first limit (workers run tasks on their main thread, where signals work).
+  any thread of the trainer. Inside the worker a softer first limit counts CPU time
+  (``ITIMER_PROF``; workers run tasks on their main thread, where signals work), so that
+  load on the machine does not change verdicts; running out of it is the verdict TIMEOUT,
+  counted apart from wrong answers. Math-Verify's own wall-clock limits stay off: they
+  report running out as a silent ``False``.
 - Only ``LatexExtractionConfig`` is used. Math-Verify's ``ExprExtractionConfig`` hands the
   text to ``sympy.parse_expr``, which calls ``eval``, so it is never enabled. LaTeX goes
   through the ANTLR grammar of latex2sympy2; the one ``sympify`` on that path receives
@@ -19,29 +22,45 @@ Safety (model text is hostile input):
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
+import signal
 import threading
+from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rewards.extraction import (
     extract_math_answer,
+    final_answer,
     integer_answer,
-    last_boxed,
     unsafe_reason,
+    unwrap_math,
 )
 
 logger = logging.getLogger(__name__)
 
+# Verdicts of ``verify``. TIMEOUT: the verification ran out of CPU time, which says nothing
+# about the answer; it is never reported as WRONG.
+CORRECT, WRONG, TIMEOUT, BAD_REFERENCE = "correct", "wrong", "timeout", "bad_reference"
+# Share of ``timeout_s`` that each of the two CPU-time budgets of a task gets (the reference
+# parse; the prediction parse and the comparisons), so that they run out before the
+# parent's wall-clock kill when the machine is not overloaded.
+_CPU_SHARE = 0.4
+_REFERENCE_CACHE_SIZE = 4096
+
 _DEFAULT_POOL: Any = None
 _DEFAULT_POOL_LOCK = threading.Lock()
+_REFERENCES: OrderedDict[str, list] = OrderedDict()
 
 
 def reference_answer(answer: str) -> str:
-    """The reference as the verifier sees it: the content of its last ``\\boxed{}`` if any."""
-    boxed = last_boxed(answer) if "\\boxed" in answer or "\\fbox" in answer else None
-    return (boxed if boxed is not None else answer).strip().strip("$").strip()
+    """The reference as the verifier sees it: its final answer as a response's is read
+    (``extraction.final_answer``: several boxes that end it form one set), else all of it
+    without math delimiters."""
+    found = final_answer(answer)
+    return (found if found is not None else unwrap_math(answer)).strip()
 
 
 def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[str, str]:
@@ -68,7 +87,9 @@ def load_verifier() -> None:
     """Worker initialiser: import Math-Verify and warm up its parser and sympy paths.
 
     The warm-up imports the modules that sympy loads lazily, before the worker's guard is
-    installed and outside any task's time.
+    installed and outside any task's time. Math-Verify's own (wall-clock, ``signal.alarm``)
+    limits are never armed (``verify`` runs under CPU-time limits instead), so its logger
+    only has the "timeout is disabled" notice to say, which is silenced.
     """
     for name in ("math_verify", "latex2sympy2_extended"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -76,44 +97,92 @@ def load_verifier() -> None:
         ("\\frac{1}{2}", "0.5"),
         ("(1,2]", "(1, 2]"),
         ("\\{1,2\\}", "\\{2,1\\}"),
+        ("1,-2", "-2,1"),
         ("x^2+2x+1", "(x+1)^2"),
         ("30^\\circ", "\\sqrt{2}\\pi"),
     ):
         verify(prediction, reference, 0)
+    _REFERENCES.clear()
 
 
-@functools.lru_cache(maxsize=4096)
-def _parse_reference(reference: str, timeout: int | None) -> Any:
+class _OutOfTime(BaseException):
+    """Raised by the CPU-time alarm; a BaseException so that Math-Verify's and sympy's
+    ``except Exception`` handlers let it through (as Math-Verify's own TimeoutException)."""
+
+
+@contextlib.contextmanager
+def _cpu_time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise ``_OutOfTime`` in the block once it has used ``seconds`` of CPU time (user +
+    system, ``ITIMER_PROF``). CPU time, unlike wall-clock time, does not grow when other
+    processes load the machine, so the same answer gets the same verdict under load.
+    Main thread only (workers run tasks there). None: no limit."""
+    if seconds is None:
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _OutOfTime
+
+    previous = signal.signal(signal.SIGPROF, expire)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+
+
+def _parse(latex: str, cpu_seconds: float | None) -> list:
     from math_verify import LatexExtractionConfig, parse
 
-    return parse(
-        "\\boxed{" + reference + "}",
-        extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
-        parsing_timeout=timeout,
-    )
+    with _cpu_time_limit(cpu_seconds):
+        return parse(
+            "\\boxed{" + latex + "}",
+            extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
+            parsing_timeout=None,
+        )
 
 
-def verify(prediction: str, reference: str, timeout_s: float) -> bool:
-    """Math-Verify equivalence of two extracted answers. Runs inside a worker process.
+def _parse_reference(reference: str, cpu_seconds: float | None) -> list:
+    """Math-Verify's parse of a reference, cached per worker. Only successes are cached: a
+    parse that ran out of time raises ``_OutOfTime`` and is tried again next time, and an
+    empty parse is not kept either."""
+    cached = _REFERENCES.get(reference)
+    if cached is not None:
+        _REFERENCES.move_to_end(reference)
+        return cached
+    parsed = _parse(reference, cpu_seconds)
+    if parsed:
+        _REFERENCES[reference] = parsed
+        if len(_REFERENCES) > _REFERENCE_CACHE_SIZE:
+            _REFERENCES.popitem(last=False)
+    return parsed
 
-    ``timeout_s`` >= 2 also arms Math-Verify's own (signal-based) limits at
-    ``int(timeout_s) - 1`` seconds; the hard limit is the worker pool's.
+
+def verify(prediction: str, reference: str, timeout_s: float) -> str:
+    """Math-Verify equivalence of two extracted answers: CORRECT, WRONG, TIMEOUT or
+    BAD_REFERENCE (the reference does not parse). Runs inside a worker process.
+
+    ``timeout_s`` > 0 gives the reference parse, and then the prediction parse with the
+    comparisons, ``_CPU_SHARE * timeout_s`` CPU seconds each; running out is TIMEOUT, never
+    WRONG. The hard wall-clock limit is the worker pool's.
     """
-    from math_verify import LatexExtractionConfig, parse
     from math_verify import verify as math_verify
 
-    timeout = int(timeout_s) - 1 if timeout_s >= 2 else None
-    gold = _parse_reference(reference, timeout)
-    if not gold:
-        return False
-    target = parse(
-        "\\boxed{" + prediction + "}",
-        extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
-        parsing_timeout=timeout,
-    )
-    if not target:
-        return False
-    return bool(math_verify(gold, target, timeout_seconds=timeout))
+    cpu_seconds = _CPU_SHARE * timeout_s if timeout_s > 0 else None
+    try:
+        gold = _parse_reference(reference, cpu_seconds)
+        if not gold:
+            return BAD_REFERENCE
+        with _cpu_time_limit(cpu_seconds):
+            target = _parse(prediction, None)
+            if not target:
+                return WRONG
+            # Math-Verify's own limit stays off: it would report running out as False.
+            correct = math_verify(gold, target, timeout_seconds=None)
+    except _OutOfTime:
+        return TIMEOUT
+    return CORRECT if correct else WRONG
 
 
 def score(response: str, answer: str) -> float:

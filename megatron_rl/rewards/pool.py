@@ -37,7 +37,10 @@ class RewardPool:
         self._lock = threading.Lock()
         self._math: WorkerPool | None = None
         self._code: ThreadPoolExecutor | None = None
+        # Counts over the pool's life, and the statuses of the last batch (``last_counts``
+        # counts them): how each score was decided.
         self.stats: Counter[str] = Counter()
+        self.last_statuses: list[str] = []
 
     def _math_pool(self) -> WorkerPool:
         # Started on first need: batches decided in-process (plain integers) never pay it.
@@ -47,6 +50,7 @@ class RewardPool:
                 self.config.timeout_s,
                 memory_mb=self.config.worker_memory_mb,
                 init=math.load_verifier,
+                wall_timeout_s=self.config.wall_timeout_s,
             )
         return self._math
 
@@ -72,14 +76,21 @@ class RewardPool:
         if unknown:
             raise ValueError(f"unknown reward kinds {sorted(unknown)}")
         rewards: list[float] = [self.config.incorrect_reward] * len(responses)
+        statuses = ["code"] * len(responses)
         with self._lock:
             math_items = [i for i, k in enumerate(kinds) if k == "math"]
             code_items = [i for i, k in enumerate(kinds) if k == "code"]
             if math_items:
-                self._score_math(math_items, responses, references, rewards)
+                self._score_math(math_items, responses, references, rewards, statuses)
             if code_items:
                 self._score_code(code_items, responses, references, rewards)
+            self.last_statuses = statuses
         return rewards
+
+    @property
+    def last_counts(self) -> Counter[str]:
+        """How many scores of the last batch had each status (see ``_score_math``)."""
+        return Counter(self.last_statuses)
 
     def _score_math(
         self,
@@ -87,7 +98,13 @@ class RewardPool:
         responses: Sequence[str],
         references: Sequence[Any],
         rewards: list[float],
+        statuses: list[str],
     ) -> None:
+        """Math scores and their statuses: "in_process" (no answer, unsafe, or plain
+        integers), or a verifier verdict: "correct", "wrong", "bad_reference", "timeout"
+        (out of CPU time, or killed at the wall-clock limit), "error" or "crashed". Every
+        status but "correct" scores ``incorrect_reward``; "timeout" is counted apart so that
+        it is never mistaken for a wrong answer."""
         config = self.config
         to_verify: list[int] = []
         pairs: list[tuple[str, str, float]] = []
@@ -97,15 +114,19 @@ class RewardPool:
                 to_verify.append(i)
                 pairs.append((decided[0], decided[1], config.timeout_s))
             else:
-                rewards[i] = decided
+                rewards[i], statuses[i] = decided, "in_process"
                 self.stats["decided_in_process"] += 1
         if not pairs:
             return
         for i, result in zip(to_verify, self._math_pool().map(math.verify, pairs)):
-            self.stats[f"verify_{result.status}"] += 1
+            status = result.value if result.status == "ok" else result.status
+            statuses[i] = status
+            self.stats[f"verify_{status}"] += 1
             if result.blocked:
                 self.stats["blocked_events"] += len(result.blocked)
-            correct = result.status == "ok" and result.value is True
+            if status == "timeout":
+                logger.debug("math verification timed out: %s", result.error or "CPU limit")
+            correct = status == math.CORRECT
             rewards[i] = config.correct_reward if correct else config.incorrect_reward
 
     def _score_code(

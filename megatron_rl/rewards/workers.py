@@ -2,8 +2,10 @@
 
 Why not ``concurrent.futures.ProcessPoolExecutor``: it cannot kill one stuck task (a sympy
 evaluation inside a C big-integer routine ignores signals) and a worker that dies breaks
-the whole executor. Here every task has a deadline measured by the parent; on expiry the
-worker is SIGKILLed and replaced, and the task reports ``timeout``. Workers are fresh
+the whole executor. Here every task has limits measured by the parent: CPU time of the
+worker (from ``/proc``; load on the machine does not make it run out, so a task gets the
+same outcome under load) and a wall-clock backstop. On either, the worker is SIGKILLed and
+replaced, and the task reports ``timeout``. Workers are fresh
 interpreters (``sys.executable -c``), so they inherit neither the trainer's threads nor its
 CUDA state nor its ``__main__``, and each one installs a guard (``guard.install_guard``) that blocks process creation, network
 and file writes before it accepts any task.
@@ -31,6 +33,19 @@ logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 120.0
 # Consecutive start failures after which the pool gives up (a broken environment).
 _MAX_START_FAILURES = 3
+# How often the parent reads the CPU time of busy workers.
+_POLL_S = 0.05
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``), None when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass
@@ -113,7 +128,8 @@ class _Worker:
         self.started = time.monotonic()
         self.ready = False
         self.task: int | None = None
-        self.deadline = 0.0
+        self.deadline = 0.0  # wall clock
+        self.cpu_start: float | None = None  # CPU seconds of the worker when its task began
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -130,7 +146,9 @@ class WorkerPool:
 
     Args:
         num_workers: processes kept alive (killed ones are replaced).
-        timeout_s: wall-clock limit of one task, measured by the parent.
+        timeout_s: CPU-time limit of one task, measured by the parent (a wall-clock limit
+            where the worker's CPU time cannot be read).
+        wall_timeout_s: wall-clock backstop of one task (None: ``4 * timeout_s + 10``).
         memory_mb: address-space limit of a worker beyond its size after ``init`` (0: none).
         init: picklable function each worker calls once before its guard is installed
             (imports, warm-up); not counted in any task's time.
@@ -142,12 +160,16 @@ class WorkerPool:
         timeout_s: float,
         memory_mb: int = 0,
         init: Callable[[], None] | None = None,
+        wall_timeout_s: float | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
+        self.wall_timeout_s = 4 * self.timeout_s + 10 if wall_timeout_s is None else wall_timeout_s
+        if self.wall_timeout_s < self.timeout_s:
+            raise ValueError(f"wall_timeout_s must be >= timeout_s ({self.timeout_s})")
         self._memory_mb = memory_mb
         self._init = init
         self._workers = [self._spawn() for _ in range(num_workers)]
@@ -171,7 +193,10 @@ class WorkerPool:
             for worker in self._workers:
                 if worker.ready and worker.task is None and pending:
                     index = pending.popleft()
-                    worker.task, worker.deadline = index, time.monotonic() + self.timeout_s
+                    worker.task = index
+                    worker.cpu_start = _cpu_seconds(worker.process.pid)
+                    limit = self.timeout_s if worker.cpu_start is None else self.wall_timeout_s
+                    worker.deadline = time.monotonic() + limit
                     try:
                         worker.conn.send((index, fn, args_list[index]))
                     except (OSError, ValueError):
@@ -185,6 +210,7 @@ class WorkerPool:
         busy = [w for w in self._workers if w.task is not None]
         starting = [w for w in self._workers if not w.ready]
         deadlines = [w.deadline for w in busy] + [w.started + _START_TIMEOUT_S for w in starting]
+        deadlines += [now + _POLL_S for w in busy if w.cpu_start is not None]
         timeout = max(0.0, min(deadlines) - now) if deadlines else 0.0
         by_conn = {w.conn: w for w in busy + starting}
         for conn in wait(list(by_conn), timeout=timeout):
@@ -224,12 +250,20 @@ class WorkerPool:
     def _enforce_deadlines(self, results: list[TaskResult | None]) -> None:
         now = time.monotonic()
         for worker in list(self._workers):
-            if worker.task is not None and now >= worker.deadline:
-                results[worker.task] = TaskResult("timeout", error=f"over {self.timeout_s}s")
+            if worker.task is not None and (now >= worker.deadline or self._out_of_cpu(worker)):
+                results[worker.task] = TaskResult(
+                    "timeout", error=f"over {self.timeout_s}s of CPU or {self.wall_timeout_s}s"
+                )
                 self.num_killed += 1
                 self._replace(worker)
             elif not worker.ready and now >= worker.started + _START_TIMEOUT_S:
                 self._on_start_failure(worker, f"not ready after {_START_TIMEOUT_S}s")
+
+    def _out_of_cpu(self, worker: _Worker) -> bool:
+        if worker.cpu_start is None:
+            return False
+        used = _cpu_seconds(worker.process.pid)
+        return used is not None and used - worker.cpu_start >= self.timeout_s
 
     def worker_pids(self) -> list[int]:
         """Process ids of the current workers (for tests and diagnostics)."""

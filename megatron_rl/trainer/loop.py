@@ -173,6 +173,9 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
         "staleness_mean": sum(lags) / max(len(lags), 1),
         "staleness_max": max(lags, default=0),
         "samples": len(samples),
+        # Verifications that ran out of time score incorrect; counted so they never pass
+        # for wrong answers unseen.
+        "reward_timeouts": run.rewards.last_counts["timeout"],
         "prompt_ids": [g.prompt_id for g in groups],
         "group_pass_rates": [
             sum(s.reward > 0 for s in samples if s.group == i) / max(len(g.samples), 1)
@@ -205,6 +208,7 @@ def validate(run: Run, pool, step: int) -> float:
             "gpu_hours": run.clock.gpu_hours,
             "val_pass_rate": rate,
             "val_samples": len(rewards),
+            "val_reward_timeouts": run.rewards.last_counts["timeout"],
             "val_seconds": time.perf_counter() - t0,
         }
     )
