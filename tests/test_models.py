@@ -201,3 +201,38 @@ def test_production_presets_have_published_shapes():
     scout = preset_hf_config("llama4-scout")
     assert (scout.num_local_experts, scout.num_experts_per_tok, scout.hidden_size) == (16, 1, 5120)
     assert scout.no_rope_layers[3] == 0 and scout.no_rope_layers[0] == 1
+
+
+def test_local_specs_use_an_rmsnorm_that_works_where_apex_is_installed(
+    tiny_hf_dirs, megatron_single_rank, monkeypatch
+):
+    """On NGC images megatron's ``LNImpl`` is apex's FusedLayerNorm, which asserts
+    LayerNorm: the local specs' final norm must be an RMSNorm that works."""
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    monkeypatch.setattr(gpt_layer_specs, "LNImpl", FusedLayerNorm)  # as with apex
+    model = megatron_model(tiny_hf_dirs["tiny-llama"])
+    norms = [type(m) for m in model.modules() if "Norm" in type(m).__name__]
+    assert FusedLayerNorm not in norms and norms
+    assert type(model.decoder.final_layernorm).__name__ in ("RMSNorm", WrappedTorchNorm.__name__)
+    with torch.no_grad():
+        logits = forward_logits(model, TOKENS)
+    assert torch.allclose(logits, hf_logits(tiny_hf_dirs["tiny-llama"]), atol=1e-4)
+
+
+def test_auto_layer_spec_on_a_gpu_without_transformer_engine_fails_with_its_import_error(
+    tiny_hf_dirs, megatron_single_rank, monkeypatch
+):
+    """A GPU machine whose TE does not import: 'auto' stops with the import error instead of
+    silently building local specs; 'local' is the explicit way to run without TE."""
+    from megatron_rl.models import provider
+    from megatron_rl.platform.device import Platform
+
+    broken = Platform("cuda", "nccl", False, "ImportError: libcudart.so.13: cannot open")
+    monkeypatch.setattr(provider, "get_platform", lambda: broken)
+    with pytest.raises(ValueError, match="layer_spec: 'auto' needs Transformer Engine.*libcudart"):
+        provider.build_model(
+            ModelConfig(hf_path=tiny_hf_dirs["tiny-llama"], dtype="float32"), ParallelConfig()
+        )

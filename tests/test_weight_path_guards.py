@@ -184,3 +184,23 @@ def test_a_push_that_makes_no_progress_times_out(monkeypatch):
     with pytest.raises(TimeoutError, match="push_timeout_seconds"):
         pool._watched(lambda: time.sleep(30), time.monotonic() + 1, "NCCL broadcast")
     assert time.monotonic() - start < 5
+
+
+def _registered_after_vllm_plugins() -> bool:
+    """In a fresh process: does vLLM's own plugin loading register our CPU backend?"""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    assert "megatron_rl_cpu" not in WeightTransferEngineFactory._registry
+    load_general_plugins()  # what every vLLM worker process runs at start
+    return "megatron_rl_cpu" in WeightTransferEngineFactory._registry
+
+
+@pytest.mark.timeout(180)
+def test_a_spawned_vllm_process_resolves_the_cpu_backend():
+    """The backend is registered through vLLM's ``vllm.general_plugins`` entry point, so a
+    spawned (not forked) worker, which never ran our engine code, finds it."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_registered_after_vllm_plugins) is True

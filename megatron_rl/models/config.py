@@ -22,7 +22,8 @@ class ModelConfig:
     fp32_head: bool = True
     # GPU only: Transformer Engine FP8 recipe for the linear layers.
     fp8: Literal["e4m3", "hybrid"] | None = None
-    # "auto": Transformer Engine specs where available, else local specs with torch SDPA.
+    # "auto": Transformer Engine specs on GPU (an error if TE does not import there), local
+    # specs with torch SDPA on CPU; "local" on GPU runs without TE (no FP8).
     layer_spec: Literal["auto", "te", "local"] = "auto"
     recompute_activations: bool = False
     max_sequence_length: int | None = None  # default: the HF config's max_position_embeddings

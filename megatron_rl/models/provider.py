@@ -42,9 +42,15 @@ def build_model(
     """
     platform = get_platform()
     arch = architecture_from_hf(hf_config or load_hf_config(model))
-    use_te = {"auto": platform.transformer_engine, "te": True, "local": False}[model.layer_spec]
+    use_te = {"auto": platform.is_gpu, "te": True, "local": False}[model.layer_spec]
     if use_te and not platform.transformer_engine:
-        raise ValueError("model.layer_spec: 'te' needs Transformer Engine, which is not available")
+        # On GPU, 'auto' means TE: a missing or broken TE must not silently give a slower,
+        # different model (local specs, no FP8). Local specs on GPU are asked for by name.
+        raise ValueError(
+            f"model.layer_spec: {model.layer_spec!r} needs Transformer Engine, which does not "
+            f"import here ({platform.transformer_engine_error or 'no GPU'}); "
+            "set model.layer_spec: local to run without it"
+        )
     if model.fp8 is not None and not use_te:
         raise ValueError("model.fp8 needs Transformer Engine layer specs (a GPU with TE)")
     config = transformer_config(

@@ -73,5 +73,8 @@ def decoder_block_spec(
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm as norm
     else:
-        from megatron.core.models.gpt.gpt_layer_specs import LNImpl as norm
+        # Not gpt_layer_specs.LNImpl: where apex is installed (NGC images) that is apex's
+        # FusedLayerNorm, which asserts normalization == "LayerNorm"; Llama needs RMSNorm.
+        # The local layer specs use WrappedTorchNorm for RMSNorm too.
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm as norm
     return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=norm)

@@ -22,6 +22,7 @@ class Platform:
     device: str
     backend: str
     transformer_engine: bool
+    transformer_engine_error: str | None = None  # why TE failed to import on a GPU
 
     @property
     def is_gpu(self) -> bool:
@@ -33,19 +34,25 @@ class Platform:
         return torch.device("cpu")
 
 
-def _has_transformer_engine() -> bool:
+def _transformer_engine_error() -> str | None:
+    """None when Transformer Engine imports, else why not (not installed, or installed but
+    broken: built for another CUDA or torch). Never swallowed silently: a GPU model that
+    asks for TE layer specs fails with this message (``models.provider.build_model``)."""
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # ImportError, or TE present but built for another CUDA
-        return False
-    return True
+    except Exception as err:  # ImportError, or an OSError / RuntimeError from its libraries
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 @functools.lru_cache(maxsize=1)
 def get_platform() -> Platform:
     """Detect the platform once; on a machine without CUDA install the CPU fixes."""
     if torch.cuda.is_available():
-        platform = Platform("cuda", "nccl", _has_transformer_engine())
+        error = _transformer_engine_error()
+        platform = Platform("cuda", "nccl", error is None, error)
+        if error is not None:
+            logger.warning("Transformer Engine does not import on this GPU machine: %s", error)
     else:
         from megatron_rl.platform import cpu_compat
 
