@@ -204,3 +204,21 @@ def test_a_spawned_vllm_process_resolves_the_cpu_backend():
 
     with mp.get_context("spawn").Pool(1) as pool:
         assert pool.apply(_registered_after_vllm_plugins) is True
+
+
+def test_engine_gpus_come_after_the_trainers_and_never_overlap_by_accident():
+    from megatron_rl.rollout.config import engine_gpus
+
+    cfg = RolloutConfig(placement="subprocess", engines=2, tensor_parallel=1)
+    assert engine_gpus(cfg, trainer_gpus=2, gpus_per_node=4) == [2, 3]  # not GPU 0
+    tp2 = RolloutConfig(placement="subprocess", engines=1, tensor_parallel=2)
+    assert engine_gpus(tp2, trainer_gpus=1, gpus_per_node=4) == [1, 2]
+    with pytest.raises(ValueError, match="do not fit beside the 3 trainer GPU.*placement: remote"):
+        engine_gpus(cfg, trainer_gpus=3, gpus_per_node=4)
+    clash = RolloutConfig(placement="subprocess", gpu_ids=[1, 2], engines=2)
+    with pytest.raises(ValueError, match=r"rollout.gpu_ids \[1, 2\] include GPU\(s\) \[1\]"):
+        engine_gpus(clash, trainer_gpus=2, gpus_per_node=4)
+    shared = RolloutConfig(placement="subprocess", gpu_ids=[1, 2], engines=2, colocate=True)
+    assert engine_gpus(shared, trainer_gpus=2, gpus_per_node=4) == [1, 2]
+    together = RolloutConfig(placement="subprocess", engines=1, colocate=True)
+    assert engine_gpus(together, trainer_gpus=1, gpus_per_node=1) == [0]

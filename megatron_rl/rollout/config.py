@@ -149,10 +149,10 @@ class RolloutConfig:
                 "weight_transport 'nccl' needs engines on GPUs of their own: placement "
                 "'subprocess' or 'remote', not 'in_process'"
             )
-        if self.weight_transport == "nccl" and self.placement == "subprocess" and not self.gpu_ids:
+        if self.weight_transport == "nccl" and self.colocate:
             raise ValueError(
-                "weight_transport 'nccl' with placement 'subprocess' needs gpu_ids: the "
-                "engines' GPUs, none of them the trainer's (NCCL has one rank per GPU)"
+                "weight_transport 'nccl' needs engine GPUs apart from the trainer's (NCCL has "
+                "one rank per GPU): colocate must be false"
             )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
@@ -182,6 +182,35 @@ class RolloutConfig:
     @property
     def weight_bucket_bytes(self) -> int:
         return self.weight_bucket_mb * 2**20
+
+
+def engine_gpus(config: RolloutConfig, trainer_gpus: int, gpus_per_node: int) -> list[int]:
+    """The GPUs of this node's engine processes (``placement: subprocess``): ``gpu_ids`` when
+    given, else the GPUs after the ``trainer_gpus`` that the trainer ranks of this node hold
+    (``LOCAL_RANK`` 0 .. n-1 use GPUs 0 .. n-1). Without ``colocate`` an engine GPU that is
+    also a trainer GPU is an error: vLLM's start-up memory check fails beside a trainer.
+    Raises ``ValueError`` naming the recipe key."""
+    need = config.engines * config.tensor_parallel
+    trainer = set(range(trainer_gpus))
+    if config.gpu_ids is not None:
+        shared = sorted(trainer & set(config.gpu_ids))
+        if shared and not config.colocate:
+            raise ValueError(
+                f"rollout.gpu_ids {config.gpu_ids} include GPU(s) {shared} of the trainer "
+                f"ranks on this node (0..{trainer_gpus - 1}); pick other GPUs or set "
+                "rollout.colocate: true"
+            )
+        return list(config.gpu_ids)
+    first = 0 if config.colocate else trainer_gpus
+    if first + need > gpus_per_node:
+        raise ValueError(
+            f"rollout.engines x rollout.tensor_parallel = {config.engines} x "
+            f"{config.tensor_parallel} engine GPUs do not fit beside the {trainer_gpus} trainer "
+            f"GPU(s) on this node of cluster.gpus_per_node {gpus_per_node} GPUs; use "
+            "placement: remote (engines on nodes of their own), fewer engines, or set "
+            "rollout.gpu_ids / rollout.colocate"
+        )
+    return list(range(first, first + need))
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
-from megatron_rl.platform import collectives
+from megatron_rl.platform import collectives, get_platform
 from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.rollout_source import Group, PromptsExhausted, RolloutSource
 from megatron_rl.trainer.setup import Run, build_run
@@ -282,6 +282,14 @@ def start_generators(run: Run, step: int):
     rollout = run.config.rollout
     if rollout.dtype == "auto":  # generate in the trainer's dtype, or log-probs disagree
         rollout.dtype = run.config.model.dtype
+    if rollout.placement == "subprocess" and get_platform().is_gpu:
+        import os
+
+        from megatron_rl.rollout.config import engine_gpus
+
+        # Engines on GPUs of their own, after this node's trainer ranks (torchrun's count).
+        local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        rollout.gpu_ids = engine_gpus(rollout, local_trainers, run.config.cluster.gpus_per_node)
     pool = GeneratorPool(
         str(run.hf_dir),
         run.config.rollout,
