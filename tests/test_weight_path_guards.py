@@ -222,3 +222,22 @@ def test_engine_gpus_come_after_the_trainers_and_never_overlap_by_accident():
     assert engine_gpus(shared, trainer_gpus=2, gpus_per_node=4) == [1, 2]
     together = RolloutConfig(placement="subprocess", engines=1, colocate=True)
     assert engine_gpus(together, trainer_gpus=1, gpus_per_node=1) == [0]
+
+
+@pytest.mark.timeout(300)
+def test_gpu_check_smoke_mode_prints_every_section():
+    """tools/gpu_check.py, prepared for the lent H200, runs here at tiny sizes."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for section in ("[collectives]", "[train slice]", "[packing]", "[fp32 head]"):
+        assert section in proc.stdout, proc.stdout
