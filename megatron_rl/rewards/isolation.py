@@ -125,7 +125,8 @@ def box_for(config: RewardConfig, announce: bool = False) -> Box:
             "UNSAFE CODE SANDBOX (reward.code_allow_unsafe_sandbox=true): model-written "
             "programs run %s with resource limits and a Python audit hook only, which is no "
             "security boundary; %s. To isolate them: %s.",
-            f"as uid {box.run_as}" if box.run_as is not None else f"as uid {os.geteuid()}",
+            f"as uid {box.run_as if box.run_as is not None else os.geteuid()}"
+            + (" (ROOT)" if box.run_as is None and os.geteuid() == 0 else ""),
             box.unsafe_reason,
             _FIX.split(", or set")[0],
         )
@@ -167,9 +168,13 @@ def _resolve(bwrap_name: str, python: str, uid: int, allow_unsafe: bool) -> Box:
             f"code rewards need an OS sandbox for model-written programs and none can be set "
             f"up here: {reason}. To fix: {_FIX}."
         )
-    interpreter = python or sys.executable
-    fallback = run_as if run_as is not None and _uid_can_run(interpreter, run_as) else None
-    return Box(python=interpreter, bwrap=None, run_as=fallback, unsafe_reason=reason)
+    # Unsafe mode: still not root where the sandbox uid can run one of the interpreters.
+    candidates = _interpreters(python)
+    if run_as is not None:
+        for candidate in candidates:
+            if _uid_can_run(candidate, run_as):
+                return Box(candidate, None, run_as, unsafe_reason=reason)
+    return Box(candidates[0], None, None, unsafe_reason=reason)
 
 
 def _bwrap_version(bwrap: str) -> tuple[int, ...]:
@@ -236,8 +241,13 @@ def _mounts(python: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     """Read-only binds and symlinks the interpreter needs: its prefixes (a venv and the
     Python it was made from) and the system's shared-library directories."""
     layout = subprocess.run(
-        [python, "-I", "-c", "import sys\nfor p in (sys.prefix, sys.base_prefix, "
-         "sys.exec_prefix, sys.base_exec_prefix): print(p)"],
+        [
+            python,
+            "-I",
+            "-c",
+            "import sys\nfor p in (sys.prefix, sys.base_prefix, "
+            "sys.exec_prefix, sys.base_exec_prefix): print(p)",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
