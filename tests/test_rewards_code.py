@@ -12,7 +12,8 @@ from megatron_rl.rewards.code import CodeTest, outputs_match, parse_tests, value
 from megatron_rl.rewards.isolation import SandboxUnavailableError, box_for
 from megatron_rl.rewards.sandbox import run_program
 
-CONFIG = RewardConfig(kind="code", code_test_timeout_s=1.0, code_memory_mb=512, num_workers=2)
+# 3 s: the limit includes starting the box and Python, slow on a busy 2-core machine.
+CONFIG = RewardConfig(kind="code", code_test_timeout_s=3.0, code_memory_mb=512, num_workers=2)
 
 ADD_TESTS = [{"input": "3 4\n", "output": "7\n"}, {"input": "10 -2\n", "output": "8"}]
 ADD_PROGRAM = "a, b = map(int, input().split())\nprint(a + b)\n"
@@ -30,10 +31,12 @@ def respond(program: str) -> str:
     return f"<think>plan</think>Here it is:\n```python\n{program}```\n"
 
 
+@pytest.mark.timeout(30)
 def test_correct_program_passes_all_tests():
     assert code_reward.score_code(respond(ADD_PROGRAM), ADD_TESTS, CONFIG) == 1.0
 
 
+@pytest.mark.timeout(30)
 def test_wrong_or_missing_program_fails():
     wrong = "a, b = map(int, input().split())\nprint(a - b)\n"
     assert code_reward.score_code(respond(wrong), ADD_TESTS, CONFIG) == -1.0
@@ -42,6 +45,7 @@ def test_wrong_or_missing_program_fails():
     assert code_reward.score_code(f"<think>```python\n{ADD_PROGRAM}```", ADD_TESTS, CONFIG) == -1.0
 
 
+@pytest.mark.timeout(30)
 def test_functional_tests_call_the_named_function():
     program = "class Solution:\n    def twoSum(self, a, b):\n        return [a, b + 1]\n"
     lcb = [{"input": "1\n2", "output": "[1, 3]", "testtype": "functional"}]
@@ -83,6 +87,7 @@ def test_output_comparison():
     assert not values_match(True, 1)
 
 
+@pytest.mark.timeout(30)
 def test_programs_may_use_their_own_scratch_space():
     program = (
         "import tempfile\nopen('scratch.txt', 'w').write('x')\n"
@@ -93,12 +98,14 @@ def test_programs_may_use_their_own_scratch_space():
     assert result.status == "ok" and result.stdout.strip() == "xy", result
 
 
+@pytest.mark.timeout(30)
 def test_a_hanging_program_times_out():
     result = run_program("while True:\n    pass\n", "", CONFIG, timeout_s=1.0)
     assert result.status == "timeout"
     assert 1.0 <= result.elapsed_s < 1.0 + 10.0  # start-up on a busy machine
 
 
+@pytest.mark.timeout(30)
 def test_reward_pool_scores_code_in_parallel():
     wrong = "print(0)\n"
     with RewardPool(CONFIG) as pool:

@@ -31,7 +31,8 @@ from megatron_rl.rewards import code as code_reward
 from megatron_rl.rewards.isolation import SandboxUnavailableError, box_for
 from megatron_rl.rewards.sandbox import capabilities, run_program
 
-CONFIG = RewardConfig(kind="code", code_test_timeout_s=1.0, code_memory_mb=512, num_workers=2)
+# 3 s: the limit includes starting the box and Python, slow on a busy 2-core machine.
+CONFIG = RewardConfig(kind="code", code_test_timeout_s=3.0, code_memory_mb=512, num_workers=2)
 # Start-up of bwrap + Python on a busy 2-core machine (seen: 4 s), on top of the time limit.
 SLACK_S = 10.0
 SENTINEL = "escaped-" + secrets.token_hex(4)  # printed only by a program that got out
@@ -373,7 +374,7 @@ def _in_pid_namespace(namespace: str) -> list[int]:
     return members
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("name", sorted(ATTACKS))
 def test_hostile_program_is_contained(name, hook, targets):
     program, escaped = (Template(text).substitute(_fields(targets)) for text in ATTACKS[name])
@@ -442,7 +443,7 @@ def test_program_never_runs_as_root():
 def test_timeout_leaves_nothing_behind():
     _box_or_skip()
     program = "import os, sys\nprint(os.readlink('/proc/self/ns/pid'), flush=True)\nwhile True:\n    pass\n"
-    result = run_program(program, "", CONFIG, timeout_s=1.0)
+    result = run_program(program, "", CONFIG)
     assert result.status == "timeout"
     namespace = result.stdout.strip()
     assert namespace != os.readlink("/proc/self/ns/pid")
@@ -558,6 +559,7 @@ def test_unsafe_mode_is_explicit_and_loud(tmp_path, caplog):
         assert report["run_as_uid"] == unsafe.code_sandbox_uid
 
 
+@pytest.mark.timeout(30)
 def test_unsafe_mode_is_a_recipe_key():
     assert load_run_config(TINY_RECIPE).reward.code_allow_unsafe_sandbox is False
     config = load_run_config(TINY_RECIPE, ["reward.code_allow_unsafe_sandbox=true"])

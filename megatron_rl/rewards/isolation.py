@@ -67,6 +67,7 @@ class Box:
         bwrap: the bubblewrap executable; None in the unsafe mode (no OS isolation).
         run_as: uid (and gid) the parent switches to before starting the program or bwrap;
             None keeps the caller's (a non-root trainer).
+        uid: uid (and gid) of the program inside the box.
         binds: host paths bound read-only at the same place in the box.
         links: ``(target, path)`` symlinks made in the box (merged-/usr layouts).
         disable_userns: bwrap supports ``--disable-userns`` (>= 0.8).
@@ -76,6 +77,7 @@ class Box:
     python: str
     bwrap: str | None
     run_as: int | None
+    uid: int = 65534
     binds: tuple[str, ...] = ()
     links: tuple[tuple[str, str], ...] = ()
     disable_userns: bool = False
@@ -95,7 +97,7 @@ class Box:
         command += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
         if self.disable_userns:
             command.append("--disable-userns")
-        uid = str(self.run_as if self.run_as is not None else 65534)
+        uid = str(self.uid)
         command += ["--uid", uid, "--gid", uid, "--die-with-parent", "--new-session"]
         command.append("--clearenv")
         for name, value in env.items():
@@ -125,8 +127,7 @@ def box_for(config: RewardConfig, announce: bool = False) -> Box:
             "UNSAFE CODE SANDBOX (reward.code_allow_unsafe_sandbox=true): model-written "
             "programs run %s with resource limits and a Python audit hook only, which is no "
             "security boundary; %s. To isolate them: %s.",
-            f"as uid {box.run_as if box.run_as is not None else os.geteuid()}"
-            + (" (ROOT)" if box.run_as is None and os.geteuid() == 0 else ""),
+            f"as uid {box.uid}" + (" (ROOT)" if box.uid == 0 else ""),
             box.unsafe_reason,
             _FIX.split(", or set")[0],
         )
@@ -155,7 +156,7 @@ def _resolve(bwrap_name: str, python: str, uid: int, allow_unsafe: bool) -> Box:
     else:
         version = _bwrap_version(bwrap)
         for candidate in _interpreters(python):
-            box = _try_box(bwrap, version, candidate, run_as, reasons)
+            box = _try_box(bwrap, version, candidate, run_as, uid, reasons)
             if box is not None:
                 if candidate != (python or sys.executable):
                     logger.info(
@@ -173,8 +174,8 @@ def _resolve(bwrap_name: str, python: str, uid: int, allow_unsafe: bool) -> Box:
     if run_as is not None:
         for candidate in candidates:
             if _uid_can_run(candidate, run_as):
-                return Box(candidate, None, run_as, unsafe_reason=reason)
-    return Box(candidates[0], None, None, unsafe_reason=reason)
+                return Box(candidate, None, run_as, uid, unsafe_reason=reason)
+    return Box(candidates[0], None, None, os.geteuid(), unsafe_reason=reason)
 
 
 def _bwrap_version(bwrap: str) -> tuple[int, ...]:
@@ -199,7 +200,12 @@ def _interpreters(python: str) -> list[str]:
 
 
 def _try_box(
-    bwrap: str, version: tuple[int, ...], python: str, run_as: int | None, reasons: list[str]
+    bwrap: str,
+    version: tuple[int, ...],
+    python: str,
+    run_as: int | None,
+    uid: int,
+    reasons: list[str],
 ) -> Box | None:
     """A box for ``python`` if a probe program runs in it, not as root; else None (and why)."""
     try:
@@ -207,7 +213,7 @@ def _try_box(
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         reasons.append(f"{python}: {exc}")
         return None
-    box = Box(python, bwrap, run_as, binds, links, disable_userns=version >= (0, 8))
+    box = Box(python, bwrap, run_as, uid, binds, links, disable_userns=version >= (0, 8))
     main = source_fd(_PROBE)
     env = {"PATH": "/usr/bin:/bin", "HOME": BOX_DIR, "LANG": "C.UTF-8"}
     command = box.command([python, "-I", "main.py"], env, main, 1 << 20)
