@@ -3,8 +3,8 @@
 Every attack must be contained (its effect outside the box does not happen, and a program
 that would print a secret only if it got out scores incorrect), end within its time limit,
 and leave this process (the trainer) and its other processes alone. Each attack also runs
-with the audit hook switched off: hooks can be defeated (``test_audit_hook_is_bypassable``
-does it), so the OS box must hold alone.
+with the audit hook switched off: hooks can be defeated (as
+``test_audit_hook_is_bypassable_and_the_box_holds`` shows), so the OS box must hold alone.
 """
 
 from __future__ import annotations
