@@ -48,25 +48,26 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # the OS box alone contains hostile programs (audit hooks can be defeated).
 _AUDIT_HOOK = True
 
+# The harness: argv = memory_mb cpu_s fsize guard(0|1) fn_name(empty: script mode). It
+# imports json only in functional mode: json pulls in re and enum, a third of a script's
+# start-up time.
 _HARNESS_MAIN = r"""
-import json
 
 
-def _limit(spec):
+def _limit(memory_mb, cpu_s, fsize):
     import resource
 
-    mem = spec["memory_mb"] * 1024 * 1024
-    cpu = spec["cpu_s"]
+    mem = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize"], spec["fsize"]))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))
     os.umask(0o077)
 
 
-def _result_json(value):
+def _result_json(json, value):
     def default(obj):
         return sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else repr(obj)
 
@@ -74,24 +75,25 @@ def _result_json(value):
 
 
 def _sandbox_main():
-    spec = json.loads(sys.argv[1])
-    _limit(spec)
-    if spec["guard"]:
+    memory_mb, cpu_s, fsize, hook, name = sys.argv[1:6]
+    _limit(int(memory_mb), int(cpu_s), int(fsize))
+    if hook == "1":
         install_guard((os.getcwd(),))
     with open("main.py") as f:
         code = compile(f.read(), "main.py", "exec")
-    if spec["fn_name"] is None:
+    if not name:
         exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
         return
+    import json
+
     args = json.loads(sys.stdin.read())
     namespace = {"__name__": "solution", "__builtins__": __builtins__}
     exec(code, namespace)
-    name = spec["fn_name"]
     owner = namespace.get("Solution")
     fn = getattr(owner(), name) if owner is not None and hasattr(owner, name) else namespace[name]
     result = fn(*args)
     sys.stdout.flush()
-    sys.stdout.write(spec["marker"] + _result_json(result) + "\n")
+    sys.stdout.write(MARKER + _result_json(json, result) + "\n")
 
 
 _sandbox_main()
@@ -100,7 +102,11 @@ _sandbox_main()
 
 @functools.cache
 def _harness_source() -> str:
-    return Path(guard.__file__).read_text() + _HARNESS_MAIN
+    # Without guard.py's __future__ import (it costs an import; annotations work on 3.10+).
+    guard_source = (
+        Path(guard.__file__).read_text().replace("from __future__ import annotations\n", "")
+    )
+    return guard_source + f"\nMARKER = {_RESULT_MARKER!r}\n" + _HARNESS_MAIN
 
 
 @dataclass
@@ -166,15 +172,9 @@ def run_program(
     """
     timeout = config.code_test_timeout_s if timeout_s is None else timeout_s
     box = box_for(config)
-    spec = {
-        "memory_mb": config.code_memory_mb,
-        "cpu_s": int(timeout) + 1,
-        "fsize": config.code_max_output_bytes,
-        "fn_name": fn_name,
-        "marker": _RESULT_MARKER,
-        "guard": _AUDIT_HOOK,
-    }
-    argv = [box.python, "-I", "-c", _harness_source(), json.dumps(spec)]
+    limits = [config.code_memory_mb, int(timeout) + 1, config.code_max_output_bytes]
+    argv = [box.python, "-I", "-c", _harness_source(), *map(str, limits)]
+    argv += ["1" if _AUDIT_HOOK else "0", fn_name or ""]
     # Single-threaded numeric libraries: thread creation counts against RLIMIT_NPROC.
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     env.update({name: "1" for name in _THREAD_VARS})
@@ -183,7 +183,7 @@ def run_program(
         main = source_fd(source)
         try:
             command = box.command(argv, env, main, config.code_max_output_bytes)
-            return _run(command, stdin, "/", {}, (main,), box, timeout, config, spec)
+            return _run(command, stdin, "/", {}, (main,), box, timeout, config, fn_name)
         finally:
             os.close(main)
     work = tempfile.mkdtemp(prefix="mrl-sandbox-")
@@ -195,7 +195,7 @@ def run_program(
             for path in (cwd, os.path.join(cwd, "main.py")):
                 os.chown(path, box.run_as, box.run_as)
         env.update(HOME=cwd, TMPDIR=cwd)
-        return _run(argv, stdin, cwd, env, (), box, timeout, config, spec)
+        return _run(argv, stdin, cwd, env, (), box, timeout, config, fn_name)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -209,7 +209,7 @@ def _run(
     box: Box,
     timeout: float,
     config: RewardConfig,
-    spec: dict,
+    fn_name: str | None,
 ) -> SandboxResult:
     started = time.monotonic()
     with (
@@ -250,8 +250,8 @@ def _run(
             logger.warning("code sandbox: bwrap failed: %s", stderr.strip()[:500])
             status = "error"
     result = SandboxResult(status, returncode, stdout, stderr, elapsed)
-    if spec["fn_name"] is not None and status == "ok":
-        result.stdout, _, payload = stdout.rpartition(spec["marker"])
+    if fn_name is not None and status == "ok":
+        result.stdout, _, payload = stdout.rpartition(_RESULT_MARKER)
         try:
             result.result = json.loads(payload)
         except ValueError:
