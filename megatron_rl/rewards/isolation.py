@@ -45,12 +45,15 @@ BOX_DIR = "/box"
 _LIBRARY_DIRS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32")
 _LINKER_FILES = ("/etc/ld.so.cache",)
 _PROBE = "import collections, fractions, heapq, json, os\nprint(os.getuid())\n"
-_FIX = (
+_INSTALL_HINT = (
     "install bubblewrap (`apt-get install bubblewrap`; tools/setup_venv.sh does it as root) and "
     "allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, and "
     "kernel.unprivileged_userns_clone=1 or kernel.apparmor_restrict_unprivileged_userns=0 where "
-    "those exist), or set reward.code_allow_unsafe_sandbox=true to run model code with resource "
-    "limits and a Python audit hook only (no security boundary)"
+    "those exist)"
+)
+_UNSAFE_HINT = (
+    "or set reward.code_allow_unsafe_sandbox=true to run model code with resource limits and a "
+    "Python audit hook only (no security boundary)"
 )
 
 
@@ -129,7 +132,7 @@ def box_for(config: RewardConfig, announce: bool = False) -> Box:
             "security boundary; %s. To isolate them: %s.",
             f"as uid {box.uid}" + (" (ROOT)" if box.uid == 0 else ""),
             box.unsafe_reason,
-            _FIX.split(", or set")[0],
+            _INSTALL_HINT,
         )
     return box
 
@@ -167,7 +170,7 @@ def _resolve(bwrap_name: str, python: str, uid: int, allow_unsafe: bool) -> Box:
     if not allow_unsafe:
         raise SandboxUnavailableError(
             f"code rewards need an OS sandbox for model-written programs and none can be set "
-            f"up here: {reason}. To fix: {_FIX}."
+            f"up here: {reason}. To fix: {_INSTALL_HINT}, {_UNSAFE_HINT}."
         )
     # Unsafe mode: still not root where the sandbox uid can run one of the interpreters.
     candidates = _interpreters(python)
