@@ -2,7 +2,8 @@
 
 Defaults follow ScaleRL (SCALERL.md section 2): reward +1 / -1 by answer verification after
 stripping the thinking. Every verification has a hard time limit: math runs in worker
-processes that are killed on timeout, code runs in a sandboxed subprocess.
+processes that are killed on timeout, code runs in a sandboxed subprocess (a bubblewrap box,
+``megatron_rl.rewards.isolation``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import re
 from dataclasses import dataclass
 
 REWARD_KINDS: tuple[str, ...] = ("math", "code")
-NETWORK_ISOLATION: tuple[str, ...] = ("auto", "namespace", "audit")
 
 
 @dataclass
@@ -47,14 +47,19 @@ class RewardConfig:
         max_factorial: a factorial of a literal above this scores incorrect.
         code_test_timeout_s: wall-clock limit of one program run on one test.
         code_memory_mb: address-space limit of the sandboxed program.
-        code_max_output_bytes: output file size limit of the sandboxed program.
+        code_max_output_bytes: size limit of the sandboxed program's output, of each file it
+            writes, and of its whole writable directory.
         code_max_chars: longer extracted programs score incorrect.
-        code_network_isolation: "auto" (network namespace when the kernel allows it, else the
-            audit hook), "namespace" (fail when no namespace can be made) or "audit" (only the
-            in-process audit hook that blocks sockets).
-        code_sandbox_uid: when running as root, the sandboxed program runs as this uid/gid
-            (65534 = nobody), which also makes the process-count limit effective.
-        python_executable: interpreter of the sandboxed programs; empty = this interpreter.
+        code_sandbox_uid: uid/gid of the sandboxed program (65534 = nobody); a root trainer
+            starts the sandbox as this user. Never 0.
+        code_bwrap: the bubblewrap executable (a name on PATH or a path).
+        code_allow_unsafe_sandbox: where no bubblewrap box can be set up (bwrap missing, user
+            namespaces disabled), run model-written programs anyway, with resource limits and
+            a Python audit hook only (no security boundary; logged as a warning whenever a
+            reward pool starts). False: code rewards refuse to start there.
+        python_executable: interpreter of the sandboxed programs (bound read-only into the
+            box with its prefixes); empty = this interpreter, or when the sandbox user cannot
+            reach it (a Python under /root), the system's python3.X of the same version.
     """
 
     kind: str = "math"
@@ -78,19 +83,15 @@ class RewardConfig:
     code_memory_mb: int = 1024
     code_max_output_bytes: int = 8 * 1024 * 1024
     code_max_chars: int = 100_000
-    code_network_isolation: str = "auto"
     code_sandbox_uid: int = 65534
+    code_bwrap: str = "bwrap"
+    code_allow_unsafe_sandbox: bool = False
     python_executable: str = ""
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
         if self.kind not in REWARD_KINDS:
             raise ValueError(f"kind must be one of {list(REWARD_KINDS)}, got {self.kind!r}")
-        if self.code_network_isolation not in NETWORK_ISOLATION:
-            raise ValueError(
-                f"code_network_isolation must be one of {list(NETWORK_ISOLATION)}, "
-                f"got {self.code_network_isolation!r}"
-            )
         for name in ("correct_reward", "incorrect_reward"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -140,8 +141,13 @@ class RewardConfig:
             raise ValueError(
                 f"code_sandbox_uid must be a positive int (not root), got {self.code_sandbox_uid!r}"
             )
-        if not isinstance(self.python_executable, str):
-            raise ValueError(f"python_executable must be a string, got {self.python_executable!r}")
+        for name in ("python_executable", "code_bwrap"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.code_allow_unsafe_sandbox, bool):
+            raise ValueError(
+                f"code_allow_unsafe_sandbox must be a bool, got {self.code_allow_unsafe_sandbox!r}"
+            )
 
     def _validate_pattern(self) -> None:
         if not isinstance(self.answer_pattern, str):

@@ -3,7 +3,8 @@
 Math: extraction and static checks in the caller's process, symbolic verification in a
 ``WorkerPool`` of spawned processes with a hard per-answer time limit (a stuck worker is
 killed and replaced). Code: every test in a sandboxed subprocess, ``num_workers``
-programs at a time.
+programs at a time; a pool that scores code checks first that the OS sandbox can be set up
+(``megatron_rl.rewards.isolation``) and refuses to start otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from megatron_rl.rewards import code, math
 from megatron_rl.rewards.config import RewardConfig
+from megatron_rl.rewards.isolation import box_for
 from megatron_rl.rewards.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -28,7 +30,10 @@ class RewardPool:
     Args:
         config: verifier settings; ``config.kind`` is the default kind of every item.
 
-    Use as a context manager or call ``close()``: it owns worker processes.
+    Use as a context manager or call ``close()``: it owns worker processes. With
+    ``config.kind == "code"`` it raises ``SandboxUnavailableError`` at once where no code
+    sandbox can be set up (see ``config.code_allow_unsafe_sandbox``); a math pool checks
+    when it first meets a code item.
     """
 
     def __init__(self, config: RewardConfig) -> None:
@@ -41,6 +46,8 @@ class RewardPool:
         # counts them): how each score was decided.
         self.stats: Counter[str] = Counter()
         self.last_statuses: list[str] = []
+        if config.kind == "code":
+            self._code_executor()
 
     def _math_pool(self) -> WorkerPool:
         # Started on first need: batches decided in-process (plain integers) never pay it.
@@ -136,15 +143,21 @@ class RewardPool:
         references: Sequence[Any],
         rewards: list[float],
     ) -> None:
-        if self._code is None:
-            self._code = ThreadPoolExecutor(self.config.num_workers, "reward-code")
+        executor = self._code_executor()
         futures = [
-            self._code.submit(code.score_code, str(responses[i]), references[i], self.config)
+            executor.submit(code.score_code, str(responses[i]), references[i], self.config)
             for i in items
         ]
         for i, future in zip(items, futures):
             rewards[i] = future.result()
             self.stats["code_scored"] += 1
+
+    def _code_executor(self) -> ThreadPoolExecutor:
+        # Started on first need, after checking the sandbox (which warns when it is unsafe).
+        if self._code is None:
+            box_for(self.config, announce=True)
+            self._code = ThreadPoolExecutor(self.config.num_workers, "reward-code")
+        return self._code
 
     def close(self) -> None:
         """Stop the worker processes and threads."""

@@ -1,29 +1,24 @@
 """Run an untrusted Python program in a sandboxed subprocess.
 
-Layers, from the outside in (what is enforced depends on the machine; ``capabilities()``
-reports it and the docs below say exactly when each applies):
+Layers, from the outside in:
 
-1. Process: a fresh session / process group (``start_new_session``); on timeout the parent
-   SIGKILLs the whole group, and it kills the group again after every run so no child
-   outlives it. The wall-clock limit is the parent's; RLIMIT_CPU backs it up.
-2. Resources: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE (output and file sizes),
-   RLIMIT_NOFILE, RLIMIT_CORE=0, RLIMIT_NPROC=1 (no fork, no threads; effective only for a
-   non-root user: the kernel exempts uid 0 from RLIMIT_NPROC).
-3. Files: cwd is a fresh temporary directory, deleted afterwards; stdin, stdout and stderr
-   are files the parent opened in a directory the program is not given; nothing of the
+1. OS box (``megatron_rl.rewards.isolation``): bubblewrap, started as an unprivileged user,
+   with read-only binds of only the interpreter, its own pid / network / ipc namespaces and a
+   private size-limited tmpfs as cwd. The program never runs as root. Without a box (no
+   bwrap, no user namespaces) code rewards refuse to run unless the recipe opts into the
+   unsafe mode (``code_allow_unsafe_sandbox``), where layers 2-4 are all there is.
+2. Process: a fresh session / process group; on timeout the parent SIGKILLs the group, and
+   again after every run. Killing bwrap ends the box: its init has ``--die-with-parent``
+   and a pid namespace ends with its init. The wall-clock limit is the parent's; RLIMIT_CPU
+   backs it up.
+3. Resources: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE (output and file sizes; the box's
+   tmpfs holds ``code_max_output_bytes`` in all), RLIMIT_NOFILE, RLIMIT_CORE=0 and
+   RLIMIT_NPROC=1 (no fork, no threads; the kernel exempts only root from it).
+4. Files: stdin, stdout and stderr are anonymous files the parent opened; nothing of the
    tests (expected outputs) is ever on the program's side.
-4. User: when the parent is root and the configured uid can run this interpreter, the
-   program runs as that uid (default 65534, nobody), so file permissions protect the rest
-   of the system and RLIMIT_NPROC applies. When the interpreter is not reachable by that
-   uid (e.g. a Python under /root), the program stays root and layers 5-6 carry the load.
-5. Network: a new network namespace (no interfaces but a downed loopback) via unshare(2):
-   CLONE_NEWNET as root, else CLONE_NEWUSER|CLONE_NEWNET where unprivileged user
-   namespaces are enabled. Where neither works, only the audit hook blocks sockets.
-6. Audit hook (``megatron_rl.rewards.guard``): refuses process creation, signals, sockets,
-   ctypes, and writes outside the cwd. It stops ordinary programs (every test of
-   tests/test_rewards_code.py), but CPython audit hooks are not a security boundary
-   against code written to defeat them; for adversarial settings run the trainer in a
-   container, as with any local execution sandbox.
+5. Audit hook (``megatron_rl.rewards.guard``): refuses process creation, signals, sockets,
+   ctypes, and writes outside the cwd. A second line only: CPython audit hooks are not a
+   security boundary against code written to defeat them.
 """
 
 from __future__ import annotations
@@ -35,7 +30,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -43,59 +37,37 @@ from pathlib import Path
 
 from megatron_rl.rewards import guard
 from megatron_rl.rewards.config import RewardConfig
+from megatron_rl.rewards.isolation import BOX_DIR, Box, box_for, source_fd, user_kwargs
 
 logger = logging.getLogger(__name__)
 
-# Exit code of the harness when network isolation is required but impossible.
-_NO_NAMESPACE_EXIT = 125
 _MAX_STDERR_BYTES = 4096
 _RESULT_MARKER = "\x00mrl-result\x00"
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# Whether the harness installs the audit hook. Always on; tests switch it off to show that
+# the OS box alone contains hostile programs (audit hooks can be defeated).
+_AUDIT_HOOK = True
 
+# The harness: argv = memory_mb cpu_s fsize guard(0|1) fn_name(empty: script mode). It
+# imports json only in functional mode: json pulls in re and enum, a third of a script's
+# start-up time.
 _HARNESS_MAIN = r"""
-import json
 
 
-def _isolate_network(mode):
-    if mode == "audit":
-        return "audit"
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    newnet, newuser = 0x40000000, 0x10000000
-    if libc.unshare(newnet) == 0:
-        result = "namespace"
-    elif libc.unshare(newuser | newnet) == 0:
-        result = "user-namespace"
-    else:
-        result = "audit"
-    del libc
-    for name in ("ctypes", "ctypes._endian"):
-        sys.modules.pop(name, None)
-    if result == "audit" and mode == "namespace":
-        sys.stderr.write("sandbox: no network namespace available\n")
-        os._exit(125)  # _NO_NAMESPACE_EXIT
-    return result
-
-
-def _limit(spec):
+def _limit(memory_mb, cpu_s, fsize):
     import resource
 
-    mem = spec["memory_mb"] * 1024 * 1024
-    cpu = spec["cpu_s"]
+    mem = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize"], spec["fsize"]))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))
-    if spec["uid"] is not None and os.geteuid() == 0:
-        os.setgroups([])
-        os.setgid(spec["uid"])
-        os.setuid(spec["uid"])
     os.umask(0o077)
 
 
-def _result_json(value):
+def _result_json(json, value):
     def default(obj):
         return sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else repr(obj)
 
@@ -103,24 +75,25 @@ def _result_json(value):
 
 
 def _sandbox_main():
-    spec = json.loads(sys.argv[1])
-    _isolate_network(spec["network"])
-    _limit(spec)
-    install_guard((os.getcwd(),))
+    memory_mb, cpu_s, fsize, hook, name = sys.argv[1:6]
+    _limit(int(memory_mb), int(cpu_s), int(fsize))
+    if hook == "1":
+        install_guard((os.getcwd(),))
     with open("main.py") as f:
         code = compile(f.read(), "main.py", "exec")
-    if spec["fn_name"] is None:
+    if not name:
         exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
         return
+    import json
+
     args = json.loads(sys.stdin.read())
     namespace = {"__name__": "solution", "__builtins__": __builtins__}
     exec(code, namespace)
-    name = spec["fn_name"]
     owner = namespace.get("Solution")
     fn = getattr(owner(), name) if owner is not None and hasattr(owner, name) else namespace[name]
     result = fn(*args)
     sys.stdout.flush()
-    sys.stdout.write(spec["marker"] + _result_json(result) + "\n")
+    sys.stdout.write(MARKER + _result_json(json, result) + "\n")
 
 
 _sandbox_main()
@@ -129,7 +102,11 @@ _sandbox_main()
 
 @functools.cache
 def _harness_source() -> str:
-    return Path(guard.__file__).read_text() + _HARNESS_MAIN
+    # Without guard.py's __future__ import (it costs an import; annotations work on 3.10+).
+    guard_source = (
+        Path(guard.__file__).read_text().replace("from __future__ import annotations\n", "")
+    )
+    return guard_source + f"\nMARKER = {_RESULT_MARKER!r}\n" + _HARNESS_MAIN
 
 
 @dataclass
@@ -144,58 +121,31 @@ class SandboxResult:
     result: object = None  # functional mode: the returned value (JSON-decoded)
 
 
-@functools.cache
-def _uid_can_run(python: str, uid: int) -> bool:
-    """Whether ``uid`` can start ``python`` and import the stdlib (checked once)."""
-    if os.geteuid() != 0:
-        return False
-    try:
-        probe = subprocess.run(
-            [python, "-I", "-c", "import json, collections, heapq, fractions"],
-            user=uid,
-            group=uid,
-            extra_groups=[],
-            capture_output=True,
-            timeout=30,
-            cwd="/",
-        )
-    except (OSError, subprocess.SubprocessError):
-        return False
-    if probe.returncode != 0:
-        logger.warning(
-            "sandbox: uid %d cannot run %s; sandboxed programs keep the caller's uid (fork "
-            "and writes are then refused by the audit hook only)",
-            uid,
-            python,
-        )
-    return probe.returncode == 0
-
-
-def _python(config: RewardConfig) -> str:
-    return config.python_executable or sys.executable
-
-
 def capabilities(config: RewardConfig) -> dict[str, object]:
     """What the sandbox enforces on this machine (runs one probe program).
 
-    Returns ``run_as_uid`` (the uid programs run as), ``network`` ("namespace" when the
-    program's network namespace differs from ours, else "audit": sockets refused by the
-    audit hook only) and ``nproc_limit_effective`` (False when programs run as root).
+    Returns ``isolation`` ("bwrap", or "unsafe": resource limits and audit hook only),
+    ``python`` (the programs' interpreter), ``run_as_uid`` (the uid programs see),
+    ``network`` and ``pids`` ("own" when the program's network / pid namespace differs
+    from ours, else "shared").
     """
+    box = box_for(config)
     probe = run_program(
-        "import os\nprint(os.getuid())\nprint(os.readlink('/proc/self/ns/net'))\n",
+        "import os\nprint(os.getuid())\n"
+        "print(os.readlink('/proc/self/ns/net'))\nprint(os.readlink('/proc/self/ns/pid'))\n",
         "",
         config,
         timeout_s=30,
     )
     if probe.status != "ok":
         raise RuntimeError(f"sandbox probe failed: {probe.status} {probe.stderr[-500:]}")
-    uid_line, ns_line = probe.stdout.split()[:2]
-    own_ns = os.readlink("/proc/self/ns/net")
+    uid, net, pids = probe.stdout.split()[:3]
     return {
-        "run_as_uid": int(uid_line),
-        "network": "namespace" if ns_line != own_ns else "audit",
-        "nproc_limit_effective": int(uid_line) != 0,
+        "isolation": "bwrap" if box.isolated else "unsafe",
+        "python": box.python,
+        "run_as_uid": int(uid),
+        "network": "own" if net != os.readlink("/proc/self/ns/net") else "shared",
+        "pids": "own" if pids != os.readlink("/proc/self/ns/pid") else "shared",
     }
 
 
@@ -217,57 +167,68 @@ def run_program(
 
     In functional mode ``stdin`` is a JSON list of positional arguments and
     ``SandboxResult.result`` the returned value. ``timeout_s`` defaults to
-    ``config.code_test_timeout_s``.
+    ``config.code_test_timeout_s``. Raises ``SandboxUnavailableError`` where no box can be
+    set up and the config does not allow the unsafe mode.
     """
     timeout = config.code_test_timeout_s if timeout_s is None else timeout_s
-    python = _python(config)
-    uid = config.code_sandbox_uid if _uid_can_run(python, config.code_sandbox_uid) else None
-    spec = {
-        "network": config.code_network_isolation,
-        "memory_mb": config.code_memory_mb,
-        "cpu_s": int(timeout) + 1,
-        "fsize": config.code_max_output_bytes,
-        "uid": uid,
-        "fn_name": fn_name,
-        "marker": _RESULT_MARKER,
-    }
+    box = box_for(config)
+    limits = [config.code_memory_mb, int(timeout) + 1, config.code_max_output_bytes]
+    argv = [box.python, "-I", "-c", _harness_source(), *map(str, limits)]
+    argv += ["1" if _AUDIT_HOOK else "0", fn_name or ""]
+    # Single-threaded numeric libraries: thread creation counts against RLIMIT_NPROC.
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    env.update({name: "1" for name in _THREAD_VARS})
+    if box.isolated:
+        env.update(HOME=BOX_DIR, TMPDIR=BOX_DIR)
+        main = source_fd(source)
+        try:
+            command = box.command(argv, env, main, config.code_max_output_bytes)
+            return _run(command, stdin, "/", {}, (main,), box, timeout, config, fn_name)
+        finally:
+            os.close(main)
     work = tempfile.mkdtemp(prefix="mrl-sandbox-")
     try:
-        return _run_in(work, source, stdin, spec, python, timeout, config)
+        cwd = os.path.join(work, "box")
+        os.mkdir(cwd, 0o700)
+        Path(cwd, "main.py").write_text(source)
+        if box.run_as is not None:
+            for path in (cwd, os.path.join(cwd, "main.py")):
+                os.chown(path, box.run_as, box.run_as)
+        env.update(HOME=cwd, TMPDIR=cwd)
+        return _run(argv, stdin, cwd, env, (), box, timeout, config, fn_name)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run_in(
-    work: str,
-    source: str,
+def _run(
+    command: list[str],
     stdin: str,
-    spec: dict,
-    python: str,
+    cwd: str,
+    env: dict[str, str],
+    pass_fds: tuple[int, ...],
+    box: Box,
     timeout: float,
     config: RewardConfig,
+    fn_name: str | None,
 ) -> SandboxResult:
-    box = os.path.join(work, "box")
-    os.mkdir(box, 0o700)
-    Path(box, "main.py").write_text(source)
-    if spec["uid"] is not None:
-        for path in (box, os.path.join(box, "main.py")):
-            os.chown(path, spec["uid"], spec["uid"])
-    Path(work, "stdin").write_text(stdin)
-    env = {"PATH": "/usr/bin:/bin", "HOME": box, "TMPDIR": box, "LANG": "C.UTF-8"}
-    # Single-threaded numeric libraries: thread creation counts against RLIMIT_NPROC.
-    env.update(
-        {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-    )
-    command = [python, "-I", "-c", _harness_source(), json.dumps(spec)]
     started = time.monotonic()
     with (
-        open(os.path.join(work, "stdin"), "rb") as fin,
-        open(os.path.join(work, "stdout"), "w+b") as fout,
-        open(os.path.join(work, "stderr"), "w+b") as ferr,
+        tempfile.TemporaryFile() as fin,
+        tempfile.TemporaryFile() as fout,
+        tempfile.TemporaryFile() as ferr,
     ):
+        fin.write(stdin.encode())
+        fin.seek(0)
         proc = subprocess.Popen(
-            command, stdin=fin, stdout=fout, stderr=ferr, cwd=box, env=env, start_new_session=True
+            command,
+            stdin=fin,
+            stdout=fout,
+            stderr=ferr,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            pass_fds=pass_fds,
+            **user_kwargs(box.run_as),
         )
         status = "ok"
         try:
@@ -284,11 +245,13 @@ def _run_in(
         stderr = ferr.read(_MAX_STDERR_BYTES).decode("utf-8", errors="replace")
     if status == "ok" and returncode != 0:
         status = "failed"
-    if returncode == _NO_NAMESPACE_EXIT and "no network namespace" in stderr:
-        raise RuntimeError("code_network_isolation='namespace' but no namespace can be made")
+        if box.isolated and stderr.startswith("bwrap:"):
+            # The box itself failed (the program never ran): not the program's fault.
+            logger.warning("code sandbox: bwrap failed: %s", stderr.strip()[:500])
+            status = "error"
     result = SandboxResult(status, returncode, stdout, stderr, elapsed)
-    if spec["fn_name"] is not None and status == "ok":
-        result.stdout, _, payload = stdout.rpartition(spec["marker"])
+    if fn_name is not None and status == "ok":
+        result.stdout, _, payload = stdout.rpartition(_RESULT_MARKER)
         try:
             result.result = json.loads(payload)
         except ValueError:

@@ -1,0 +1,93 @@
+"""Code-reward throughput: sandboxed test runs per second with 1, 2 and 4 workers.
+
+Each response is a correct stdin/stdout program (so every one of its tests runs), scored by
+``RewardPool.score_batch`` as in training; a test run is one sandboxed program start.
+
+Usage: python tools/bench_code_reward.py [--responses 24] [--tests 4] [--workers 1 2 4]
+       [--unsafe]   (also time the unsafe mode, no bubblewrap box, to show the box's cost)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+
+from megatron_rl.rewards import RewardConfig, RewardPool
+from megatron_rl.rewards.sandbox import capabilities
+
+# A typical competitive-programming solution: parse input, a little work, print.
+PROGRAM = """\
+import sys
+from collections import Counter
+data = sys.stdin.read().split()
+n = int(data[0])
+values = list(map(int, data[1:1 + n]))
+counts = Counter(values)
+print(sum(values), max(counts.values()), sorted(set(values))[:3])
+"""
+
+
+def make_batch(responses: int, tests: int) -> tuple[list[str], list[list[dict[str, str]]]]:
+    """``responses`` copies of the program, each with ``tests`` tests of its own."""
+    texts, references = [], []
+    for r in range(responses):
+        cases = []
+        for t in range(tests):
+            values = [(r * 7 + t * 13 + i * i) % 50 for i in range(20 + t)]
+            counts = max(values.count(v) for v in values)
+            expected = f"{sum(values)} {counts} {sorted(set(values))[:3]}"
+            cases.append(
+                {"input": f"{len(values)}\n{' '.join(map(str, values))}\n", "output": expected}
+            )
+        texts.append(f"<think>easy</think>\n```python\n{PROGRAM}```\n")
+        references.append(cases)
+    return texts, references
+
+
+def measure(config: RewardConfig, texts: list[str], references: list, repeats: int) -> float:
+    """Best tests-per-second over ``repeats`` batches (the box is probed before timing)."""
+    runs = sum(len(r) for r in references)
+    best = 0.0
+    with RewardPool(config) as pool:
+        pool.score_batch(texts[:1], references[:1])  # warm-up: threads, page cache
+        for _ in range(repeats):
+            start = time.perf_counter()
+            rewards = pool.score_batch(texts, references)
+            elapsed = time.perf_counter() - start
+            if rewards != [config.correct_reward] * len(texts):
+                raise RuntimeError(f"the benchmark programs failed their tests: {rewards}")
+            best = max(best, runs / elapsed)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--responses", type=int, default=24)
+    parser.add_argument("--tests", type=int, default=4)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--unsafe", action="store_true", help="also time the unsafe mode")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    texts, references = make_batch(args.responses, args.tests)
+    modes = {"bwrap box": RewardConfig(kind="code")}
+    if args.unsafe:
+        modes["unsafe (no box)"] = RewardConfig(
+            kind="code", code_bwrap="", code_allow_unsafe_sandbox=True
+        )
+    for mode, base in modes.items():
+        report = capabilities(base)
+        print(
+            f"{mode}: python {report['python']}, uid {report['run_as_uid']}, "
+            f"{args.responses} responses x {args.tests} tests per batch"
+        )
+        for workers in args.workers:
+            config = dataclasses.replace(base, num_workers=workers)
+            rate = measure(config, texts, references, args.repeats)
+            print(f"  {workers} worker(s): {rate:6.1f} tests/s")
+
+
+if __name__ == "__main__":
+    main()
