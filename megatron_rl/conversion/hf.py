@@ -45,6 +45,25 @@ def check_hf_dir(hf_dir: str | Path) -> Path:
     return path
 
 
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def source_dtype(hf_dir: str | Path) -> str:
+    """The dtype an HF model is stored in, from its safetensors headers: "bfloat16" when every
+    floating-point tensor is BF16, else "float32" (which holds F16/BF16/F32 values exactly).
+
+    The headers, not ``config.json``'s ``torch_dtype``, which may disagree with the weights.
+    """
+    from safetensors import safe_open
+
+    stored = set()
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            stored.update(f.get_slice(key).get_dtype() for key in f.keys())  # noqa: SIM118
+    floating = {_SAFETENSORS_DTYPES[d] for d in stored if d in _SAFETENSORS_DTYPES}
+    return "bfloat16" if floating == {"bfloat16"} else "float32"
+
+
 def load_hf_weights(model, hf_dir: str | Path, dtype: torch.dtype) -> None:
     """Load HF weights into this rank's part of a megatron model (TP/PP/EP aware)."""
     mte = modelopt_export()
@@ -52,10 +71,19 @@ def load_hf_weights(model, hf_dir: str | Path, dtype: torch.dtype) -> None:
 
 
 def hf_to_mcore(
-    hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype: str = "float32"
+    hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype: str | None = None
 ) -> None:
-    """Convert an HF model directory into a megatron dist checkpoint (spawns the ranks needed)."""
+    """Convert an HF model directory into a megatron dist checkpoint (spawns the ranks needed).
+
+    ``dtype``: the checkpoint's dtype; default the source's (:func:`source_dtype`), so that a
+    round trip with default flags is exact.
+    """
     check_hf_dir(hf_dir)
+    if dtype is None:
+        dtype = source_dtype(hf_dir)
+        logger.info("hf-to-mcore: %s: converting to the source dtype %s", hf_dir, dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
     # The smallest world that holds the layout: expert parallelism spans data-parallel ranks.
     world = parallel.model_parallel_size
     while (
@@ -74,7 +102,9 @@ def _hf_to_mcore_rank(hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype
         cfg = ModelConfig(hf_path=hf_dir, dtype=dtype, fp32_head=False, layer_spec="auto")
         model = build_model(cfg, parallel)
         load_hf_weights(model, hf_dir, DTYPES[dtype])
-        checkpoint.save_model(model, out_dir, load_hf_config(cfg), hf_source_dir=hf_dir)
+        hf_config = load_hf_config(cfg)
+        hf_config.dtype = dtype  # what the checkpoint holds: mcore-to-hf's default dtype
+        checkpoint.save_model(model, out_dir, hf_config, hf_source_dir=hf_dir)
     finally:
         destroy_distributed()
 
