@@ -112,3 +112,24 @@ def test_checkpoint_shape_mismatch_fails_clearly(tiny_hf_dirs, tmp_path, capsys)
     cfg_path.write_text(json.dumps(cfg))
     assert main(["convert", "mcore-to-hf", str(ckpt), str(tmp_path / "o")]) == 2
     assert "Global shape mismatch" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_flags_round_trip_keeps_the_source_dtype(tiny_hf_dirs, tmp_path, dtype):
+    """Without --dtype, hf-to-mcore keeps the weights' dtype (an FP32 model is not rounded to
+    BF16) and mcore-to-hf writes them back in it: the round trip is exact."""
+    import transformers
+
+    hf_dir = tmp_path / "src"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_dirs["tiny-llama"])
+    model.to(dtype).save_pretrained(hf_dir)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf_out"
+    assert main(["convert", "hf-to-mcore", str(hf_dir), str(ckpt)]) == 0
+    assert main(["convert", "mcore-to-hf", str(ckpt), str(out)]) == 0
+    original, converted = read_safetensors(hf_dir), read_safetensors(out)
+    assert set(converted) == set(original)
+    for key, tensor in original.items():
+        assert tensor.dtype == dtype
+        assert converted[key].dtype == dtype, key
+        assert torch.equal(converted[key], tensor), key

@@ -109,23 +109,80 @@ def load_hf_config(ckpt_dir: str | Path) -> transformers.PretrainedConfig:
 
 def load_model(model, ckpt_dir: str | Path) -> None:
     """Load a dist checkpoint into ``model`` (any parallel layout; all ranks call this)."""
-    path = Path(ckpt_dir) / MODEL_SUBDIR
-    if not path.is_dir():
-        raise ValueError(f"{ckpt_dir}: no '{MODEL_SUBDIR}/' dist checkpoint inside")
-    try:
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(path))
-    # torch.distributed.checkpoint wraps the cause in a rank-keyed CheckpointException, which
-    # derives from BaseException (not Exception).
-    except (Exception, CheckpointException) as err:
-        lines = [ln.strip() for ln in str(err).splitlines() if "mismatch" in ln.lower()]
-        reason = lines[-1] if lines else f"{type(err).__name__}: {str(err).splitlines()[0]}"
-        raise ValueError(f"{ckpt_dir}: checkpoint does not fit the model: {reason}") from err
+    state = _load(model.sharded_state_dict(), ckpt_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(
             f"{ckpt_dir}: checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+
+
+def load_materialized(model, ckpt_dir: str | Path) -> None:
+    """Load only the parameters of ``model`` that have storage, skipping those on the meta
+    device: one layer at a time of a model built with ``build_model(..., meta=True)`` (dist
+    checkpoints read just the tensors asked for)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import (
+        dict_list_map_inplace,
+        extract_matching_values,
+    )
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensorFactory,
+        apply_factories,
+        apply_factory_merges,
+    )
+
+    def wanted(value) -> bool:
+        return isinstance(value, (ShardedTensor, ShardedTensorFactory)) and not value.data.is_meta
+
+    sharded, _ = extract_matching_values(model.sharded_state_dict(), wanted)
+    factories, _ = extract_matching_values(sharded, lambda v: isinstance(v, ShardedTensorFactory))
+    apply_factories(sharded)
+    sharded = dict_list_map_inplace(_explicit_layer_axes, sharded)
+    # a subset of a tensor's shards: megatron's access check wants them all
+    state = _load(sharded, ckpt_dir, validate_access_integrity=False)
+    state = apply_factory_merges(state, factories)
+    params = model.state_dict(keep_vars=True)
+    state = {key: value.reshape(params[key].shape) for key, value in state.items()}
+    _, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(
+            f"{ckpt_dir}: checkpoint does not fit the model: unexpected {unexpected[:5]}"
+        )
+
+
+def _explicit_layer_axes(sh_ten):
+    """The same shard with megatron's prepended (stacked-layer) axes as real size-1 axes.
+
+    torch.distributed.checkpoint then reads it as one chunk of the stored tensor; with the
+    prepended-axis form it expects this rank to hold all of the tensor's fragments (one rank,
+    but a subset of the layers)."""
+    import dataclasses
+
+    n = sh_ten.prepend_axis_num
+    if not n or sh_ten.flattened_range is not None:
+        return sh_ten
+    return dataclasses.replace(
+        sh_ten,
+        data=sh_ten.data.view((1,) * n + tuple(sh_ten.data.shape)),
+        local_shape=(1,) * n + tuple(sh_ten.local_shape),
+        prepend_axis_num=0,
+    )
+
+
+def _load(sharded_state_dict: dict, ckpt_dir: str | Path, **kwargs) -> dict:
+    path = Path(ckpt_dir) / MODEL_SUBDIR
+    if not path.is_dir():
+        raise ValueError(f"{ckpt_dir}: no '{MODEL_SUBDIR}/' dist checkpoint inside")
+    try:
+        return dist_checkpointing.load(sharded_state_dict, str(path), **kwargs)
+    # torch.distributed.checkpoint wraps the cause in a rank-keyed CheckpointException, which
+    # derives from BaseException (not Exception).
+    except (Exception, CheckpointException) as err:
+        lines = [ln.strip() for ln in str(err).splitlines() if "mismatch" in ln.lower()]
+        reason = lines[-1] if lines else f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        raise ValueError(f"{ckpt_dir}: checkpoint does not fit the model: {reason}") from err
 
 
 def _barrier() -> None:

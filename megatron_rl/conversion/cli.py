@@ -18,7 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     a.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     a.add_argument("--ep", type=int, default=1, help="expert parallel size")
-    a.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    a.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="default: the source's (bfloat16 if every weight is stored in BF16, else float32)",
+    )
     b = sub.add_parser("mcore-to-hf", help="megatron dist checkpoint -> HF directory")
     b.add_argument("ckpt_dir")
     b.add_argument("out_dir")

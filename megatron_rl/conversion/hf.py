@@ -1,15 +1,18 @@
 """HF <-> Megatron conversion (nvidia-modelopt importer/exporter underneath).
 
 ``hf_to_mcore``: HF directory -> megatron dist checkpoint, loading each rank's TP/PP/EP shard.
-``mcore_to_hf``: dist checkpoint -> HF safetensors + config + tokenizer files. The checkpoint
-is loaded into a single-process (TP=PP=EP=1) model, since dist checkpoints reshard on load and
-modelopt's exporter does not gather tensor-parallel shards.
+``mcore_to_hf``: dist checkpoint -> HF safetensors + config + tokenizer files, in one process
+(TP=PP=EP=1: dist checkpoints reshard on load), streamed one layer at a time through a model on
+the meta device, so that a model larger than any one device (or the host's memory) converts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -21,6 +24,7 @@ from megatron_rl.models.provider import DTYPES
 from megatron_rl.platform import (
     ParallelConfig,
     destroy_distributed,
+    get_platform,
     init_distributed,
     run_local_ranks,
 )
@@ -45,6 +49,25 @@ def check_hf_dir(hf_dir: str | Path) -> Path:
     return path
 
 
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def source_dtype(hf_dir: str | Path) -> str:
+    """The dtype an HF model is stored in, from its safetensors headers: "bfloat16" when every
+    floating-point tensor is BF16, else "float32" (which holds F16/BF16/F32 values exactly).
+
+    The headers, not ``config.json``'s ``torch_dtype``, which may disagree with the weights.
+    """
+    from safetensors import safe_open
+
+    stored = set()
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            stored.update(f.get_slice(key).get_dtype() for key in f.keys())  # noqa: SIM118
+    floating = {_SAFETENSORS_DTYPES[d] for d in stored if d in _SAFETENSORS_DTYPES}
+    return "bfloat16" if floating == {"bfloat16"} else "float32"
+
+
 def load_hf_weights(model, hf_dir: str | Path, dtype: torch.dtype) -> None:
     """Load HF weights into this rank's part of a megatron model (TP/PP/EP aware)."""
     mte = modelopt_export()
@@ -52,10 +75,19 @@ def load_hf_weights(model, hf_dir: str | Path, dtype: torch.dtype) -> None:
 
 
 def hf_to_mcore(
-    hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype: str = "float32"
+    hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype: str | None = None
 ) -> None:
-    """Convert an HF model directory into a megatron dist checkpoint (spawns the ranks needed)."""
+    """Convert an HF model directory into a megatron dist checkpoint (spawns the ranks needed).
+
+    ``dtype``: the checkpoint's dtype; default the source's (:func:`source_dtype`), so that a
+    round trip with default flags is exact.
+    """
     check_hf_dir(hf_dir)
+    if dtype is None:
+        dtype = source_dtype(hf_dir)
+        logger.info("hf-to-mcore: %s: converting to the source dtype %s", hf_dir, dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
     # The smallest world that holds the layout: expert parallelism spans data-parallel ranks.
     world = parallel.model_parallel_size
     while (
@@ -71,16 +103,36 @@ def _hf_to_mcore_rank(hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype
 
     init_distributed(parallel)
     try:
-        cfg = ModelConfig(hf_path=hf_dir, dtype=dtype, fp32_head=False, layer_spec="auto")
+        # TE specs where TE imports, else local ones (a converter need not fail without TE)
+        spec = "te" if get_platform().transformer_engine else "local"
+        cfg = ModelConfig(hf_path=hf_dir, dtype=dtype, fp32_head=False, layer_spec=spec)
         model = build_model(cfg, parallel)
         load_hf_weights(model, hf_dir, DTYPES[dtype])
-        checkpoint.save_model(model, out_dir, load_hf_config(cfg), hf_source_dir=hf_dir)
+        hf_config = load_hf_config(cfg)
+        hf_config.dtype = dtype  # what the checkpoint holds: mcore-to-hf's default dtype
+        checkpoint.save_model(model, out_dir, hf_config, hf_source_dir=hf_dir)
     finally:
         destroy_distributed()
 
 
-def mcore_to_hf(ckpt_dir: str, out_dir: str, dtype: str | None = None) -> None:
-    """Convert a megatron dist checkpoint into an HF directory (one process)."""
+DEFAULT_SHARD_BYTES = 2 * 2**30
+
+
+def mcore_to_hf(
+    ckpt_dir: str,
+    out_dir: str,
+    dtype: str | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
+    """Convert a megatron dist checkpoint into an HF directory (one process, on the host).
+
+    Streamed: the model is built on the meta device, and one module group at a time (the
+    embedding, each decoder layer, the final norm, the head) is read from the checkpoint,
+    exported with modelopt's per-layer rules (``weight_stream``) and freed, while the HF
+    tensors go to safetensors shards of about ``shard_bytes``. Peak memory: the largest layer
+    plus one shard, not the model.
+    """
+    from megatron_rl.conversion.weight_stream import iter_hf_weights
     from megatron_rl.models.provider import build_model
 
     hf_config = checkpoint.load_hf_config(ckpt_dir)
@@ -91,19 +143,72 @@ def mcore_to_hf(ckpt_dir: str, out_dir: str, dtype: str | None = None) -> None:
     init_distributed(parallel)
     try:
         hf_cfg_dir = Path(ckpt_dir) / checkpoint.HF_CONFIG_SUBDIR
-        cfg = ModelConfig(hf_path=str(hf_cfg_dir), dtype=dtype, fp32_head=False)
-        model = build_model(cfg, parallel, hf_config=hf_config)
-        checkpoint.load_model(model, ckpt_dir)
-        mte = modelopt_export()
+        # local layer specs: they build on the meta device, and load TE-saved checkpoints
+        cfg = ModelConfig(hf_path=str(hf_cfg_dir), dtype=dtype, fp32_head=False, layer_spec="local")
+        model = build_model(cfg, parallel, hf_config=hf_config, meta=True)
+
+        @contextlib.contextmanager
+        def from_checkpoint(module: torch.nn.Module):
+            module.to_empty(device="cpu")
+            try:
+                checkpoint.load_materialized(model, ckpt_dir)
+                yield
+            finally:
+                module.to_empty(device="meta")
+
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        mte.export_mcore_gpt_to_hf(model, str(hf_cfg_dir), dtype=DTYPES[dtype], export_dir=str(out))
-        # modelopt rewrites some config fields from megatron's (e.g. Llama-4's intermediate_size
-        # from the dense ffn size); the config we converted from is the truth.
+        buckets = iter_hf_weights(
+            model, bucket_bytes=shard_bytes, dtype=DTYPES[dtype], materialize=from_checkpoint
+        )
+        write_safetensors_shards(buckets, out)
+        # the config we converted from is the truth (modelopt rewrites some fields, e.g.
+        # Llama-4's intermediate_size from the dense ffn size)
         for path in hf_cfg_dir.iterdir():
             shutil.copy(path, out / path.name)
-        for stray in ("hf_quant_config.json",):
-            (out / stray).unlink(missing_ok=True)
+        _set_config_dtype(out / "config.json", dtype)
     finally:
         destroy_distributed()
     logger.info("wrote HF model to %s", out_dir)
+
+
+def write_safetensors_shards(buckets: Iterable[list[tuple[str, torch.Tensor]]], out: Path) -> None:
+    """Write each bucket of ``(name, tensor)`` as one safetensors shard as it comes, then name
+    them as transformers does (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
+    and ``model.safetensors.index.json``)."""
+    from safetensors.torch import save_file
+
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    parts: list[tuple[Path, list[str]]] = []
+    total = 0
+    for bucket in buckets:
+        tensors = {}
+        for name, tensor in bucket:
+            tensor = tensor.detach()
+            if tensor.untyped_storage().nbytes() != tensor.nbytes:  # a view: own its bytes
+                tensor = tensor.clone()
+            tensors[name] = tensor
+            total += tensor.nbytes
+        part = out / f".part-{len(parts):05d}.safetensors"
+        save_file(tensors, str(part), metadata={"format": "pt"})
+        parts.append((part, list(tensors)))
+        del tensors, bucket
+    if len(parts) == 1:
+        parts[0][0].rename(out / "model.safetensors")
+        return
+    weight_map = {}
+    for i, (part, names) in enumerate(parts):
+        name = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        part.rename(out / name)
+        weight_map.update(dict.fromkeys(names, name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _set_config_dtype(config_path: Path, dtype: str) -> None:
+    config = json.loads(config_path.read_text())
+    key = "dtype" if "dtype" in config else "torch_dtype"
+    if config.get(key) != dtype:
+        config[key] = dtype
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

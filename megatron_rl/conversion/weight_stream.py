@@ -36,7 +36,7 @@ import copy
 import io
 import logging
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -48,6 +48,9 @@ from megatron_rl.platform import collectives
 logger = logging.getLogger(__name__)
 
 WeightBucket = list[tuple[str, torch.Tensor]]
+# Called around the export of each module group (embedding, each decoder layer, final norm,
+# head): gives the group's parameters their values on entry and may free them on exit.
+Materialize = Callable[[torch.nn.Module], contextlib.AbstractContextManager]
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
@@ -242,6 +245,10 @@ def _make_exporter(model, dtype: torch.dtype):
     return exporter
 
 
+def _as_is(module: torch.nn.Module) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
 def _take(exporter) -> list[tuple[str, torch.Tensor]]:
     items = list(exporter._state_dict.items())
     exporter._state_dict.clear()
@@ -250,29 +257,33 @@ def _take(exporter) -> list[tuple[str, torch.Tensor]]:
     return items
 
 
-def _iter_stage_tensors(model, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_stage_tensors(
+    model, dtype: torch.dtype | None, materialize: Materialize | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline stage's HF-named full tensors, one module group at a time (sender only)."""
+    materialize = materialize or _as_is
     role = _role()
     exporter = _make_exporter(model, dtype or model.config.params_dtype) if role.sender else None
     rules = exporter.rules if exporter is not None else {}
     embedding = getattr(model, "embedding", None)
     if embedding is not None:
-        with _full_tensors(embedding, role) as full:
+        with materialize(embedding), _full_tensors(embedding, role) as full:
             if full:
                 rules["word_embeddings"](embedding.word_embeddings)
                 yield from _take(exporter)
     for layer in model.decoder.layers:
-        with _full_tensors(layer, role) as full:
+        with materialize(layer), _full_tensors(layer, role) as full:
             if full:
                 exporter._get_transformer_layer_state_dict(layer, layer.layer_number - 1)
                 yield from _take(exporter)
     final_norm = getattr(model.decoder, "final_layernorm", None)
     if final_norm is not None and role.sender:
-        rules["final_layernorm"](final_norm)
-        yield from _take(exporter)
+        with materialize(final_norm):
+            rules["final_layernorm"](final_norm)
+            yield from _take(exporter)
     head = getattr(model, "output_layer", None)
     if head is not None and not model.share_embeddings_and_output_weights:
-        with _full_tensors(head, role) as full:
+        with materialize(head), _full_tensors(head, role) as full:
             if full:  # the head keeps its own dtype (the FP32 head stays FP32)
                 rules["output_layer"](head, dtype=head.weight.dtype)
                 yield from _take(exporter)
@@ -298,6 +309,7 @@ def iter_hf_weights(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
     pipeline: Literal["gather", "local"] = "gather",
+    materialize: Materialize | None = None,
 ) -> Iterator[WeightBucket]:
     """Stream the model's weights as buckets of ``(hf_name, full_tensor)``.
 
@@ -306,7 +318,10 @@ def iter_hf_weights(
     holds at least this many bytes (a single larger tensor makes a bucket of its own).
     ``dtype``: the tensors' dtype (default: the model's params dtype; the output layer keeps its
     own, so an FP32 head streams in FP32). See the module docstring for who yields what; every
-    rank must exhaust the iterator.
+    rank must exhaust the iterator. ``materialize``: a context manager entered around the
+    export of each module group (embedding, each decoder layer, final norm, head), e.g. to load
+    a layer of a model built on the meta device and free it afterwards (streamed conversion);
+    a bucket may still reference a freed group's tensors, which stay valid.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -314,7 +329,7 @@ def iter_hf_weights(
         raise ValueError(f"pipeline must be 'gather' or 'local', got {pipeline!r}")
     from megatron.core import parallel_state as ps
 
-    local = _buckets(_iter_stage_tensors(model, dtype), bucket_bytes)
+    local = _buckets(_iter_stage_tensors(model, dtype, materialize), bucket_bytes)
     pp_size = ps.get_pipeline_model_parallel_world_size() if dist.is_initialized() else 1
     if pipeline == "local" or pp_size == 1:
         yield from local

@@ -5,6 +5,12 @@ attention temperature tuning (Transformer Engine has neither). Same interface as
 ``DotProductAttention``: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np*hn]``.
 
 Positions are the token indices 0..s-1 of the (unpacked, right-padded) training sequence.
+
+No explicit mask is built unless megatron passes one: plain causal attention and chunked local
+attention (block-diagonal causal, one causal SDPA call over the chunks as a batch) both use
+``is_causal=True``, which keeps SDPA on its flash kernel on GPU. An explicit mask with GQA sends
+SDPA to its math kernel (flash rejects masks, memory-efficient attention rejects GQA), which
+keeps O(s^2) fp32 scores for backward: ~10.7 GB per layer at Scout's 16k tokens.
 """
 
 from __future__ import annotations
@@ -58,37 +64,83 @@ class SDPACoreAttention(MegatronModule):
     ) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("packed sequences / attention bias are not supported")
-        sq, b, heads, hn = query.shape
-        sk = key.shape[0]
+        s, b, heads, hn = query.shape
+        if key.shape[0] != s:
+            raise NotImplementedError(
+                f"query length {s} != key length {key.shape[0]}: only full-sequence "
+                "(training / prefill) attention is supported"
+            )
         if self.temperature is not None:
             floor_scale, attn_scale = self.temperature
-            pos = torch.arange(sq, device=query.device, dtype=torch.float32)
+            pos = torch.arange(s, device=query.device, dtype=torch.float32)
             scale = torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0
-            query = (query * scale.view(sq, 1, 1, 1)).to(query.dtype)
-        # [s, b, h, d] -> [b, h, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        mask = self._mask(sq, sk, attention_mask, query.device)
-        out = F.scaled_dot_product_attention(
+            query = (query * scale.view(s, 1, 1, 1)).to(query.dtype)
+        # megatron convention: True = masked out; SDPA's: True = may attend
+        allowed = None if attention_mask is None else ~attention_mask.bool()
+        chunk = self.chunk_size
+        if chunk is None or s <= chunk:
+            out = self._attend(*(_bhsd(t) for t in (query, key, value)), allowed)
+            return out.permute(2, 0, 1, 3).reshape(s, b, heads * hn)
+        # Chunked local attention is block-diagonal causal attention: the full chunks become
+        # a batch of independent causal sequences (``is_causal``, so SDPA can take its flash
+        # kernel on GPU, and scores are O(s x chunk), never O(s^2)); a last partial chunk is
+        # one more causal sequence.
+        full = s // chunk * chunk
+        parts = []
+        if full:
+            n = full // chunk
+            q, k, v = (_chunks(t[:full], chunk) for t in (query, key, value))
+            out = self._attend(q, k, v, _diagonal_blocks(allowed, full, chunk, b))
+            parts.append(
+                out.view(n, b, heads, chunk, hn).permute(0, 3, 1, 2, 4).reshape(full, b, -1)
+            )
+        if full < s:
+            tail = None if allowed is None else allowed[..., full:, full:]
+            out = self._attend(*(_bhsd(t[full:]) for t in (query, key, value)), tail)
+            parts.append(out.permute(2, 0, 1, 3).reshape(s - full, b, heads * hn))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Causal SDPA on ``[B, h, L, d]`` (k/v ``[B, g, L, d]``); ``allowed``: an optional
+        boolean ``[..., L, L]`` "may attend" mask, ANDed with causality."""
+        L = q.shape[-2]
+        if allowed is not None:
+            causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+            allowed = allowed & causal
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
-            attn_mask=mask,
+            attn_mask=allowed,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask is None,
+            is_causal=allowed is None,
             scale=self.softmax_scale,
-            enable_gqa=k.shape[1] != heads,
+            enable_gqa=k.shape[1] != q.shape[1],
         )
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
 
-    def _mask(self, sq: int, sk: int, attention_mask, device) -> torch.Tensor | None:
-        """Boolean "may attend" mask ``[sq, sk]`` (or ``[b, 1, sq, sk]``); None = plain causal."""
-        if self.chunk_size is None and attention_mask is None:
-            return None
-        q_pos = torch.arange(sk - sq, sk, device=device)[:, None]
-        k_pos = torch.arange(sk, device=device)[None, :]
-        allowed = k_pos <= q_pos
-        if self.chunk_size is not None:
-            allowed = allowed & (q_pos // self.chunk_size == k_pos // self.chunk_size)
-        if attention_mask is not None:  # megatron convention: True = masked out
-            allowed = allowed & ~attention_mask.bool()
-        return allowed
+
+def _bhsd(t: torch.Tensor) -> torch.Tensor:
+    """``[s, b, h, d]`` -> ``[b, h, s, d]`` (a view)."""
+    return t.permute(1, 2, 0, 3)
+
+
+def _chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[n*chunk, b, h, d]`` -> ``[n*b, h, chunk, d]`` (chunk-major batch)."""
+    s, b, h, d = t.shape
+    return t.view(s // chunk, chunk, b, h, d).permute(0, 2, 3, 1, 4).reshape(-1, h, chunk, d)
+
+
+def _diagonal_blocks(
+    allowed: torch.Tensor | None, full: int, chunk: int, b: int
+) -> torch.Tensor | None:
+    """The diagonal ``[chunk, chunk]`` blocks of a ``[..., s, s]`` mask as ``[n*b, 1|h, c, c]``,
+    in the chunk-major batch order of :func:`_chunks`."""
+    if allowed is None:
+        return None
+    while allowed.dim() < 4:
+        allowed = allowed.unsqueeze(0)
+    allowed = allowed.expand(b, -1, -1, -1)
+    blocks = [allowed[..., i : i + chunk, i : i + chunk] for i in range(0, full, chunk)]
+    return torch.stack(blocks).flatten(0, 1)

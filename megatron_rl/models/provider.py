@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -35,10 +36,13 @@ def build_model(
     model: ModelConfig,
     parallel: ParallelConfig,
     hf_config: transformers.PretrainedConfig | None = None,
+    meta: bool = False,
 ) -> GPTModel:
     """Build this rank's part of the model (TP/PP/EP from the initialised parallel state).
 
-    Weights are randomly initialised; load them with ``megatron_rl.conversion``.
+    Weights are randomly initialised; load them with ``megatron_rl.conversion``. ``meta``:
+    parameters on the meta device (no storage, not initialised), for conversions that
+    materialise one layer at a time (``module.to_empty``).
     """
     platform = get_platform()
     arch = architecture_from_hf(hf_config or load_hf_config(model))
@@ -57,13 +61,30 @@ def build_model(
         arch,
         parallel,
         DTYPES[model.dtype],
-        use_cpu_initialization=not platform.is_gpu,
+        use_cpu_initialization=meta or not platform.is_gpu,
         fp8=model.fp8,
         recompute=model.recompute_activations,
     )
+    if meta:
+        config.perform_initialization = False
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        gpt = _gpt_model(model, config, arch, use_te)
+    _set_rope_frequencies(gpt, arch.text_config)
+    # Norm weights are created in fp32 whatever params_dtype says (the GPU path casts through
+    # megatron's Float16Module); cast here so every parameter has the model's dtype.
+    gpt.to(DTYPES[model.dtype])
+    if model.fp32_head:
+        enable_fp32_head(gpt)
+    gpt.architecture = arch  # for conversion and weight export
+    if platform.is_gpu and not meta:
+        gpt.cuda()
+    return gpt
+
+
+def _gpt_model(model: ModelConfig, config, arch, use_te: bool) -> GPTModel:
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     text = arch.text_config
-    gpt = GPTModel(
+    return GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, arch, use_te, pp_rank=pp_rank),
         vocab_size=text.vocab_size,
@@ -75,16 +96,6 @@ def build_model(
         position_embedding_type="rope",
         rotary_base=int(text.rope_parameters.get("rope_theta", 10000.0)),
     )
-    _set_rope_frequencies(gpt, text)
-    # Norm weights are created in fp32 whatever params_dtype says (the GPU path casts through
-    # megatron's Float16Module); cast here so every parameter has the model's dtype.
-    gpt.to(DTYPES[model.dtype])
-    if model.fp32_head:
-        enable_fp32_head(gpt)
-    gpt.architecture = arch  # for conversion and weight export
-    if platform.is_gpu:
-        gpt.cuda()
-    return gpt
 
 
 def _set_rope_frequencies(gpt: GPTModel, text: transformers.PretrainedConfig) -> None:
