@@ -10,6 +10,7 @@ megatron's ``GPTModel`` creates on one rank of a TP / PP / EP layout, in the ord
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,38 +54,60 @@ class ModelShapes:
         return sum(p.numel for p in rank_parameters(self, tensor=1, expert=1))
 
 
-def shapes_from_hf(config: Any, name: str = "") -> ModelShapes:
-    """``ModelShapes`` of an HF config object (``transformers.PretrainedConfig``), the text
-    model's for multimodal Llama-4. Mirrors ``megatron_rl.models.arch.architecture_from_hf``
-    and ``transformer_config`` (asserted equal by the tests)."""
-    arch = (getattr(config, "architectures", None) or [""])[0]
-    text = getattr(config, "text_config", None) or config
-    n = text.num_hidden_layers
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    llama4 = arch.startswith("Llama4")
-    if llama4:
-        rope = tuple(bool(x) for x in text.no_rope_layers)
-        moe_layers = set(text.moe_layers)
+# transformers' Llama4TextConfig defaults (configuration_llama4.py), for keys a config.json
+# may leave out.
+_LLAMA4_DEFAULTS: dict[str, Any] = {
+    "num_local_experts": 16,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 1,
+    "moe_layers": None,
+    "no_rope_layers": None,
+    "no_rope_layer_interval": 4,
+    "attention_chunk_size": 8192,
+    "attn_temperature_tuning": True,
+    "use_qk_norm": True,
+}
+
+
+def shapes_from_fields(fields: dict[str, Any], name: str = "") -> ModelShapes:
+    """``ModelShapes`` of an HF config's fields (a preset or config.json as a dict; the text
+    model's for multimodal Llama-4). Mirrors ``megatron_rl.models.arch.architecture_from_hf``
+    and ``transformer_config`` without importing transformers or torch (the tests assert the
+    two agree)."""
+    text = fields.get("text_config") if isinstance(fields.get("text_config"), dict) else fields
+    n = text["num_hidden_layers"]
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    if str(text.get("model_type", "")).startswith("llama4"):
+        c = {**_LLAMA4_DEFAULTS, **text}
+        rope = tuple(
+            bool(x)
+            for x in c["no_rope_layers"]
+            or [(i + 1) % c["no_rope_layer_interval"] != 0 for i in range(n)]
+        )
+        step = c["interleave_moe_layer_step"]
+        moe_layers = set(
+            c["moe_layers"] if c["moe_layers"] is not None else range(step - 1, n, step)
+        )
         moe = tuple(i in moe_layers for i in range(n))
-        chunk = tuple(text.attention_chunk_size if r else None for r in rope)
-        temperature = tuple(bool(text.attn_temperature_tuning) and not r for r in rope)
-        qk_norm = tuple(bool(text.use_qk_norm) and r for r in rope)
-        ffn, experts = text.intermediate_size_mlp, text.num_local_experts
-        topk, expert_ffn = text.num_experts_per_tok, text.intermediate_size
-        shared_ffn = text.intermediate_size
+        chunk = tuple(c["attention_chunk_size"] if r else None for r in rope)
+        temperature = tuple(bool(c["attn_temperature_tuning"]) and not r for r in rope)
+        qk_norm = tuple(bool(c["use_qk_norm"]) and r for r in rope)
+        ffn, experts = c["intermediate_size_mlp"], c["num_local_experts"]
+        topk, expert_ffn = c["num_experts_per_tok"], c["intermediate_size"]
+        shared_ffn = c["intermediate_size"]
     else:
         rope, moe, qk_norm = (True,) * n, (False,) * n, (False,) * n
         chunk, temperature = (None,) * n, (False,) * n
-        ffn, experts, topk, expert_ffn, shared_ffn = text.intermediate_size, 0, 0, 0, 0
+        ffn, experts, topk, expert_ffn, shared_ffn = text["intermediate_size"], 0, 0, 0, 0
     return ModelShapes(
         name=name,
-        hidden=text.hidden_size,
+        hidden=text["hidden_size"],
         layers=n,
         heads=heads,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        kv_heads=text.get("num_key_value_heads") or heads,
         head_dim=head_dim,
-        vocab=text.vocab_size,
+        vocab=text["vocab_size"],
         ffn=ffn,
         experts=experts,
         topk=topk,
@@ -95,21 +118,20 @@ def shapes_from_hf(config: Any, name: str = "") -> ModelShapes:
         qk_norm=qk_norm,
         chunk=chunk,
         temperature=temperature,
-        tied_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+        tied_embeddings=bool(text.get("tie_word_embeddings", False)),
     )
 
 
-def model_shapes(model_config: Any) -> ModelShapes:
-    """``ModelShapes`` of a recipe's ``model`` section (``hf_path``'s config.json, else the
-    preset). Reads configs with transformers; imports no torch."""
-    import transformers
+def model_shapes(model: Any) -> ModelShapes:
+    """``ModelShapes`` of a recipe's ``model`` section (a ``ModelConfig``): ``hf_path``'s
+    config.json, else the preset, read as plain JSON / dicts, as the config checks read them
+    (``megatron_rl.config.checks.model_fields``)."""
+    from types import SimpleNamespace
 
-    from megatron_rl.models.presets import preset_hf_config
+    from megatron_rl.config.checks import model_fields
 
-    if model_config.hf_path is not None:
-        hf = transformers.AutoConfig.from_pretrained(model_config.hf_path)
-        return shapes_from_hf(hf, str(model_config.hf_path))
-    return shapes_from_hf(preset_hf_config(model_config.preset), model_config.preset)
+    fields, source = model_fields(SimpleNamespace(model=model))
+    return shapes_from_fields(fields, model.hf_path or model.preset or source)
 
 
 @dataclass(frozen=True)
@@ -136,6 +158,7 @@ def stage_layers(shapes: ModelShapes, pipeline: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
+@functools.lru_cache(maxsize=256)
 def rank_parameters(
     shapes: ModelShapes,
     tensor: int = 1,
@@ -145,7 +168,7 @@ def rank_parameters(
     stage: int = 0,
     fp32_head: bool = True,
     te: bool = False,
-) -> list[ParamSpec]:
+) -> tuple[ParamSpec, ...]:
     """The parameters of one rank of pipeline stage ``stage``, in ``named_parameters()``
     order. ``te``: Transformer Engine layer specs (GPU), whose fused layer-norm linears hold
     the norm weights (``linear_qkv.layer_norm_weight``) instead of separate norm modules."""
@@ -191,4 +214,4 @@ def rank_parameters(
             out.append(
                 ParamSpec("output_layer.weight", s.vocab // t * h, fp32=fp32_head, shared=shared)
             )
-    return out
+    return tuple(out)

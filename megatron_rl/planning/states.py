@@ -28,7 +28,10 @@ The trainer (``megatron_rl.trainer.optim``) wraps the model in megatron's
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from megatron_rl.planning.shapes import ParamSpec
 
@@ -78,13 +81,32 @@ class BufferLayout:
                         out[p.name] = out.get(p.name, 0) + n
         return out
 
+    def owned_per_rank(self) -> list[tuple[int, int]]:
+        """(elements, parameter tensors) of each data-parallel rank's shards: the parameter
+        elements inside them (padding excluded) and how many parameters reach into them."""
+        spans = np.array(sorted(self.ranges[p.name] for p in self.params), dtype=np.int64)
+        lows, highs = spans[:, 0], spans[:, 1]
+        cumulative = np.concatenate([[0], np.cumsum(highs - lows)])
+        buckets = np.array(self.buckets, dtype=np.int64)
+        size = (buckets[:, 1] - buckets[:, 0]) // self.dp
+        # shard boundaries [bucket, rank 0..dp]
+        edges = buckets[:, :1] + size[:, None] * np.arange(self.dp + 1)[None, :]
+        k = np.searchsorted(lows, edges, side="right")  # parameters starting at or below
+        prev = np.maximum(k - 1, 0)
+        covered = np.where(k > 0, cumulative[prev] + np.minimum(highs[prev], edges) - lows[prev], 0)
+        owned = covered[:, 1:] - covered[:, :-1]  # [bucket, rank]
+        started = np.searchsorted(lows, edges[:, 1:], side="left")
+        ended = np.searchsorted(highs, edges[:, :-1], side="right")
+        counts = np.where(owned > 0, started - ended, 0)
+        return [(int(n), int(c)) for n, c in zip(owned.sum(0), counts.sum(0), strict=True)]
+
 
 def _pad(n: int, divisor: int) -> int:
     return int(math.ceil(n / divisor) * divisor)
 
 
 def buffer_layout(
-    params: list[ParamSpec],
+    params: Sequence[ParamSpec],
     param_bytes: int,
     grad_bytes: int,
     dp: int,
@@ -150,7 +172,7 @@ class StateBytes:
 
 
 def state_bytes(
-    params: list[ParamSpec],
+    params: Sequence[ParamSpec],
     model_bytes: int,
     dp: int,
     expert_dp: int,
@@ -172,9 +194,7 @@ def state_bytes(
     for p in params:  # megatron groups by (param dtype, grad dtype) in first-seen order
         groups.setdefault((p.expert, FP32 if p.fp32 else model_bytes), []).append(p)
     buffers = tuple(
-        buffer_layout(
-            group, pbytes, FP32, expert_dp if expert else dp, distributed, bucket_size
-        )
+        buffer_layout(group, pbytes, FP32, expert_dp if expert else dp, distributed, bucket_size)
         for (expert, pbytes), group in sorted(groups.items(), key=lambda kv: kv[0][0])
     )
     grads = sum(b.numel * b.grad_bytes for b in buffers)
@@ -183,25 +203,22 @@ def state_bytes(
     else:
         weights = sum(p.numel * (FP32 if p.fp32 else model_bytes) for p in params)
 
-    def optimizer(rank_of: dict[int, int]) -> tuple[int, int, int]:
+    owned = [
+        b.owned_per_rank() if distributed else [(sum(p.numel for p in b.params), len(b.params))]
+        for b in buffers
+    ]
+
+    def optimizer(rank: int) -> tuple[int, int, int]:
         main = moments = steps = 0
-        for b in buffers:
-            if distributed:
-                owned = b.shard_numel(rank_of[b.dp]).values()
-            else:
-                owned = [p.numel for p in b.params]
-            for n in owned:
-                moments += ADAM_MOMENTS * FP32 * n
-                main += FP32 * n if b.param_bytes < FP32 else 0
-                steps += FP32 if step_tensors else 0
+        for b, per_rank in zip(buffers, owned, strict=True):
+            n, count = per_rank[rank % len(per_rank)]
+            moments += ADAM_MOMENTS * FP32 * n
+            main += FP32 * n if b.param_bytes < FP32 else 0
+            steps += FP32 * count if step_tensors else 0
         return main, moments, steps
 
-    if dp_rank is not None or not distributed:
-        r = dp_rank or 0
-        main, moments, steps = optimizer({dp: r % dp, expert_dp: r % expert_dp})
+    if dp_rank is not None:
+        main, moments, steps = optimizer(dp_rank)
     else:
-        candidates = [
-            optimizer({dp: r % dp, expert_dp: r % expert_dp}) for r in range(max(dp, expert_dp))
-        ]
-        main, moments, steps = max(candidates, key=sum)
+        main, moments, steps = max((optimizer(r) for r in range(max(dp, expert_dp))), key=sum)
     return StateBytes(weights, grads, main, moments, steps, buffers)
