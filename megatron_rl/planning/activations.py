@@ -66,6 +66,9 @@ class ActivationSettings:
             an explicit mask is given: chunked attention) or "cpu" (megatron's local layers,
             torch's decomposed RMSNorm, SDPA's CPU flash kernel, masks saved).
         expert_load: routed tokens on the busiest expert rank over the balanced share.
+        chunked_kernel: the GPU kernel of chunked-attention layers: "math" (what
+            ``SDPACoreAttention`` gets today: an explicit mask with GQA) or "flash" (chunks
+            reshaped into a causal batch, as GPU.md advises).
         in_flight: micro-batches whose activations a stage holds (None: PP - stage, 1F1B).
     """
 
@@ -82,6 +85,7 @@ class ActivationSettings:
     recompute: bool = False
     kernels: Kernels = "gpu"
     expert_load: float = 1.0
+    chunked_kernel: Literal["math", "flash"] = "math"
     in_flight: int | None = None
 
 
@@ -110,13 +114,13 @@ class ActivationBytes:
         return self.in_flight * self.saved_total + self.transient
 
 
-def _attention_kernel(shapes: ModelShapes, i: int, kernels: Kernels) -> str:
+def _attention_kernel(shapes: ModelShapes, i: int, st: ActivationSettings) -> str:
     """Which attention kernel layer ``i`` runs (see ``megatron_rl.models.specs`` /
     ``attention``): chunked layers pass an explicit mask to SDPA, which on CUDA with GQA
     leaves only the math kernel (GPU.md); CPU's flash kernel takes the mask."""
-    if kernels == "cpu":
+    if st.kernels == "cpu":
         return "cpu_flash_masked" if shapes.chunk[i] else "flash"
-    return "math" if shapes.chunk[i] else "flash"
+    return st.chunked_kernel if shapes.chunk[i] else "flash"
 
 
 def layer_saved(shapes: ModelShapes, i: int, st: ActivationSettings) -> tuple[int, int, int]:
@@ -128,7 +132,7 @@ def layer_saved(shapes: ModelShapes, i: int, st: ActivationSettings) -> tuple[in
     h, hd, nq, nkv = s.hidden, s.head_dim, s.heads // t, s.kv_heads // t
     norm_copies = 3 if st.kernels == "cpu" else 2  # x (+ x*rstd on CPU) + output
     norm = T_seq * (norm_copies * h * d + FP32)
-    kernel = _attention_kernel(s, i, st.kernels)
+    kernel = _attention_kernel(s, i, st)
     attn = norm
     if kernel != "math" or s.qk_norm[i]:  # a saved view (v; k under qk-norm) keeps it
         attn += T * (nq + 2 * nkv) * hd * d  # fused qkv output

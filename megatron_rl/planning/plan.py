@@ -27,7 +27,6 @@ from megatron_rl.planning.shapes import (
     ModelShapes,
     model_shapes,
     rank_parameters,
-    stage_layers,
 )
 from megatron_rl.planning.states import StateBytes, state_bytes
 
@@ -129,6 +128,11 @@ class Plan:
     tokens: int
     seq_len: int
     alternatives: tuple[TrainerPlan, ...]
+    trainer_gpus: int
+    engines: int
+    engine_tp: int
+    max_num_seqs: int
+    chunked_kernel: str = "math"
 
     @property
     def trainer_fits(self) -> bool:
@@ -182,6 +186,7 @@ def plan_trainer(
     kernels: str = "gpu",
     expert_load: float = 1.0,
     push: int | None = None,
+    chunked_kernel: str = "math",
 ) -> TrainerPlan:
     """The fullest stage's GPU of ``layout`` (every stage is computed; the largest total)."""
     gpus = config.cluster.trainer_gpus
@@ -218,6 +223,7 @@ def plan_trainer(
             recompute=layout.recompute,
             kernels=kernels,
             expert_load=expert_load,
+            chunked_kernel=chunked_kernel,
         )
         acts = activation_bytes(shapes, settings)
         plan = TrainerPlan(
@@ -288,15 +294,23 @@ def plan_run(
     headroom: float = DEFAULT_HEADROOM,
     expert_load: float = 1.0,
     search: bool = True,
+    chunked_kernel: str = "math",
 ) -> Plan:
     """The memory plan of ``config`` (a RunConfig) on ``gpu``; with ``search``, every valid
-    layout that meets ``headroom``, smallest change first."""
+    layout that meets ``headroom``, smallest change first. ``expert_load`` and
+    ``chunked_kernel``: see ``ActivationSettings``."""
     device = get_gpu(gpu)
     shapes = model_shapes(config.model)
     current = Layout.of(config)
     push = push_extra_bytes(shapes, config)
     trainer = plan_trainer(
-        shapes, config, current, device.memory_bytes, expert_load=expert_load, push=push
+        shapes,
+        config,
+        current,
+        device.memory_bytes,
+        expert_load=expert_load,
+        push=push,
+        chunked_kernel=chunked_kernel,
     )
     engine = EnginePlan(
         engine_bytes(shapes, config.rollout, config.model.dtype, config.model.fp32_head),
@@ -309,7 +323,13 @@ def plan_run(
             if layout == current:
                 continue
             plan = plan_trainer(
-                shapes, config, layout, device.memory_bytes, expert_load=expert_load, push=push
+                shapes,
+                config,
+                layout,
+                device.memory_bytes,
+                expert_load=expert_load,
+                push=push,
+                chunked_kernel=chunked_kernel,
             )
             if plan.headroom >= headroom:
                 alternatives.append(plan)
@@ -325,8 +345,9 @@ def plan_run(
         tokens,
         seq_len,
         tuple(alternatives),
+        trainer_gpus=config.cluster.trainer_gpus,
+        engines=config.rollout.engines,
+        engine_tp=config.rollout.tensor_parallel,
+        max_num_seqs=config.rollout.max_num_seqs,
+        chunked_kernel=chunked_kernel,
     )
-
-
-def layers_of_stage(shapes: ModelShapes, plan: TrainerPlan) -> range:
-    return stage_layers(shapes, plan.layout.pipeline, plan.stage)
