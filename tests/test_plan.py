@@ -122,7 +122,7 @@ def predicted_states(model_cfg, tensor=1, expert=1, dp=1, expert_dp=1) -> dict[s
 # -- shapes ------------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_shapes_agree_with_the_model_builder(name):
     """The planner reads presets as plain dicts; megatron_rl.models reads them through

@@ -43,7 +43,7 @@ def trainer_rows(plan: Plan, trainer: TrainerPlan | None = None) -> list[Row]:
     )
     stage = f" (pipeline stage {t.stage})" if t.layout.pipeline > 1 else ""
     rows = [
-        Row("weights", st.params, f"bf16, FP32 head in fp32{stage}"),
+        Row("weights", st.params, f"model dtype, FP32 head in fp32{stage}"),
         Row("gradients", st.grads, "fp32 DDP buffers (grad_reduce_in_fp32)"),
         Row("optimizer: fp32 main params", st.main_params, shard),
         Row("optimizer: Adam moments", st.moments + st.steps, f"2 x fp32, {shard}"),
@@ -58,19 +58,15 @@ def trainer_rows(plan: Plan, trainer: TrainerPlan | None = None) -> list[Row]:
     }
     flight = f", x {act.in_flight} micro-batches in flight" if act.in_flight > 1 else ""
     for key, value in act.saved.items():
-        rows.append(Row(names[key], value * act.in_flight, f"saved for backward{flight}"))
+        if value * act.in_flight >= GB // 20:  # below 0.05 GB: in the total, not a row
+            rows.append(Row(names[key], value * act.in_flight, f"saved for backward{flight}"))
     rows.append(Row("activations: transient", act.transient, act.transient_what))
-    push_note = "weight push on the sender rank, between steps"
+    push_note = "rank 0 streams one full layer + a bucket, between steps"
     if t.push_extra > act.peak:
-        rows.append(Row("weight push (exceeds activations)", t.push_extra - act.peak, push_note))
+        rows.append(Row("weight push, beyond activations", t.push_extra - act.peak, push_note))
     else:
-        rows.append(
-            Row(
-                "weight push",
-                None,
-                f"{gb(t.push_extra)} GB, {push_note}: fits in the activations' place",
-            )
-        )
+        note = f"{gb(t.push_extra)} GB ({push_note}): within the activations' place"
+        rows.append(Row("weight push", None, note))
     rows.append(Row("runtime reserve", t.reserve, "CUDA context, NCCL (estimate)"))
     return rows
 
