@@ -386,3 +386,26 @@ def test_cli_plan(capsys):
     assert main(["plan", recipe, "parallel.expert=8", "model.recompute_activations=false"]) == 1
     assert "Smallest change that fits" in capsys.readouterr().out
     assert main(["plan", recipe, "parallel.expert=3"]) == 2  # a config check fails
+
+
+@pytest.mark.timeout(180)
+def test_planner_imports_no_torch():
+    """`megatron-rl plan` runs on a login node: the planner imports neither torch nor megatron."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from megatron_rl.cli import main\n"
+        "rc = main(['plan', 'recipes/scalerl_scout.yaml', '--markdown'])\n"
+        "assert rc in (0, 1), rc\n"
+        "heavy = [m for m in ('torch', 'megatron.core', 'vllm') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| **total** |" in proc.stdout

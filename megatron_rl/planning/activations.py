@@ -13,7 +13,7 @@ applied on the expert input). Per token, with d the activation dtype's bytes, T 
 micro-batch and s the sequence length (quantities with /t are per tensor-parallel rank):
 
 attention block
-    norm input + output         2 h d           (+ h d: torch's CPU RMSNorm saves x*rstd)
+    norm input + output         2 h d + 4       (rstd; + h d: torch's CPU RMSNorm saves x*rstd)
     fused qkv output            (nq + 2 nkv) hd d   (kept alive by the v view the kernel saves)
     RoPE'd q and k              (nq + nkv) hd d     (RoPE layers)
     qk L2 norm (Llama-4)        nq hd d + 4 (nq + nkv)   (reshaped q, per-head rsqrt)

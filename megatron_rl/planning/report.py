@@ -165,6 +165,28 @@ def _yaml(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def _rich_table(plan: Plan, title: str, rows: list[Row], total: int):
+    from rich.table import Table
+
+    tab = Table(title=title, title_justify="left")
+    tab.add_column("part")
+    tab.add_column("GB", justify="right")
+    tab.add_column("how")
+    for r in rows:
+        tab.add_row(r.label, "" if r.bytes is None else gb(r.bytes), r.note)
+    capacity = plan.gpu.memory_bytes
+    headroom = 1 - total / capacity
+    word = verdict(headroom, plan.headroom_target)
+    color = {"fits": "green", "tight": "yellow", "does not fit": "red"}[word]
+    tab.add_row(
+        "[bold]total[/]",
+        f"[bold]{gb(total)}[/]",
+        f"[{color}]{word}[/]: {headroom:.0%} headroom of {gb(capacity)} GB "
+        f"(target {plan.headroom_target:.0%})",
+    )
+    return tab
+
+
 def print_rich(plan: Plan, alternatives: int = 5) -> None:
     """The plan as rich tables on stdout."""
     from rich.console import Console
@@ -179,36 +201,10 @@ def print_rich(plan: Plan, alternatives: int = 5) -> None:
         f"micro-batch {plan.tokens} tokens ({plan.tokens // plan.seq_len} x {plan.seq_len})"
     )
 
-    def table(title: str, rows: list[Row], total: int, capacity: int) -> None:
-        tab = Table(title=title, title_justify="left")
-        tab.add_column("part")
-        tab.add_column("GB", justify="right")
-        tab.add_column("how")
-        for r in rows:
-            tab.add_row(r.label, "" if r.bytes is None else gb(r.bytes), r.note)
-        headroom = 1 - total / capacity
-        word = verdict(headroom, plan.headroom_target)
-        color = {"fits": "green", "tight": "yellow", "does not fit": "red"}[word]
-        tab.add_row(
-            "[bold]total[/]",
-            f"[bold]{gb(total)}[/]",
-            f"[{color}]{word}[/]: {headroom:.0%} headroom of {gb(capacity)} GB "
-            f"(target {plan.headroom_target:.0%})",
-        )
-        console.print(tab)
-
-    table(
-        f"Trainer GPU: {plan.trainer_gpus} GPUs, {describe_trainer(plan, t)}",
-        trainer_rows(plan),
-        t.total,
-        t.capacity,
-    )
-    table(
-        f"Engine GPU: {plan.engines} engines x TP {plan.engine_tp}",
-        engine_rows(plan),
-        plan.engine.total,
-        plan.engine.capacity,
-    )
+    title = f"Trainer GPU: {plan.trainer_gpus} GPUs, {describe_trainer(plan, t)}"
+    console.print(_rich_table(plan, title, trainer_rows(plan), t.total))
+    title = f"Engine GPU: {plan.engines} engines x TP {plan.engine_tp}"
+    console.print(_rich_table(plan, title, engine_rows(plan), plan.engine.total))
     if not plan.trainer_fits:
         if plan.suggestion is None:
             console.print("[red]No layout of these GPUs fits.[/]")
