@@ -1,0 +1,111 @@
+"""Memory of one GPU of a vLLM engine (no torch import).
+
+- Weights: the model split ``rollout.tensor_parallel`` ways as vLLM does (embedding, head,
+  attention heads, MLP and every expert's width; KV heads replicated when fewer than TP;
+  norms and the router whole). The FP32 head costs nothing extra on CUDA: vLLM keeps the
+  head weight in the model dtype and accumulates in fp32 (GPU.md).
+- KV cache: ``rollout.kv_cache_gb`` GiB, which ``megatron_rl.rollout.engine`` hands vLLM as
+  ``kv_cache_memory_bytes`` ("Size of KV Cache per GPU in bytes", vllm/config/cache.py).
+  The plan also says how many full-length sequences that holds against ``max_num_seqs``.
+- Receive buffers of a weight push: vLLM's packed NCCL consumer
+  (``weight_transfer/packed_tensor.py``) keeps ``packed_num_buffers`` = 2 buffers, each at
+  least the bucket size and overshooting it by at most one tensor; the host path queues 2
+  buckets per engine (``rollout.pool._WEIGHT_QUEUE_DEPTH``). Counted as 2 x (bucket +
+  largest pushed tensor).
+- Forward workspace (estimate): vLLM's profile run at ``max_num_batched_tokens`` (16384 on
+  GPUs with >= 70 GB, vllm/engine/arg_utils.py) and fp32 sampler logits for
+  ``max_num_seqs`` sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.planning.shapes import DTYPE_BYTES, ModelShapes
+
+FP32 = 4
+VLLM_MAX_NUM_BATCHED_TOKENS = 16384
+WEIGHT_BUFFERS = 2
+
+
+@dataclass(frozen=True)
+class EngineBytes:
+    """One engine GPU: bytes by part, and the KV cache's capacity."""
+
+    weights: int
+    kv_cache: int
+    receive_buffers: int
+    workspace: int
+    kv_bytes_per_sequence: int  # one sequence of max_model_len tokens, this GPU's share
+    sequences_in_kv: int  # full-length sequences the KV cache holds
+    largest_tensor: str
+
+    @property
+    def parts(self) -> dict[str, int]:
+        return {
+            "weights": self.weights,
+            "KV cache": self.kv_cache,
+            "weight receive buffers": self.receive_buffers,
+            "forward workspace (estimate)": self.workspace,
+        }
+
+
+def engine_weight_elements(shapes: ModelShapes, tp: int) -> int:
+    """Weight elements on one GPU of an engine with tensor parallelism ``tp``."""
+    s = shapes
+    h, hd = s.hidden, s.head_dim
+    kv = max(s.kv_heads // tp, 1)
+    total = 2 * (s.vocab // tp) * h if not s.tied_embeddings else (s.vocab // tp) * h
+    total += h  # final norm
+    for i in range(s.layers):
+        total += 2 * h + (s.heads // tp + 2 * kv) * hd * h + h * (s.heads // tp) * hd
+        if s.moe[i]:
+            total += s.experts * h + s.experts * 3 * h * (s.expert_ffn // tp)
+            total += 3 * h * (s.shared_ffn // tp)
+        else:
+            total += 3 * h * (s.ffn // tp)
+    return total
+
+
+def largest_pushed_tensor(
+    shapes: ModelShapes, dtype_bytes: int, fp32_head: bool
+) -> tuple[int, str]:
+    """Bytes and name of the largest HF-named tensor of a weight push (full, unsplit)."""
+    s = shapes
+    head = s.vocab * s.hidden * (FP32 if fp32_head else dtype_bytes)
+    options = {"lm_head": head, "embed_tokens": s.vocab * s.hidden * dtype_bytes}
+    if s.is_moe:  # HF Llama-4 packs a layer's experts: gate_up_proj [E, h, 2 f]
+        options["experts.gate_up_proj"] = s.experts * s.hidden * 2 * s.expert_ffn * dtype_bytes
+    if any(not m for m in s.moe):
+        options["mlp.gate_proj"] = s.ffn * s.hidden * dtype_bytes
+    name = max(options, key=options.get)
+    return options[name], name
+
+
+def engine_bytes(shapes: ModelShapes, rollout, model_dtype: str, fp32_head: bool) -> EngineBytes:
+    """Memory of one GPU of an engine of ``rollout`` (``RolloutConfig``)."""
+    s, tp = shapes, rollout.tensor_parallel
+    dtype = model_dtype if rollout.dtype == "auto" else rollout.dtype
+    d = DTYPE_BYTES[dtype]
+    weights = engine_weight_elements(s, tp) * d
+    kv_cache = int(rollout.kv_cache_gb * 2**30)
+    length = rollout.max_model_len or 2**31
+    kv = max(s.kv_heads // tp, 1)
+    per_seq = sum(
+        2 * kv * s.head_dim * d * min(length, s.chunk[i] or length) for i in range(s.layers)
+    )
+    largest, name = largest_pushed_tensor(s, d, fp32_head)
+    receive = WEIGHT_BUFFERS * (rollout.weight_bucket_bytes + largest)
+    ffn = max([s.ffn] + ([s.expert_ffn * s.topk + s.shared_ffn] if s.is_moe else []))
+    per_token = (2 * s.hidden + (s.heads + 2 * s.kv_heads) * s.head_dim // tp + 3 * ffn // tp) * d
+    workspace = VLLM_MAX_NUM_BATCHED_TOKENS * per_token
+    workspace += 2 * rollout.max_num_seqs * s.vocab * FP32  # fp32 logits and log-probs
+    return EngineBytes(
+        weights=weights,
+        kv_cache=kv_cache,
+        receive_buffers=receive,
+        workspace=workspace,
+        kv_bytes_per_sequence=per_seq,
+        sequences_in_kv=kv_cache // per_seq if per_seq else 0,
+        largest_tensor=name,
+    )

@@ -1,0 +1,353 @@
+"""A run's memory plan: the trainer's and an engine's GPU against the GPU's memory, and the
+smallest change of the trainer's layout that fits (no torch import).
+
+``plan_run(config)`` reads everything from the RunConfig: model shapes (preset or HF config),
+``parallel`` and ``model.recompute_activations`` (the layout), ``cluster.trainer_gpus`` (the
+data-parallel sizes), ``batch.micro_batch_tokens`` and the longest sequence (activations),
+``optimizer.distributed`` / ``overlap_grad_reduce`` (GPU defaults: on), ``rollout`` (engines).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, replace
+
+from megatron_rl.planning.activations import ActivationBytes, ActivationSettings, activation_bytes
+from megatron_rl.planning.engine import EngineBytes, engine_bytes, largest_pushed_tensor
+from megatron_rl.planning.gpus import (
+    DEFAULT_GPU,
+    ENGINE_RUNTIME_RESERVE,
+    GPU,
+    TRAINER_RUNTIME_RESERVE,
+    get_gpu,
+)
+from megatron_rl.planning.shapes import (
+    DTYPE_BYTES,
+    ModelShapes,
+    model_shapes,
+    rank_parameters,
+)
+from megatron_rl.planning.states import StateBytes, state_bytes
+
+DEFAULT_HEADROOM = 0.20  # fraction of the GPU left free: fragmentation, imbalance, spikes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The trainer's parallel layout as the planner varies it (expert-TP 1, CP 1)."""
+
+    tensor: int
+    pipeline: int
+    expert: int
+    recompute: bool
+
+    @classmethod
+    def of(cls, config) -> Layout:
+        p = config.parallel
+        return cls(p.tensor, p.pipeline, p.expert, config.model.recompute_activations)
+
+    def overrides(self) -> dict[str, object]:
+        """The recipe keys of this layout."""
+        return {
+            "parallel.tensor": self.tensor,
+            "parallel.sequence_parallel": self.tensor > 1,
+            "parallel.pipeline": self.pipeline,
+            "parallel.expert": self.expert,
+            "model.recompute_activations": self.recompute,
+        }
+
+    def changes_from(self, other: Layout) -> dict[str, object]:
+        """The recipe keys whose values differ from ``other``'s."""
+        mine, theirs = self.overrides(), other.overrides()
+        return {k: v for k, v in mine.items() if theirs[k] != v}
+
+    def describe(self) -> str:
+        parts = [f"TP {self.tensor}", f"PP {self.pipeline}"]
+        if self.expert > 1:
+            parts.append(f"EP {self.expert}")
+        parts.append("recompute" if self.recompute else "no recompute")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    """One trainer GPU (the fullest pipeline stage's): states, activations, push, reserve."""
+
+    layout: Layout
+    dp: int
+    expert_dp: int
+    stage: int
+    states: StateBytes
+    activations: ActivationBytes
+    push_extra: int
+    reserve: int
+    capacity: int
+
+    @property
+    def working(self) -> int:
+        """The larger of the two phases: a micro-batch's activations, or a weight push."""
+        return max(self.activations.peak, self.push_extra)
+
+    @property
+    def total(self) -> int:
+        return self.states.total + self.reserve + self.working
+
+    @property
+    def headroom(self) -> float:
+        return 1.0 - self.total / self.capacity
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """One engine GPU."""
+
+    bytes: EngineBytes
+    reserve: int
+    capacity: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.parts.values()) + self.reserve
+
+    @property
+    def headroom(self) -> float:
+        return 1.0 - self.total / self.capacity
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The plan of one run: its trainer and engine GPUs, and layouts that fit better."""
+
+    name: str
+    shapes: ModelShapes
+    gpu: GPU
+    headroom_target: float
+    trainer: TrainerPlan
+    engine: EnginePlan
+    tokens: int
+    seq_len: int
+    alternatives: tuple[TrainerPlan, ...]
+    trainer_gpus: int
+    engines: int
+    engine_tp: int
+    max_num_seqs: int
+    chunked_kernel: str = "math"
+
+    @property
+    def trainer_fits(self) -> bool:
+        return self.trainer.headroom >= self.headroom_target
+
+    @property
+    def engine_fits(self) -> bool:
+        return self.engine.headroom >= self.headroom_target
+
+    @property
+    def suggestion(self) -> TrainerPlan | None:
+        """The smallest layout change that fits (None when the recipe's layout fits)."""
+        if self.trainer_fits or not self.alternatives:
+            return None
+        return self.alternatives[0]
+
+
+def micro_batch_shape(config) -> tuple[int, int]:
+    """(tokens, sequence length) of the largest micro-batch the trainer builds: sequences of
+    the longest length, as many as ``batch.micro_batch_tokens`` holds (at least one;
+    ``megatron_rl.trainer.loop._micro_batch``), or ``batch.micro_batch_size`` of them."""
+    longest = config.data.max_prompt_tokens + config.max_response_tokens()
+    if config.batch.micro_batch_size:
+        count = config.batch.micro_batch_size
+    else:
+        count = max(1, config.batch.micro_batch_tokens // longest)
+    return count * longest, longest
+
+
+def push_extra_bytes(shapes: ModelShapes, config) -> int:
+    """Extra memory of the trainer rank that streams a weight push
+    (``megatron_rl.conversion.weight_stream``): one decoder layer in full, all experts
+    included, or the full FP32 head, plus one bucket."""
+    s, d = shapes, DTYPE_BYTES[config.model.dtype]
+    full = rank_parameters(s)
+    layer = {}
+    for p in full:
+        if p.name.startswith("decoder.layers."):
+            key = p.name.split(".")[2]
+            layer[key] = layer.get(key, 0) + p.numel * d
+    head = s.vocab * s.hidden * (4 if config.model.fp32_head else d)
+    largest, _ = largest_pushed_tensor(s, d, config.model.fp32_head)
+    return max([head, *layer.values()]) + config.rollout.weight_bucket_bytes + largest
+
+
+def plan_trainer(
+    shapes: ModelShapes,
+    config,
+    layout: Layout,
+    capacity: int,
+    kernels: str = "gpu",
+    expert_load: float = 1.0,
+    push: int | None = None,
+    chunked_kernel: str = "math",
+) -> TrainerPlan:
+    """The fullest stage's GPU of ``layout`` (every stage is computed; the largest total)."""
+    gpus = config.cluster.trainer_gpus
+    dp = gpus // (layout.tensor * layout.pipeline)
+    expert_dp = gpus // (layout.pipeline * layout.expert)
+    opt = config.optimizer
+    distributed = True if opt.distributed is None else opt.distributed
+    overlap = True if opt.overlap_grad_reduce is None else opt.overlap_grad_reduce
+    d = DTYPE_BYTES[config.model.dtype]
+    tokens, seq_len = micro_batch_shape(config)
+    push = push_extra_bytes(shapes, config) if push is None else push
+    best = None
+    for stage in range(layout.pipeline):
+        params = rank_parameters(
+            shapes,
+            tensor=layout.tensor,
+            expert=layout.expert,
+            pipeline=layout.pipeline,
+            stage=stage,
+            fp32_head=config.model.fp32_head,
+            te=kernels == "gpu",
+        )
+        states = state_bytes(params, d, dp, expert_dp, distributed, overlap, stage=stage)
+        settings = ActivationSettings(
+            tokens=tokens,
+            seq_len=seq_len,
+            dtype_bytes=d,
+            tensor=layout.tensor,
+            sequence_parallel=layout.tensor > 1,
+            expert=layout.expert,
+            pipeline=layout.pipeline,
+            stage=stage,
+            fp32_head=config.model.fp32_head,
+            recompute=layout.recompute,
+            kernels=kernels,
+            expert_load=expert_load,
+            chunked_kernel=chunked_kernel,
+        )
+        acts = activation_bytes(shapes, settings)
+        plan = TrainerPlan(
+            layout,
+            dp,
+            expert_dp,
+            stage,
+            states,
+            acts,
+            push if stage == 0 else 0,
+            TRAINER_RUNTIME_RESERVE,
+            capacity,
+        )
+        if best is None or plan.total > best.total:
+            best = plan
+    return best
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [k for k in range(1, min(n, limit) + 1) if n % k == 0]
+
+
+def candidate_layouts(shapes: ModelShapes, config) -> list[Layout]:
+    """Layouts of the trainer's GPUs that pass every config check: TP up to 8 (one NVLink
+    tray group), PP and EP dividing what they split, recompute on or off."""
+    from megatron_rl.config import ConfigError
+    from megatron_rl.config.checks import check_model_shapes
+
+    gpus = config.cluster.trainer_gpus
+    out = []
+    tensors = _divisors(gpus, 8)
+    pipelines = _divisors(shapes.layers, 8)
+    experts = _divisors(shapes.experts, gpus) if shapes.is_moe else [1]
+    for tp, pp, ep, rc in itertools.product(tensors, pipelines, experts, (False, True)):
+        layout = Layout(tp, pp, ep, rc)
+        trial = copy.deepcopy(config)
+        trial.parallel = replace(
+            trial.parallel, tensor=tp, pipeline=pp, expert=ep, sequence_parallel=tp > 1
+        )
+        trial.model = replace(trial.model, recompute_activations=rc)
+        try:
+            trial.parallel.validate()
+            trial.validate()
+            check_model_shapes(trial)
+        except (ConfigError, ValueError):
+            continue
+        out.append(layout)
+    return out
+
+
+def change_cost(layout: Layout, current: Layout) -> tuple:
+    """How big a change ``layout`` is from ``current``: fewer keys first, then no
+    recompute (a third more compute), no extra pipeline stages (bubbles), less TP."""
+    changed = layout.changes_from(current)
+    keys = {k for k in changed if k != "parallel.sequence_parallel"}
+    return (
+        len(keys),
+        layout.recompute and not current.recompute,
+        layout.pipeline > current.pipeline,
+        abs(layout.tensor - current.tensor),
+        abs(layout.expert - current.expert),
+    )
+
+
+def plan_run(
+    config,
+    gpu: str = DEFAULT_GPU,
+    headroom: float = DEFAULT_HEADROOM,
+    expert_load: float = 1.0,
+    search: bool = True,
+    chunked_kernel: str = "math",
+) -> Plan:
+    """The memory plan of ``config`` (a RunConfig) on ``gpu``; with ``search``, every valid
+    layout that meets ``headroom``, smallest change first. ``expert_load`` and
+    ``chunked_kernel``: see ``ActivationSettings``."""
+    device = get_gpu(gpu)
+    shapes = model_shapes(config.model)
+    current = Layout.of(config)
+    push = push_extra_bytes(shapes, config)
+    trainer = plan_trainer(
+        shapes,
+        config,
+        current,
+        device.memory_bytes,
+        expert_load=expert_load,
+        push=push,
+        chunked_kernel=chunked_kernel,
+    )
+    engine = EnginePlan(
+        engine_bytes(shapes, config.rollout, config.model.dtype, config.model.fp32_head),
+        ENGINE_RUNTIME_RESERVE,
+        device.memory_bytes,
+    )
+    alternatives: list[TrainerPlan] = []
+    if search:
+        for layout in candidate_layouts(shapes, config):
+            if layout == current:
+                continue
+            plan = plan_trainer(
+                shapes,
+                config,
+                layout,
+                device.memory_bytes,
+                expert_load=expert_load,
+                push=push,
+                chunked_kernel=chunked_kernel,
+            )
+            if plan.headroom >= headroom:
+                alternatives.append(plan)
+        alternatives.sort(key=lambda p: (change_cost(p.layout, current), p.total))
+    tokens, seq_len = micro_batch_shape(config)
+    return Plan(
+        config.name,
+        shapes,
+        device,
+        headroom,
+        trainer,
+        engine,
+        tokens,
+        seq_len,
+        tuple(alternatives),
+        trainer_gpus=config.cluster.trainer_gpus,
+        engines=config.rollout.engines,
+        engine_tp=config.rollout.tensor_parallel,
+        max_num_seqs=config.rollout.max_num_seqs,
+        chunked_kernel=chunked_kernel,
+    )

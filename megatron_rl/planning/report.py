@@ -1,0 +1,228 @@
+"""A plan as tables: rich for the terminal, Markdown for docs (slurm/README.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.planning.gpus import GB
+from megatron_rl.planning.plan import Plan, TrainerPlan
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a table: what, bytes (None: a note-only line), how it is counted."""
+
+    label: str
+    bytes: int | None
+    note: str = ""
+
+
+def gb(n: int) -> str:
+    return f"{n / GB:.1f}"
+
+
+def verdict(headroom: float, target: float) -> str:
+    """'fits', 'tight' (fits, less headroom than asked) or 'does not fit'."""
+    if headroom >= target:
+        return "fits"
+    return "tight" if headroom >= 0 else "does not fit"
+
+
+def describe_trainer(plan: Plan, trainer: TrainerPlan) -> str:
+    lay = trainer.layout
+    expert = f", expert-DP {trainer.expert_dp}" if plan.shapes.is_moe else ""
+    return f"{lay.describe()}, DP {trainer.dp}{expert}"
+
+
+def trainer_rows(plan: Plan, trainer: TrainerPlan | None = None) -> list[Row]:
+    """The trainer GPU's table (the recipe's layout unless ``trainer`` is given)."""
+    t = trainer or plan.trainer
+    st, act = t.states, t.activations
+    shard = f"sharded over DP {t.dp}" + (
+        f" / expert-DP {t.expert_dp}" if plan.shapes.is_moe else ""
+    )
+    stage = f" (pipeline stage {t.stage})" if t.layout.pipeline > 1 else ""
+    rows = [
+        Row("weights", st.params, f"model dtype, FP32 head in fp32{stage}"),
+        Row("gradients", st.grads, "fp32 DDP buffers (grad_reduce_in_fp32)"),
+        Row("optimizer: fp32 main params", st.main_params, shard),
+        Row("optimizer: Adam moments", st.moments + st.steps, f"2 x fp32, {shard}"),
+    ]
+    names = {
+        "attention": "activations: attention",
+        "mlp": "activations: dense MLP",
+        "moe": "activations: MoE",
+        "layer inputs": "activations: layer inputs (recompute)",
+        "embedding": "activations: token ids",
+        "head": "activations: FP32 head (logits, log-softmax)",
+    }
+    flight = f", x {act.in_flight} micro-batches in flight" if act.in_flight > 1 else ""
+    for key, value in act.saved.items():
+        if value * act.in_flight >= GB // 20:  # below 0.05 GB: in the total, not a row
+            rows.append(Row(names[key], value * act.in_flight, f"saved for backward{flight}"))
+    rows.append(Row("activations: transient", act.transient, act.transient_what))
+    push_note = "rank 0 streams one full layer + a bucket, between steps"
+    if t.push_extra > act.peak:
+        rows.append(Row("weight push, beyond activations", t.push_extra - act.peak, push_note))
+    else:
+        note = f"{gb(t.push_extra)} GB ({push_note}): within the activations' place"
+        rows.append(Row("weight push", None, note))
+    rows.append(Row("runtime reserve", t.reserve, "CUDA context, NCCL (estimate)"))
+    return rows
+
+
+def engine_rows(plan: Plan) -> list[Row]:
+    e = plan.engine.bytes
+    notes = {
+        "weights": "model dtype, split over rollout.tensor_parallel",
+        "KV cache": f"rollout.kv_cache_gb: {e.sequences_in_kv} full-length sequences",
+        "weight receive buffers": f"2 x (bucket + {e.largest_tensor})",
+        "forward workspace (estimate)": "16384 batched tokens + sampler logits",
+    }
+    rows = [Row(k, v, notes[k]) for k, v in e.parts.items()]
+    rows.append(
+        Row("runtime reserve", plan.engine.reserve, "CUDA context, graphs, NCCL (estimate)")
+    )
+    return rows
+
+
+def notes(plan: Plan) -> list[str]:
+    """Caveats that apply to this plan."""
+    out = []
+    chunked = sum(1 for c in plan.shapes.chunk if c)
+    if chunked and plan.chunked_kernel == "math":
+        out.append(
+            f"{chunked} chunked-attention layers pass an explicit mask to SDPA; with GQA on CUDA "
+            "that leaves the math kernel, whose fp32 softmax is O(seq_len^2) per head "
+            "(GPU.md). Reshaping chunks into a causal batch keeps flash attention: see "
+            "`--chunked-attention flash`."
+        )
+    if plan.shapes.is_moe:
+        out.append(
+            "MoE activations assume balanced routing (--expert-load scales the busiest rank)."
+        )
+    e = plan.engine.bytes
+    concurrency = e.sequences_in_kv
+    if concurrency and concurrency < plan.max_num_seqs:
+        out.append(
+            f"The engines' KV cache holds {concurrency} sequences of max_model_len; vLLM "
+            f"queues or preempts beyond that (max_num_seqs {plan.max_num_seqs})."
+        )
+    return out
+
+
+def _md_table(rows: list[Row], total: int, capacity: int, target: float) -> list[str]:
+    lines = ["| part | GB | how |", "|---|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r.label} | {'' if r.bytes is None else gb(r.bytes)} | {r.note} |")
+    headroom = 1 - total / capacity
+    lines.append(
+        f"| **total** | **{gb(total)}** | of {gb(capacity)} GB: {headroom:.0%} headroom, "
+        f"{verdict(headroom, target)} |"
+    )
+    return lines
+
+
+def markdown(plan: Plan, alternatives: int = 5) -> str:
+    """The plan as Markdown (trainer table, engine table, smallest fitting change)."""
+    t = plan.trainer
+    lines = [
+        f"**{plan.name}**: {plan.shapes.name} ({plan.shapes.total_parameters() / 1e9:.1f}B "
+        f"parameters) on {plan.gpu.name.upper()} ({gb(plan.gpu.memory_bytes)} GB); micro-batch "
+        f"{plan.tokens} tokens ({plan.tokens // plan.seq_len} x {plan.seq_len}).",
+        "",
+        f"Trainer GPU ({plan.trainer_gpus} GPUs: {describe_trainer(plan, t)}):",
+        "",
+        *_md_table(trainer_rows(plan), t.total, t.capacity, plan.headroom_target),
+        "",
+        f"Engine GPU ({plan.engines} engines x TP {plan.engine_tp}):",
+        "",
+        *_md_table(
+            engine_rows(plan), plan.engine.total, plan.engine.capacity, plan.headroom_target
+        ),
+    ]
+    if plan.alternatives and not plan.trainer_fits:
+        lines += ["", "Layouts that fit, smallest change first:", ""]
+        lines += alternatives_md(plan, alternatives)
+    extra = notes(plan)
+    if extra:
+        lines += [""] + [f"- {n}" for n in extra]
+    return "\n".join(lines) + "\n"
+
+
+def alternatives_md(plan: Plan, count: int) -> list[str]:
+    current = plan.trainer.layout
+    lines = ["| change | layout | GB | headroom |", "|---|---|---:|---:|"]
+    for alt in plan.alternatives[:count]:
+        keys = " ".join(f"`{k}={_yaml(v)}`" for k, v in alt.layout.changes_from(current).items())
+        lines.append(
+            f"| {keys} | {describe_trainer(plan, alt)} | {gb(alt.total)} | {alt.headroom:.0%} |"
+        )
+    return lines
+
+
+def _yaml(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _rich_table(plan: Plan, title: str, rows: list[Row], total: int):
+    from rich.table import Table
+
+    tab = Table(title=title, title_justify="left")
+    tab.add_column("part")
+    tab.add_column("GB", justify="right")
+    tab.add_column("how")
+    for r in rows:
+        tab.add_row(r.label, "" if r.bytes is None else gb(r.bytes), r.note)
+    capacity = plan.gpu.memory_bytes
+    headroom = 1 - total / capacity
+    word = verdict(headroom, plan.headroom_target)
+    color = {"fits": "green", "tight": "yellow", "does not fit": "red"}[word]
+    tab.add_row(
+        "[bold]total[/]",
+        f"[bold]{gb(total)}[/]",
+        f"[{color}]{word}[/]: {headroom:.0%} headroom of {gb(capacity)} GB "
+        f"(target {plan.headroom_target:.0%})",
+    )
+    return tab
+
+
+def print_rich(plan: Plan, alternatives: int = 5) -> None:
+    """The plan as rich tables on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t = plan.trainer
+    console.print(
+        f"[bold]{plan.name}[/]: {plan.shapes.name} "
+        f"({plan.shapes.total_parameters() / 1e9:.1f}B parameters) on "
+        f"{plan.gpu.name.upper()} ({gb(plan.gpu.memory_bytes)} GB, {plan.gpu.source}); "
+        f"micro-batch {plan.tokens} tokens ({plan.tokens // plan.seq_len} x {plan.seq_len})"
+    )
+
+    title = f"Trainer GPU: {plan.trainer_gpus} GPUs, {describe_trainer(plan, t)}"
+    console.print(_rich_table(plan, title, trainer_rows(plan), t.total))
+    title = f"Engine GPU: {plan.engines} engines x TP {plan.engine_tp}"
+    console.print(_rich_table(plan, title, engine_rows(plan), plan.engine.total))
+    if not plan.trainer_fits:
+        if plan.suggestion is None:
+            console.print("[red]No layout of these GPUs fits.[/]")
+        else:
+            s = plan.suggestion
+            keys = " ".join(f"{k}={_yaml(v)}" for k, v in s.layout.changes_from(t.layout).items())
+            console.print(
+                f"[bold]Smallest change that fits:[/] {keys}  ->  {gb(s.total)} GB, "
+                f"{s.headroom:.0%} headroom"
+            )
+            alt = Table(title="Layouts that fit, smallest change first", title_justify="left")
+            for col in ("change", "layout", "GB", "headroom"):
+                alt.add_column(col, justify="right" if col in ("GB", "headroom") else "left")
+            for a in plan.alternatives[:alternatives]:
+                keys = " ".join(
+                    f"{k}={_yaml(v)}" for k, v in a.layout.changes_from(t.layout).items()
+                )
+                alt.add_row(keys, describe_trainer(plan, a), gb(a.total), f"{a.headroom:.0%}")
+            console.print(alt)
+    for n in notes(plan):
+        console.print(f"note: {n}")
