@@ -148,9 +148,9 @@ class Forecast:
             pred += f" [{low:.3f}, {high:.3f}]"
         edge = f" (edge: {', '.join(self.at_bound)})" if self.at_bound else ""
         return (
-            f"{self.n_points} points to {self.x_last:.4g} GPU-h: A {value(p.a, 'a', '.3f')}  "
+            f"{self.n_points} points to {self.x_last:.5g} GPU-h: A {value(p.a, 'a', '.3f')}  "
             f"B {value(p.b, 'b', '.2f')}  C_mid {value(p.c_mid, 'c_mid', '.4g')}  "
-            f"-> R({self.budget:.4g}) = {pred}{edge}"
+            f"-> R({self.budget:.6g}) = {pred}{edge}"
         )
 
 

@@ -7,16 +7,15 @@ run: the trainer and generator processes), to one *category*:
   per-step bookkeeping. ``gpu_hours`` is this category alone: the paper's x axis
   ("RL training compute"), which must not depend on how often the run validates or saves.
 - ``validation``, ``checkpoint``, ``startup`` (building the model, the warm start, starting
-  the engines, the first push): accounted apart.
+  the engines, the first push) and ``shutdown`` (after the last step): accounted apart.
 
 ``total_gpu_hours`` is the sum of all categories: wall hours x devices, as a bill would show.
 
-Validation blocks the trainer, but under PipelineRL the generators keep working on the
-training requests already in flight while they also answer the validation requests. That
-work is training compute: the caller measures the tokens generated for each during the
-window and hands the training share back (:meth:`Window.train_fraction`), so a run that
-validates every step and one that validates every 10 steps reach equal ``gpu_hours`` at equal
-steps. The token share is the cost model: decoding dominates a generation-bound run.
+The loop makes the split exact rather than modelled: before a validation it lets the
+generators finish the training requests in flight (training compute: those samples are
+trained on next), so that the validation window holds validation work only. A run that
+validates every step and one that validates every 10 steps then reach equal ``gpu_hours`` at
+equal steps.
 
 The count is resumable: a checkpoint stores the hours so far, and time while the job was down
 is not counted. Work redone after a resume (from the checkpoint to the crash) is counted
@@ -29,21 +28,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-CATEGORIES = ("startup", "train", "validation", "checkpoint")
-
-
-@dataclass
-class Window:
-    """A stretch of time charged to a non-training category; ``train_fraction`` of it
-    (0..1, set by the caller before the window closes) is charged to ``train`` instead."""
-
-    category: str
-    train_fraction: float = 0.0
+CATEGORIES = ("startup", "train", "validation", "checkpoint", "shutdown")
 
 
 class ComputeClock:
@@ -83,22 +72,17 @@ class ComputeClock:
         self._category = category
 
     @contextmanager
-    def window(self, category: str) -> Iterator[Window]:
-        """Charge the block to ``category`` (minus the ``train_fraction`` the caller sets)."""
+    def window(self, category: str) -> Iterator[None]:
+        """Charge the time spent in the block to ``category``, then return to the running
+        category."""
         _check_category(category)
         self._settle()
         before, self._category = self._category, category
-        spent_before = self._hours[category]
-        window = Window(category)
         try:
-            yield window
+            yield
         finally:
             self._settle()
             self._category = before
-            share = min(max(float(window.train_fraction), 0.0), 1.0)
-            moved = (self._hours[category] - spent_before) * share
-            self._hours[category] -= moved
-            self._hours["train"] += moved
 
     def hours(self, category: str) -> float:
         """Device-hours charged to ``category`` so far."""
@@ -157,12 +141,6 @@ class ComputeClock:
         self._hours = hours
         self._wall_hours = float(state.get("wall_hours", 0.0))
         self._mark = self._clock()
-
-
-def generation_share(train_tokens: float, other_tokens: float) -> float:
-    """Fraction of a generation window spent on training requests, by generated tokens."""
-    total = train_tokens + other_tokens
-    return 0.0 if total <= 0 else min(max(train_tokens / total, 0.0), 1.0)
 
 
 def run_devices(trainer_ranks: int, engines: int, engine_devices: int, gpu: bool) -> int:
