@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from megatron_rl.trainer.compute import ComputeClock, run_devices
+from megatron_rl.trainer.compute import ComputeClock, generation_share, run_devices
 from megatron_rl.trainer.metrics import MetricsLogger, plot_reward_curve, read_records
 
 
@@ -160,10 +160,11 @@ def test_validation_and_checkpoints_are_accounted_apart():
     clock = ComputeClock(devices=10, clock=t)
     clock.begin("train")
     t.now += 360  # 1 device-hour of training
-    with clock.window("validation"):
-        t.now += 720  # 2 device-hours
-    assert clock.gpu_hours == pytest.approx(1.0)
-    assert clock.hours("validation") == pytest.approx(2.0)
+    with clock.window("validation") as window:
+        t.now += 720  # 2 device-hours, a quarter of it decoding training requests
+        window.train_fraction = 0.25
+    assert clock.gpu_hours == pytest.approx(1.5)
+    assert clock.hours("validation") == pytest.approx(1.5)
     with clock.window("checkpoint"):
         t.now += 36
     t.now += 360  # back to training after the window
@@ -171,14 +172,21 @@ def test_validation_and_checkpoints_are_accounted_apart():
     t.now += 36
     assert clock.summary() == pytest.approx(
         {
-            "gpu_hours": 2.0,
+            "gpu_hours": 2.5,
             "total_gpu_hours": 4.2,
             "startup_gpu_hours": 0.0,
-            "validation_gpu_hours": 2.0,
+            "validation_gpu_hours": 1.5,
             "checkpoint_gpu_hours": 0.1,
             "shutdown_gpu_hours": 0.1,
         }
     )
+
+
+def test_generation_share_splits_a_window_by_tokens():
+    assert generation_share(100, 300) == pytest.approx(0.25)
+    assert generation_share(0, 300) == 0.0
+    assert generation_share(0, 0) == 0.0
+    assert generation_share(-5, 300) == 0.0  # a snapshot race never gives a negative share
 
 
 def test_an_old_checkpoint_clock_counts_as_training():

@@ -11,11 +11,14 @@ run: the trainer and generator processes), to one *category*:
 
 ``total_gpu_hours`` is the sum of all categories: wall hours x devices, as a bill would show.
 
-The loop makes the split exact rather than modelled: before a validation it lets the
-generators finish the training requests in flight (training compute: those samples are
-trained on next), so that the validation window holds validation work only. A run that
-validates every step and one that validates every 10 steps then reach equal ``gpu_hours`` at
-equal steps.
+Validation blocks the trainer, but under PipelineRL the generators keep decoding the
+training requests in flight while they answer the validation requests (generators never
+idle). That work is training compute: the caller measures the tokens generated for each
+during the window and hands the training share back (``Window.train_fraction``), so a run
+that validates every step and one that validates every 10 steps reach equal ``gpu_hours`` at
+equal steps. The token share is a cost model, exact when every token costs the same: true of
+saturated generators (production); on a tiny CPU run a few training requests riding along
+a large validation batch cost less than alone, and the share undercounts them slightly.
 
 The count is resumable: a checkpoint stores the hours so far, and time while the job was down
 is not counted. Work redone after a resume (from the checkpoint to the crash) is counted
@@ -28,9 +31,20 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Window:
+    """A stretch of time charged to a non-training category; ``train_fraction`` of it
+    (0..1, set by the caller before the window closes) is charged to ``train`` instead."""
+
+    category: str
+    train_fraction: float = 0.0
+
 
 CATEGORIES = ("startup", "train", "validation", "checkpoint", "shutdown")
 
@@ -72,17 +86,23 @@ class ComputeClock:
         self._category = category
 
     @contextmanager
-    def window(self, category: str) -> Iterator[None]:
-        """Charge the time spent in the block to ``category``, then return to the running
-        category."""
+    def window(self, category: str) -> Iterator[Window]:
+        """Charge the time spent in the block to ``category`` (but the ``train_fraction`` the
+        caller sets, which goes to ``train``), then return to the running category."""
         _check_category(category)
         self._settle()
         before, self._category = self._category, category
+        spent_before = self._hours[category]
+        window = Window(category)
         try:
-            yield
+            yield window
         finally:
             self._settle()
             self._category = before
+            share = min(max(float(window.train_fraction), 0.0), 1.0)
+            moved = (self._hours[category] - spent_before) * share
+            self._hours[category] -= moved
+            self._hours["train"] += moved
 
     def hours(self, category: str) -> float:
         """Device-hours charged to ``category`` so far."""
@@ -141,6 +161,12 @@ class ComputeClock:
         self._hours = hours
         self._wall_hours = float(state.get("wall_hours", 0.0))
         self._mark = self._clock()
+
+
+def generation_share(train_tokens: float, other_tokens: float) -> float:
+    """Fraction of a generation window spent on training requests, by generated tokens."""
+    total = train_tokens + other_tokens
+    return 0.0 if total <= 0 else min(max(train_tokens / total, 0.0), 1.0)
 
 
 def run_devices(trainer_ranks: int, engines: int, engine_devices: int, gpu: bool) -> int:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer.batch import TrainSample
+from megatron_rl.trainer.compute import generation_share
 from megatron_rl.trainer.rollout_source import Group, PromptsExhausted, RolloutSource
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update
@@ -182,10 +183,10 @@ def validate(run: Run, pool, step: int) -> float:
         return float("nan")
     t0 = time.perf_counter()
     hours = run.clock.summary()  # the policy being measured cost this much
-    # Blocking validation, accounted apart. The training requests in flight (PipelineRL) are
-    # finished first, as training compute: the window then holds validation work only.
-    pool.wait_idle()
-    with run.clock.window("validation"):
+    # Blocking validation, accounted apart; the training requests that PipelineRL generators
+    # keep decoding meanwhile are training compute (their token share of the window).
+    with run.clock.window("validation") as window:
+        tokens_before = pool.generated_tokens()
         samples = pool.generate(
             [run.encode(i) for i in ids],
             seeds=[_sampling_seed(run.config.seed, -1 - i, step) for i in ids],
@@ -196,6 +197,9 @@ def validate(run: Run, pool, step: int) -> float:
         refs = [run.data.get(ids[s.prompt_index - samples[0].prompt_index]) for s in samples]
         kinds = [p.kind for p in refs]
         rewards = run.rewards.score_batch(texts, [p.reference for p in refs], kinds)
+        val_tokens = sum(len(s) for s in samples)
+        train_tokens = pool.generated_tokens() - tokens_before - val_tokens
+        window.train_fraction = generation_share(train_tokens, val_tokens)
     rate = sum(r > 0 for r in rewards) / len(rewards)
     run.metrics.log(
         {
@@ -203,6 +207,7 @@ def validate(run: Run, pool, step: int) -> float:
             **hours,
             "val_pass_rate": rate,
             "val_samples": len(rewards),
+            "val_train_fraction": window.train_fraction,
             "val_seconds": time.perf_counter() - t0,
         }
     )
