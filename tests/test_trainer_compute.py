@@ -33,21 +33,16 @@ ARGS = [
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def start(run_dir: Path, every: int) -> subprocess.Popen:
-    """Start training 10 steps, validating every ``every`` steps."""
+def run(run_dir: Path, every: int) -> dict:
+    """Train 10 steps validating every ``every`` steps; the step-10 training record."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE), *ARGS]
     cmd += [f"validation.every_steps={every}", "--run-dir", str(run_dir)]
-    log = open(run_dir.with_suffix(".log"), "w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def step_10(run_dir: Path, proc: subprocess.Popen, every: int) -> dict:
-    """The step-10 training record of a finished run."""
-    assert proc.wait(timeout=280) == 0, run_dir.with_suffix(".log").read_text()[-3000:]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (last,) = [r for r in records if r["step"] == 10 and "reward_mean" in r]
     vals = [r for r in records if "val_pass_rate" in r]
@@ -56,16 +51,12 @@ def step_10(run_dir: Path, proc: subprocess.Popen, every: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_gpu_hours_do_not_depend_on_how_often_the_run_validates(tmp_path):
-    # Side by side, so that both see the same machine load (wall clocks on a shared machine).
-    procs = {every: start(tmp_path / f"every_{every}", every) for every in (1, 10)}
-    try:
-        every_step, every_ten = (step_10(tmp_path / f"every_{e}", procs[e], e) for e in (1, 10))
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
+    """Wall clocks: run it on a machine that is not shared (under heavy foreign load the
+    two runs' step times alone differ by more than 10%)."""
+    every_step = run(tmp_path / "every_step", 1)
+    every_ten = run(tmp_path / "every_ten", 10)
     ratio = every_step["gpu_hours"] / every_ten["gpu_hours"]
     assert 0.9 < ratio < 1.1, (every_step, every_ten)
     # The old clock: every device-second since the process started. Both runs start up
