@@ -175,15 +175,15 @@ def test_live_forecast_runs_in_the_background_and_logs_when_ready(tmp_path):
     logged = []
     live = LiveForecast(
         run_dir / "metrics.jsonl",
-        ForecastConfig(min_gpu_hours=0, grid="auto", bootstrap=20),
+        ForecastConfig(min_gpu_hours=0, grid="auto", bootstrap=5),
         run_dir / "reward_curve.png",
         "test",
         logged.append,
     )
     try:
         start = time.perf_counter()
-        live.submit(200, 0.04)  # spawns the worker: must not wait for it
-        live.submit(200, 0.04)  # busy: kept as the pending job
+        live.submit(200, 0.04, 0.02)  # spawns the worker: must not wait for it
+        live.submit(200, 0.04, 0.02)  # busy: kept as the pending job
         live.poll({"step": 200})
         assert time.perf_counter() - start < 1.0 and not logged
         deadline = time.monotonic() + 90
@@ -201,7 +201,7 @@ def test_live_forecast_runs_in_the_background_and_logs_when_ready(tmp_path):
     assert rec["forecast_budget_gpu_hours"] == 0.04
     expected = forecast_run(
         load_run(run_dir / "metrics.jsonl"),
-        ForecastConfig(min_gpu_hours=0, grid="auto", bootstrap=20),
+        ForecastConfig(min_gpu_hours=0, grid="auto", bootstrap=5),
         0.04,
     )
     assert rec["forecast_A"] == pytest.approx(expected.params.a)
@@ -221,6 +221,9 @@ def test_a_forecast_without_enough_points_logs_nothing(tmp_path):
         "test",
         logged.append,
     )
-    live.submit(20, 0.04)
+    live.submit(20, 0.04, 0.002)  # 2 points: no worker is even started
+    assert live._running is None and live._executor is None
+    live.config.min_points = 4  # 4 counted (a point submitted twice): the worker starts; its fit finds 2 points
+    live.submit(20, 0.04, 0.002)
     live.close(lambda: {"step": 20}, wait_seconds=60)  # waits for it: a ValueError, no record
     assert logged == [] and live.latest is None

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.scaling.forecast import Forecast, ForecastConfig
+from megatron_rl.trainer.metrics import read_records
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,24 @@ class LiveForecast:
         self._executor: ProcessPoolExecutor | None = None
         self._running: tuple[_Job, Future] | None = None
         self._pending: _Job | None = None
+        # Points a fit would use (a resumed run's file is already cut to its checkpoint):
+        # no worker is started before there are enough.
+        self._points = 0
+        if self.metrics_path.is_file():
+            for record in read_records(self.metrics_path):
+                if record.get("val_pass_rate") is not None:
+                    self._count(record.get("gpu_hours"))
 
-    def submit(self, step: int, budget: float | None) -> None:
-        """Forecast from the points logged so far (call after logging a validation)."""
+    def _count(self, gpu_hours: float | None) -> None:
+        if gpu_hours is not None and gpu_hours > 0 and gpu_hours >= self.config.min_gpu_hours:
+            self._points += 1
+
+    def submit(self, step: int, budget: float | None, gpu_hours: float) -> None:
+        """Forecast from the points logged so far (call after logging the validation of
+        ``step`` at ``gpu_hours``)."""
+        self._count(gpu_hours)
+        if self._points < self.config.min_points:
+            return
         if budget is None:
             logger.debug("no budget to forecast at yet (step %d)", step)
             return

@@ -221,7 +221,7 @@ def validate(run: Run, pool, step: int) -> float:
             step,
             hours["gpu_hours"],
         )
-        run.forecast.submit(step, budget)
+        run.forecast.submit(step, budget, hours["gpu_hours"])
     return rate
 
 
