@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
-from megatron_rl.trainer.compute import ComputeClock, run_devices
+from megatron_rl.trainer.compute import ComputeClock, generation_share, run_devices
 from megatron_rl.trainer.metrics import MetricsLogger, plot_reward_curve, read_records
 
 
@@ -93,6 +94,30 @@ def test_plot_reward_curve_writes_a_png(tmp_path):
         plot_reward_curve(tmp_path / "empty" / "metrics.jsonl", tmp_path / "x.png")
 
 
+def test_plot_shows_the_forecast_extrapolated_to_the_budget(tmp_path):
+    from megatron_rl.scaling import CurveParams, synthetic_run
+    from megatron_rl.scaling.data import load_run
+    from megatron_rl.scaling.forecast import ForecastConfig, forecast_run
+
+    truth = synthetic_run(CurveParams(0.8, 1.5, 0.01, 0.2), 0.02, 200, 10, 0.01, seed=0)
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for x, y in zip(truth.x, truth.y):
+            logger.log({"step": int(x * 1e4), "gpu_hours": x, "val_pass_rate": y})
+    metrics = tmp_path / "metrics.jsonl"
+    config = ForecastConfig(min_gpu_hours=0, grid="auto", bootstrap=10)
+    forecast = forecast_run(load_run(metrics), config, budget=0.05)
+    assert forecast.curve_x.max() == pytest.approx(0.05)  # the band reaches the budget
+    assert forecast.band_lo is not None and np.all(forecast.band_lo <= forecast.band_hi + 1e-12)
+    plain = plot_reward_curve(metrics, tmp_path / "plain.png").read_bytes()
+    with_fit = plot_reward_curve(metrics, tmp_path / "fit.png", forecast=forecast).read_bytes()
+    assert with_fit[:8] == b"\x89PNG\r\n\x1a\n" and with_fit != plain
+    assert len(with_fit) > len(plain)  # the curve, band and marker add ink
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".png") == [
+        "fit.png",
+        "plain.png",
+    ]  # no temporary file left behind
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -101,25 +126,73 @@ class FakeClock:
         return self.now
 
 
-def test_gpu_hours_are_wall_hours_times_devices_across_restarts():
+def test_gpu_hours_are_training_hours_times_devices_across_restarts():
     t = FakeClock()
     clock = ComputeClock(devices=80, clock=t)
-    t.now += 1800  # half an hour on 80 GPUs
+    t.now += 600  # start-up: not training compute
+    clock.begin("train")
+    t.now += 1800  # half an hour of training on 80 GPUs
     assert clock.gpu_hours == pytest.approx(40.0)
-    assert clock.wall_hours == pytest.approx(0.5)
+    assert clock.total_gpu_hours == pytest.approx(40.0 + 80 * 600 / 3600)
+    assert clock.wall_hours == pytest.approx(2400 / 3600)
     state = clock.state_dict()
     t.now += 3 * 3600  # the job is down for three hours (and the last half hour is lost)
     resumed = ComputeClock(devices=16, clock=t)  # resumed on a smaller allocation
+    t.now += 300  # its start-up before the checkpoint is loaded: not counted anywhere
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert resumed.gpu_hours == pytest.approx(40.0)  # downtime not counted
+    resumed.begin("train")
     t.now += 900
     assert resumed.gpu_hours == pytest.approx(40.0 + 0.25 * 16)
-    assert resumed.wall_hours == pytest.approx(0.75)
+    assert resumed.hours("startup") == pytest.approx(80 * 600 / 3600)
+    assert resumed.wall_hours == pytest.approx(2400 / 3600 + 0.25)
     assert math.isclose(resumed.state_dict()["gpu_hours"], 44.0)
     with pytest.raises(ValueError):
         ComputeClock(devices=0)
     with pytest.raises(ValueError, match="gpu_hours"):
         resumed.load_state_dict({})
+    with pytest.raises(ValueError, match="unknown compute category"):
+        resumed.begin("lunch")
+
+
+def test_validation_and_checkpoints_are_accounted_apart():
+    t = FakeClock()
+    clock = ComputeClock(devices=10, clock=t)
+    clock.begin("train")
+    t.now += 360  # 1 device-hour of training
+    with clock.window("validation") as window:
+        t.now += 720  # 2 device-hours, a quarter of it decoding training requests
+        window.train_fraction = 0.25
+    assert clock.gpu_hours == pytest.approx(1.5)
+    assert clock.hours("validation") == pytest.approx(1.5)
+    with clock.window("checkpoint"):
+        t.now += 36
+    t.now += 360  # back to training after the window
+    clock.begin("shutdown")
+    t.now += 36
+    assert clock.summary() == pytest.approx(
+        {
+            "gpu_hours": 2.5,
+            "total_gpu_hours": 4.2,
+            "startup_gpu_hours": 0.0,
+            "validation_gpu_hours": 1.5,
+            "checkpoint_gpu_hours": 0.1,
+            "shutdown_gpu_hours": 0.1,
+        }
+    )
+
+
+def test_generation_share_splits_a_window_by_tokens():
+    assert generation_share(100, 300) == pytest.approx(0.25)
+    assert generation_share(0, 300) == 0.0
+    assert generation_share(0, 0) == 0.0
+    assert generation_share(-5, 300) == 0.0  # a snapshot race never gives a negative share
+
+
+def test_an_old_checkpoint_clock_counts_as_training():
+    clock = ComputeClock(devices=2, clock=FakeClock())
+    clock.load_state_dict({"gpu_hours": 7.0, "wall_hours": 3.5, "devices": 2})
+    assert clock.gpu_hours == clock.total_gpu_hours == 7.0
 
 
 def test_run_devices_counts_trainers_and_generators():

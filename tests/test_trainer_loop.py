@@ -125,11 +125,16 @@ def _final_weights(run_dir: Path, step: int) -> dict:
     return {k: v for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()}
 
 
-TIMING = ("gpu_hours", "seconds", "per_s", "gb_per_s")
+TIMING = ("gpu_hours", "seconds", "per_s", "gb_per_s", "val_train_fraction")
 
 
 def _comparable(recs: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in recs]
+    """Records without timings; forecasts (fits of timings, logged when ready) dropped."""
+    return [
+        {k: v for k, v in r.items() if not any(t in k for t in TIMING)}
+        for r in recs
+        if not any(k.startswith("forecast_") for k in r)
+    ]
 
 
 # PPO-off-policy-1 over a 12-prompt training set (several epochs), retiring prompts at a

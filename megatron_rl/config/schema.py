@@ -3,7 +3,8 @@
 ``RunConfig`` gathers the component configs (model, parallel, algorithm, data, reward,
 rollout; each defined next to its code) and the run-level sections of
 :mod:`megatron_rl.config.sections` (optimizer, batch, off-policy mode, validation,
-checkpoints, budget, warm start, logging, Slurm cluster).
+checkpoints, budget, warm start, logging, Slurm cluster) and the live forecast
+(:mod:`megatron_rl.scaling.forecast`).
 Field defaults are the ScaleRL 8B run (SCALERL.md sections 2-3) wherever the paper gives a
 value; where it is silent the default is documented as ours.
 
@@ -48,6 +49,7 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.platform.config import ParallelConfig
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.scaling.forecast import ForecastConfig
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -82,6 +84,7 @@ class RunConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)

@@ -81,6 +81,7 @@ class GeneratorPool:
         self._done: list[Sample] = []
         self._acks: dict[int, list[tuple]] = {}
         self._status: dict[int, dict[str, Any]] = {}
+        self._finished_tokens: dict[int, int] = {}  # engine -> response tokens returned
         self._closed = False
         self._nccl = None  # the NcclSender of weight_transport "nccl", once connected
         self._transport_acks: set[int] = set()
@@ -281,6 +282,12 @@ class GeneratorPool:
             self._pump(_POLL_SECONDS)
         return [self._status[e.index] for e in self._engines]
 
+    def generated_tokens(self) -> int:
+        """Response tokens generated so far by every request, finished or in flight (asks the
+        engines, like ``engine_status``). The difference of two calls is the decoding work
+        done in between (the compute clock splits a validation window by it)."""
+        return sum(s["tokens"] + s["finished_tokens"] for s in self.engine_status())
+
     @property
     def staleness(self) -> int:
         """How many versions the newest weights are ahead of the oldest sample in flight."""
@@ -428,11 +435,14 @@ class GeneratorPool:
             samples, engine.oldest = event[2], event[3]
             engine.outstanding -= len(samples)
             self._done.extend(samples)
+            tokens = sum(len(s) for s in samples)
+            self._finished_tokens[index] = self._finished_tokens.get(index, 0) + tokens
         elif kind == "pushed":
             engine.oldest = event[6]
             self._acks.setdefault(event[2], []).append(event)
-        elif kind == "status":
-            self._status[index] = event[2]
+        elif kind == "status":  # the engine's samples sent before it are counted: consistent
+            finished = self._finished_tokens.get(index, 0)
+            self._status[index] = {**event[2], "finished_tokens": finished}
         elif kind == "ready":
             engine.max_model_len = event[2]["max_model_len"]
         elif kind == "transport":

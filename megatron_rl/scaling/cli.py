@@ -3,6 +3,10 @@
 Defaults reproduce the paper's procedure (GPU-hours, points from 1.5k GPU-hours, A grid
 0.450..0.800 step 0.005, 100 C_mid values in [100, 40000]). For small runs (e.g. CPU runs
 with ~1e-3 GPU-hours) use ``--min-x 0 --auto-grid`` (ranges derived from the data).
+
+``--watch RUN_DIR`` follows a running run instead: every ``--interval`` seconds it refits the
+run's forecast (its recipe's ``forecast`` settings), redraws RUN_DIR/reward_curve.png and
+prints one line, until the run finishes (or Ctrl-C, or ``--max-refreshes``).
 """
 
 from __future__ import annotations
@@ -49,10 +53,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``megatron-rl fit``."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("metrics", nargs="+", help="metrics.jsonl or CSV file, one per run")
+    parser.add_argument("metrics", nargs="*", help="metrics.jsonl or CSV file, one per run")
+    _add_watch_arguments(parser.add_argument_group("following a running run"))
     _add_data_arguments(parser.add_argument_group("data"))
     _add_grid_arguments(parser.add_argument_group("fit"))
     _add_output_arguments(parser.add_argument_group("uncertainty, comparison and output"))
+
+
+def _add_watch_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--watch", metavar="RUN_DIR", help="follow a running run's forecast")
+    group.add_argument(
+        "--interval", type=float, default=30.0, help="seconds between refreshes (30)"
+    )
+    group.add_argument(
+        "--max-refreshes", type=int, default=0, help="stop after this many refreshes (0: none)"
+    )
+    group.add_argument("--budget", type=float, help="forecast at this compute (default: the run's)")
 
 
 def _add_data_arguments(group: argparse._ArgumentGroup) -> None:
@@ -105,8 +121,9 @@ def _add_grid_arguments(group: argparse._ArgumentGroup) -> None:
 def _add_output_arguments(group: argparse._ArgumentGroup) -> None:
     d = _DEFAULTS
     group.add_argument(
-        "--bootstrap", type=int, default=d.bootstrap, metavar="N",
-        help="bootstrap resamples for intervals and band (default 0: none)",
+        "--bootstrap", type=int, default=None, metavar="N",
+        help="bootstrap resamples for intervals and band (default 0: none; with --watch: "
+        "the run's forecast.bootstrap)",
     )  # fmt: skip
     group.add_argument("--ci", type=float, default=d.ci, help=f"interval level ({d.ci:g})")
     group.add_argument("--seed", type=int, default=d.seed, help="bootstrap seed")
@@ -137,7 +154,7 @@ def config_from_args(args: argparse.Namespace) -> FitConfig:
         b_range=args.b_range,
         refine=not args.no_refine,
         min_points=args.min_points,
-        bootstrap=args.bootstrap,
+        bootstrap=args.bootstrap if args.bootstrap is not None else _DEFAULTS.bootstrap,
         ci=args.ci,
         seed=args.seed,
         a_tolerance=args.a_tolerance,
@@ -155,6 +172,21 @@ def _labels(args: argparse.Namespace) -> list[str | None]:
 def run(args: argparse.Namespace) -> int:
     """Fit every file, print the table (or JSON), save the plot; 2 with a message on bad input."""
     try:
+        if args.watch is not None:
+            if args.metrics:
+                raise ValueError("give either metrics files or --watch RUN_DIR, not both")
+            from megatron_rl.scaling.watch import watch
+
+            return watch(
+                args.watch,
+                args.interval,
+                args.max_refreshes,
+                args.plot,
+                args.budget,
+                args.bootstrap,
+            )
+        if not args.metrics:
+            raise ValueError("no metrics files given (or --watch RUN_DIR)")
         config = config_from_args(args)
         runs = [
             load_run(path, config.x_field, config.y_field, name)

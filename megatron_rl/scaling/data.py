@@ -41,8 +41,12 @@ def load_run(
     x_field: str = "gpu_hours",
     y_field: str = "val_pass_rate",
     name: str | None = None,
+    growing: bool = False,
 ) -> RunData:
     """Read (x, y) points from a metrics.jsonl (records without ``y_field`` are skipped) or a CSV.
+
+    ``growing``: the file is being written (a running run): a last line without its newline
+    is a record in the making and is ignored.
 
     Raises ``ValueError`` naming the file (and line, field) for missing fields, non-numeric,
     NaN or infinite values, negative or decreasing x, or a file with no usable record.
@@ -51,6 +55,8 @@ def load_run(
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     text = path.read_text()
+    if growing and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
     if _is_jsonl(path, text):
         rows, fields_seen = _read_jsonl(path, text, x_field, y_field)
     else:

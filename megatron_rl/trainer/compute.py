@@ -1,20 +1,60 @@
 """GPU-hours accounting: the x axis of the compute-performance curve.
 
-``gpu_hours`` = wall hours x the accelerator devices of the run (trainers + generators; on a
-CPU run: the trainer and generator processes). The count is resumable: a checkpoint stores
-the hours so far, and time while the job was down is not counted. Work redone after a
-resume (from the checkpoint to the crash) is counted again: it was spent again.
+Every second of the run is charged, times the run's devices (trainers + generators; on a CPU
+run: the trainer and generator processes), to one *category*:
+
+- ``train``: the training loop itself: waiting for generation, updates, weight pushes and the
+  per-step bookkeeping. ``gpu_hours`` is this category alone: the paper's x axis
+  ("RL training compute"), which must not depend on how often the run validates or saves.
+- ``validation``, ``checkpoint``, ``startup`` (building the model, the warm start, starting
+  the engines, the first push) and ``shutdown`` (after the last step): accounted apart.
+
+``total_gpu_hours`` is the sum of all categories: wall hours x devices, as a bill would show.
+
+Validation blocks the trainer, but under PipelineRL the generators keep decoding the
+training requests in flight while they answer the validation requests (generators never
+idle). That work is training compute: the caller measures the tokens generated for each
+during the window and hands the training share back (``Window.train_fraction``), so a run
+that validates every step and one that validates every 10 steps reach equal ``gpu_hours`` at
+equal steps. The token share is a cost model, exact when every token costs the same: true of
+saturated generators (production); on a tiny CPU run a few training requests riding along
+a large validation batch cost less than alone, and the share undercounts them slightly.
+
+The count is resumable: a checkpoint stores the hours so far, and time while the job was down
+is not counted. Work redone after a resume (from the checkpoint to the crash) is counted
+again: it was spent again.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Window:
+    """A stretch of time charged to a non-training category; ``train_fraction`` of it
+    (0..1, set by the caller before the window closes) is charged to ``train`` instead."""
+
+    category: str
+    train_fraction: float = 0.0
+
+
+CATEGORIES = ("startup", "train", "validation", "checkpoint", "shutdown")
 
 
 class ComputeClock:
-    """Accumulates device-hours of the run across restarts.
+    """Accumulates device-hours of the run per category, across restarts.
+
+    The clock starts in ``startup``; :meth:`begin` switches the running category (the loop
+    calls ``begin("train")`` before the first step) and :meth:`window` charges a block of
+    code to another category, then returns to the running one.
 
     Args:
         devices: accelerator devices (or CPU processes) the run occupies now.
@@ -26,39 +66,107 @@ class ComputeClock:
             raise ValueError(f"devices must be an int >= 1, got {devices!r}")
         self.devices = devices
         self._clock = clock
-        self._start = clock()
-        self._gpu_hours_before = 0.0
-        self._wall_hours_before = 0.0
+        self._mark = clock()
+        self._category = "startup"
+        self._hours = dict.fromkeys(CATEGORIES, 0.0)  # device-hours of finished stretches
+        self._wall_hours = 0.0
 
-    def _segment_hours(self) -> float:
-        return max(0.0, self._clock() - self._start) / 3600.0
+    def _settle(self) -> None:
+        """Charge the time since the last mark to the running category."""
+        now = self._clock()
+        hours = max(0.0, now - self._mark) / 3600.0
+        self._mark = now
+        self._hours[self._category] += hours * self.devices
+        self._wall_hours += hours
+
+    def begin(self, category: str) -> None:
+        """Charge time from now on to ``category``."""
+        _check_category(category)
+        self._settle()
+        self._category = category
+
+    @contextmanager
+    def window(self, category: str) -> Iterator[Window]:
+        """Charge the time spent in the block to ``category`` (but the ``train_fraction`` the
+        caller sets, which goes to ``train``), then return to the running category."""
+        _check_category(category)
+        self._settle()
+        before, self._category = self._category, category
+        spent_before = self._hours[category]
+        window = Window(category)
+        try:
+            yield window
+        finally:
+            self._settle()
+            self._category = before
+            share = min(max(float(window.train_fraction), 0.0), 1.0)
+            moved = (self._hours[category] - spent_before) * share
+            self._hours[category] -= moved
+            self._hours["train"] += moved
+
+    def hours(self, category: str) -> float:
+        """Device-hours charged to ``category`` so far."""
+        _check_category(category)
+        self._settle()
+        return self._hours[category]
+
+    @property
+    def gpu_hours(self) -> float:
+        """Training device-hours: generation, updates and pushes of the loop (the x axis)."""
+        return self.hours("train")
+
+    @property
+    def total_gpu_hours(self) -> float:
+        """Device-hours of the whole run (every category: wall hours x devices)."""
+        self._settle()
+        return sum(self._hours.values())
 
     @property
     def wall_hours(self) -> float:
         """Wall-clock hours of the run (all segments)."""
-        return self._wall_hours_before + self._segment_hours()
+        self._settle()
+        return self._wall_hours
 
-    @property
-    def gpu_hours(self) -> float:
-        """Device-hours of the run (all segments, each at its own device count)."""
-        return self._gpu_hours_before + self._segment_hours() * self.devices
+    def summary(self) -> dict[str, float]:
+        """``gpu_hours``, ``total_gpu_hours`` and ``<category>_gpu_hours`` of the others."""
+        self._settle()
+        out = {"gpu_hours": self._hours["train"], "total_gpu_hours": sum(self._hours.values())}
+        for category in CATEGORIES:
+            if category != "train":
+                out[f"{category}_gpu_hours"] = self._hours[category]
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Plain state for a checkpoint."""
+        self._settle()
         return {
-            "gpu_hours": self.gpu_hours,
-            "wall_hours": self.wall_hours,
+            "gpu_hours": self._hours["train"],
+            "hours": dict(self._hours),
+            "wall_hours": self._wall_hours,
             "devices": self.devices,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint: its hours plus time from now on (downtime not counted).
-        The device count stays this run's (a resumed job may have another allocation)."""
+        """Continue from a checkpoint: its hours plus time from now on (downtime and the time
+        since this clock started are not counted; the running category is kept). The device
+        count stays this run's (a resumed job may have another allocation)."""
         if "gpu_hours" not in state:
             raise ValueError(f"compute clock state lacks 'gpu_hours': {sorted(state)}")
-        self._gpu_hours_before = float(state["gpu_hours"])
-        self._wall_hours_before = float(state.get("wall_hours", 0.0))
-        self._start = self._clock()
+        hours = dict.fromkeys(CATEGORIES, 0.0)
+        if "hours" in state:
+            hours.update({k: float(v) for k, v in state["hours"].items() if k in hours})
+        else:  # a checkpoint from before the split: its gpu_hours were wall x devices
+            logger.warning("checkpoint clock has no per-category hours: all counted as training")
+            hours["train"] = float(state["gpu_hours"])
+        self._hours = hours
+        self._wall_hours = float(state.get("wall_hours", 0.0))
+        self._mark = self._clock()
+
+
+def generation_share(train_tokens: float, other_tokens: float) -> float:
+    """Fraction of a generation window spent on training requests, by generated tokens."""
+    total = train_tokens + other_tokens
+    return 0.0 if total <= 0 else min(max(train_tokens / total, 0.0), 1.0)
 
 
 def run_devices(trainer_ranks: int, engines: int, engine_devices: int, gpu: bool) -> int:
@@ -71,3 +179,8 @@ def run_devices(trainer_ranks: int, engines: int, engine_devices: int, gpu: bool
             f"{trainer_ranks}, {engines}, {engine_devices}"
         )
     return trainer_ranks + engines * (engine_devices if gpu else 1)
+
+
+def _check_category(category: str) -> None:
+    if category not in CATEGORIES:
+        raise ValueError(f"unknown compute category {category!r}; one of {CATEGORIES}")

@@ -12,7 +12,9 @@ from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.platform import collectives, get_platform
+from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer.batch import TrainSample, token_multiple
+from megatron_rl.trainer.compute import generation_share
 from megatron_rl.trainer.rollout_source import Group, PromptsExhausted, RolloutSource
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update
@@ -36,6 +38,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
     # control group with a timeout of its own, not in an NCCL collective that would time out.
     collectives.barrier(timeout_minutes=config.rollout.startup_timeout_minutes)
     push_weights(run, pool)  # warm-started or resumed weights
+    run.forecast = start_forecast(run) if main else None
     source = None
     if main:
         source = RolloutSource(
@@ -60,6 +63,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
     stop = _StopFlag(config.checkpoint.on_signals)
     if main and step == 0 and config.validation.enabled and config.validation.at_start:
         validate(run, pool, step)
+    run.clock.begin("train")  # the x axis: from here on, but for validation and checkpoints
+    finished = False
     bar = tqdm(
         total=config.training.max_steps,
         initial=step,
@@ -95,6 +100,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
                 run.metrics.log(step_record(run, step, info, result, t0, t1, t2, push, pool))
                 bar.update(1)
                 bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
+                if run.forecast is not None:
+                    run.forecast.poll({"step": step, **run.clock.summary()})
                 if config.validation.enabled and step % config.validation.every_steps == 0:
                     validate(run, pool, step)
             # only some ranks may have got the signal
@@ -109,11 +116,15 @@ def train(config: RunConfig, run_dir: Path) -> int:
             validate(run, pool, step)
         if config.checkpoint.save_at_end:
             save_checkpoint(run, step, source)
+        finished = True
     finally:
+        run.clock.begin("shutdown")
         bar.close()
         if pool is not None:
             pool.close()
         run.rewards.close()
+        if main:
+            finish_metrics(run, step, finished)
         run.metrics.close()
     if main:
         _plot(run)
@@ -192,27 +203,47 @@ def validate(run: Run, pool, step: int) -> float:
     if not ids:
         return float("nan")
     t0 = time.perf_counter()
-    samples = pool.generate(
-        [run.encode(i) for i in ids],
-        seeds=[_sampling_seed(run.config.seed, -1 - i, step) for i in ids],
-        samples_per_prompt=cfg.samples_per_prompt,
-        temperature=cfg.temperature,
-    )
-    texts = [run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-    refs = [run.data.get(ids[s.prompt_index - samples[0].prompt_index]) for s in samples]
-    rewards = run.rewards.score_batch(texts, [p.reference for p in refs], [p.kind for p in refs])
+    hours = run.clock.summary()  # the policy being measured cost this much
+    # Blocking validation, accounted apart; the training requests that PipelineRL generators
+    # keep decoding meanwhile are training compute (their token share of the window).
+    with run.clock.window("validation") as window:
+        tokens_before = pool.generated_tokens()
+        samples = pool.generate(
+            [run.encode(i) for i in ids],
+            seeds=[_sampling_seed(run.config.seed, -1 - i, step) for i in ids],
+            samples_per_prompt=cfg.samples_per_prompt,
+            temperature=cfg.temperature,
+        )
+        texts = [run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        refs = [run.data.get(ids[s.prompt_index - samples[0].prompt_index]) for s in samples]
+        kinds = [p.kind for p in refs]
+        rewards = run.rewards.score_batch(texts, [p.reference for p in refs], kinds)
+        val_tokens = sum(len(s) for s in samples)
+        train_tokens = pool.generated_tokens() - tokens_before - val_tokens
+        window.train_fraction = generation_share(train_tokens, val_tokens)
     rate = sum(r > 0 for r in rewards) / len(rewards)
     run.metrics.log(
         {
             "step": step,
-            "gpu_hours": run.clock.gpu_hours,
+            **hours,
             "val_pass_rate": rate,
             "val_samples": len(rewards),
             "val_reward_timeouts": run.rewards.last_counts["timeout"],
+            "val_train_fraction": window.train_fraction,
             "val_seconds": time.perf_counter() - t0,
         }
     )
     logger.info("step %d: validation pass rate %.3f (%d samples)", step, rate, len(rewards))
+    if run.forecast is not None:
+        training = run.config.training
+        budget = resolve_budget(
+            run.config.forecast,
+            training.max_gpu_hours,
+            training.max_steps,
+            step,
+            hours["gpu_hours"],
+        )
+        run.forecast.submit(step, budget, hours["gpu_hours"])
     return rate
 
 
@@ -270,7 +301,7 @@ def warm_start(run: Run) -> None:
         seed=run.config.seed,
         pad_id=tok.pad_token_id or 0,
     )
-    run.metrics.log({"step": 0, "gpu_hours": run.clock.gpu_hours, "warm_start_loss": losses[-1]})
+    run.metrics.log({"step": 0, **run.clock.summary(), "warm_start_loss": losses[-1]})
 
 
 def start_generators(run: Run, step: int):
@@ -309,6 +340,11 @@ def push_weights(run: Run, pool):
 
 
 def save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:
+    with run.clock.window("checkpoint"):
+        _save_checkpoint(run, step, source)
+
+
+def _save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:
     extra = {
         "scheduler": run.optim.scheduler.state_dict(),
         "sampler": run.sampler.state_dict(),
@@ -325,7 +361,7 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
     gen_seconds, train_seconds = t1 - t0, t2 - t1
     record = {
         "step": step,
-        "gpu_hours": run.clock.gpu_hours,
+        **run.clock.summary(),
         **info,
         "effective_batch_fraction": result.effective_batch_fraction,
         "npr_retired": run.tracker.num_retired if run.tracker is not None else 0,
@@ -346,6 +382,30 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         record.update(push_seconds=push.seconds, push_gb_per_s=push.gb_per_second)
     record["gen_tokens_per_s"] = info["response_tokens"] / max(record["step_seconds"], 1e-9)
     return record
+
+
+def start_forecast(run: Run):
+    """The live forecast of the run (``forecast.enabled`` with validation), else None."""
+    from megatron_rl.trainer.live_forecast import LiveForecast
+
+    if not (run.config.forecast.enabled and run.config.validation.enabled):
+        return None
+    png = run.run_dir / "reward_curve.png"
+    return LiveForecast(
+        run.metrics.path, run.config.forecast, png, run.config.name, run.metrics.log
+    )
+
+
+def finish_metrics(run: Run, step: int, finished: bool) -> None:
+    """The last forecast (waited for at a normal end only) and, at a normal end, the
+    ``run_finished`` record that tells ``megatron-rl fit --watch`` to stop."""
+    from megatron_rl.trainer.live_forecast import FINAL_WAIT_SECONDS
+
+    if run.forecast is not None:
+        fields = lambda: {"step": step, **run.clock.summary()}  # noqa: E731
+        run.forecast.close(fields, FINAL_WAIT_SECONDS if finished else 0.0)
+    if finished:
+        run.metrics.log({"step": step, **run.clock.summary(), "run_finished": True})
 
 
 def _is_main() -> bool:
@@ -388,7 +448,9 @@ def _plot(run: Run) -> None:
     from megatron_rl.trainer.metrics import plot_reward_curve
 
     try:
-        plot_reward_curve(run.metrics.path, run.run_dir / "reward_curve.png", title=run.config.name)
+        forecast = run.forecast.latest if run.forecast is not None else None
+        png = run.run_dir / "reward_curve.png"
+        plot_reward_curve(run.metrics.path, png, title=run.config.name, forecast=forecast)
     except Exception as err:  # a plot must never fail a finished run
         logger.warning("could not plot the reward curve: %s", err)
 

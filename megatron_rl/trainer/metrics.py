@@ -16,7 +16,10 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_rl.scaling.forecast import Forecast
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +168,14 @@ def plot_reward_curve(
     out_png: str | Path,
     keys: tuple[str, ...] = ("reward_mean", "val_pass_rate"),
     title: str | None = None,
+    forecast: Forecast | None = None,
 ) -> Path:
-    """Plot ``keys`` against ``step`` (left) and ``gpu_hours`` (right) to a PNG."""
+    """Plot ``keys`` against ``step`` (left) and ``gpu_hours`` (right) to a PNG.
+
+    With a ``forecast`` the right panel also shows the fitted curve (solid over the fitted
+    points, dashed beyond), its bootstrap band extrapolated to the budget, and the predicted
+    pass rate there. The PNG is replaced atomically (a reader never sees half a file).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,17 +184,39 @@ def plot_reward_curve(
     records = read_records(metrics_path)
     if not any(r.get(k) is not None for r in records for k in keys):
         raise ValueError(f"{metrics_path}: no records with any of {list(keys)}")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
     for ax, x in zip(axes, ("step", "gpu_hours")):
         for key in keys:
             xs, ys = _series(records, x, key)
             if xs:
                 ax.plot(xs, ys, marker="o" if len(xs) < 50 else None, ms=3, label=key)
-        ax.set_xlabel(x)
+        if x == "gpu_hours" and forecast is not None:
+            _draw_forecast(ax, forecast)
+        ax.set_xlabel(x if x == "step" else "gpu_hours (training)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.suptitle(title or Path(metrics_path).parent.name)
     out_png = Path(out_png)
-    fig.savefig(out_png, dpi=100)
+    tmp = out_png.with_name(f".{out_png.name}.{os.getpid()}.tmp.png")
+    fig.savefig(tmp, dpi=100)
     plt.close(fig)
+    os.replace(tmp, out_png)
     return out_png
+
+
+def _draw_forecast(ax: Any, forecast: Forecast) -> None:
+    """The forecast on the gpu_hours axis: fit, band to the budget, prediction there."""
+    f, color = forecast, "C3"
+    x, y = f.curve_x, f.curve_y
+    inside = x <= f.x_last
+    ax.plot(x[inside], y[inside], "-", color=color, lw=2, label="fit (forecast)")
+    ax.plot(x[~inside], y[~inside], "--", color=color, lw=1.5, label="extrapolation")
+    if f.band_lo is not None and f.band_hi is not None:
+        ax.fill_between(x, f.band_lo, f.band_hi, color=color, alpha=0.2, lw=0, label="band")
+    unused = ~f.fitted
+    if unused.any():
+        ax.plot(f.points_x[unused], f.points_y[unused], "o", mfc="none", color="0.4", ms=4,
+                label="not fitted (< min x)")  # fmt: skip
+    ax.axvline(f.budget, color="0.4", ls=":", lw=1)
+    ax.plot([f.budget], [f.pass_rate_at_budget], "*", color=color, ms=10,
+            label=f"R(budget) = {f.pass_rate_at_budget:.3f}")  # fmt: skip

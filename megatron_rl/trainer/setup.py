@@ -34,6 +34,7 @@ class Run:
     encode: Callable[[int], list[int]]  # prompt id -> prompt token ids (cached)
     optim: Any = None  # trainer.optim.Optimizer, built after the warm start (or to resume)
     step: int = 0  # optimizer steps done
+    forecast: Any = None  # trainer.live_forecast.LiveForecast on the main rank, if enabled
 
 
 class NullMetrics:

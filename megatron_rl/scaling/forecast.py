@@ -1,0 +1,209 @@
+"""A forecast of a running run: fit the compute curve to the validation points so far and
+predict the pass rate at the run's budget, with bootstrap intervals (no torch import).
+
+The fit is the post-hoc tool's (:func:`megatron_rl.scaling.fit_run`: the paper's grid over
+A and C_mid with B fitted at each point, then the joint refinement, then a bootstrap over
+points); a forecast only chooses which points (``x >= min_gpu_hours``, all so far) and where
+to read the curve (the budget). The trainer runs it in a background process after every
+validation (``megatron_rl.trainer.live_forecast``); ``megatron-rl fit --watch RUN_DIR``
+runs it from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from megatron_rl.scaling.analysis import fit_run
+from megatron_rl.scaling.config import AUTO, PAPER_MIN_X, FitConfig
+from megatron_rl.scaling.data import RunData
+from megatron_rl.scaling.model import CurveParams
+
+GRIDS = ("paper", "auto")
+_CURVE_POINTS = 200
+
+
+@dataclass
+class ForecastConfig:
+    """The live forecast of a run (recipe section ``forecast``).
+
+    Attributes:
+        enabled: forecast after every validation (none without validation).
+        min_gpu_hours: fit only points with ``gpu_hours >= this`` (the paper: 1.5k, to skip
+            the early near-linear phase). CPU-scale runs use 0.
+        budget_gpu_hours: the compute at which to predict the pass rate; null: the run's
+            ``training.max_gpu_hours``, or, without one, the training GPU-hours the run will
+            have spent at ``training.max_steps`` at its rate so far.
+        bootstrap: bootstrap resamples for the intervals (0: no intervals).
+        ci: interval level.
+        grid: ``paper``: the paper's grid (A in 0.450..0.800, C_mid in 100..40,000
+            GPU-hours); ``auto``: ranges from the data (runs at any compute scale).
+        min_points: fewest fitted points before the first forecast.
+        seed: bootstrap seed.
+    """
+
+    enabled: bool = True
+    min_gpu_hours: float = PAPER_MIN_X
+    budget_gpu_hours: float | None = None
+    bootstrap: int = 100
+    ci: float = 0.95
+    grid: Literal["paper", "auto"] = "paper"
+    min_points: int = 5
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not (_is_number(self.min_gpu_hours) and self.min_gpu_hours >= 0):
+            raise ValueError(f"min_gpu_hours must be a number >= 0, got {self.min_gpu_hours!r}")
+        if self.budget_gpu_hours is not None and not (
+            _is_number(self.budget_gpu_hours) and self.budget_gpu_hours > 0
+        ):
+            raise ValueError(f"budget_gpu_hours must be > 0, got {self.budget_gpu_hours!r}")
+        if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int):
+            raise ValueError(f"bootstrap must be an int >= 0, got {self.bootstrap!r}")
+        if self.bootstrap < 0:
+            raise ValueError(f"bootstrap must be an int >= 0, got {self.bootstrap!r}")
+        if self.grid not in GRIDS:
+            raise ValueError(f"grid must be one of {GRIDS}, got {self.grid!r}")
+        self.fit_config().validate()
+
+    def fit_config(self) -> FitConfig:
+        """The FitConfig of the forecast's fits (the paper's protocol, its grid or 'auto')."""
+        grid = {} if self.grid == "paper" else {"a_range": AUTO, "c_mid_range": AUTO}
+        return FitConfig(
+            min_x=float(self.min_gpu_hours),
+            min_points=self.min_points,
+            bootstrap=self.bootstrap,
+            ci=self.ci,
+            seed=self.seed,
+            **grid,
+        )
+
+
+@dataclass
+class Forecast:
+    """The curve fitted to a run's points so far and its prediction at ``budget``.
+
+    ``curve_x`` [M] spans 0..budget; ``curve_y`` [M] is the fitted curve there and ``band_lo``
+    / ``band_hi`` [M] its bootstrap band (None without bootstrap). Intervals are
+    ``(low, high)`` of A, B, C_mid and of the prediction (None without bootstrap).
+    """
+
+    params: CurveParams
+    budget: float
+    pass_rate_at_budget: float
+    n_points: int
+    x_last: float  # compute of the last point fitted
+    intervals: dict[str, tuple[float, float]] | None
+    prediction_interval: tuple[float, float] | None
+    at_bound: tuple[str, ...]
+    points_x: np.ndarray  # [N] every validation point of the run (fitted or not)
+    points_y: np.ndarray  # [N]
+    fitted: np.ndarray  # [N] bool
+    curve_x: np.ndarray  # [M]
+    curve_y: np.ndarray  # [M]
+    band_lo: np.ndarray | None = None  # [M]
+    band_hi: np.ndarray | None = None  # [M]
+
+    def record(self) -> dict[str, Any]:
+        """The metrics fields (``forecast_*``; intervals as ``*_lo`` / ``*_hi``)."""
+        p = self.params
+        out: dict[str, Any] = {
+            "forecast_A": p.a,
+            "forecast_B": p.b,
+            "forecast_C_mid": p.c_mid,
+            "forecast_R0": p.r0,
+            "forecast_pass_rate_at_budget": self.pass_rate_at_budget,
+            "forecast_budget_gpu_hours": self.budget,
+            "forecast_points": self.n_points,
+            "forecast_x_last": self.x_last,
+        }
+        names = {"a": "A", "b": "B", "c_mid": "C_mid"}
+        for key, name in names.items():
+            low, high = self.intervals[key] if self.intervals else (None, None)
+            out[f"forecast_{name}_lo"], out[f"forecast_{name}_hi"] = low, high
+        low, high = self.prediction_interval or (None, None)
+        out["forecast_pass_rate_at_budget_lo"] = low
+        out["forecast_pass_rate_at_budget_hi"] = high
+        if self.at_bound:
+            out["forecast_at_bound"] = [names[k] for k in self.at_bound]
+        return out
+
+    def summary_line(self) -> str:
+        """One line: the parameters and the prediction at the budget, with intervals."""
+        iv = self.intervals or {}
+
+        def value(v: float, key: str | None, fmt: str) -> str:
+            text = format(v, fmt)
+            if key in iv:
+                text += f" [{format(iv[key][0], fmt)}, {format(iv[key][1], fmt)}]"
+            return text
+
+        p = self.params
+        pred = format(self.pass_rate_at_budget, ".3f")
+        if self.prediction_interval:
+            low, high = self.prediction_interval
+            pred += f" [{low:.3f}, {high:.3f}]"
+        edge = f" (edge: {', '.join(self.at_bound)})" if self.at_bound else ""
+        return (
+            f"{self.n_points} points to {self.x_last:.5g} GPU-h: A {value(p.a, 'a', '.3f')}  "
+            f"B {value(p.b, 'b', '.2f')}  C_mid {value(p.c_mid, 'c_mid', '.4g')}  "
+            f"-> R({self.budget:.6g}) = {pred}{edge}"
+        )
+
+
+def forecast_run(run: RunData, config: ForecastConfig, budget: float) -> Forecast:
+    """Fit ``run``'s points (x >= ``config.min_gpu_hours``) by the paper's protocol and
+    predict R at ``budget``. Raises ValueError when there are too few points to fit."""
+    if not (_is_number(budget) and budget > 0):
+        raise ValueError(f"forecast budget must be > 0, got {budget!r}")
+    run_fit = fit_run(run, config.fit_config())
+    fit = run_fit.fit
+    curve_x = np.linspace(0.0, max(budget, float(run.x.max())), _CURVE_POINTS)
+    boot = run_fit.bootstrap
+    band = boot.band(curve_x) if boot is not None else (None, None)
+    return Forecast(
+        params=fit.params,
+        budget=float(budget),
+        pass_rate_at_budget=run_fit.predict(budget),
+        n_points=fit.n_points,
+        x_last=float(run.x[run_fit.fitted].max()),
+        intervals=boot.intervals() if boot is not None else None,
+        prediction_interval=run_fit.prediction_interval(budget),
+        at_bound=fit.at_bound,
+        points_x=run.x,
+        points_y=run.y,
+        fitted=run_fit.fitted,
+        curve_x=curve_x,
+        curve_y=fit.params.predict(curve_x),
+        band_lo=band[0],
+        band_hi=band[1],
+    )
+
+
+def resolve_budget(
+    config: ForecastConfig,
+    max_gpu_hours: float | None,
+    max_steps: int,
+    step: int,
+    gpu_hours: float,
+) -> float | None:
+    """The compute to forecast at: ``config.budget_gpu_hours``, else ``max_gpu_hours``, else
+    the training GPU-hours at ``max_steps`` at the rate so far (None before any step)."""
+    if config.budget_gpu_hours is not None:
+        return float(config.budget_gpu_hours)
+    if max_gpu_hours is not None:
+        return float(max_gpu_hours)
+    if step <= 0 or gpu_hours <= 0:
+        return None
+    return gpu_hours * max_steps / step
+
+
+def _is_number(value: object) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
