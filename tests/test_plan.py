@@ -264,7 +264,7 @@ def _two_rank_worker(tokens_n: int, seq: int) -> dict:
 
 
 def _distributed_optimizer_layout() -> dict:
-    """tiny-llama4 in bf16 (FP32 head) under EP 2 (dense DP 2, expert DP 1), in megatron's DDP
+    """tiny-llama4 in bf16 (FP32 head: bf16 weight) under EP 2 (dense DP 2, expert DP 1), in megatron's DDP
     with the distributed optimizer's layout and small buckets: buffer sizes and this rank's
     optimizer shard per parameter, from megatron and from the planner."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -301,16 +301,11 @@ def _distributed_optimizer_layout() -> dict:
                 real["shard"][names[p]] = real["shard"].get(names[p], 0) + ranges["param"].size
     specs = rank_parameters(model_shapes(model_cfg), expert=2)
     planned = {"buffers": [], "shard": {}}
-    from megatron_rl.planning.states import buffer_layout as layout_of
-
-    groups = {}
-    for s in specs:
-        groups.setdefault((s.expert, FP32 if s.fp32 else 2), []).append(s)
-    for (expert, pbytes), group in sorted(groups.items(), key=lambda kv: kv[0][0]):
-        lay = layout_of(group, pbytes, FP32, 1 if expert else 2, True, bucket)
-        planned["buffers"].append((lay.numel * pbytes, lay.numel * FP32))
-        rank = 0 if expert else ddp.dp_group.rank()
-        planned["shard"].update(lay.shard_numel(rank))
+    for expert in (False, True):  # dense over DP 2, routed experts over expert-DP 1
+        group = [s for s in specs if s.expert == expert]
+        lay = buffer_layout(group, 2, FP32, 1 if expert else 2, True, bucket)
+        planned["buffers"].append((lay.numel * 2, lay.numel * FP32))
+        planned["shard"].update(lay.shard_numel(0 if expert else ddp.dp_group.rank()))
     return {"real": real, "planned": planned}
 
 
@@ -331,7 +326,7 @@ def test_two_rank_layouts_tp2_ep2_and_distributed_optimizer():
             )
             assert abs(ratio - 1) < 0.05, (rank, name)
         do = res["distributed_optimizer"]
-        assert len(do["real"]["buffers"]) == 3  # bf16 dense, fp32 head, bf16 experts
+        assert len(do["real"]["buffers"]) == 2  # bf16 dense (head included), bf16 experts
         assert sorted(do["real"]["buffers"]) == sorted(do["planned"]["buffers"])
         assert do["real"]["shard"] == do["planned"]["shard"]
     # the two DP ranks own different halves of the dense parameters
@@ -347,7 +342,7 @@ def test_engine_kv_cache_by_hand():
     """Llama-3.1-8B on one GPU: 2 (K, V) x 32 layers x 8 KV heads x 128 x 2 bytes = 128 KiB
     per token, 2 GiB per 16384-token sequence: rollout.kv_cache_gb 100 holds 50 of them."""
     config = load_run_config(ROOT / "recipes/scalerl_8b.yaml")
-    e = engine_bytes(model_shapes(config.model), config.rollout, "bfloat16", True)
+    e = engine_bytes(model_shapes(config.model), config.rollout, "bfloat16")
     assert e.kv_bytes_per_sequence == 2 * 2**30
     assert e.sequences_in_kv == 50
     assert e.weights == 8_030_261_248 * 2

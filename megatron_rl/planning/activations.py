@@ -19,18 +19,21 @@ attention block
     qk L2 norm (Llama-4)        nq hd d + 4 (nq + nkv)   (reshaped q, per-head rsqrt)
     temperature-scaled q        nq hd d             (Llama-4 NoPE layers)
     flash attention             nq hd d + 4 nq      (output, log-sum-exp)
-    math attention (GPU, explicit mask: chunked layers; torch upcasts to fp32)
-                                3 nq hd 4 + nq s 4 + nq hd d   (q, k, v copies, softmax, output)
+    chunked attention (Llama-4, sequences longer than a chunk: block-diagonal causal SDPA over
+    the chunks as a batch, ``megatron_rl.models.attention``): the chunk-major copies of q, k,
+    v, (nq + 2 nkv) hd d, and the output copied back to [s, b, h hd], nq hd d; the RoPE'd q, k
+    and the qkv output stay saved only through a last partial chunk (or the k norm).
 dense MLP                       2 h d (norm) + 2 f d (fc1) + 3 f d (silu, x_linear, product)
 MoE layer                       2 h d (norm) + 5 f_shared d + 9 E + 8 k + 8 (router, routing)
                                 + k (2 h d + 5 f_expert d + 4) per routed token (on its
                                 expert's rank; balanced routing assumed: ``expert_load``)
-FP32 head                       2 h d (final norm) + h 4 (upcast input) + V 4 (softmax saved
-                                by the vocab-parallel cross entropy) + 17 (targets, masks)
+FP32 head                       h d + 4 (final norm) + h 4 (upcast input) + V 4 (softmax
+                                saved by the vocab-parallel cross entropy) + 17 (targets,
+                                masks); per micro-batch, the fp32 copy of the model-dtype head
+                                weight the output layer saves (V h 4 / t)
 
 Transient (not saved, alive at the peak): the logits in the model's output layout and one
-gradient of them, 2 V 4 per token; math attention's pre-softmax scores and two gradients of
-the probabilities, 2 nq s 4 per token, in the layer being computed.
+gradient of them, 2 V 4 per token, and the fp32 head weight's gradient.
 
 Full recompute (megatron ``recompute_granularity="full"``, uniform, one layer per checkpoint)
 saves only each layer's input h d and recomputes one layer at a time during the backward.
@@ -62,13 +65,10 @@ class ActivationSettings:
         tensor / sequence_parallel / expert / pipeline / stage / context: the layout.
         fp32_head: the output layer runs in float32.
         recompute: megatron's full activation recomputation.
-        kernels: "gpu" (Transformer Engine layers, flash attention; SDPA's math kernel where
-            an explicit mask is given: chunked attention) or "cpu" (megatron's local layers,
-            torch's decomposed RMSNorm, SDPA's CPU flash kernel, masks saved).
+        kernels: "gpu" (Transformer Engine layers: fused RMSNorm saves input and rstd) or
+            "cpu" (megatron's local layers: torch's decomposed RMSNorm also saves x*rstd).
+            Attention is flash-like on both (SDPA with ``is_causal``).
         expert_load: routed tokens on the busiest expert rank over the balanced share.
-        chunked_kernel: the GPU kernel of chunked-attention layers: "math" (what
-            ``SDPACoreAttention`` gets today: an explicit mask with GQA) or "flash" (chunks
-            reshaped into a causal batch, as GPU.md advises).
         in_flight: micro-batches whose activations a stage holds (None: PP - stage, 1F1B).
     """
 
@@ -85,7 +85,6 @@ class ActivationSettings:
     recompute: bool = False
     kernels: Kernels = "gpu"
     expert_load: float = 1.0
-    chunked_kernel: Literal["math", "flash"] = "math"
     in_flight: int | None = None
 
 
@@ -95,7 +94,7 @@ class ActivationBytes:
 
     ``saved``: what the forward of one micro-batch saves for its backward, by part;
     ``in_flight``: micro-batches held at once; ``transient``: the largest extra alive at
-    the peak (head logits, one recomputed layer, attention scores); ``peak``: in_flight x
+    the peak (head logits and gradients, or one recomputed layer); ``peak``: in_flight x
     saved + transient.
     """
 
@@ -114,17 +113,8 @@ class ActivationBytes:
         return self.in_flight * self.saved_total + self.transient
 
 
-def _attention_kernel(shapes: ModelShapes, i: int, st: ActivationSettings) -> str:
-    """Which attention kernel layer ``i`` runs (see ``megatron_rl.models.specs`` /
-    ``attention``): chunked layers pass an explicit mask to SDPA, which on CUDA with GQA
-    leaves only the math kernel (GPU.md); CPU's flash kernel takes the mask."""
-    if st.kernels == "cpu":
-        return "cpu_flash_masked" if shapes.chunk[i] else "flash"
-    return st.chunked_kernel if shapes.chunk[i] else "flash"
-
-
-def layer_saved(shapes: ModelShapes, i: int, st: ActivationSettings) -> tuple[int, int, int]:
-    """(attention block, MLP or MoE block, transient) bytes layer ``i`` saves / needs."""
+def layer_saved(shapes: ModelShapes, i: int, st: ActivationSettings) -> tuple[int, int]:
+    """(attention block, MLP or MoE block) bytes layer ``i`` saves for backward."""
     s = shapes
     t, d = st.tensor, st.dtype_bytes
     T = st.tokens // st.context  # context parallelism splits the sequence
@@ -132,27 +122,24 @@ def layer_saved(shapes: ModelShapes, i: int, st: ActivationSettings) -> tuple[in
     h, hd, nq, nkv = s.hidden, s.head_dim, s.heads // t, s.kv_heads // t
     norm_copies = 3 if st.kernels == "cpu" else 2  # x (+ x*rstd on CPU) + output
     norm = T_seq * (norm_copies * h * d + FP32)
-    kernel = _attention_kernel(s, i, st)
+    chunk = s.chunk[i]
+    chunked = chunk is not None and st.seq_len > chunk
+    tail = T - T // st.seq_len * (st.seq_len // chunk * chunk) if chunked else T
     attn = norm
-    if kernel != "math" or s.qk_norm[i]:  # a saved view (v; k under qk-norm) keeps it
-        attn += T * (nq + 2 * nkv) * hd * d  # fused qkv output
-    if s.rope[i] and kernel != "math":
-        attn += T * (nq + nkv) * hd * d
+    if not chunked or tail or s.qk_norm[i]:
+        attn += T * (nq + 2 * nkv) * hd * d  # fused qkv output (v, or k under the norm)
     if s.rope[i]:
         attn += 4 * st.seq_len * hd * d  # cos / sin of q and k
+        if not chunked or tail:
+            attn += T * (nq + nkv) * hd * d  # RoPE'd q and k
     if s.qk_norm[i]:
         attn += T * (nq * hd * d + FP32 * (nq + nkv))
-    if s.temperature[i] and kernel != "math":
+    if s.temperature[i]:
         attn += T * nq * hd * d
-    transient = 0
-    if kernel == "math":
-        probs = T * nq * st.seq_len * FP32
-        attn += T * 3 * nq * hd * FP32 + probs + T * nq * hd * d
-        transient = 2 * probs
-    else:
-        attn += T * nq * (hd * d + FP32)
-        if kernel == "cpu_flash_masked":
-            attn += st.seq_len * st.seq_len * FP32
+    attn += T * nq * (hd * d + FP32)  # output, log-sum-exp
+    if chunked:
+        attn += (T - tail) * (nq + 2 * nkv) * hd * d  # chunk-major q, k, v
+        attn += T * nq * hd * d  # the output back in [s, b, h hd]
     if s.moe[i]:
         routed = int(T_seq * s.topk * st.expert_load)
         mlp = norm + T * 5 * (s.shared_ffn // t) * d
@@ -160,7 +147,7 @@ def layer_saved(shapes: ModelShapes, i: int, st: ActivationSettings) -> tuple[in
         mlp += routed * (2 * h * d + 5 * s.expert_ffn * d + FP32)
     else:
         mlp = norm + T * 5 * (s.ffn // t) * d
-    return attn, mlp, transient
+    return attn, mlp
 
 
 def activation_bytes(shapes: ModelShapes, st: ActivationSettings) -> ActivationBytes:
@@ -172,11 +159,9 @@ def activation_bytes(shapes: ModelShapes, st: ActivationSettings) -> ActivationB
     first, last = st.stage == 0, st.stage == st.pipeline - 1
     saved = {"attention": 0, "mlp": 0, "moe": 0, "layer inputs": 0, "embedding": 0, "head": 0}
     per_layer: dict[int, int] = {}
-    layer_transient = 0
     for i in stage_layers(s, st.pipeline, st.stage):
-        attn, mlp, transient = layer_saved(s, i, st)
+        attn, mlp = layer_saved(s, i, st)
         per_layer[i] = attn + mlp
-        layer_transient = max(layer_transient, transient)
         if st.recompute:
             saved["layer inputs"] += T_seq * s.hidden * st.dtype_bytes
         else:
@@ -187,19 +172,22 @@ def activation_bytes(shapes: ModelShapes, st: ActivationSettings) -> ActivationB
     head_transient = 0
     if last:
         d = st.dtype_bytes
+        upcast = st.fp32_head and d < FP32
         norm_copies = 3 if st.kernels == "cpu" else 2
-        head = T_seq * (norm_copies * s.hidden * d + FP32)
-        if st.fp32_head and d < FP32:
-            head += T_seq * s.hidden * FP32  # the upcast input of the FP32 output layer
+        head = T_seq * ((norm_copies - 1) * s.hidden * d + FP32)  # final norm x (, x*rstd)
+        head += T_seq * s.hidden * (FP32 if upcast else d)  # the output layer's input
+        weight = s.vocab // t * s.hidden * FP32 if upcast else 0  # fp32 copy of the head
         rows = T - b  # log-probs of tokens 1..s-1
-        head += rows * (s.vocab // t * FP32 + 17)
+        head += weight + rows * (s.vocab // t * FP32 + 17)
         saved["head"] = head
-        head_transient = 2 * T * (s.vocab // t) * FP32
+        head_transient = 2 * T * (s.vocab // t) * FP32 + weight
     if st.recompute:
-        recomputed = max(per_layer.values(), default=0) + layer_transient
-        options = {"head logits": head_transient, "one recomputed layer": recomputed}
+        options = {
+            "head logits": head_transient,
+            "one recomputed layer": max(per_layer.values(), default=0),
+        }
     else:
-        options = {"head logits": head_transient, "attention scores": layer_transient}
+        options = {"head logits": head_transient}
     what, transient = max(options.items(), key=lambda kv: kv[1])
     in_flight = st.in_flight if st.in_flight is not None else st.pipeline - st.stage
     saved = {k: v for k, v in saved.items() if v}

@@ -41,13 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="routed tokens on the busiest expert rank over the balanced share (default: 1)",
     )
     parser.add_argument(
-        "--chunked-attention",
-        choices=("math", "flash"),
-        default="math",
-        help="GPU kernel of chunked-attention layers: math (today's SDPA with a mask) or "
-        "flash (chunks as a causal batch) (default: math)",
-    )
-    parser.add_argument(
         "--alternatives", type=int, default=5, help="fitting layouts to list (default: 5)"
     )
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
@@ -75,7 +68,6 @@ def run(args: argparse.Namespace) -> int:
         gpu=args.gpu,
         headroom=args.headroom,
         expert_load=args.expert_load,
-        chunked_kernel=args.chunked_attention,
     )
     if args.markdown:
         sys.stdout.write(markdown(plan, args.alternatives))

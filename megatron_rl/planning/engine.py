@@ -3,7 +3,8 @@
 - Weights: the model split ``rollout.tensor_parallel`` ways as vLLM does (embedding, head,
   attention heads, MLP and every expert's width; KV heads replicated when fewer than TP;
   norms and the router whole). The FP32 head costs nothing extra on CUDA: vLLM keeps the
-  head weight in the model dtype and accumulates in fp32 (GPU.md).
+  head weight in the model dtype and accumulates in fp32 (GPU.md), and the trainer pushes it
+  in the model dtype.
 - KV cache: ``rollout.kv_cache_gb`` GiB, which ``megatron_rl.rollout.engine`` hands vLLM as
   ``kv_cache_memory_bytes`` ("Size of KV Cache per GPU in bytes", vllm/config/cache.py).
   The plan also says how many full-length sequences that holds against ``max_num_seqs``.
@@ -67,13 +68,10 @@ def engine_weight_elements(shapes: ModelShapes, tp: int) -> int:
     return total
 
 
-def largest_pushed_tensor(
-    shapes: ModelShapes, dtype_bytes: int, fp32_head: bool
-) -> tuple[int, str]:
+def largest_pushed_tensor(shapes: ModelShapes, dtype_bytes: int) -> tuple[int, str]:
     """Bytes and name of the largest HF-named tensor of a weight push (full, unsplit)."""
     s = shapes
-    head = s.vocab * s.hidden * (FP32 if fp32_head else dtype_bytes)
-    options = {"lm_head": head, "embed_tokens": s.vocab * s.hidden * dtype_bytes}
+    options = {"lm_head": s.vocab * s.hidden * dtype_bytes}
     if s.is_moe:  # HF Llama-4 packs a layer's experts: gate_up_proj [E, h, 2 f]
         options["experts.gate_up_proj"] = s.experts * s.hidden * 2 * s.expert_ffn * dtype_bytes
     if any(not m for m in s.moe):
@@ -82,7 +80,7 @@ def largest_pushed_tensor(
     return options[name], name
 
 
-def engine_bytes(shapes: ModelShapes, rollout, model_dtype: str, fp32_head: bool) -> EngineBytes:
+def engine_bytes(shapes: ModelShapes, rollout, model_dtype: str) -> EngineBytes:
     """Memory of one GPU of an engine of ``rollout`` (``RolloutConfig``)."""
     s, tp = shapes, rollout.tensor_parallel
     dtype = model_dtype if rollout.dtype == "auto" else rollout.dtype
@@ -94,7 +92,7 @@ def engine_bytes(shapes: ModelShapes, rollout, model_dtype: str, fp32_head: bool
     per_seq = sum(
         2 * kv * s.head_dim * d * min(length, s.chunk[i] or length) for i in range(s.layers)
     )
-    largest, name = largest_pushed_tensor(s, d, fp32_head)
+    largest, name = largest_pushed_tensor(s, d)
     receive = WEIGHT_BUFFERS * (rollout.weight_bucket_bytes + largest)
     ffn = max([s.ffn] + ([s.expert_ffn * s.topk + s.shared_ffn] if s.is_moe else []))
     per_token = (2 * s.hidden + (s.heads + 2 * s.kv_heads) * s.head_dim // tp + 3 * ffn // tp) * d

@@ -132,7 +132,6 @@ class Plan:
     engines: int
     engine_tp: int
     max_num_seqs: int
-    chunked_kernel: str = "math"
 
     @property
     def trainer_fits(self) -> bool:
@@ -165,7 +164,7 @@ def micro_batch_shape(config) -> tuple[int, int]:
 def push_extra_bytes(shapes: ModelShapes, config) -> int:
     """Extra memory of the trainer rank that streams a weight push
     (``megatron_rl.conversion.weight_stream``): one decoder layer in full, all experts
-    included, or the full FP32 head, plus one bucket."""
+    included, or the full head, plus one bucket (which may overshoot by its last tensor)."""
     s, d = shapes, DTYPE_BYTES[config.model.dtype]
     full = rank_parameters(s)
     layer = {}
@@ -173,8 +172,8 @@ def push_extra_bytes(shapes: ModelShapes, config) -> int:
         if p.name.startswith("decoder.layers."):
             key = p.name.split(".")[2]
             layer[key] = layer.get(key, 0) + p.numel * d
-    head = s.vocab * s.hidden * (4 if config.model.fp32_head else d)
-    largest, _ = largest_pushed_tensor(s, d, config.model.fp32_head)
+    head = s.vocab * s.hidden * d  # pushed in the model's dtype, like every weight
+    largest, _ = largest_pushed_tensor(s, d)
     return max([head, *layer.values()]) + config.rollout.weight_bucket_bytes + largest
 
 
@@ -186,7 +185,6 @@ def plan_trainer(
     kernels: str = "gpu",
     expert_load: float = 1.0,
     push: int | None = None,
-    chunked_kernel: str = "math",
 ) -> TrainerPlan:
     """The fullest stage's GPU of ``layout`` (every stage is computed; the largest total)."""
     gpus = config.cluster.trainer_gpus
@@ -206,7 +204,6 @@ def plan_trainer(
             expert=layout.expert,
             pipeline=layout.pipeline,
             stage=stage,
-            fp32_head=config.model.fp32_head,
             te=kernels == "gpu",
         )
         states = state_bytes(params, d, dp, expert_dp, distributed, overlap, stage=stage)
@@ -223,7 +220,6 @@ def plan_trainer(
             recompute=layout.recompute,
             kernels=kernels,
             expert_load=expert_load,
-            chunked_kernel=chunked_kernel,
         )
         acts = activation_bytes(shapes, settings)
         plan = TrainerPlan(
@@ -294,11 +290,10 @@ def plan_run(
     headroom: float = DEFAULT_HEADROOM,
     expert_load: float = 1.0,
     search: bool = True,
-    chunked_kernel: str = "math",
 ) -> Plan:
     """The memory plan of ``config`` (a RunConfig) on ``gpu``; with ``search``, every valid
-    layout that meets ``headroom``, smallest change first. ``expert_load`` and
-    ``chunked_kernel``: see ``ActivationSettings``."""
+    layout that meets ``headroom``, smallest change first. ``expert_load``: see
+    ``ActivationSettings``."""
     device = get_gpu(gpu)
     shapes = model_shapes(config.model)
     current = Layout.of(config)
@@ -310,10 +305,9 @@ def plan_run(
         device.memory_bytes,
         expert_load=expert_load,
         push=push,
-        chunked_kernel=chunked_kernel,
     )
     engine = EnginePlan(
-        engine_bytes(shapes, config.rollout, config.model.dtype, config.model.fp32_head),
+        engine_bytes(shapes, config.rollout, config.model.dtype),
         ENGINE_RUNTIME_RESERVE,
         device.memory_bytes,
     )
@@ -329,7 +323,6 @@ def plan_run(
                 device.memory_bytes,
                 expert_load=expert_load,
                 push=push,
-                chunked_kernel=chunked_kernel,
             )
             if plan.headroom >= headroom:
                 alternatives.append(plan)
@@ -349,5 +342,4 @@ def plan_run(
         engines=config.rollout.engines,
         engine_tp=config.rollout.tensor_parallel,
         max_num_seqs=config.rollout.max_num_seqs,
-        chunked_kernel=chunked_kernel,
     )

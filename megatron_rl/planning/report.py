@@ -43,7 +43,7 @@ def trainer_rows(plan: Plan, trainer: TrainerPlan | None = None) -> list[Row]:
     )
     stage = f" (pipeline stage {t.stage})" if t.layout.pipeline > 1 else ""
     rows = [
-        Row("weights", st.params, f"model dtype, FP32 head in fp32{stage}"),
+        Row("weights", st.params, f"model dtype{stage}"),
         Row("gradients", st.grads, "fp32 DDP buffers (grad_reduce_in_fp32)"),
         Row("optimizer: fp32 main params", st.main_params, shard),
         Row("optimizer: Adam moments", st.moments + st.steps, f"2 x fp32, {shard}"),
@@ -89,14 +89,6 @@ def engine_rows(plan: Plan) -> list[Row]:
 def notes(plan: Plan) -> list[str]:
     """Caveats that apply to this plan."""
     out = []
-    chunked = sum(1 for c in plan.shapes.chunk if c)
-    if chunked and plan.chunked_kernel == "math":
-        out.append(
-            f"{chunked} chunked-attention layers pass an explicit mask to SDPA; with GQA on CUDA "
-            "that leaves the math kernel, whose fp32 softmax is O(seq_len^2) per head "
-            "(GPU.md). Reshaping chunks into a causal batch keeps flash attention: see "
-            "`--chunked-attention flash`."
-        )
     if plan.shapes.is_moe:
         out.append(
             "MoE activations assume balanced routing (--expert-load scales the busiest rank)."

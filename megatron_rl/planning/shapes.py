@@ -140,7 +140,6 @@ class ParamSpec:
 
     ``expert``: a routed expert's weight, which megatron's DDP keeps in the expert-parallel
     buffers (reduced over expert-data-parallel ranks) when expert parallelism is on.
-    ``fp32``: kept in float32 whatever the model's dtype (the FP32 head).
     ``shared``: a tied embedding's copy on the first or last pipeline stage (megatron's
     ``shared_embedding``; the distributed optimizer gives it a bucket of its own).
     """
@@ -148,7 +147,6 @@ class ParamSpec:
     name: str
     numel: int
     expert: bool = False
-    fp32: bool = False
     shared: bool = False
 
 
@@ -166,7 +164,6 @@ def rank_parameters(
     expert_tensor: int = 1,
     pipeline: int = 1,
     stage: int = 0,
-    fp32_head: bool = True,
     te: bool = False,
 ) -> tuple[ParamSpec, ...]:
     """The parameters of one rank of pipeline stage ``stage``, in ``named_parameters()``
@@ -211,7 +208,6 @@ def rank_parameters(
     if last:
         out.append(ParamSpec("decoder.final_layernorm.weight", h))
         if not s.tied_embeddings or pipeline > 1:
-            out.append(
-                ParamSpec("output_layer.weight", s.vocab // t * h, fp32=fp32_head, shared=shared)
-            )
+            # the FP32 head computes in fp32 from a weight of the model's dtype
+            out.append(ParamSpec("output_layer.weight", s.vocab // t * h, shared=shared))
     return tuple(out)

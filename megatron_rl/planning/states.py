@@ -7,7 +7,9 @@ The trainer (``megatron_rl.trainer.optim``) wraps the model in megatron's
 
 - ``distributed/param_and_grad_buffer.py`` (``_ParamAndGradBuffer``): one buffer per (param
   dtype, grad dtype) among the dense parameters, and one per pair among the routed experts'
-  parameters when expert parallelism is on (reduced over the expert-data-parallel group).
+  parameters when expert parallelism is on (reduced over the expert-data-parallel group). All
+  our parameters have the model's dtype (the FP32 head upcasts its weight on the fly), so
+  that is one dense buffer and, under EP, one expert buffer.
   Parameters are placed in reverse order; a bucket closes once it holds ``bucket_size``
   elements (``max(4e7, 1e6 x DP)`` with overlapped reduction, else one bucket; pipeline
   stages after the first: one bucket). With the distributed optimizer every parameter starts
@@ -16,7 +18,7 @@ The trainer (``megatron_rl.trainer.optim``) wraps the model in megatron's
   Gradients live in ``grad_data``: float32 here.
 - ``optimizer/distrib_optimizer.py``: each bucket is cut into DP equal shards; for the part of
   each parameter in its shard a rank keeps an fp32 main copy (16-bit parameters only; fp32
-  parameters such as the FP32 head are used in place) and Adam's two fp32 moments.
+  parameters are used in place) and Adam's two fp32 moments.
 - Without the distributed optimizer (CPU): ``FP32Optimizer`` (fp32 parameters) or
   ``Float16OptimizerWithFloat16Params`` (fp32 main copy of every 16-bit parameter), moments for
   every parameter.
@@ -190,18 +192,20 @@ def state_bytes(
     ``step_tensors``: torch AdamW's per-tensor ``step`` (CPU); TE FusedAdam has none (GPU).
     """
     bucket_size = default_bucket_size(dp, overlap_grad_reduce, stage)
-    groups: dict[tuple[bool, int], list[ParamSpec]] = {}
-    for p in params:  # megatron groups by (param dtype, grad dtype) in first-seen order
-        groups.setdefault((p.expert, FP32 if p.fp32 else model_bytes), []).append(p)
+    groups: dict[bool, list[ParamSpec]] = {}
+    for p in params:  # dense, then routed experts (one dtype: the model's)
+        groups.setdefault(p.expert, []).append(p)
     buffers = tuple(
-        buffer_layout(group, pbytes, FP32, expert_dp if expert else dp, distributed, bucket_size)
-        for (expert, pbytes), group in sorted(groups.items(), key=lambda kv: kv[0][0])
+        buffer_layout(
+            group, model_bytes, FP32, expert_dp if expert else dp, distributed, bucket_size
+        )
+        for expert, group in sorted(groups.items())
     )
     grads = sum(b.numel * b.grad_bytes for b in buffers)
     if distributed:
         weights = sum(b.numel * b.param_bytes for b in buffers)
     else:
-        weights = sum(p.numel * (FP32 if p.fp32 else model_bytes) for p in params)
+        weights = sum(p.numel * model_bytes for p in params)
 
     owned = [
         b.owned_per_rank() if distributed else [(sum(p.numel for p in b.params), len(b.params))]
