@@ -167,3 +167,20 @@ def test_mcore_to_hf_peak_memory_is_a_layer_not_the_model(tmp_path):
     (result,) = report["results"]
     assert report["model_bytes"] > 350 * 2**20
     assert result["extra"] < report["model_bytes"] / 4, (result, report["model_bytes"])
+
+
+@pytest.mark.timeout(120)
+def test_layout_larger_than_the_node_fails_clearly(tiny_hf_dirs, tmp_path, monkeypatch, capsys):
+    """On a GPU node, hf-to-mcore starts one rank per GPU: a layout needing more ranks than
+    the node has GPUs is refused up front, naming the flags (it used to start them anyway)."""
+    import megatron_rl.platform.device as device
+
+    monkeypatch.setattr(device, "get_platform", lambda: device.Platform("cuda", "nccl", False))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert device.local_device_count() == 1
+    args = ["convert", "hf-to-mcore", tiny_hf_dirs["tiny-llama"], str(tmp_path / "o"), "--tp", "2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--tp 2 --pp 1 --ep 1 needs 2 ranks" in err and "1 GPU(s)" in err
+    assert not (tmp_path / "o").exists()
