@@ -298,3 +298,27 @@ def test_chunked_attention_matches_masked_reference(megatron_single_rank, tokens
     )
     assert (out - expect.permute(2, 0, 1, 3).reshape(tokens, 2, -1)).abs().max() < 1e-12
     assert not torch.allclose(out[:, 1], ref[:, 1])  # the mask changed something
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_attention_passes_no_mask_to_sdpa(megatron_single_rank, monkeypatch, chunk):
+    """Plain and chunked attention without a megatron mask call SDPA with ``is_causal`` and no
+    mask (what keeps CUDA on its flash kernel: flash rejects masks, memory-efficient GQA)."""
+    import megatron_rl.models.attention as attention
+
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append((q.shape, kwargs["attn_mask"], kwargs["is_causal"]))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    bench = _attention_bench()
+    core = bench.block_diagonal_core(chunk, 4, 2, 16)
+    core(*bench._inputs(80, 2, 4, 2, 16, torch.float32, "cpu"), None)
+    assert calls and all(mask is None and causal for _, mask, causal in calls)
+    # 80 tokens: one call, or two full chunks as a batch plus the last 16 tokens
+    expect = [(2, 4, 80, 16)] if chunk is None else [(4, 4, 32, 16), (2, 4, 16, 16)]
+    assert [tuple(shape) for shape, _, _ in calls] == expect

@@ -66,7 +66,8 @@ class PeakTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if "scaled_dot_product" in name and any(k in name for k in FUSED_SDPA_OPS):
+        fused = any(k in name for k in FUSED_SDPA_OPS) and "backward" not in name
+        if "scaled_dot_product" in name and fused:
             self.sdpa_ops.add(name)
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):

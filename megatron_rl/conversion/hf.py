@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,6 +27,7 @@ from megatron_rl.platform import (
     destroy_distributed,
     get_platform,
     init_distributed,
+    local_device_count,
     run_local_ranks,
 )
 
@@ -95,6 +97,14 @@ def hf_to_mcore(
         or (world // (parallel.pipeline * parallel.context)) % parallel.expert
     ):
         world += parallel.model_parallel_size
+    devices = local_device_count()
+    if "WORLD_SIZE" not in os.environ and devices is not None and world > devices:
+        raise ValueError(
+            f"--tp {parallel.tensor} --pp {parallel.pipeline} --ep {parallel.expert} needs "
+            f"{world} ranks, one GPU each, but this node has {devices} GPU(s). Convert with a "
+            "layout that fits (the checkpoint reshards on load: any training layout can read "
+            f"it), or run this command on {world} ranks across nodes under torchrun or srun."
+        )
     run_local_ranks(_hf_to_mcore_rank, world, hf_dir, out_dir, parallel, dtype)
 
 

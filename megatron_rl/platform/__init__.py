@@ -18,6 +18,7 @@ _EXPORTS = {
     "exit_with_parent": "megatron_rl.platform.parallel",
     "free_port": "megatron_rl.platform.parallel",
     "init_distributed": "megatron_rl.platform.parallel",
+    "local_device_count": "megatron_rl.platform.device",
     "run_local_ranks": "megatron_rl.platform.parallel",
     "set_seed": "megatron_rl.platform.parallel",
 }

@@ -60,3 +60,9 @@ def get_platform() -> Platform:
         platform = Platform("cpu", "gloo", False)
     logger.info("platform: %s", platform)
     return platform
+
+
+def local_device_count() -> int | None:
+    """GPUs on this node, for tools that start one local rank per GPU; None on CPU, where
+    local ranks share the cores and any number fits."""
+    return torch.cuda.device_count() if get_platform().is_gpu else None
