@@ -123,3 +123,38 @@ def test_larger_k_never_lowers_generator_utilisation():
     # PPO-off-policy-k: k x B prompts in flight at once fill more of the engines' slots.
     ppo = [simulate(tiny_costs(), TINY_LENGTHS, tiny_settings("ppo", k, warmup=0)) for k in (1, 8)]
     assert ppo[1].generator_occupancy > ppo[0].generator_occupancy
+
+
+@pytest.mark.timeout(240)
+def test_simulate_run_tool_prints_a_table_and_a_plot(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    plot = tmp_path / "util.png"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(root / "tools/simulate_run.py"),
+            "recipes/tiny_cpu.yaml",
+            "--k",
+            "1",
+            "2",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--plot",
+            str(plot),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    ).stdout
+    rows = [line for line in out.splitlines() if line.startswith(("| PipelineRL", "| PPO"))]
+    assert len(rows) == 4  # 2 modes x 2 k
+    assert plot.stat().st_size > 0
