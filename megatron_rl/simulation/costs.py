@@ -188,13 +188,12 @@ def cost_model(config, hardware: str = "gb200") -> CostModel:
     rollout = config.rollout
     dtype = config.model.dtype if rollout.dtype == "auto" else rollout.dtype
     d = DTYPE_BYTES[dtype]
-    eb = engine_bytes(shapes, rollout, config.model.dtype, config.model.fp32_head)
+    eb = engine_bytes(shapes, rollout, config.model.dtype)
     length = rollout.max_model_len or 16384
     # Engine GPUs read this GPU's KV share; a full-length sequence's bytes over its length
     # average the chunked-attention layers (which keep at most a chunk) over the sequence.
     kv_per_token = eb.kv_bytes_per_sequence / length
-    head = shapes.vocab * shapes.hidden * (4 if config.model.fp32_head else d)
-    push = shapes.total_parameters() * d + head - shapes.vocab * shapes.hidden * d
+    push = shapes.total_parameters() * d  # the FP32 head too is pushed in the model dtype
     d_attn = shapes.heads * shapes.head_dim
     cluster = config.cluster
     all_gpus = cluster.trainer_gpus + cluster.generator_gpus
