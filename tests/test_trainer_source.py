@@ -115,3 +115,30 @@ def test_exhausted_sampler_drains_then_stops(mode):
             trained += [g.prompt_id for g in source.next_batch(pool.version)]
             pool.push()
     assert sorted(trained) == list(range(6))  # everything drawn is trained on, once
+
+
+def _ppo_minibatches(seed: int, k: int = 4, batch: int = 8) -> list[list[int]]:
+    pool = SimulatedPool(lambda pid: 2 + pid % 3)  # groups complete out of id order
+    counter = iter(range(10**6))
+    source = RolloutSource(
+        pool,
+        lambda n: [next(counter) for _ in range(n)],
+        lambda pid: [pid],
+        batch,
+        2,
+        "ppo",
+        k,
+        shuffle_seed=seed,
+    )
+    return [[g.prompt_id for g in source.next_batch(pool.version)] for _ in range(k)]
+
+
+def test_ppo_minibatches_are_a_seeded_shuffle_not_sorted_by_id():
+    first = _ppo_minibatches(seed=1)
+    assert first == _ppo_minibatches(seed=1)  # reproducible for a seed
+    assert first != _ppo_minibatches(seed=2)  # and the seed matters
+    assert sorted(p for mb in first for p in mb) == list(range(32))  # every prompt once
+    # Sorted by id, minibatch j would hold ids 8j..8j+7 exactly (stratified); shuffled, each
+    # minibatch spans the id range: its ids are not one contiguous block.
+    for mb in first:
+        assert max(mb) - min(mb) > len(mb) - 1

@@ -50,6 +50,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
             config.off_policy.mode,
             _lag(config),
             seed_of=lambda prompt_id: _sampling_seed(config.seed, prompt_id, run.step),
+            shuffle_seed=config.seed,
         )
         source.submit(carry)  # prompts in flight at the last checkpoint are regenerated
     # The trainer's weights are those of the generator's current policy version right after

@@ -9,12 +9,14 @@ trainer complete groups and enforces the off-policy bound:
   at most ``o + k``: when such a group is due, the trainer waits for it (never drops it), and
   due groups are taken first.
 * ``ppo`` (k): generate k x B prompts with the current weights, wait for all, then hand out
-  k batches of B; the pool is idle during the k updates.
+  k batches of B, cut after a seeded shuffle of the groups (sorting them, by dataset id or
+  by completion time, would stratify the minibatches); the pool is idle during the k updates.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -65,6 +67,7 @@ class RolloutSource:
         mode: str,
         k: int,
         seed_of: Callable[[int], int] | None = None,
+        shuffle_seed: int = 0,
     ) -> None:
         self.pool = pool
         self.next_prompt_ids = next_prompt_ids
@@ -74,6 +77,7 @@ class RolloutSource:
         self.mode = mode
         self.k = k
         self.seed_of = seed_of  # prompt id -> sampling seed (reproducible generation)
+        self.shuffle_seed = shuffle_seed  # PPO-off-policy-k minibatch order
         self._groups: dict[int, Group] = {}  # pool prompt index -> group
         self._ready: list[Group] = []
         self._ppo_queue: list[list[Group]] = []
@@ -147,7 +151,7 @@ class RolloutSource:
             while self._groups:
                 self._collect(timeout=1.0)
             groups, self._ready = self._ready, []
-            groups.sort(key=lambda g: g.prompt_id)
+            groups = shuffled_groups(groups, self.shuffle_seed)
             self._ppo_queue = [
                 groups[i : i + self.batch_prompts]
                 for i in range(0, len(groups), self.batch_prompts)
@@ -159,3 +163,14 @@ class RolloutSource:
     def wants_push(self) -> bool:
         """PPO pushes once per k updates (the pool is idle in between); PipelineRL every step."""
         return self.mode != "ppo" or not self._ppo_queue
+
+
+def shuffled_groups(groups: list[Group], seed: int) -> list[Group]:
+    """``groups`` in a seeded random order that depends only on ``seed`` and the set of prompt
+    ids: the canonical order (by prompt id) is shuffled by a generator seeded with both, so the
+    order is the same whatever order the groups completed in and however many rounds ran before
+    a resume, and the k minibatches cut from it are not stratified by dataset id."""
+    ordered = sorted(groups, key=lambda g: g.prompt_id)
+    key = f"{seed}:" + ",".join(str(g.prompt_id) for g in ordered)
+    random.Random(key).shuffle(ordered)  # str seeds hash with sha512: stable across processes
+    return ordered

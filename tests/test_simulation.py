@@ -1,0 +1,173 @@
+"""The cluster simulator: cost model by hand, conservation and lag bound on the real
+RolloutSource, utilisation ordering (tiny configs: each test runs in well under 10 s)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.simulation.costs import HARDWARE, CostModel, active_parameters, cost_model
+from megatron_rl.simulation.run import SimSettings, simulate
+from megatron_rl.simulation.workload import LengthModel
+
+
+def tiny_costs(**changes) -> CostModel:
+    model = CostModel(
+        hardware=HARDWARE["h200"],
+        total_params=10**9,
+        active_params=10**9,
+        engine_tp=1,
+        engine_weight_bytes=2 * 10**9,
+        kv_read_bytes_per_token=10**5,
+        kv_capacity_tokens=10**7,
+        push_bytes=2 * 10**9,
+        trainer_gpus=1,
+        attention_dims=((1024, None),) * 4,
+        recompute=False,
+    )
+    return model.with_(**changes)
+
+
+TINY_LENGTHS = LengthModel(
+    max_prompt_tokens=64,
+    max_tokens=600,
+    thinking_budget=(400, 500),
+    answer_budget=50,
+    prompt_median=32,
+    think_median=120,
+    think_sigma=1.0,  # a heavy tail: stragglers make k matter
+    answer_median=20,
+)
+
+
+def tiny_settings(mode: str, k: int, **changes) -> SimSettings:
+    fields = dict(
+        mode=mode,
+        k=k,
+        prompts_per_step=4,
+        samples_per_prompt=4,
+        engines=2,
+        max_num_seqs=16,
+        generator_gpus=2,
+        trainer_gpus=1,
+        steps=32,
+        warmup=4,
+    )
+    fields.update(changes)
+    return SimSettings(**fields)
+
+
+# Loading a recipe imports the config package: ~3 s of CPU, but a minute of wall time on a
+# loaded shared machine.
+@pytest.mark.timeout(240)
+def test_decode_step_and_train_step_by_hand():
+    from megatron_rl.config import load_run_config
+
+    costs = cost_model(load_run_config("recipes/scalerl_8b.yaml", []), "gb200")
+    # Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16: K and V of one token on all layers.
+    assert costs.kv_read_bytes_per_token == 2 * 8 * 128 * 2 * 32
+    assert costs.engine_weight_bytes == pytest.approx(2 * 8.03e9, rel=1e-3)  # 8.03B params
+    # HBM roofline on a GB200 (8 TB/s at 70%): weights + 1,000 context tokens, + 2 ms.
+    expected = (16.0605e9 + 131072 * 1000) / (8e12 * 0.7) + 0.002
+    assert costs.decode_step(1, 1000) == pytest.approx(expected, rel=1e-4)
+    # 6 x active params x tokens (+ causal attention) over 16 GPUs x 2.5 PFLOP/s x 40% MFU.
+    n = 7.50e9  # 8.03B less the 0.53B input embedding (128,256 x 4,096)
+    attention = 3 * 32 * 2 * 4096 * 1000 * 1000
+    expected = (6 * n * 1000 + attention) / (16 * 2.5e15 * 0.4)
+    assert costs.train_step([1000]) == pytest.approx(expected, rel=1e-3)
+    # Push: 8.03B params in bf16 (the FP32 head too) over 400 Gb/s IB at 80%.
+    assert costs.push() == pytest.approx(2 * 8.03e9 / (50e9 * 0.8), rel=1e-3)
+
+
+@pytest.mark.timeout(240)
+def test_moe_flops_use_active_parameters():
+    from megatron_rl.config import load_run_config
+    from megatron_rl.planning.shapes import model_shapes
+
+    config = load_run_config("recipes/scalerl_scout.yaml", [])
+    shapes = model_shapes(config.model)
+    # Llama-4 Scout: 17B active of 109B total (Meta's model card; ~108B in megatron's count);
+    # the card's 17B counts the input embedding, which does no matmul.
+    embedding = shapes.vocab * shapes.hidden
+    assert active_parameters(shapes) + embedding == pytest.approx(17e9, rel=0.03)
+    assert shapes.total_parameters() == pytest.approx(108e9, rel=0.02)
+
+
+@pytest.mark.parametrize(("mode", "k"), [("pipeline_rl", 1), ("pipeline_rl", 4), ("ppo", 4)])
+def test_every_prompt_trained_once_and_lag_bounded(mode, k):
+    result = simulate(tiny_costs(), TINY_LENGTHS, tiny_settings(mode, k))
+    trained = result.trained_prompts
+    assert len(trained) == len(set(trained))  # nothing twice
+    assert set(result.submitted_prompts) == set(trained) | set(result.in_flight_prompts)
+    assert not set(trained) & set(result.in_flight_prompts)  # nothing dropped, nothing lost
+    bound = k if mode == "pipeline_rl" else k - 1  # PPO minibatch j trains at lag j
+    assert result.max_lag <= bound
+    assert sum(result.lag_tokens.values()) > 0
+    assert 0 < result.generator_busy <= 1 and 0 < result.trainer_busy <= 1
+
+
+def test_kv_cache_overflow_preempts_and_still_finishes_everything():
+    costs = tiny_costs(kv_capacity_tokens=1500)  # a few sequences' worth
+    result = simulate(costs, TINY_LENGTHS, tiny_settings("pipeline_rl", 2))
+    assert result.preemptions > 0
+    assert len(result.trained_prompts) == len(set(result.trained_prompts))
+    assert result.max_lag <= 2
+
+
+def test_larger_k_never_lowers_generator_utilisation():
+    busy = []
+    for k in (1, 2, 4, 8):
+        busy.append(simulate(tiny_costs(), TINY_LENGTHS, tiny_settings("pipeline_rl", k)))
+    for small, large in zip(busy, busy[1:]):
+        assert large.generator_busy >= small.generator_busy - 0.01
+        assert large.seconds_per_step <= small.seconds_per_step * 1.01
+    # PPO-off-policy-k: k x B prompts in flight at once fill more of the engines' slots.
+    ppo = [simulate(tiny_costs(), TINY_LENGTHS, tiny_settings("ppo", k, warmup=0)) for k in (1, 8)]
+    assert ppo[1].generator_occupancy > ppo[0].generator_occupancy
+
+
+@pytest.mark.timeout(240)
+def test_simulate_run_tool_prints_a_table_and_a_plot(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    plot = tmp_path / "util.png"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(root / "tools/simulate_run.py"),
+            "recipes/tiny_cpu.yaml",
+            "--k",
+            "1",
+            "2",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--plot",
+            str(plot),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    ).stdout
+    rows = [line for line in out.splitlines() if line.startswith(("| PipelineRL", "| PPO"))]
+    assert len(rows) == 4  # 2 modes x 2 k
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.timeout(240)
+def test_simulator_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, megatron_rl.simulation.run, megatron_rl.simulation.costs; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

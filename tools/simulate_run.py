@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Simulate a recipe at cluster scale: the real RolloutSource against emulated engines and
+trainer on a simulated clock (megatron_rl/simulation/; cost model in simulation/costs.py).
+
+Prints, per mode and k: generator busy and occupancy, trainer busy, per-token lag
+percentiles, samples per GPU-hour and projected GPU-hours for the recipe's max_steps; for an
+8B recipe the ratio to the paper's run (7,400 steps of 768 samples in ~100k GB200 GPU-hours).
+
+    .venv/bin/python tools/simulate_run.py recipes/scalerl_8b.yaml [recipes/scalerl_scout.yaml]
+        [--k 1 2 4 8 16] [--mode pipeline_rl ppo] [--hardware gb200|h200] [--plot out.png]
+        [--steps 40] [--think-median 4000] [KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from pathlib import Path
+
+from megatron_rl.config import ConfigError, load_run_config
+from megatron_rl.simulation.costs import HARDWARE, cost_model
+from megatron_rl.simulation.report import markdown_table, plot_utilisation
+from megatron_rl.simulation.run import settings_from_config, simulate
+from megatron_rl.simulation.workload import length_model
+
+PAPER_8B = {"steps": 7400, "samples_per_step": 768, "gpu_hours": 100_000}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipes", nargs="+", help="recipe YAMLs (KEY=VALUE overrides follow)")
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument(
+        "--mode", nargs="+", default=["pipeline_rl", "ppo"], choices=["pipeline_rl", "ppo"]
+    )
+    parser.add_argument("--hardware", choices=sorted(HARDWARE), default="gb200")
+    parser.add_argument("--steps", type=int, default=40, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="PipelineRL steps not measured")
+    parser.add_argument(
+        "--think-median",
+        type=float,
+        default=4000.0,
+        help="median thinking tokens of the length model",
+    )
+    parser.add_argument(
+        "--push",
+        choices=["broadcast", "serial"],
+        default="broadcast",
+        help="weight push: one pipelined broadcast, or engine after engine",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", help="PNG of utilisation vs k")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    recipes = [r for r in args.recipes if "=" not in r]
+    overrides = [r for r in args.recipes if "=" in r]
+    runs = {}
+    for recipe in recipes:
+        try:
+            config = load_run_config(recipe, overrides)
+        except ConfigError as err:
+            parser.error(str(err))
+        costs = cost_model(config, args.hardware).with_(push_transport=args.push)
+        lengths = length_model(config, think_median=args.think_median)
+        results = []
+        for mode in args.mode:
+            for k in args.k:
+                if mode == "ppo":  # whole rounds of k updates; each round starts empty
+                    steps, warmup = math.ceil(args.steps / k) * k, 0
+                else:
+                    steps, warmup = args.steps, args.warmup
+                settings = settings_from_config(
+                    config, mode, k, steps=steps, warmup=warmup, seed=args.seed
+                )
+                results.append(simulate(costs, lengths, settings))
+        runs[Path(recipe).stem] = results
+        max_steps = config.training.max_steps
+        print(
+            f"\n## {recipe} on {args.hardware} ({config.cluster.trainer_gpus} trainer + "
+            f"{config.cluster.generator_gpus} generator GPUs, {config.rollout.engines} "
+            f"engines x {config.rollout.max_num_seqs} seqs, push {costs.push():.2f} s)\n"
+        )
+        print(markdown_table(results, max_steps))
+        if "8b" in Path(recipe).stem:
+            paper_s = (
+                PAPER_8B["gpu_hours"]
+                * 3600
+                / PAPER_8B["steps"]
+                / (config.cluster.trainer_gpus + config.cluster.generator_gpus)
+            )
+            print(
+                f"\nPaper 8B: {PAPER_8B['gpu_hours']:,} GPU-h for {PAPER_8B['steps']:,} "
+                f"steps = {paper_s:.0f} s/step on 80 GPUs."
+            )
+            for r in results:
+                ratio = PAPER_8B["gpu_hours"] / r.gpu_hours(PAPER_8B["steps"])
+                print(
+                    f"  {r.settings.mode} k={r.settings.k}: simulated "
+                    f"{r.gpu_hours(PAPER_8B['steps']):,.0f} GPU-h, paper / simulated = "
+                    f"{ratio:.1f}x"
+                )
+    if args.plot:
+        print(f"\nplot: {plot_utilisation(runs, args.plot)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
