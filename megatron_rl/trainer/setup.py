@@ -122,6 +122,10 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
     ddp = wrap_model(model, config.optimizer.distributed, config.optimizer.overlap_grad_reduce)
 
     data = load_prompt_data(config.data, tokenizer)
+    if any(source.domain == "code" for source in data.sources):
+        from megatron_rl.rewards.isolation import box_for
+
+        box_for(config.reward)  # no code sandbox: fail now, not at the first code batch
     prompt_tokens = {}
 
     def encode(prompt_id: int) -> list[int]:
