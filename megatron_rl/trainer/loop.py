@@ -211,7 +211,8 @@ def _by_domain(key: str, domains: list[str], rewards: list[float], mean: bool) -
 
 def validate(run: Run, pool, step: int) -> float:
     """mean@G pass rate on the held-out split with the current weights; logged overall
-    (``val_pass_rate``) and per domain (``val_pass_rate/<domain>``)."""
+    (``val_pass_rate``) and, for a mixture of sources, per domain
+    (``val_pass_rate/<domain>``)."""
     cfg = run.config.validation
     # ``num_prompts`` counts per domain, so a cap never leaves a domain out.
     ids = [i for ids in run.data.val_by_domain().values() for i in ids[: cfg.num_prompts]]
@@ -237,7 +238,9 @@ def validate(run: Run, pool, step: int) -> float:
         train_tokens = pool.generated_tokens() - tokens_before - val_tokens
         window.train_fraction = generation_share(train_tokens, val_tokens)
     rate = sum(r > 0 for r in rewards) / len(rewards)
-    per_domain = _by_domain("val_pass_rate", kinds, rewards, mean=False)
+    # A mixture (math + code) also logs each domain's pass rate: one curve per domain.
+    mixture = len(run.data.sources) > 1
+    per_domain = _by_domain("val_pass_rate", kinds, rewards, mean=False) if mixture else {}
     run.metrics.log(
         {
             "step": step,
@@ -250,9 +253,9 @@ def validate(run: Run, pool, step: int) -> float:
             "val_seconds": time.perf_counter() - t0,
         }
     )
-    domains = ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in per_domain.items())
+    domains = "".join(f"{k.split('/')[1]} {v:.3f}, " for k, v in per_domain.items())
     logger.info(
-        "step %d: validation pass rate %.3f (%s; %d samples)", step, rate, domains, len(rewards)
+        "step %d: validation pass rate %.3f (%s%d samples)", step, rate, domains, len(rewards)
     )
     if run.forecast is not None:
         training = run.config.training
