@@ -98,7 +98,8 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         # A prompt split over two steps (chunked prefill) makes vLLM rewind the request's
         # seeded generator, which CPU generators cannot ("CPU Generator does not use
         # offset"): give every step room for all sequences at full length.
-        kwargs["max_num_batched_tokens"] = max(4096, config.max_num_seqs * config.max_model_len)
+        longest = config.max_model_len or getattr(text, "max_position_embeddings", 4096)
+        kwargs["max_num_batched_tokens"] = max(4096, config.max_num_seqs * longest)
     chunk = getattr(text, "attention_chunk_size", None)
     if chunk:
         # vLLM's chunked local attention needs the KV block size to divide the chunk (CPU
