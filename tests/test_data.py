@@ -35,7 +35,7 @@ def test_polaris_jsonl_and_validation_split(tmp_path):
     path = write_jsonl(tmp_path / "polaris.jsonl", polaris_rows(50))
     data = load_prompt_data(DataConfig(source=str(path), val_size=10, split_seed=3))
     assert [p.prompt_id for p in data.prompts] == list(range(50))
-    assert data.get(7) == Prompt(7, "What is 7 + 7?", answer="14")
+    assert data.get(7) == Prompt(7, "What is 7 + 7?", answer="14", domain="math")
     assert data.get(7).kind == "math" and data.get(7).reference == "14"
     assert len(data.val_ids) == 10 and len(data.train_ids) == 40
     assert not set(data.val_ids) & set(data.train_ids)

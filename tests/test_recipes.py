@@ -22,7 +22,8 @@ def test_recipes_are_shipped():
     names = {p.stem for p in ALL}
     expected = {
         "base_scalerl", "scalerl_8b", "scalerl_scout", "deepseek_grpo", "qwen25_dapo",
-        "magistral", "minimax_m1", "tiny_cpu", "tiny_cpu_ppo", *LOO,
+        "magistral", "minimax_m1", "tiny_cpu", "tiny_cpu_ppo", "scalerl_8b_math_code",
+        "tiny_cpu_math_code", *LOO,
     }  # fmt: skip
     assert expected <= names
 
@@ -158,3 +159,30 @@ def test_tiny_recipes_run_the_full_recipe_at_cpu_scale():
     ppo = load("tiny_cpu_ppo")
     assert diff_keys(tiny, ppo) - {"name"} == {"off_policy.mode", "off_policy.k"}
     assert (ppo.off_policy.mode, ppo.off_policy.k) == ("ppo", 1)
+
+
+def test_scalerl_8b_math_code_is_the_paper_run_on_polaris_and_deepcoder():
+    main, joint = load("scalerl_8b"), load("scalerl_8b_math_code")
+    # The ScaleRL recipe is unchanged: only the data and the number of code sandboxes.
+    assert diff_keys(main, joint) - {"name"} == {"data.sources", "reward.num_workers"}
+    sources = joint.data.resolve()
+    math = [s for s in sources if s.domain == "math"]
+    code = [s for s in sources if s.domain == "code"]
+    assert [s.config.source for s in math] == ["POLARIS-Project/Polaris-Dataset-53K"]
+    assert {s.config.source for s in code} == {"agentica-org/DeepCoder-Preview-Dataset"}
+    assert all(s.config.format == "deepcoder" and s.config.fields()[2] == "tests" for s in code)
+    # 1,000 held-out prompts of each domain (SCALERL.md section 1).
+    assert sum(s.config.val_size for s in math) == sum(s.config.val_size for s in code) == 1000
+    assert sum(s.weight for s in math) == pytest.approx(sum(s.weight for s in code))
+
+
+def test_tiny_math_code_mixes_the_arithmetic_and_code_tasks_at_cpu_scale():
+    tiny, joint = load("tiny_cpu"), load("tiny_cpu_math_code")
+    sources = joint.data.resolve()
+    assert [(s.domain, s.config.source) for s in sources] == [
+        ("math", "synthetic"),
+        ("code", "synthetic_code"),
+    ]
+    assert all(s.config.val_size > 0 and s.config.solution_field for s in sources)
+    assert not {k for k in diff_keys(tiny, joint) if k.startswith(("algorithm", "off_policy"))}
+    assert joint.rollout.interruption.enabled and joint.warm_start.steps > 0

@@ -194,3 +194,33 @@ def test_cli_process_reports_errors_without_traceback_and_never_imports_torch(ru
     )
     assert proc.returncode == 0, proc.stderr
     assert "clean" in proc.stdout and plot.exists()
+
+
+def test_fit_one_domain_of_a_joint_run(tmp_path, capsys):
+    """One metrics file with per-domain validation (``val_pass_rate/<domain>``), as a
+    math+code run writes it: ``--y val_pass_rate/code`` fits the code curve alone."""
+    curves = {
+        "math": CurveParams(0.595, 2.05, 2896.0, 0.30),  # Table 1, math+code row
+        "code": CurveParams(0.615, 1.09, 1675.0, 0.20),
+    }
+    points = {
+        d: synthetic_run(p, 100_000, 7400, eval_every=100, noise_sd=0.0, seed=0)
+        for d, p in curves.items()
+    }
+    lines = []
+    for k, x in enumerate(points["math"].x):
+        ys = {f"val_pass_rate/{d}": float(points[d].y[k]) for d in curves}
+        lines.append(json.dumps({"step": k * 100, "gpu_hours": float(x), **ys}))
+    path = tmp_path / "joint" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_text("\n".join(lines) + "\n")
+    fits = {}
+    for domain in curves:
+        assert main(["fit", str(path), "--y", f"val_pass_rate/{domain}", "--json"]) == 0
+        (entry,) = json.loads(capsys.readouterr().out)["runs"]
+        fits[domain] = entry["fit"]
+    for domain, params in curves.items():
+        assert fits[domain]["A"] == pytest.approx(params.a, abs=0.006)
+        assert fits[domain]["B"] == pytest.approx(params.b, rel=0.1)
+    assert main(["fit", str(path), "--y", "val_pass_rate/science"]) == 2
+    assert "val_pass_rate/code" in capsys.readouterr().err  # the fields it has

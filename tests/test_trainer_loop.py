@@ -323,3 +323,51 @@ def test_two_trainer_ranks(tmp_path, layout):
     recs = records(run_dir)
     assert [r["step"] for r in recs if "reward_mean" in r] == [1, 2, 3]
     assert [r["step"] for r in recs if "val_pass_rate" in r] == [0, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(720)  # ~3.5 min on a loaded 2-core machine
+def test_joint_math_code_run_validates_each_domain(tmp_path):
+    """The math+code recipe for 2 steps: rewards of both domains (code in the sandbox),
+    validation per domain in metrics, one plot."""
+    run_dir = tmp_path / "joint"
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_rl.cli",
+        "train",
+        str(ROOT / "recipes" / "tiny_cpu_math_code.yaml"),
+        "warm_start.steps=10",
+        "batch.prompts_per_step=4",
+        "batch.samples_per_prompt=4",
+        "validation.samples_per_prompt=2",
+        "validation.every_steps=2",
+        "validation.num_prompts=4",
+        "training.max_steps=2",
+        "checkpoint.every_steps=0",
+        "checkpoint.save_at_end=false",
+        "logging.tensorboard=false",
+        "logging.progress_bar=false",
+        "--run-dir",
+        str(run_dir),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = records(run_dir)
+    vals = [r for r in recs if "val_pass_rate" in r]
+    assert [r["step"] for r in vals] == [0, 2]
+    for r in vals:
+        assert r["val_samples"] == 4 * 2 * 2  # 4 prompts of each domain x 2 samples
+        math, code = r["val_pass_rate/math"], r["val_pass_rate/code"]
+        assert r["val_pass_rate"] == pytest.approx((math + code) / 2)
+    steps = [r for r in recs if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    cfg = load_run_config(run_dir / "config.yaml", check_model=False)
+    math_ids = cfg.data.resolve()[0].config.synthetic.num_problems
+    trained = [pid for r in steps for pid in r["prompt_ids"]]
+    assert any(pid < math_ids for pid in trained) and any(pid >= math_ids for pid in trained)
+    assert not set(trained) & held_out_ids(run_dir)
+    for r in steps:  # the mean of each domain's rewards, where the batch had that domain
+        domains = [k for k in r if k.startswith("reward_mean/")]
+        assert domains and set(domains) <= {"reward_mean/math", "reward_mean/code"}
+    assert (run_dir / "reward_curve.png").is_file()

@@ -112,19 +112,18 @@ class RunConfig:
     def _validate_validation(self) -> None:
         if not self.validation.enabled:
             return
-        if self.data.val_size == 0:
+        held_out = max(self.data.val_sizes().values())
+        if held_out == 0:
             _fail(
                 "validation.enabled",
                 "validation needs held-out prompts but data.val_size is 0 "
                 "(set data.val_size > 0 or validation.enabled: false)",
             )
-        if self.validation.num_prompts is not None and self.validation.num_prompts > (
-            self.data.val_size
-        ):
+        if self.validation.num_prompts is not None and self.validation.num_prompts > held_out:
             _fail(
                 "validation.num_prompts",
-                f"{self.validation.num_prompts} exceeds the held-out prompts "
-                f"(data.val_size = {self.data.val_size})",
+                f"{self.validation.num_prompts} exceeds the held-out prompts of every source "
+                f"(data.val_size = {held_out})",
             )
 
     def max_response_tokens(self) -> int:

@@ -150,7 +150,8 @@ class ValidationConfig:
         enabled: evaluate at all (needs ``data.val_size > 0``).
         every_steps: evaluate every this many updates (ScaleRL: 100).
         samples_per_prompt: G of mean@G (ScaleRL: 16).
-        num_prompts: evaluate on the first this many held-out prompts; null: all of them.
+        num_prompts: evaluate on the first this many held-out prompts of each domain; null:
+            all of them.
         temperature: sampling temperature; null: ``rollout.temperature`` (paper silent).
         at_start: evaluate once before the first update (the curve's point at C = 0).
     """

@@ -4,23 +4,49 @@ the held-out validation split, prompt rendering and the resumable training sampl
 Heavy libraries (``datasets``, ``transformers``) are imported only when data is loaded.
 """
 
-from megatron_rl.data.config import DataConfig, SyntheticConfig
+from megatron_rl.data.config import (
+    DataConfig,
+    DataSourceConfig,
+    SyntheticCodeConfig,
+    SyntheticConfig,
+)
 from megatron_rl.data.prompts import Prompt, PromptData, load_prompt_data
 from megatron_rl.data.rendering import render_prompt, sft_example
 from megatron_rl.data.sampler import (
+    MixedPromptSampler,
     PromptSampler,
     RetirementTracker,
     has_reward_variance,
     refill_until,
 )
 
+
+def build_sampler(data: PromptData, config: DataConfig, tracker=None):
+    """The training sampler of ``data``: a ``PromptSampler`` for one source (the state
+    format of every single-source run), a ``MixedPromptSampler`` for a mixture."""
+    if len(data.sources) <= 1:
+        return PromptSampler(
+            data.train_ids, seed=config.sampler_seed, shuffle=config.shuffle, tracker=tracker
+        )
+    return MixedPromptSampler(
+        [(source.name, ids, source.weight) for source, ids in data.train_by_source()],
+        seed=config.sampler_seed,
+        shuffle=config.shuffle,
+        tracker=tracker,
+    )
+
+
 __all__ = [
     "DataConfig",
+    "DataSourceConfig",
+    "MixedPromptSampler",
     "Prompt",
     "PromptData",
     "PromptSampler",
     "RetirementTracker",
+    "SyntheticCodeConfig",
     "SyntheticConfig",
+    "build_sampler",
     "has_reward_variance",
     "load_prompt_data",
     "refill_until",

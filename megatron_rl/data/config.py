@@ -8,11 +8,16 @@ followed by the answer, No-Positive-Resampling handled by the sampler, no dynami
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 DATA_FORMATS: tuple[str, ...] = ("polaris", "deepcoder", "custom")
 SYNTHETIC_OPERATIONS: tuple[str, ...] = ("add", "sub", "mul")
 SYNTHETIC_SOURCE = "synthetic"
+SYNTHETIC_CODE_SOURCE = "synthetic_code"
+SYNTHETIC_CODE_TEMPLATES: tuple[str, ...] = ("sum", "diff", "max", "min", "prod")
+# A prompt's domain picks its verifier (the reward kinds of megatron_rl.rewards).
+DOMAINS: tuple[str, ...] = ("math", "code")
 
 # Default field names of each format: (problem, answer, tests).
 FORMAT_FIELDS: dict[str, tuple[str, str, str]] = {
@@ -63,6 +68,93 @@ class SyntheticConfig:
 
 
 @dataclass
+class SyntheticCodeConfig:
+    """The synthetic code task (``source: synthetic_code``): read two ints from stdin, print
+    an expression of them (``max(a,b)+7``), checked by stdin/stdout tests.
+
+    Attributes:
+        templates: expression templates to draw from, a subset of SYNTHETIC_CODE_TEMPLATES
+            (sum ``a+b+k``, diff ``a-b+k``, max ``max(a,b)+k``, min ``min(a,b)+k``,
+            prod ``a*b+k``).
+        max_constant: the constant ``k`` is drawn from [0, max_constant].
+        max_operand: test inputs ``a`` and ``b`` are drawn from [0, max_operand].
+        num_tests: stdin/stdout tests per problem.
+        num_problems: distinct problems generated (capped by how many exist).
+        seed: generator seed; the same settings always write the same file.
+    """
+
+    templates: tuple[str, ...] = SYNTHETIC_CODE_TEMPLATES
+    max_constant: int = 99
+    max_operand: int = 99
+    num_tests: int = 3
+    num_problems: int = 500
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        templates = tuple(self.templates)
+        if not templates or any(t not in SYNTHETIC_CODE_TEMPLATES for t in templates):
+            raise ValueError(
+                "synthetic_code.templates must be a non-empty subset of "
+                f"{list(SYNTHETIC_CODE_TEMPLATES)}, got {self.templates!r}"
+            )
+        for name, low in (("max_constant", 0), ("max_operand", 1), ("num_tests", 1),
+                          ("num_problems", 1)):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"synthetic_code.{name} must be an int >= {low}, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"synthetic_code.seed must be an int, got {self.seed!r}")
+
+
+@dataclass
+class DataSourceConfig:
+    """One prompt source of a mixture (``data.sources``); unset fields follow ``data``.
+
+    Attributes:
+        source: as ``data.source`` (hub name, local file or directory, "synthetic",
+            "synthetic_code").
+        name: name of the source in logs and errors; empty: the domain.
+        domain: "math" or "code": the verifier of its prompts and the suffix of its
+            validation metrics (``val_pass_rate/<domain>``); empty: "code" when the
+            format has tests (deepcoder), else "math".
+        weight: mixing weight; a source gets ``weight / sum(weights)`` of the drawn prompts.
+        format, hub_subset, hub_split, problem_field, answer_field, tests_field,
+            solution_field, prompt_template: as in ``data``; empty: ``data``'s value
+            (``format`` defaults to "deepcoder" for the synthetic code task).
+        val_size: held-out validation prompts of this source; null: ``data.val_size``
+            (ScaleRL math+code: 1,000 of each).
+        synthetic / synthetic_code: settings of the synthetic tasks.
+    """
+
+    source: str = ""
+    name: str = ""
+    domain: str = ""
+    weight: float = 1.0
+    format: str = ""
+    hub_subset: str = ""
+    hub_split: str = ""
+    problem_field: str = ""
+    answer_field: str = ""
+    tests_field: str = ""
+    solution_field: str = ""
+    prompt_template: str = ""
+    val_size: int | None = None
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    synthetic_code: SyntheticCodeConfig = field(default_factory=SyntheticCodeConfig)
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """A source of the mixture with every setting filled in (``DataConfig.resolve()``)."""
+
+    name: str
+    domain: str
+    weight: float
+    config: DataConfig  # a single-source DataConfig (``sources`` empty)
+
+
+@dataclass
 class DataConfig:
     """Where prompts come from, how they are split, rendered and sampled.
 
@@ -93,6 +185,11 @@ class DataConfig:
             enough groups with non-zero reward variance (``sampler.refill_until``).
         dynamic_sampling_max_rounds: most draws per batch before giving up with fewer.
         synthetic: settings of the synthetic arithmetic task.
+        synthetic_code: settings of the synthetic code task (``source: synthetic_code``).
+        domain: domain of the single source ("math" / "code"); empty: by the format.
+        sources: a mixture of several sources (math + code runs), each with a mixing weight
+            and its own validation split; empty: the single source described above. Set
+            here, the per-source keys above are defaults of every entry.
     """
 
     source: str = SYNTHETIC_SOURCE
@@ -118,6 +215,9 @@ class DataConfig:
     dynamic_sampling: bool = False
     dynamic_sampling_max_rounds: int = 8
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    synthetic_code: SyntheticCodeConfig = field(default_factory=SyntheticCodeConfig)
+    domain: str = ""
+    sources: list[DataSourceConfig] = field(default_factory=list)
 
     def fields(self) -> tuple[str, str, str]:
         """Effective (problem, answer, tests) field names; "" where the format has none."""
@@ -128,8 +228,88 @@ class DataConfig:
             self.tests_field or tests,
         )
 
+    def effective_domain(self) -> str:
+        """This (single-source) config's domain: ``domain``, else "code" when the format
+        has tests, else "math"."""
+        if self.domain:
+            return self.domain
+        problem, answer, tests = self.fields()
+        return "code" if tests else "math"
+
+    def resolve(self) -> list[ResolvedSource]:
+        """The sources of the run, in order: ``sources`` with unset fields taken from this
+        config, or this config itself as the only source (weight 1)."""
+        if not self.sources:
+            return [ResolvedSource(self.effective_domain(), self.effective_domain(), 1.0, self)]
+        resolved = []
+        for entry in self.sources:
+            synthetic_code = entry.source == SYNTHETIC_CODE_SOURCE
+            changes = {
+                "source": entry.source,
+                "format": entry.format or ("deepcoder" if synthetic_code else self.format),
+                "val_size": self.val_size if entry.val_size is None else entry.val_size,
+                "synthetic": entry.synthetic,
+                "synthetic_code": entry.synthetic_code,
+                "domain": entry.domain,
+                "sources": [],
+            }
+            for name in ("hub_subset", "hub_split", "problem_field", "answer_field",
+                         "tests_field", "solution_field", "prompt_template"):  # fmt: skip
+                changes[name] = getattr(entry, name) or getattr(self, name)
+            if entry.format and not entry.problem_field:  # the entry's format names its fields
+                for name in ("problem_field", "answer_field", "tests_field"):
+                    changes[name] = getattr(entry, name)
+            config = dataclasses.replace(self, **changes)
+            domain = config.effective_domain()
+            resolved.append(ResolvedSource(entry.name or domain, domain, entry.weight, config))
+        return resolved
+
+    def val_sizes(self) -> dict[str, int]:
+        """Held-out prompts of each source, by source name."""
+        return {s.name: s.config.val_size for s in self.resolve()}
+
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
+        if self.sources:
+            self._validate_sources()
+        self._validate_single()
+
+    def _validate_sources(self) -> None:
+        names = set()
+        for i, entry in enumerate(self.sources):
+            if not isinstance(entry.source, str) or not entry.source:
+                raise ValueError(f"sources[{i}].source must be a non-empty string")
+            weight = entry.weight
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, (int, float))
+                or not (0 < weight < float("inf"))
+            ):
+                raise ValueError(f"sources[{i}].weight must be a number > 0, got {weight!r}")
+            if entry.val_size is not None and (
+                isinstance(entry.val_size, bool)
+                or not isinstance(entry.val_size, int)
+                or entry.val_size < 0
+            ):
+                raise ValueError(f"sources[{i}].val_size must be an int >= 0 or null")
+            if entry.domain and entry.domain not in DOMAINS:
+                raise ValueError(
+                    f"sources[{i}].domain must be one of {list(DOMAINS)}, got {entry.domain!r}"
+                )
+        for i, source in enumerate(self.resolve()):
+            try:
+                source.config._validate_single()
+            except ValueError as err:
+                raise ValueError(f"sources[{i}].{err}") from None
+            if source.name in names:
+                raise ValueError(
+                    f"sources[{i}].name {source.name!r} is used twice (name the sources)"
+                )
+            names.add(source.name)
+
+    def _validate_single(self) -> None:
+        if self.domain and self.domain not in DOMAINS:
+            raise ValueError(f"domain must be one of {list(DOMAINS)}, got {self.domain!r}")
         if not isinstance(self.source, str) or not self.source:
             raise ValueError(f"source must be a non-empty string, got {self.source!r}")
         if self.format not in DATA_FORMATS:
@@ -163,3 +343,4 @@ class DataConfig:
         if not self.think_start or not self.think_end:
             raise ValueError("think_start and think_end must be non-empty")
         self.synthetic.validate()
+        self.synthetic_code.validate()

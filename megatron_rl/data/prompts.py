@@ -8,6 +8,10 @@ that ids stay valid across restarts (sampler and No-Positive-Resampling state).
 The validation split holds ``val_size`` prompts drawn at random with ``split_seed``; any
 training prompt whose (whitespace-normalised) problem text equals a validation problem is
 removed too, so duplicated rows cannot leak validation problems into training.
+
+A mixture (``data.sources``) loads each source in turn; ids continue from one source to the
+next (the first source's rows first), every prompt records its source and domain, and each
+source holds out its own validation split.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.data.config import SYNTHETIC_SOURCE, DataConfig
+from megatron_rl.data.config import (
+    SYNTHETIC_CODE_SOURCE,
+    SYNTHETIC_SOURCE,
+    DataConfig,
+    ResolvedSource,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +45,24 @@ _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 @dataclass(frozen=True)
 class Prompt:
     """One prompt. Math prompts have ``answer``; code prompts have ``tests`` (the
-    reference passed to ``megatron_rl.rewards``, ``{"tests": raw, "fn_name": name}``)."""
+    reference passed to ``megatron_rl.rewards``, ``{"tests": raw, "fn_name": name}``).
+    ``domain`` ("math" / "code") picks the verifier; ``source`` indexes
+    ``PromptData.sources`` (0 for a single-source run)."""
 
     prompt_id: int
     problem: str
     answer: str | None = None
     tests: dict[str, Any] | None = None
     solution: str | None = None
+    domain: str = ""
+    source: int = 0
 
     @property
     def kind(self) -> str:
-        """Reward kind: "code" when the prompt has tests, else "math"."""
+        """Reward kind: the domain; without one, "code" when the prompt has tests, else
+        "math"."""
+        if self.domain:
+            return self.domain
         return "code" if self.tests is not None else "math"
 
     @property
@@ -62,6 +78,25 @@ class PromptData:
     prompts: list[Prompt]
     train_ids: list[int]
     val_ids: list[int] = field(default_factory=list)
+    sources: list[ResolvedSource] = field(default_factory=list)
+
+    def config_of(self, prompt_id: int) -> DataConfig:
+        """The (single-source) data config of the prompt's source (rendering, SFT)."""
+        return self.sources[self.prompts[prompt_id].source].config
+
+    def train_by_source(self) -> list[tuple[ResolvedSource, list[int]]]:
+        """Each source with its training ids, in source order (the sampler's mixture)."""
+        return [
+            (source, [i for i in self.train_ids if self.prompts[i].source == k])
+            for k, source in enumerate(self.sources)
+        ]
+
+    def val_by_domain(self) -> dict[str, list[int]]:
+        """Validation ids of each domain, in id order (domains in order of appearance)."""
+        out: dict[str, list[int]] = {}
+        for i in self.val_ids:
+            out.setdefault(self.prompts[i].kind, []).append(i)
+        return out
 
     def get(self, prompt_id: int) -> Prompt:
         """The prompt with this id."""
@@ -114,6 +149,16 @@ def load_records(config: DataConfig) -> Any:
             think_end=config.think_end,
         )
         return _load_local(path, "train", cache_dir)
+    if config.source == SYNTHETIC_CODE_SOURCE:
+        from megatron_rl.data.synthetic_code import write_synthetic_code_dataset
+
+        path = write_synthetic_code_dataset(
+            config.synthetic_code,
+            cache_dir=config.cache_dir,
+            think_start=config.think_start,
+            think_end=config.think_end,
+        )
+        return _load_local(path, "train", cache_dir)
     path = Path(config.source).expanduser()
     if path.exists():
         return _load_local(path, config.hub_split, cache_dir)
@@ -152,17 +197,25 @@ def _problem_text(row: dict[str, Any], field_name: str, config: DataConfig) -> s
     return problem
 
 
-def build_prompts(rows: Any, config: DataConfig) -> list[Prompt]:
-    """``Prompt`` objects from raw rows (``datasets.Dataset`` or list of dicts)."""
+def build_prompts(
+    rows: Any, config: DataConfig, first_id: int = 0, source: int = 0
+) -> list[Prompt]:
+    """``Prompt`` objects from raw rows (``datasets.Dataset`` or list of dicts), numbered
+    from ``first_id``, of source index ``source`` and domain ``config.effective_domain()``."""
     problem_field, answer_field, tests_field = config.fields()
     columns = list(rows.column_names) if hasattr(rows, "column_names") else None
     if columns is not None:
         for name in (problem_field, answer_field, tests_field):
             if name and name not in columns:
                 raise ValueError(f"field {name!r} is not in the dataset (fields: {columns})")
+    domain = config.effective_domain()
+    if domain == "code" and not tests_field:
+        raise ValueError(f"source {config.source!r} has domain 'code' but no tests field")
+    if domain == "math" and not answer_field:
+        raise ValueError(f"source {config.source!r} has domain 'math' but no answer field")
     prompts = []
     for i, row in enumerate(rows):
-        if tests_field:
+        if domain == "code":
             reference = {"tests": row[tests_field], "fn_name": _fn_name(row)}
             answer, tests = None, reference
         else:
@@ -170,11 +223,13 @@ def build_prompts(rows: Any, config: DataConfig) -> list[Prompt]:
         solution = row.get(config.solution_field) if config.solution_field else None
         prompts.append(
             Prompt(
-                prompt_id=i,
+                prompt_id=first_id + i,
                 problem=_problem_text(row, problem_field, config),
                 answer=answer,
                 tests=tests,
                 solution=str(solution) if solution is not None else None,
+                domain=domain,
+                source=source,
             )
         )
     return prompts
@@ -190,11 +245,12 @@ def split_ids(prompts: list[Prompt], val_size: int, seed: int) -> tuple[list[int
     if val_size >= len(prompts) and val_size > 0:
         raise ValueError(f"val_size={val_size} leaves no training prompts out of {len(prompts)}")
     ids = [p.prompt_id for p in prompts]
+    by_id = {p.prompt_id: p for p in prompts}
     val_ids = sorted(random.Random(f"val-split-{seed}").sample(ids, val_size))
     chosen = set(val_ids)
-    val_problems = {_normalise(prompts[i].problem) for i in val_ids}
+    val_problems = {_normalise(by_id[i].problem) for i in val_ids}
     train_ids = [
-        i for i in ids if i not in chosen and _normalise(prompts[i].problem) not in val_problems
+        i for i in ids if i not in chosen and _normalise(by_id[i].problem) not in val_problems
     ]
     dropped = len(ids) - len(val_ids) - len(train_ids)
     if dropped:
@@ -205,12 +261,40 @@ def split_ids(prompts: list[Prompt], val_size: int, seed: int) -> tuple[list[int
 
 
 def load_prompt_data(config: DataConfig, tokenizer: Any = None) -> PromptData:
-    """Load, split and (with ``max_prompt_tokens`` and a tokenizer) length-filter prompts."""
+    """Load, split and (with ``max_prompt_tokens`` and a tokenizer) length-filter the
+    prompts of every source; each source is split on its own."""
     config.validate()
-    prompts = build_prompts(load_records(config), config)
-    if not prompts:
-        raise ValueError(f"dataset {config.source!r} is empty")
+    sources = config.resolve()
+    prompts: list[Prompt] = []
+    train_ids: list[int] = []
+    val_ids: list[int] = []
+    for index, source in enumerate(sources):
+        part = build_prompts(load_records(source.config), source.config, len(prompts), index)
+        if not part:
+            raise ValueError(f"dataset {source.config.source!r} is empty")
+        train, val = _load_split(part, source.config, tokenizer)
+        prompts += part
+        train_ids += train
+        val_ids += val
+        if len(sources) > 1:
+            logger.info(
+                "source %s (%s, weight %g): %d train, %d validation",
+                source.name,
+                source.domain,
+                source.weight,
+                len(train),
+                len(val),
+            )
+    logger.info("prompts: %d train, %d validation", len(train_ids), len(val_ids))
+    return PromptData(prompts, train_ids, val_ids, sources)
+
+
+def _load_split(
+    prompts: list[Prompt], config: DataConfig, tokenizer: Any
+) -> tuple[list[int], list[int]]:
+    """(train ids, validation ids) of one source's prompts, length-filtered."""
     train_ids, val_ids = split_ids(prompts, config.val_size, config.split_seed)
+    by_id = {p.prompt_id: p for p in prompts}
     if config.max_prompt_tokens:
         if tokenizer is None:
             raise ValueError("max_prompt_tokens needs a tokenizer")
@@ -218,8 +302,7 @@ def load_prompt_data(config: DataConfig, tokenizer: Any = None) -> PromptData:
 
         def fits(i: int) -> bool:
             return (
-                prompt_token_count(prompts[i].problem, config, tokenizer)
-                <= config.max_prompt_tokens
+                prompt_token_count(by_id[i].problem, config, tokenizer) <= config.max_prompt_tokens
             )
 
         kept_train, kept_val = [i for i in train_ids if fits(i)], [i for i in val_ids if fits(i)]
@@ -232,7 +315,7 @@ def load_prompt_data(config: DataConfig, tokenizer: Any = None) -> PromptData:
         train_ids, val_ids = kept_train, kept_val
         if not train_ids:
             raise ValueError(
-                f"no training prompt fits max_prompt_tokens={config.max_prompt_tokens}"
+                f"no training prompt of {config.source!r} fits "
+                f"max_prompt_tokens={config.max_prompt_tokens}"
             )
-    logger.info("prompts: %d train, %d validation", len(train_ids), len(val_ids))
-    return PromptData(prompts, train_ids, val_ids)
+    return train_ids, val_ids

@@ -94,6 +94,12 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
     kwargs: dict[str, Any] = {}
     if get_platform().is_gpu:
         kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gb * 2**30)
+    else:
+        # A prompt split over two steps (chunked prefill) makes vLLM rewind the request's
+        # seeded generator, which CPU generators cannot ("CPU Generator does not use
+        # offset"): give every step room for all sequences at full length.
+        longest = config.max_model_len or getattr(text, "max_position_embeddings", 4096)
+        kwargs["max_num_batched_tokens"] = max(4096, config.max_num_seqs * longest)
     chunk = getattr(text, "attention_chunk_size", None)
     if chunk:
         # vLLM's chunked local attention needs the KV block size to divide the chunk (CPU

@@ -194,13 +194,29 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
             for i, g in enumerate(groups)
         ],
     }
+    if len(run.data.sources) > 1:  # a mixture: the training reward of each domain too
+        info.update(_by_domain("reward_mean", [p.kind for p in prompts], rewards, mean=True))
     return samples, info
 
 
+def _by_domain(key: str, domains: list[str], rewards: list[float], mean: bool) -> dict:
+    """``{key/<domain>: mean reward (mean) or pass rate}`` over the items of each domain."""
+    out = {}
+    for domain in dict.fromkeys(domains):
+        values = [r for d, r in zip(domains, rewards) if d == domain]
+        out[f"{key}/{domain}"] = (
+            sum(values) / len(values) if mean else sum(r > 0 for r in values) / len(values)
+        )
+    return out
+
+
 def validate(run: Run, pool, step: int) -> float:
-    """mean@G pass rate on the held-out split with the current weights; logged."""
+    """mean@G pass rate on the held-out split with the current weights; logged overall
+    (``val_pass_rate``) and, for a mixture of sources, per domain
+    (``val_pass_rate/<domain>``)."""
     cfg = run.config.validation
-    ids = run.data.val_ids[: cfg.num_prompts] if cfg.num_prompts else run.data.val_ids
+    # ``num_prompts`` counts per domain, so a cap never leaves a domain out.
+    ids = [i for ids in run.data.val_by_domain().values() for i in ids[: cfg.num_prompts]]
     if not ids:
         return float("nan")
     t0 = time.perf_counter()
@@ -223,18 +239,25 @@ def validate(run: Run, pool, step: int) -> float:
         train_tokens = pool.generated_tokens() - tokens_before - val_tokens
         window.train_fraction = generation_share(train_tokens, val_tokens)
     rate = sum(r > 0 for r in rewards) / len(rewards)
+    # A mixture (math + code) also logs each domain's pass rate: one curve per domain.
+    mixture = len(run.data.sources) > 1
+    per_domain = _by_domain("val_pass_rate", kinds, rewards, mean=False) if mixture else {}
     run.metrics.log(
         {
             "step": step,
             **hours,
             "val_pass_rate": rate,
+            **per_domain,
             "val_samples": len(rewards),
             "val_reward_timeouts": run.rewards.last_counts["timeout"],
             "val_train_fraction": window.train_fraction,
             "val_seconds": time.perf_counter() - t0,
         }
     )
-    logger.info("step %d: validation pass rate %.3f (%d samples)", step, rate, len(rewards))
+    domains = "".join(f"{k.split('/')[1]} {v:.3f}, " for k, v in per_domain.items())
+    logger.info(
+        "step %d: validation pass rate %.3f (%s%d samples)", step, rate, domains, len(rewards)
+    )
     if run.forecast is not None:
         training = run.config.training
         budget = resolve_budget(
@@ -288,7 +311,8 @@ def warm_start(run: Run) -> None:
     tok, examples = run.tokenizer, []
     for prompt in run.data.train():
         if prompt.solution:
-            text, target = sft_example(prompt.problem, prompt.solution, run.config.data, tok)
+            config = run.data.config_of(prompt.prompt_id)
+            text, target = sft_example(prompt.problem, prompt.solution, config, tok)
             target_ids = tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             examples.append((tok(text)["input_ids"], target_ids))
     if not examples:

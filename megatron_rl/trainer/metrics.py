@@ -172,6 +172,9 @@ def plot_reward_curve(
 ) -> Path:
     """Plot ``keys`` against ``step`` (left) and ``gpu_hours`` (right) to a PNG.
 
+    Per-domain series of a key (``val_pass_rate/math``, ``val_pass_rate/code`` ...: a
+    math+code run) are drawn too, one line per domain, after their key.
+
     With a ``forecast`` the right panel also shows the fitted curve (solid over the fitted
     points, dashed beyond), its bootstrap band extrapolated to the budget, and the predicted
     pass rate there. The PNG is replaced atomically (a reader never sees half a file).
@@ -182,6 +185,7 @@ def plot_reward_curve(
     import matplotlib.pyplot as plt
 
     records = read_records(metrics_path)
+    keys = _with_domains(keys, records)
     if not any(r.get(k) is not None for r in records for k in keys):
         raise ValueError(f"{metrics_path}: no records with any of {list(keys)}")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
@@ -202,6 +206,16 @@ def plot_reward_curve(
     plt.close(fig)
     os.replace(tmp, out_png)
     return out_png
+
+
+def _with_domains(keys: tuple[str, ...], records: list[dict[str, Any]]) -> tuple[str, ...]:
+    """``keys``, each followed by its per-domain keys (``key/<domain>``) seen in records."""
+    seen = dict.fromkeys(k for r in records for k in r)
+    out: list[str] = []
+    for key in keys:
+        out.append(key)
+        out += [k for k in seen if k.startswith(f"{key}/") and k not in keys]
+    return tuple(out)
 
 
 def _draw_forecast(ax: Any, forecast: Forecast) -> None:

@@ -95,7 +95,7 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
 
     from megatron_rl.algorithms import PassRateTracker
     from megatron_rl.conversion.hf import load_hf_weights
-    from megatron_rl.data import PromptSampler, load_prompt_data, render_prompt
+    from megatron_rl.data import build_sampler, load_prompt_data, render_prompt
     from megatron_rl.models.provider import DTYPES, build_model
     from megatron_rl.platform import get_platform, init_distributed
     from megatron_rl.rewards import RewardPool
@@ -122,11 +122,15 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
     ddp = wrap_model(model, config.optimizer.distributed, config.optimizer.overlap_grad_reduce)
 
     data = load_prompt_data(config.data, tokenizer)
+    if any(source.domain == "code" for source in data.sources):
+        from megatron_rl.rewards.isolation import box_for
+
+        box_for(config.reward)  # no code sandbox: fail now, not at the first code batch
     prompt_tokens = {}
 
     def encode(prompt_id: int) -> list[int]:
         if prompt_id not in prompt_tokens:
-            text = render_prompt(data.get(prompt_id).problem, config.data, tokenizer)
+            text = render_prompt(data.get(prompt_id).problem, data.config_of(prompt_id), tokenizer)
             prompt_tokens[prompt_id] = tokenizer(text)["input_ids"]
         return prompt_tokens[prompt_id]
 
@@ -134,9 +138,7 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
     tracker = None
     if algo.npr_threshold is not None:
         tracker = PassRateTracker(algo.npr_threshold, history=algo.npr_history)
-    sampler = PromptSampler(
-        data.train_ids, seed=config.data.sampler_seed, shuffle=config.data.shuffle, tracker=tracker
-    )
+    sampler = build_sampler(data, config.data, tracker)
     # GPU-hours: trainer devices plus generator devices (on a CPU run: processes and engines).
     rollout = config.rollout
     devices = run_devices(
