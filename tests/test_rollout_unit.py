@@ -217,7 +217,9 @@ def test_subsequence_search():
         ({"engines": 2, "gpu_ids": [0, 1, 2]}, "gpu_ids"),
         ({"weight_transport": "rdma"}, "weight_transport"),
         ({"weight_transport": "nccl"}, "placement"),  # in_process: engines share our GPU
-        ({"weight_transport": "nccl", "placement": "subprocess"}, "gpu_ids"),
+        ({"weight_transport": "nccl", "placement": "subprocess", "colocate": True}, "colocate"),
+        ({"push_timeout_seconds": 0}, "push_timeout_seconds"),
+        ({"startup_timeout_minutes": -1}, "startup_timeout_minutes"),
         ({"interruption": InterruptionConfig(thinking_budget=(9, 3))}, "thinking_budget"),
         ({"interruption": InterruptionConfig(answer_budget=0)}, "answer_budget"),
         (

@@ -309,7 +309,7 @@ def test_two_trainer_ranks(tmp_path, layout):
         "checkpoint.every_steps=2", "--run-dir", str(run_dir),
     ]  # fmt: skip
     env = {**train_env(), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = records(run_dir)
     assert [r["step"] for r in recs if "reward_mean" in r] == [1, 2]  # one writer
