@@ -160,10 +160,25 @@ def synthetic_dataset_path(
     think_end: str = "</think>",
 ) -> Path:
     """Where ``write_synthetic_dataset`` puts the file for these settings."""
-    key = json.dumps([_FORMAT_VERSION, asdict(config), think_start, think_end], sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cached_path("synthetic", [_FORMAT_VERSION, asdict(config), think_start, think_end],
+                       cache_dir)  # fmt: skip
+
+
+def cached_path(kind: str, settings: list, cache_dir: str = "") -> Path:
+    """``<cache_dir>/<kind>-<digest of settings>.jsonl``: one file per generator settings."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "megatron_rl_data"
-    return root / f"synthetic-{digest}.jsonl"
+    return root / f"{kind}-{digest}.jsonl"
+
+
+def write_jsonl(target: Path, records: list[dict]) -> None:
+    """Write ``records`` as JSON lines, atomically (readers never see a partial file)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    os.replace(tmp, target)
 
 
 def write_synthetic_dataset(
@@ -184,13 +199,8 @@ def write_synthetic_dataset(
             return target
     else:
         target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     problems = generate_problems(config, think_start, think_end)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        for record in problems:
-            f.write(json.dumps(record) + "\n")
-    os.replace(tmp, target)
+    write_jsonl(target, problems)
     logger.info("wrote %d synthetic problems to %s", len(problems), target)
     return target
 

@@ -19,16 +19,14 @@ datasets (``format: deepcoder``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import random
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 from megatron_rl.data.config import SyntheticCodeConfig
+from megatron_rl.data.synthetic import cached_path, write_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -97,18 +95,11 @@ def write_synthetic_code_dataset(
     think_end: str = "</think>",
 ) -> Path:
     """Write the problems as JSON lines (atomically, once per settings) and return the path."""
-    key = json.dumps([_FORMAT_VERSION, asdict(config), think_start, think_end], sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    root = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "megatron_rl_data"
-    target = root / f"synthetic-code-{digest}.jsonl"
+    settings = [_FORMAT_VERSION, asdict(config), think_start, think_end]
+    target = cached_path("synthetic-code", settings, cache_dir)
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     problems = generate_code_problems(config, think_start, think_end)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        for record in problems:
-            f.write(json.dumps(record) + "\n")
-    os.replace(tmp, target)
+    write_jsonl(target, problems)
     logger.info("wrote %d synthetic code problems to %s", len(problems), target)
     return target
