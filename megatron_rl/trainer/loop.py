@@ -113,9 +113,12 @@ def train(config: RunConfig, run_dir: Path) -> int:
                 signal_name = stop.requested or "a signal to another rank"
                 logger.info("stopping on %s after checkpointing step %d", signal_name, step)
                 return 0
-        if main and config.validation.enabled and step % config.validation.every_steps != 0:
+        validated_at_end = config.validation.enabled and step % config.validation.every_steps != 0
+        if main and validated_at_end:
             validate(run, pool, step)
-        if config.checkpoint.save_at_end:
+        # The loop's own checkpoint of this step holds everything unless validation ran since.
+        saved = step > 0 and _due(step, config.checkpoint.every_steps) and not validated_at_end
+        if config.checkpoint.save_at_end and not saved:
             save_checkpoint(run, step, source)
         finished = True
     finally:
