@@ -105,7 +105,7 @@ def _kill_after_checkpoint(run_dir: Path, step: int, *overrides: str) -> None:
         stderr=subprocess.DEVNULL,
     )
     meta = run_dir / "checkpoints" / f"step_{step:08d}" / "meta.json"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 400  # a loaded machine: 2 min were not always enough
     while not meta.is_file() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
@@ -290,16 +290,17 @@ def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path):
     "layout",
     [
         "parallel.tensor=2",
-        "parallel.tensor=1",
         "parallel.pipeline=2",
         "model.preset=tiny-llama4 parallel.expert=2",
     ],
-    ids=["tp2", "dp2", "pp2", "ep2_moe"],
+    ids=["tp2", "pp2", "ep2_moe"],
 )
 def test_two_trainer_ranks(tmp_path, layout):
-    """Two torch.distributed ranks (TP=2, DP=2, PP=2, or EP=2 on the tiny Llama-4 MoE): the
-    main rank owns the pool (an engine process) and the metrics; updates, pushes and checkpoints are collective. The TP=2
-    run then resumes on one rank (model and optimizer state reshard)."""
+    """Two torch.distributed ranks (TP=2, PP=2, or EP=2 on the tiny Llama-4 MoE): the main
+    rank owns the pool (an engine process) and the metrics; updates, pushes and checkpoints
+    are collective. Not repeated here, each at its own level: a data-parallel update equals
+    one rank's (test_trainer_step.py), and a checkpoint resumes in another layout with the
+    same next AdamW step (test_checkpoint.py)."""
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -317,12 +318,6 @@ def test_two_trainer_ranks(tmp_path, layout):
     assert all(r["staleness_max"] <= 8 for r in recs if "reward_mean" in r)
     meta = json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["world_size"] == 2
-    if layout != "parallel.tensor=2":
-        return
-    run_train(run_dir, "training.max_steps=3", "validation.every_steps=2")
-    recs = records(run_dir)
-    assert [r["step"] for r in recs if "reward_mean" in r] == [1, 2, 3]
-    assert [r["step"] for r in recs if "val_pass_rate" in r] == [0, 2, 3]
 
 
 @pytest.mark.slow
