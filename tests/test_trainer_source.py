@@ -235,7 +235,7 @@ def test_dynamic_sampling_cap_bounds_the_prompts_drawn_per_batch(mode, max_round
     k = 2
     source = dynamic_source(pool, mode, k=k, scorer=scorer, max_rounds=max_rounds)
     per_call = []
-    for step in range(6):
+    for _ in range(6):
         batch = source.next_batch(pool.version)
         assert len(batch) == 4
         per_call.append(dict(source.counts))

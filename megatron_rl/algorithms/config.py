@@ -3,7 +3,8 @@
 Defaults are the ScaleRL recipe (SCALERL.md section 2): CISPO with eps_max 4, prompt-level
 loss aggregation, batch-level advantage normalisation, zero-variance filtering and
 No-Positive-Resampling at pass rate 0.9; forced interruptions instead of a length penalty.
-Dynamic sampling (refilling the batch) is owned by the data sampler, not configured here.
+Dynamic sampling (refilling the batch, ``data.dynamic_sampling``) is done by the trainer's rollout
+source, not configured here.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ class AlgorithmConfig:
         eps_high: upper clip (ratio <= 1 + eps_high) for ppo_clip / gspo; None = loss default.
         aggregation: how token objectives are averaged, one of AGGREGATION_NAMES.
         advantage_normalization: one of NORMALIZATION_NAMES.
-        zero_variance_filter: drop groups whose rewards are all equal (no loss, no refill).
+        zero_variance_filter: groups whose rewards are all equal get no loss and no share of
+            the loss normalisers (no refill). With ``data.dynamic_sampling`` such groups are
+            replaced before they reach a batch; they reach one only past its cap.
         npr_threshold: No-Positive-Resampling pass-rate threshold; None disables it.
         npr_history: which pass rate is compared with the threshold: "cumulative" (all
             samples of the prompt over all epochs) or "latest" (the last observed group).
