@@ -339,3 +339,38 @@ def test_dropped_groups_count_in_the_no_positive_resampling_history(history):
         )
         assert tracker.is_retired(0) == (visits_of_0 >= 8)
         assert visits_of_0 > 2
+
+
+@pytest.mark.parametrize("mode", ["pipeline_rl", "ppo"])
+def test_dynamic_sampling_resume_regenerates_exactly_the_prompts_in_flight(mode):
+    """A checkpoint records the in-flight prompt ids (loop._save_checkpoint) and the
+    sampler's position; a resumed source regenerates those: every drawn prompt is trained
+    on or dropped exactly once over the two runs."""
+    from megatron_rl.trainer.rollout_source import DynamicSampling
+
+    scorer = FakeScorer()
+
+    def source_at(first_id, pool):
+        ids = iter(range(first_id, 10**6))
+        dynamic = DynamicSampling(scorer.score, scorer.discard, 8)
+        return RolloutSource(pool, lambda n: [next(ids) for _ in range(n)], lambda pid: [pid],
+                             4, 2, mode, 2, dynamic=dynamic)  # fmt: skip
+
+    pool = SimulatedPool(lambda pid: 2 + pid % 4)
+    source, trained = source_at(0, pool), []
+    for _ in range(3):  # PPO-off-policy-2: the checkpoint falls between the two batches
+        trained += [g.prompt_id for g in source.next_batch(pool.version)]
+        pool.push()
+    carry, drawn = source.in_flight_prompt_ids(), len(pool.submitted)
+    assert carry and sorted(trained + scorer.dropped + carry) == list(range(drawn))
+    resumed_pool = SimulatedPool(lambda pid: 2 + pid % 4)
+    resumed_pool.version = pool.version
+    resumed = source_at(drawn, resumed_pool)
+    resumed.submit(carry)
+    for _ in range(3):
+        trained += [g.prompt_id for g in resumed.next_batch(resumed_pool.version)]
+        resumed_pool.push()
+    done = trained + scorer.dropped
+    assert len(done) == len(set(done)) and set(carry) <= set(done)
+    assert set(done) | set(resumed.in_flight_prompt_ids()) == set(range(len(set(
+        pool.submitted + resumed_pool.submitted))))  # fmt: skip
