@@ -23,7 +23,10 @@ count in the No-Positive-Resampling history (``DynamicSampling.discard``). The c
 generation, ``(max_rounds - 1) x k x B``), i.e. at most ``max_rounds x B`` prompts are drawn per
 batch, as DAPO's ``max_num_gen_batches`` (verl ``recipe/dapo``) caps its generation batches;
 past the cap zero-variance groups are kept (where DAPO stops the run), and the zero-variance
-filter (``algorithm.zero_variance_filter``), if on, gives them no loss.
+filter (``algorithm.zero_variance_filter``), if on, gives them no loss. A group is judged
+against the budget of the step during which it completes (PipelineRL: groups let through at
+one step's cap may be trained in the next). Replacements are submitted as soon as a group is
+dropped, while the others still generate, not in rounds after the whole batch as in DAPO.
 """
 
 from __future__ import annotations
