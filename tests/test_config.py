@@ -54,6 +54,8 @@ def error_of(path: Path, overrides: list[str] = ()) -> str:
         (["validation.every_steps=0"], "'validation.every_steps'"),
         (["parallel.tensor=0"], "'parallel.tensor'"),  # a component's validate()
         (["data.synthetic.max_digits=0"], "'data.synthetic.max_digits'"),  # nested component
+        (["data.dynamic_sampling_max_rounds=0"], "'data.dynamic_sampling_max_rounds'"),
+        (["data.dynamic_sampling=1"], "'data.dynamic_sampling'"),
         (
             ["rollout.interruption.thinking_budget=[30,60]"],
             "'rollout.interruption.thinking_budget'",

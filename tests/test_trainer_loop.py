@@ -75,14 +75,26 @@ def held_out_ids(run_dir: Path) -> set[int]:
 
 def test_pipeline_rl_run_invariants(tmp_path):
     run_dir = tmp_path / "run"
-    run_train(run_dir, "training.max_steps=6", "off_policy.max_lag=1")
+    run_train(run_dir, "training.max_steps=6", "off_policy.max_lag=1", "data.dynamic_sampling=true")
     recs = records(run_dir)
     steps = [r for r in recs if "reward_mean" in r]
     vals = [r for r in recs if "val_pass_rate" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in vals] == [0, 3, 6]
     assert all(r["staleness_max"] <= 1 for r in steps)  # never beyond k versions of lag
-    assert all(0.0 <= r["effective_batch_fraction"] <= 1.0 for r in steps)
+    # Dynamic sampling (the tiny model solves few problems: most groups are all wrong):
+    # zero-variance groups were dropped and replaced; only those let through at the cap
+    # (max_rounds x B prompts drawn in a step) reach a batch.
+    mixed = [0.0 < p < 1.0 for r in steps for p in r["group_pass_rates"]]
+    assert mixed.count(False) <= sum(r["groups_kept_over_cap"] for r in steps) < len(mixed) / 2
+    assert all(r["prompts_drawn"] <= 2 * 4 + 7 * 4 for r in steps)  # the cap, 8 x B
+    for r in steps:  # the zero-variance filter still masks those
+        rates = r["group_pass_rates"]
+        assert r["effective_batch_fraction"] == pytest.approx(
+            sum(0.0 < p < 1.0 for p in rates) / len(rates)
+        )
+    drawn, dropped = (sum(r[key] for r in steps) for key in ("prompts_drawn", "groups_dropped"))
+    assert dropped > 0 and drawn >= 4 * 6 + dropped  # replacements were drawn
     trained = {pid for r in steps for pid in r["prompt_ids"]}
     assert not trained & held_out_ids(run_dir)  # validation prompts never trained on
     gpu_hours = [r["gpu_hours"] for r in recs]
@@ -161,6 +173,7 @@ def test_ppo_run_learns_from_its_batches(ppo_full_run):
     steps = [r for r in records(ppo_full_run) if "reward_mean" in r]
     assert [r["step"] for r in steps] == list(range(1, len(steps) + 1)) and steps
     assert all(r["staleness_max"] == 0 for r in steps)  # PPO-off-policy-1: on-policy
+    assert all(r["prompts_drawn"] == 4 and "groups_dropped" not in r for r in steps)
     assert any(r["grad_norm"] > 0 for r in steps)  # some groups had reward variance
 
 

@@ -142,3 +142,235 @@ def test_ppo_minibatches_are_a_seeded_shuffle_not_sorted_by_id():
     # minibatch spans the id range: its ids are not one contiguous block.
     for mb in first:
         assert max(mb) - min(mb) > len(mb) - 1
+
+
+# -- dynamic sampling ---------------------------------------------------------------------------
+
+
+def flat_rewards(pid: int) -> bool:
+    """The fake verifier of the dynamic-sampling tests: prompts 0, 3, 6 ... get rewards that
+    are all equal (alternately all correct and all wrong), the others mixed ones."""
+    return pid % 3 == 0
+
+
+class FakeScorer:
+    """``DynamicSampling`` callbacks over ``flat_rewards``; records what was scored/dropped."""
+
+    def __init__(self, flat=flat_rewards):
+        self.flat = flat
+        self.scored: list[int] = []
+        self.dropped: list[int] = []
+
+    def score(self, groups):
+        for g in groups:
+            assert g.complete and g.rewards is None  # each group scored once, when complete
+            if self.flat(g.prompt_id):
+                g.rewards = [1.0 if g.prompt_id % 2 else -1.0] * g.size
+            else:
+                g.rewards = [1.0, -1.0] * (g.size // 2)
+            self.scored.append(g.prompt_id)
+
+    def discard(self, groups):
+        self.dropped += [g.prompt_id for g in groups]
+
+
+def dynamic_source(pool, mode, k, scorer, max_rounds=8, batch=4, group=2):
+    from megatron_rl.trainer.rollout_source import DynamicSampling
+
+    counter = iter(range(10**6))
+    dynamic = DynamicSampling(scorer.score, scorer.discard, max_rounds)
+    return RolloutSource(
+        pool,
+        lambda n: [next(counter) for _ in range(n)],
+        lambda pid: [pid],
+        batch,
+        group,
+        mode,
+        k,
+        dynamic=dynamic,
+    )
+
+
+@pytest.mark.parametrize("mode", ["pipeline_rl", "ppo"])
+def test_dynamic_sampling_fills_batches_with_groups_that_have_variance(mode):
+    pool = SimulatedPool(lambda pid: 2 + pid % 4)  # groups complete out of order
+    scorer = FakeScorer()
+    source = dynamic_source(pool, mode, k=2, scorer=scorer)
+    trained, drawn = [], 0
+    for _ in range(12):
+        batch = source.next_batch(pool.version)
+        counts = source.counts
+        assert len(batch) == 4 and not any(flat_rewards(g.prompt_id) for g in batch)
+        assert all(g.rewards == [1.0, -1.0] for g in batch)
+        assert counts["groups_kept_over_cap"] == 0
+        trained += [g.prompt_id for g in batch]
+        drawn += counts["prompts_drawn"]
+        pool.push()
+    # A third of the prompts have zero variance: each was dropped and replaced by a new one,
+    # so more prompts were drawn than trained on, and nothing was lost or trained twice.
+    assert sorted(scorer.dropped) == [p for p in pool.submitted if flat_rewards(p)
+                                      and p not in source.in_flight_prompt_ids()]  # fmt: skip
+    assert drawn == len(pool.submitted) > len(trained) + len(source.in_flight_prompt_ids())
+    assert len(trained) == len(set(trained)) == 48
+    assert set(pool.submitted) == set(trained) | set(scorer.dropped) | set(
+        source.in_flight_prompt_ids()
+    )
+    assert not set(scorer.dropped) & set(source.in_flight_prompt_ids())  # a resume redraws
+    # every scored group is either trained, dropped, or still waiting (kept) in the source
+    assert len(scorer.scored) == len(set(scorer.scored))
+    # without dynamic sampling the same source draws exactly what it trains on
+    plain = make_source(SimulatedPool(lambda pid: 2 + pid % 4), mode, k=2)
+    plain_batches = [plain.next_batch(0) for _ in range(2)]
+    assert any(flat_rewards(g.prompt_id) for b in plain_batches for g in b)
+    assert plain.counts == {"prompts_drawn": 0 if mode == "ppo" else 4}
+
+
+@pytest.mark.parametrize("mode", ["pipeline_rl", "ppo"])
+@pytest.mark.parametrize("max_rounds", [1, 3])
+def test_dynamic_sampling_cap_bounds_the_prompts_drawn_per_batch(mode, max_rounds):
+    # Every group has zero variance: each batch draws up to the cap, then trains on
+    # zero-variance groups (the zero-variance filter gives them no loss).
+    pool = SimulatedPool(lambda pid: 2)
+    scorer = FakeScorer(flat=lambda pid: True)
+    k = 2
+    source = dynamic_source(pool, mode, k=k, scorer=scorer, max_rounds=max_rounds)
+    per_call = []
+    for _ in range(6):
+        batch = source.next_batch(pool.version)
+        assert len(batch) == 4
+        per_call.append(dict(source.counts))
+        pool.push()
+    dropped = [c["groups_dropped"] for c in per_call]
+    drawn = [c["prompts_drawn"] for c in per_call]
+    if mode == "ppo":  # one generation for k batches: k x B prompts, then the replacements
+        assert drawn == [max_rounds * k * 4, 0] * 3
+        assert dropped == [(max_rounds - 1) * k * 4, 0] * 3
+        assert [c["groups_kept_over_cap"] for c in per_call] == [k * 4, 0] * 3
+    else:  # B a step (2 B in flight at the start), (max_rounds - 1) x B of them replacements
+        assert all(d <= (max_rounds - 1) * 4 for d in dropped)
+        assert dropped[0] == (max_rounds - 1) * 4 and drawn[0] == 2 * 4 + dropped[0]
+        assert all(n <= max_rounds * 4 for n in drawn[1:])
+        assert drawn[-2:] == [max_rounds * 4] * 2 and dropped[-2:] == [(max_rounds - 1) * 4] * 2
+    assert len(scorer.dropped) == sum(dropped)
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_dynamic_sampling_keeps_the_lag_bound(k):
+    # Slow prompts (every 5th, 12x slower) and zero-variance prompts (every 3rd) together:
+    # due groups are waited for and trained on unless zero-variance filters them out.
+    pool = SimulatedPool(lambda pid: 24 if pid % 5 == 0 else 2)
+    scorer = FakeScorer()
+    source = dynamic_source(pool, "pipeline_rl", k=k, scorer=scorer)
+    trained = []
+    for _ in range(40):
+        batch = source.next_batch(pool.version)
+        assert len(batch) >= 4
+        for group in batch:
+            assert pool.version - min(s.oldest_version for s in group.samples) <= k
+            assert not flat_rewards(group.prompt_id)
+            trained.append(group.prompt_id)
+        pool.push()
+    assert len(trained) == len(set(trained))
+    in_flight = set(source.in_flight_prompt_ids())
+    assert set(pool.submitted) == set(trained) | set(scorer.dropped) | in_flight
+    assert any(pid % 5 == 0 for pid in trained)  # slow prompts with variance: trained
+    assert any(pid % 15 == 0 for pid in scorer.dropped)  # slow zero-variance ones: dropped
+
+
+class ScriptedRewards:
+    """A reward pool whose verdicts follow a script: prompt 0 gets 1 correct of 4 the first
+    time it is generated and 4 of 4 every later time; the other prompts get 2 of 4."""
+
+    def __init__(self):
+        self.visits: dict[int, int] = {}
+        self.last_statuses: list[str] = []
+
+    def score_batch(self, texts, references, kinds):
+        rewards = []
+        for start in range(0, len(references), 4):  # one group of 4 samples after another
+            pid = references[start]
+            seen = self.visits.get(pid, 0)
+            self.visits[pid] = seen + 1
+            correct = (1 if seen == 0 else 4) if pid == 0 else 2
+            rewards += [1.0] * correct + [-1.0] * (4 - correct)
+        self.last_statuses = ["correct" if r > 0 else "wrong" for r in rewards]
+        return rewards
+
+
+@pytest.mark.parametrize("history", ["cumulative", "latest"])
+def test_dropped_groups_count_in_the_no_positive_resampling_history(history):
+    """The trainer's dynamic-sampling callbacks with the real sampler and pass-rate tracker:
+    a zero-variance group is dropped, but its samples still enter the pass-rate history that
+    retires prompts (threshold 0.9), compared as the lifetime or the latest pass rate."""
+    from types import SimpleNamespace
+
+    from megatron_rl.algorithms.pass_rate import PassRateTracker
+    from megatron_rl.data.sampler import PromptSampler
+    from megatron_rl.trainer.loop import dynamic_sampling, score_groups
+
+    tracker = PassRateTracker(0.9, history=history)
+    sampler = PromptSampler(list(range(4)), shuffle=False, tracker=tracker)
+    data = SimpleNamespace(
+        get=lambda pid: SimpleNamespace(reference=pid, kind="math"), sources=["math"]
+    )
+    config = SimpleNamespace(data=SimpleNamespace(dynamic_sampling=True,
+                                                  dynamic_sampling_max_rounds=8))  # fmt: skip
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "")
+    run = SimpleNamespace(config=config, tokenizer=tokenizer, data=data, tracker=tracker,
+                          rewards=ScriptedRewards())  # fmt: skip
+    pool = SimulatedPool(lambda pid: 2)
+    source = RolloutSource(pool, sampler.next_prompts, lambda pid: [pid], 2, 4, "pipeline_rl",
+                           2, dynamic=dynamic_sampling(run))  # fmt: skip
+    trained, dropped = [], 0
+    for _ in range(8):
+        groups = source.next_batch(pool.version)
+        samples, info = score_groups(run, groups, pool.version)
+        trained += [g.prompt_id for g in groups]
+        dropped += source.counts["groups_dropped"]
+        assert all(0 < rate < 1 for rate in info["group_pass_rates"])
+        pool.push()
+    visits_of_0 = run.rewards.visits[0]
+    assert trained.count(0) == 1 and dropped == visits_of_0 - 1 > 0
+    if history == "latest":  # its first all-correct group (dropped) retired it
+        assert tracker.is_retired(0) and visits_of_0 == 2
+    else:  # lifetime: (1 + 4 n) / (4 + 4 n) reaches 0.9 at the 8th group (29 / 32)
+        assert tracker.pass_rate(0) == pytest.approx(
+            (1 + 4 * (visits_of_0 - 1)) / (4 * visits_of_0)
+        )
+        assert tracker.is_retired(0) == (visits_of_0 >= 8)
+        assert visits_of_0 > 2
+
+
+@pytest.mark.parametrize("mode", ["pipeline_rl", "ppo"])
+def test_dynamic_sampling_resume_regenerates_exactly_the_prompts_in_flight(mode):
+    """A checkpoint records the in-flight prompt ids (loop._save_checkpoint) and the
+    sampler's position; a resumed source regenerates those: every drawn prompt is trained
+    on or dropped exactly once over the two runs."""
+    from megatron_rl.trainer.rollout_source import DynamicSampling
+
+    scorer = FakeScorer()
+
+    def source_at(first_id, pool):
+        ids = iter(range(first_id, 10**6))
+        dynamic = DynamicSampling(scorer.score, scorer.discard, 8)
+        return RolloutSource(pool, lambda n: [next(ids) for _ in range(n)], lambda pid: [pid],
+                             4, 2, mode, 2, dynamic=dynamic)  # fmt: skip
+
+    pool = SimulatedPool(lambda pid: 2 + pid % 4)
+    source, trained = source_at(0, pool), []
+    for _ in range(3):  # PPO-off-policy-2: the checkpoint falls between the two batches
+        trained += [g.prompt_id for g in source.next_batch(pool.version)]
+        pool.push()
+    carry, drawn = source.in_flight_prompt_ids(), len(pool.submitted)
+    assert carry and sorted(trained + scorer.dropped + carry) == list(range(drawn))
+    resumed_pool = SimulatedPool(lambda pid: 2 + pid % 4)
+    resumed_pool.version = pool.version
+    resumed = source_at(drawn, resumed_pool)
+    resumed.submit(carry)
+    for _ in range(3):
+        trained += [g.prompt_id for g in resumed.next_batch(resumed_pool.version)]
+        resumed_pool.push()
+    done = trained + scorer.dropped
+    assert len(done) == len(set(done)) and set(carry) <= set(done)
+    assert set(done) | set(resumed.in_flight_prompt_ids()) == set(range(len(set(
+        pool.submitted + resumed_pool.submitted))))  # fmt: skip

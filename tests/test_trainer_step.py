@@ -13,7 +13,12 @@ from megatron_rl.models.provider import build_model
 from megatron_rl.platform import ParallelConfig
 from megatron_rl.trainer.batch import TrainSample, make_micro_batches, token_multiple
 from megatron_rl.trainer.optim import build_optimizer, wrap_model
-from megatron_rl.trainer.step import LogprobGapError, advantages_and_keep, policy_update
+from megatron_rl.trainer.step import (
+    LogprobGapError,
+    advantages_and_keep,
+    policy_update,
+    shaped_rewards,
+)
 from megatron_rl.trainer.warm_start import supervised_warm_start
 
 
@@ -63,6 +68,25 @@ def params_after(model, samples, algo, micro_batch_size, **kwargs):
         for k, p in model.module.named_parameters():
             p.copy_(before[k])
     return after, result
+
+
+def test_length_penalty_on_correct_or_all_samples():
+    # l_max 10, l_cache 4: -(len - 6) / 4 from 6 tokens on, -1 from 10 (by hand)
+    samples = [
+        TrainSample(0, 0, [1], [5] * n, [0.0] * n, [True] * n, r, [0] * n)
+        for n, r in ((6, 1.0), (8, 1.0), (12, 1.0), (8, -1.0), (12, -1.0))
+    ]
+    scalerl = AlgorithmConfig(
+        length_penalty=True, length_penalty_l_max=10, length_penalty_l_cache=4
+    )
+    assert shaped_rewards(samples, scalerl).tolist() == [1.0, 0.5, 0.0, -1.0, -1.0]
+    dapo = AlgorithmConfig(
+        length_penalty=True,
+        length_penalty_l_max=10,
+        length_penalty_l_cache=4,
+        length_penalty_on="all",
+    )
+    assert shaped_rewards(samples, dapo).tolist() == [1.0, 0.5, 0.0, -1.5, -2.0]
 
 
 def test_micro_batching_gives_the_same_update(model):

@@ -15,7 +15,12 @@ from megatron_rl.platform import collectives, get_platform
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.compute import generation_share
-from megatron_rl.trainer.rollout_source import Group, PromptsExhausted, RolloutSource
+from megatron_rl.trainer.rollout_source import (
+    DynamicSampling,
+    Group,
+    PromptsExhausted,
+    RolloutSource,
+)
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update
 
@@ -51,6 +56,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
             _lag(config),
             seed_of=lambda prompt_id: _sampling_seed(config.seed, prompt_id, run.step),
             shuffle_seed=config.seed,
+            dynamic=dynamic_sampling(run),
         )
         source.submit(carry)  # prompts in flight at the last checkpoint are regenerated
     # The trainer's weights are those of the generator's current policy version right after
@@ -148,18 +154,56 @@ def next_batch(run: Run, source: RolloutSource, pool):
         return None
     samples, info = score_groups(run, groups, pool.version)
     info["generator_version"] = pool.version  # of the weights the generator holds now
+    info.update(source.counts)  # prompts drawn this step; dynamic sampling's kept / dropped
     return samples, info, source.wants_push()
+
+
+def dynamic_sampling(run: Run) -> DynamicSampling | None:
+    """The rollout source's dynamic sampling (``data.dynamic_sampling``), else None."""
+    data = run.config.data
+    if not data.dynamic_sampling:
+        return None
+    return DynamicSampling(
+        score=lambda groups: reward_groups(run, groups),
+        discard=lambda groups: record_pass_rates(run, groups),
+        max_rounds=data.dynamic_sampling_max_rounds,
+    )
+
+
+def reward_groups(run: Run, groups: list[Group]) -> None:
+    """Score the samples of every group not scored yet (sets ``rewards``, ``reward_timeouts``)."""
+    todo = [g for g in groups if g.rewards is None]
+    flat = [(g, s) for g in todo for s in g.samples]
+    if not flat:
+        return
+    texts = [run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for _, s in flat]
+    prompts = [run.data.get(g.prompt_id) for g, _ in flat]
+    rewards = run.rewards.score_batch(
+        texts, [p.reference for p in prompts], [p.kind for p in prompts]
+    )
+    statuses = list(run.rewards.last_statuses)
+    start = 0
+    for g in todo:
+        end = start + len(g.samples)
+        g.rewards = [float(r) for r in rewards[start:end]]
+        g.reward_timeouts = statuses[start:end].count("timeout")
+        start = end
+
+
+def record_pass_rates(run: Run, groups: list[Group]) -> None:
+    """No-Positive-Resampling history: the scored groups' rewards, trained on or dropped."""
+    if run.tracker is not None:
+        ids = [g.prompt_id for g in groups for _ in g.rewards]
+        run.tracker.update(ids, [r for g in groups for r in g.rewards])
 
 
 def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[TrainSample], dict]:
     """Rewards for every sample, pass-rate history (No-Positive-Resampling), batch stats."""
-    tok = run.tokenizer
-    flat = [(g, i, s) for i, g in enumerate(groups) for s in g.samples]
-    texts = [tok.decode(s.response_ids, skip_special_tokens=True) for _, _, s in flat]
-    prompts = [run.data.get(g.prompt_id) for g, _, _ in flat]
-    rewards = run.rewards.score_batch(
-        texts, [p.reference for p in prompts], [p.kind for p in prompts]
-    )
+    reward_groups(run, groups)  # those that dynamic sampling has not scored already
+    record_pass_rates(run, groups)
+    flat = [(g, i, s, r) for i, g in enumerate(groups) for s, r in zip(g.samples, g.rewards)]
+    prompts = [run.data.get(g.prompt_id) for g, _, _, _ in flat]
+    rewards = [r for _, _, _, r in flat]
     samples = [
         TrainSample(
             prompt_id=g.prompt_id,
@@ -168,15 +212,13 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
             response_tokens=list(s.response_ids),
             gen_logprobs=list(s.logprobs),
             policy_mask=list(s.mask),
-            reward=float(r),
+            reward=r,
             versions=list(s.versions),
             truncated=s.finish_reason == "length",
             interrupted=s.interrupted,
         )
-        for (g, i, s), r in zip(flat, rewards)
+        for g, i, s, r in flat
     ]
-    if run.tracker is not None:
-        run.tracker.update([s.prompt_id for s in samples], [s.reward for s in samples])
     lags = [version - min(s.versions) for s in samples if s.versions]
     n = max(len(samples), 1)
     info = {
@@ -190,7 +232,7 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
         "samples": len(samples),
         # Verifications that ran out of time score incorrect; counted so they never pass
         # for wrong answers unseen.
-        "reward_timeouts": run.rewards.last_counts["timeout"],
+        "reward_timeouts": sum(g.reward_timeouts for g in groups),
         "prompt_ids": [g.prompt_id for g in groups],
         "group_pass_rates": [
             sum(s.reward > 0 for s in samples if s.group == i) / max(len(g.samples), 1)

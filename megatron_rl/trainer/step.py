@@ -59,12 +59,14 @@ GAP_CAUSES = (
 
 
 def shaped_rewards(samples: Sequence[TrainSample], algo: AlgorithmConfig) -> torch.Tensor:
-    """``[S]`` rewards, with the length penalty added on correct samples when enabled."""
+    """``[S]`` rewards, with the length penalty added (``algo.length_penalty_on``: on correct
+    samples or on all) when enabled."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     if algo.length_penalty:
         lengths = torch.tensor([len(s.response_tokens) for s in samples])
+        on = rewards > 0 if algo.length_penalty_on == "correct" else torch.ones_like(rewards > 0)
         rewards = rewards + length_penalty(
-            lengths, rewards > 0, algo.length_penalty_l_max, algo.length_penalty_l_cache
+            lengths, on, algo.length_penalty_l_max, algo.length_penalty_l_cache
         )
     return rewards
 
