@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from megatron_rl.trainer.batch import (
     make_micro_batches,
     padded_length,
 )
+from megatron_rl.trainer.moe_metrics import ExpertLoad, expert_load_monitor
 
 
 @dataclass
@@ -41,6 +43,7 @@ class StepResult:
     num_tokens: int
     logprob_gap: float = float("nan")  # mean |trainer - generator| over on-policy tokens
     logprob_gap_tokens: int = 0  # the tokens it is measured on
+    expert_load: ExpertLoad | None = None  # MoE models: the step's expert-load statistics
 
 
 class LogprobGapError(RuntimeError):
@@ -162,9 +165,12 @@ def policy_update(
         monitor_version=monitor_version,
         multiple=token_multiple,
     )
-    sums, maxes = forward_backward(
-        model, optimizer, batches, loss_fn, num_sums=7, num_maxes=1, token_multiple=token_multiple
-    )
+    monitor = expert_load_monitor(model)  # None for a dense model
+    with monitor.recording() if monitor else contextlib.nullcontext():
+        sums, maxes = forward_backward(
+            model, optimizer, batches, loss_fn, 7, num_maxes=1, token_multiple=token_multiple
+        )
+    expert_load = monitor.reduce() if monitor else None
     gap_tokens = int(sums[6])
     gap = float(sums[5]) / gap_tokens if gap_tokens else float("nan")
     # The sums are global: every rank raises, or none does.
@@ -189,6 +195,7 @@ def policy_update(
         num_tokens=int(sums[1]),
         logprob_gap=gap,
         logprob_gap_tokens=gap_tokens,
+        expert_load=expert_load,
     )
 
 
