@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
