@@ -169,3 +169,78 @@ def test_expert_load_matches_float64_recomputation(megatron_single_rank, capacit
     assert 0.0 < summary["moe/router_entropy"] < math.log(4)
     per_layer = load.per_layer()
     assert per_layer["moe/layer_04/tokens_expert_00"] == float(load.tokens_per_expert[1, 0])
+
+
+def sgd_update(moe, samples, micro_batch_size: int, capture=None):
+    """tiny-llama4 (seeded, sharpened router) after one SGD (lr 1) update with ``moe``:
+    (routers' weights by layer, the step's result)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    torch.manual_seed(0)
+    model = build_model(
+        ModelConfig(preset="tiny-llama4", dtype="float32", moe=moe), ParallelConfig()
+    )
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    with torch.no_grad():
+        for r in routers:
+            r.weight.mul_(8.0)
+    ddp = wrap_model(model)
+    handles = [r.register_forward_hook(capture) for r in routers] if capture else []
+    cfg = OptimizerConfig(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0)
+    opt = get_megatron_optimizer(cfg, [ddp], use_gloo_process_groups=False)
+    result = policy_update(ddp, opt, samples, AlgorithmConfig(), micro_batch_size)
+    for h in handles:
+        h.remove()
+    return {r.layer_number: r.weight.detach().clone() for r in routers}, result
+
+
+def test_router_losses_weigh_as_micro_batch_means(megatron_single_rank):
+    """With aux_loss_coeff a and z_loss_coeff z the router weights move by the gradient of
+    the mean over micro-batches of (a aux + z zloss) more than without (float64
+    reference from the routers' inputs), and the logged losses are the micro-batch means."""
+    from megatron_rl.models.config import MoERouterConfig
+
+    a, z = 0.05, 0.02
+    samples = equal_length_samples(groups=3, per_group=2)
+    calls = []
+
+    def capture(router, args, output):
+        if torch.is_grad_enabled():
+            calls.append(
+                (router.layer_number, args[0].detach().clone(), router.weight.detach().clone())
+            )
+
+    plain, _ = sgd_update(MoERouterConfig(), samples, 4)
+    moe = MoERouterConfig(load_balancing="aux_loss", aux_loss_coeff=a, z_loss_coeff=z)
+    with_losses, result = sgd_update(moe, samples, 4, capture)
+    assert len(calls) == 4
+    micro_batches = len(calls) // 2  # per layer
+    grads, aux_means, z_means = {}, {}, {}
+    for layer, hidden, weight in calls:
+        w = weight.double().requires_grad_(True)
+        logits = hidden.reshape(-1, hidden.shape[-1]).double() @ w.t()
+        n, experts = logits.shape
+        scores = torch.sigmoid(logits)
+        p = scores / scores.sum(dim=1, keepdim=True)
+        f = torch.bincount(p.argmax(dim=1), minlength=experts).double()  # top-1 counts
+        aux = experts / (n * n) * (p.sum(dim=0) * f).sum()  # Switch loss, topk 1
+        zloss = (torch.logsumexp(logits, dim=1) ** 2).mean()
+        ((a * aux + z * zloss) / micro_batches).backward()
+        grads[layer] = grads.get(layer, 0) + w.grad
+        aux_means.setdefault(layer, []).append(float(aux.detach()))
+        z_means.setdefault(layer, []).append(float(zloss.detach()))
+    # The last MoE layer's router: its weight gets only its own losses' gradient (layer 2's
+    # also gets layer 4's, through the hidden states in between).
+    last = max(grads)
+    moved = (with_losses[last] - plain[last]).double()  # SGD lr 1: minus the gradient
+    assert float(grads[last].abs().max()) > 1e-3
+    assert torch.allclose(moved, -grads[last], rtol=1e-3, atol=1e-6)
+    load = result.expert_load
+    for i, layer in enumerate(load.layers):
+        mean_aux = sum(aux_means[layer]) / len(aux_means[layer])
+        mean_z = sum(z_means[layer]) / len(z_means[layer])
+        assert float(load.aux_losses["load_balancing_loss"][i]) == pytest.approx(mean_aux, rel=1e-4)
+        assert float(load.aux_losses["z_loss"][i]) == pytest.approx(mean_z, rel=1e-4)
+    summary = load.summary()
+    assert summary["moe/load_balancing_loss"] > 0 and summary["moe/z_loss"] > 0

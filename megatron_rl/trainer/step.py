@@ -26,6 +26,11 @@ from megatron_rl.trainer.batch import (
     make_micro_batches,
     padded_length,
 )
+from megatron_rl.trainer.moe_aux_loss import (
+    check_router_loss_mode,
+    has_router_losses,
+    scale_router_losses,
+)
 from megatron_rl.trainer.moe_metrics import ExpertLoad, expert_load_monitor
 
 
@@ -219,6 +224,7 @@ def forward_backward(
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_attr_wrapped_model
 
     dp_group = parallel_state.get_data_parallel_group()
     device = get_platform().torch_device()  # where the process groups' backend reduces
@@ -227,11 +233,17 @@ def forward_backward(
     )
     batches = list(micro_batches) + [None] * (int(count) - len(micro_batches))
     empty = torch.zeros((1, padded_length(2, token_multiple)), dtype=torch.long)
+    router_loss_batches = None  # MoE aux / z losses: weighed as megatron-core means them
+    if has_router_losses(get_attr_wrapped_model(model, "config")):
+        check_router_loss_mode(model)
+        router_loss_batches = int(count) * dist.get_world_size(dp_group)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
         mb = None if mb is None else mb.to(device)
         output = forward_logits(chunk, (empty if mb is None else mb.tokens).to(device))
+        if router_loss_batches is not None:
+            output = scale_router_losses(output, router_loss_batches)
 
         def loss_func(logits):
             if mb is None:
