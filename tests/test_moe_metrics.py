@@ -245,28 +245,3 @@ def test_router_losses_weigh_as_micro_batch_means(megatron_single_rank):
     summary = load.summary()
     assert summary["moe/load_balancing_loss"] > 0 and summary["moe/z_loss"] > 0
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", [{"expert": 2}, {"pipeline": 2}], ids=["ep2", "pp2"])
-def test_expert_load_sums_over_ranks_and_stages(layout, tiny_hf_dirs, tmp_path):
-    """EP 2 (two data-parallel ranks, each routing half the groups) and PP 2 (each stage
-    one MoE layer): rank 0 logs the one-rank numbers (no padding: equal-length samples)."""
-    import shutil
-
-    from mp_workers import layout_update_worker
-
-    from megatron_rl.platform import run_local_ranks
-
-    samples = equal_length_samples(groups=4, per_group=2)  # 2 micro-batches of 2 per rank
-    loads = {}
-    for name, lay, world in (("one", {}, 1), ("many", layout, 2)):
-        out = str(tmp_path / f"{name}.pt")
-        shutil.copytree(tiny_hf_dirs["tiny-llama4"], out + ".hf")
-        run_local_ranks(layout_update_worker, world, "tiny-llama4", lay, samples, out)
-        loads[name] = torch.load(out, weights_only=False)["result"].expert_load
-    one, many = loads["one"], loads["many"]
-    assert many.layers == one.layers == (2, 4)
-    assert many.tokens.tolist() == one.tokens.tolist() == [80.0, 80.0]
-    assert torch.equal(many.tokens_per_expert, one.tokens_per_expert)
-    assert torch.allclose(many.entropy_sum, one.entropy_sum, rtol=1e-6)
