@@ -244,4 +244,3 @@ def test_router_losses_weigh_as_micro_batch_means(megatron_single_rank):
         assert float(load.aux_losses["z_loss"][i]) == pytest.approx(mean_z, rel=1e-4)
     summary = load.summary()
     assert summary["moe/load_balancing_loss"] > 0 and summary["moe/z_loss"] > 0
-
