@@ -91,6 +91,19 @@ def equal_length_samples(groups: int, per_group: int, length: int = 6, seed: int
     return samples
 
 
+def recorder(calls: list):
+    """A router forward hook appending (layer number, input, weight) of training forwards
+    (grad enabled: not the no-grad first pass of a recomputed layer)."""
+
+    def capture(router, args, output):
+        if torch.is_grad_enabled():
+            calls.append(
+                (router.layer_number, args[0].detach().clone(), router.weight.detach().clone())
+            )
+
+    return capture
+
+
 def reference_load(calls, num_experts: int, capacity_factor: float | None):
     """Per MoE layer, in float64 from each router call's input and weight: tokens per expert
     (Llama-4: top-1 of the sigmoid scores), entropy sum of the normalised scores, dropped
@@ -116,37 +129,14 @@ def reference_load(calls, num_experts: int, capacity_factor: float | None):
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity0.5"])
 def test_expert_load_matches_float64_recomputation(megatron_single_rank, capacity_factor):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.moe.router import TopKRouter
-
     from megatron_rl.models.config import MoERouterConfig
 
-    torch.manual_seed(0)
-    moe = MoERouterConfig(capacity_factor=capacity_factor)
-    model = build_model(
-        ModelConfig(preset="tiny-llama4", dtype="float32", moe=moe), ParallelConfig()
-    )
-    # A sharper router than the random init's (logits ~0.3): loads differ between experts.
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-    with torch.no_grad():
-        for r in routers:
-            r.weight.mul_(8.0)
-    ddp = wrap_model(model)
     calls = []
+    capture = recorder(calls)
 
-    def capture(router, args, output):
-        if torch.is_grad_enabled():  # the training forward (not a no-grad pass)
-            calls.append(
-                (router.layer_number, args[0].detach().clone(), router.weight.detach().clone())
-            )
-
-    handles = [r.register_forward_hook(capture) for r in routers]
-    cfg = OptimizerConfig(optimizer="sgd", lr=0.1, weight_decay=0.0, clip_grad=0.0)
-    opt = get_megatron_optimizer(cfg, [ddp], use_gloo_process_groups=False)
     samples = equal_length_samples(groups=3, per_group=2)  # 6 x 10 tokens
-    result = policy_update(ddp, opt, samples, AlgorithmConfig(), micro_batch_size=4)
-    for h in handles:
-        h.remove()
+    moe = MoERouterConfig(capacity_factor=capacity_factor)
+    _, result = sgd_update(moe, samples, 4, capture)
     load = result.expert_load
     assert load.layers == (2, 4)  # tiny-llama4: MoE on every 2nd layer
     # Hand count: 6 sequences of 4 + 6 tokens, top-1: 60 choices per layer.
@@ -172,7 +162,8 @@ def test_expert_load_matches_float64_recomputation(megatron_single_rank, capacit
 
 
 def sgd_update(moe, samples, micro_batch_size: int, capture=None):
-    """tiny-llama4 (seeded, sharpened router) after one SGD (lr 1) update with ``moe``:
+    """tiny-llama4 (seeded; routers sharpened from the random init's logits ~0.3, so that
+    loads differ between experts) after one SGD (lr 1) update with ``moe``:
     (routers' weights by layer, the step's result)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.moe.router import TopKRouter
@@ -204,12 +195,7 @@ def test_router_losses_weigh_as_micro_batch_means(megatron_single_rank):
     a, z = 0.05, 0.02
     samples = equal_length_samples(groups=3, per_group=2)
     calls = []
-
-    def capture(router, args, output):
-        if torch.is_grad_enabled():
-            calls.append(
-                (router.layer_number, args[0].detach().clone(), router.weight.detach().clone())
-            )
+    capture = recorder(calls)
 
     plain, _ = sgd_update(MoERouterConfig(), samples, 4)
     moe = MoERouterConfig(load_balancing="aux_loss", aux_loss_coeff=a, z_loss_coeff=z)
