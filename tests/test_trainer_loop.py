@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -337,6 +338,11 @@ def test_two_trainer_ranks(tmp_path, layout):
     assert all(r["staleness_max"] <= 8 for r in recs if "reward_mean" in r)
     meta = json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["world_size"] == 2
+    if "tiny-llama4" in layout:  # expert load, summarised per step (layers: test_metrics)
+        steps = [r for r in recs if "reward_mean" in r]
+        assert all(1.0 <= r["moe/load_ratio_max"] <= 4.0 for r in steps)  # 4 experts
+        assert all(0.0 < r["moe/router_entropy"] <= math.log(4) for r in steps)
+        assert all(r["moe/dropped_fraction"] == 0.0 and r["moe/tokens"] > 0 for r in steps)
 
 
 @pytest.mark.slow

@@ -232,6 +232,33 @@ def test_update_in_a_parallel_layout_equals_one_rank(preset, layout, tiny_hf_dir
             getattr(one["result"], field), rel=1e-4
         ), field
     assert many["result"].num_tokens == one["result"].num_tokens > 0
+    if preset == "tiny-llama4":  # expert load: every rank's routed tokens, summed
+        for name, lay in (("one", {}), ("many", layout)):
+            load = outs[name]["result"].expert_load
+            expected = routed_tokens(samples, lay, micro_batch_size=2, world=1 + (name == "many"))
+            assert load.tokens.tolist() == [expected] * len(load.layers), name
+            assert load.tokens_per_expert.sum(dim=1).tolist() == load.tokens.tolist()
+            assert float(load.dropped.sum()) == 0.0
+
+
+def routed_tokens(samples, layout: dict, micro_batch_size: int, world: int) -> float:
+    """Tokens one MoE layer routes in a step, by hand: each data-parallel rank's groups in
+    micro-batches padded to their longest sequence (to a multiple of TP under sequence
+    parallelism), plus the 2-token empty micro-batches of ranks with fewer."""
+    tp = layout.get("tensor", 1)
+    dp = world // (tp * layout.get("pipeline", 1))
+    multiple = tp if layout.get("sequence_parallel") else 1
+    pad = lambda n: -(-n // multiple) * multiple  # noqa: E731
+    per_rank = []
+    for r in range(dp):
+        mine = [s for s in samples if s.group % dp == r]
+        chunks = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+        lengths = [
+            pad(max(len(s.prompt_tokens) + len(s.response_tokens) for s in c)) for c in chunks
+        ]
+        per_rank.append([len(c) * n for c, n in zip(chunks, lengths)])
+    count = max(len(t) for t in per_rank)
+    return float(sum(sum(t) + (count - len(t)) * pad(2) for t in per_rank))
 
 
 def test_logprob_gap_is_measured_on_every_on_policy_token(model):

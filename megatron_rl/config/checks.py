@@ -73,6 +73,8 @@ def check_model_shapes(config: RunConfig) -> None:
             f"recipe key 'parallel.expert': {p.expert} needs an MoE model; {source} is dense"
         )
     _divides("parallel.expert", p.expert, experts, "experts", source)
+    if not experts and not config.model.moe.is_default():
+        raise ConfigError(f"recipe key 'model.moe': {source} is dense (no router to configure)")
     if experts and p.tensor > 1 and not p.sequence_parallel:
         raise ConfigError(
             f"recipe key 'parallel.sequence_parallel': megatron-core trains the MoE layers of "

@@ -105,6 +105,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
             push = push_weights(run, pool) if wants_push else None
             if main:
                 run.metrics.log(step_record(run, step, info, result, t0, t1, t2, push, pool))
+                if result.expert_load is not None:
+                    run.metrics.log_tensorboard(step, result.expert_load.per_layer())
                 bar.update(1)
                 bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
                 if run.forecast is not None:
@@ -448,6 +450,8 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         "step_seconds": time.perf_counter() - t0,
         "policy_version": pool.version,
     }
+    if result.expert_load is not None:
+        record.update(result.expert_load.summary())
     if push is not None:
         record.update(push_seconds=push.seconds, push_gb_per_s=push.gb_per_second)
     record["gen_tokens_per_s"] = info["response_tokens"] / max(record["step_seconds"], 1e-9)

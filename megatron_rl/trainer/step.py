@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,12 @@ from megatron_rl.trainer.batch import (
     make_micro_batches,
     padded_length,
 )
+from megatron_rl.trainer.moe_aux_loss import (
+    check_router_loss_mode,
+    has_router_losses,
+    scale_router_losses,
+)
+from megatron_rl.trainer.moe_metrics import ExpertLoad, expert_load_monitor
 
 
 @dataclass
@@ -41,6 +48,7 @@ class StepResult:
     num_tokens: int
     logprob_gap: float = float("nan")  # mean |trainer - generator| over on-policy tokens
     logprob_gap_tokens: int = 0  # the tokens it is measured on
+    expert_load: ExpertLoad | None = None  # MoE models: the step's expert-load statistics
 
 
 class LogprobGapError(RuntimeError):
@@ -164,9 +172,12 @@ def policy_update(
         monitor_version=monitor_version,
         multiple=token_multiple,
     )
-    sums, maxes = forward_backward(
-        model, optimizer, batches, loss_fn, num_sums=7, num_maxes=1, token_multiple=token_multiple
-    )
+    monitor = expert_load_monitor(model)  # None for a dense model
+    with monitor.recording() if monitor else contextlib.nullcontext():
+        sums, maxes = forward_backward(
+            model, optimizer, batches, loss_fn, 7, num_maxes=1, token_multiple=token_multiple
+        )
+    expert_load = monitor.reduce() if monitor else None
     gap_tokens = int(sums[6])
     gap = float(sums[5]) / gap_tokens if gap_tokens else float("nan")
     # The sums are global: every rank raises, or none does.
@@ -191,6 +202,7 @@ def policy_update(
         num_tokens=int(sums[1]),
         logprob_gap=gap,
         logprob_gap_tokens=gap_tokens,
+        expert_load=expert_load,
     )
 
 
@@ -214,6 +226,7 @@ def forward_backward(
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_attr_wrapped_model
 
     dp_group = parallel_state.get_data_parallel_group()
     device = get_platform().torch_device()  # where the process groups' backend reduces
@@ -222,11 +235,17 @@ def forward_backward(
     )
     batches = list(micro_batches) + [None] * (int(count) - len(micro_batches))
     empty = torch.zeros((1, padded_length(2, token_multiple)), dtype=torch.long)
+    router_loss_batches = None  # MoE aux / z losses: weighed as megatron-core means them
+    if has_router_losses(get_attr_wrapped_model(model, "config")):
+        check_router_loss_mode(model)
+        router_loss_batches = int(count) * dist.get_world_size(dp_group)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
         mb = None if mb is None else mb.to(device)
         output = forward_logits(chunk, (empty if mb is None else mb.tokens).to(device))
+        if router_loss_batches is not None:
+            output = scale_router_losses(output, router_loss_batches)
 
         def loss_func(logits):
             if mb is None:
