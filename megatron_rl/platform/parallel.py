@@ -116,9 +116,10 @@ def run_local_ranks(fn, world_size: int, *args) -> list:
     (and the list holds its one result). ``fn`` must be importable (module level); an
     exception in any rank is raised here with that rank's traceback.
 
-    The ranks are forked from a fork server that has imported torch and megatron-core once
-    (:data:`RANK_PRELOAD`): a spawned rank spends 10-15 s importing them, every time. They
-    run with this process's environment as of the call, as spawned ones would.
+    On CPU the ranks are forked from a fork server that has imported torch and megatron-core
+    once (:data:`RANK_PRELOAD`): a spawned rank spends 10-15 s importing them, every time.
+    They run with this process's environment as of the call, as spawned ones would. On GPU
+    they are spawned: no process that might have touched CUDA is forked.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -131,14 +132,16 @@ def run_local_ranks(fn, world_size: int, *args) -> list:
 
     import torch.multiprocessing as mp
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
+    method = "spawn" if get_platform().is_gpu else "forkserver"
+    if method == "forkserver":
+        multiprocessing.get_context(method).set_forkserver_preload(RANK_PRELOAD)
     env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="megatron_rl_ranks_") as out_dir:
         mp.start_processes(
             _rank_entry,
             args=(fn, world_size, free_port(), out_dir, args, env),
             nprocs=world_size,
-            start_method="forkserver",
+            start_method=method,
         )
         results = []
         for rank in range(world_size):
