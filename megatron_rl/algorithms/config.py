@@ -44,6 +44,10 @@ class AlgorithmConfig:
         length_penalty: add clip((l_max - len) / l_cache - 1, -1, 0) to correct samples.
         length_penalty_l_max: L_max of the length penalty, in tokens (paper: 14k).
         length_penalty_l_cache: L_cache of the length penalty, in tokens (paper: 2k).
+        routing_replay: MoE models: the policy forward routes every token to the experts the
+            generator routed it to (R3; ``megatron_rl.trainer.routing_replay``). The engines
+            then return routed experts and run without prefix caching. Off in the paper's
+            recipes (recipes/scalerl_scout_routing_replay.yaml turns it on).
     """
 
     loss: str = "cispo"
@@ -58,6 +62,7 @@ class AlgorithmConfig:
     length_penalty: bool = False
     length_penalty_l_max: int = 14336
     length_penalty_l_cache: int = 2048
+    routing_replay: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -75,7 +80,7 @@ class AlgorithmConfig:
             not _finite(self.npr_threshold) or not 0 < self.npr_threshold <= 1
         ):
             raise ValueError(f"npr_threshold must be in (0, 1] or None, got {self.npr_threshold!r}")
-        for name in ("zero_variance_filter", "length_penalty"):
+        for name in ("zero_variance_filter", "length_penalty", "routing_replay"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.length_penalty_l_cache) or self.length_penalty_l_cache <= 0:

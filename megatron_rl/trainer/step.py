@@ -19,6 +19,7 @@ from megatron_rl.algorithms import (
 from megatron_rl.algorithms.config import AlgorithmConfig
 from megatron_rl.models.logprobs import forward_logits, logits_to_logprobs
 from megatron_rl.platform import collectives, get_platform
+from megatron_rl.trainer import routing_replay
 from megatron_rl.trainer.batch import (
     TrainSample,
     flat_response_tensors,
@@ -220,10 +221,13 @@ def forward_backward(
     )
     batches = list(micro_batches) + [None] * (int(count) - len(micro_batches))
     empty = torch.zeros((1, padded_length(2, token_multiple)), dtype=torch.long)
+    replay = routing_replay.is_enabled(model)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
         mb = None if mb is None else mb.to(device)
+        if replay:  # the generator's experts (an empty micro-batch routes freely)
+            routing_replay.set_routing(chunk, routing_replay.micro_batch_routing(mb))
         output = forward_logits(chunk, (empty if mb is None else mb.tokens).to(device))
 
         def loss_func(logits):
@@ -241,15 +245,16 @@ def forward_backward(
     model.train()
     longest = max((int(mb.tokens.shape[1]) for mb in micro_batches), default=2)
     widest = max((int(mb.tokens.shape[0]) for mb in micro_batches), default=1)
-    out = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[model],
-        num_microbatches=len(batches),
-        seq_length=longest,
-        micro_batch_size=widest,
-        forward_only=False,
-    )
+    with routing_replay.replay_session(model):
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=[model],
+            num_microbatches=len(batches),
+            seq_length=longest,
+            micro_batch_size=widest,
+            forward_only=False,
+        )
     sums, maxes = torch.zeros(num_sums, dtype=torch.float64), torch.zeros(max(num_maxes, 1))
     for record in out:  # the last pipeline stage's records; empty elsewhere
         sums += record["sums"].double()
