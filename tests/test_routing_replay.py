@@ -160,3 +160,22 @@ def test_trainer_replays_the_generators_experts(tiny_hf_dirs, megatron_single_ra
     assert replay_bad == 0
     # (3) replay shrinks the gap (what is left: the perturbed router's gate values)
     assert replayed.logprob_gap < 0.5 * free.logprob_gap
+
+
+def test_replay_refuses_samples_without_routing_and_a_dense_model(megatron_single_rank):
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig
+
+    dense = build_model(ModelConfig(preset="tiny-llama", dtype="float32"), ParallelConfig())
+    with pytest.raises(ValueError, match="algorithm.routing_replay.*no MoE layers"):
+        routing_replay.enable(dense)
+    model = build_model(ModelConfig(preset="tiny-llama4", dtype="float32"), ParallelConfig())
+    routing_replay.enable(model)
+    ddp = wrap_model(model)
+    sample = TrainSample(0, 0, [5, 6, 7], [8, 9], [-1.0, -1.0], [True, True], 1.0, [0, 0])
+    with pytest.raises(ValueError, match="algorithm.routing_replay: 1 of 1 samples"):
+        policy_update(ddp, sgd_no_step(ddp), [sample], AlgorithmConfig(), 1)
+    wrong = np.zeros((4, 2, 1), dtype=np.uint8)  # 2 layers: not tiny-llama4's 4
+    with pytest.raises(ValueError, match="4 layers, top-1"):
+        routing_replay.routing_tensor([wrong], 5, (4, 1))

@@ -292,14 +292,16 @@ def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path):
         "parallel.tensor=2",
         "parallel.tensor=1",
         "parallel.pipeline=2",
-        "model.preset=tiny-llama4 parallel.expert=2",
+        "model.preset=tiny-llama4 parallel.expert=2 algorithm.routing_replay=true",
     ],
     ids=["tp2", "dp2", "pp2", "ep2_moe"],
 )
 def test_two_trainer_ranks(tmp_path, layout):
-    """Two torch.distributed ranks (TP=2, DP=2, PP=2, or EP=2 on the tiny Llama-4 MoE): the
-    main rank owns the pool (an engine process) and the metrics; updates, pushes and checkpoints are collective. The TP=2
-    run then resumes on one rank (model and optimizer state reshard)."""
+    """Two torch.distributed ranks (TP=2, DP=2, PP=2, or EP=2 on the tiny Llama-4 MoE, with
+    routing replay: routed experts cross the engine process and the broadcast to the ranks):
+    the main rank owns the pool (an engine process) and the metrics; updates, pushes and
+    checkpoints are collective. The TP=2 run then resumes on one rank (model and optimizer
+    state reshard)."""
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -317,6 +319,9 @@ def test_two_trainer_ranks(tmp_path, layout):
     assert all(r["staleness_max"] <= 8 for r in recs if "reward_mean" in r)
     meta = json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["world_size"] == 2
+    if "routing_replay" in layout:  # replayed: the first step is on-policy and in parity
+        first = next(r for r in recs if "reward_mean" in r)
+        assert first["logprob_gap_tokens"] > 0 and first["logprob_gap"] < 1e-4, first
     if layout != "parallel.tensor=2":
         return
     run_train(run_dir, "training.max_steps=3", "validation.every_steps=2")

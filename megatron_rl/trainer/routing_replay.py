@@ -100,16 +100,14 @@ def local_indices(routing: torch.Tensor, layer: int, sequence_parallel: bool) ->
     return idx.transpose(0, 1).reshape(-1, idx.shape[-1])
 
 
-def micro_batch_routing(mb) -> torch.Tensor | None:
-    """A micro-batch's routing for :func:`set_routing` (None for an empty micro-batch)."""
-    if mb is None:
-        return None
-    if mb.routing is None:
+def require_routing(samples: Sequence) -> None:
+    """Raise unless every sample (``TrainSample``) carries the generator's routed experts."""
+    missing = sum(s.routed_experts is None for s in samples)
+    if missing:
         raise ValueError(
-            "algorithm.routing_replay: a micro-batch has no routed experts (the generator did "
-            "not return them: rollout.return_routed_experts)"
+            f"algorithm.routing_replay: {missing} of {len(samples)} samples have no routed "
+            "experts (the generator did not return them: rollout.return_routed_experts)"
         )
-    return mb.routing
 
 
 def set_routing(model, routing: torch.Tensor | None) -> None:

@@ -115,6 +115,8 @@ def policy_update(
     size, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     mine = [i for i, s in enumerate(samples) if s.group % size == rank]
     samples, adv, keep = [samples[i] for i in mine], adv[mine], keep[mine]
+    if routing_replay.is_enabled(model):
+        routing_replay.require_routing(samples)
     flat = flat_response_tensors(samples, adv, keep, mine)
     # Counted on the CPU: over the gloo twin of the DP group where the default one is NCCL.
     count_group = parallel_state.get_data_parallel_group_gloo() if _is_gpu() else dp_group
@@ -226,8 +228,8 @@ def forward_backward(
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
         mb = None if mb is None else mb.to(device)
-        if replay:  # the generator's experts (an empty micro-batch routes freely)
-            routing_replay.set_routing(chunk, routing_replay.micro_batch_routing(mb))
+        if replay:  # the generator's experts (SFT and empty micro-batches route freely)
+            routing_replay.set_routing(chunk, getattr(mb, "routing", None))
         output = forward_logits(chunk, (empty if mb is None else mb.tokens).to(device))
 
         def loss_func(logits):
