@@ -137,6 +137,8 @@ def test_routing_replay_needs_an_moe_model_and_no_recompute_under_a_pipeline():
     assert load_run_config(TINY, pp2).parallel.pipeline == 2
     msg = error_of(TINY, [*pp2, "model.recompute_activations=true"])
     assert "'algorithm.routing_replay'" in msg and "recompute" in msg
+    msg = error_of(TINY, [*moe, "rollout.enforce_eager=false"])
+    assert "'rollout.enforce_eager'" in msg
 
 
 def test_hf_path_model_is_checked_from_its_config_json(tmp_path):

@@ -133,7 +133,10 @@ def test_leave_one_out_differs_in_exactly_its_component(name):
 
 def test_routing_replay_recipe_adds_only_routing_replay_to_scout():
     base, variant = load("scalerl_scout"), load("scalerl_scout_routing_replay")
-    assert diff_keys(base, variant) - {"name"} == {"algorithm.routing_replay"}
+    assert diff_keys(base, variant) - {"name"} == {
+        "algorithm.routing_replay",
+        "rollout.enforce_eager",
+    }
     assert variant.algorithm.routing_replay and not base.algorithm.routing_replay
     assert not any(
         load_run_config(p).algorithm.routing_replay for p in ALL if "routing" not in p.stem

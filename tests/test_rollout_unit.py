@@ -279,6 +279,7 @@ def test_subsequence_search():
         ({"weight_transport": "nccl", "placement": "subprocess", "colocate": True}, "colocate"),
         ({"push_timeout_seconds": 0}, "push_timeout_seconds"),
         ({"startup_timeout_minutes": -1}, "startup_timeout_minutes"),
+        ({"return_routed_experts": True, "enforce_eager": False}, "enforce_eager"),
         ({"interruption": InterruptionConfig(thinking_budget=(9, 3))}, "thinking_budget"),
         ({"interruption": InterruptionConfig(answer_budget=0)}, "answer_budget"),
         (

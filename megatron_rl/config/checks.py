@@ -95,6 +95,13 @@ def _check_routing_replay(config: RunConfig, moe: bool, source: str) -> None:
     key = "recipe key 'algorithm.routing_replay'"
     if not moe:
         raise ConfigError(f"{key}: replays MoE routing; {source} is dense")
+    if not config.rollout.enforce_eager:
+        # The engines record routing in the forward; CUDA graphs captured before the capture
+        # hooks are bound would replay without them.
+        raise ConfigError(
+            "recipe key 'rollout.enforce_eager': must be true with algorithm.routing_replay "
+            "(the engines record routed experts in eager forwards)"
+        )
     p = config.parallel
     if p.context > 1:
         raise ConfigError(f"{key}: not supported with context parallelism (parallel.context)")

@@ -160,6 +160,11 @@ class RolloutConfig:
                 "weight_transport 'nccl' needs engine GPUs apart from the trainer's (NCCL has "
                 "one rank per GPU): colocate must be false"
             )
+        if self.return_routed_experts and not self.enforce_eager:
+            raise ValueError(
+                "return_routed_experts (algorithm.routing_replay) needs enforce_eager: the "
+                "routing capture runs in the forward, which CUDA graphs replay without it"
+            )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -173,6 +173,10 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives here
         # whole GiB on CPU
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.kv_cache_gb)))
+        if config.return_routed_experts:
+            # The routing capture reads the V1 model runner's batch layout (the CPU build
+            # always runs V1; on GPU vLLM 0.32 would pick its V2 runner).
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         from vllm.v1.engine.llm_engine import LLMEngine
 
         from megatron_rl.platform import get_platform
