@@ -15,6 +15,10 @@ at ``p + 1`` was sampled with (its KV entry stays in the cache). A request recom
 preemption or a weight push with ``kv_on_push: recompute`` keeps its first rows. The last
 sampled token is never processed by the engine, so a finished request has one row fewer than
 it has tokens.
+
+The rows travel with the sample (``Sample.routed_experts``: numpy, pickled by the engine
+processes' queues and the bridge to remote engines). Checkpoints hold none: the prompts in
+flight at a checkpoint are generated again on resume, with their routing.
 """
 
 from __future__ import annotations
