@@ -1,7 +1,8 @@
 """Routing replay (R3) on tiny Llama-4: a vLLM engine of this process records the experts of
 every position, the trainer's policy update replays them.
 
-One engine run backs every check: (1) with the pushed weights the trainer, routing freely,
+One engine run backs every check: (0) rows of samples that a weight push landed in are the
+routing each position was generated with; (1) with the pushed weights the trainer, routing freely,
 picks the experts vLLM recorded (the rows are aligned: positions, layers, expert ids);
 (2) a router perturbed in the trainer after the push flips some choices; with replay the
 routers' actual choices (recorded by hooks, not by the replay code) equal vLLM's at every
@@ -9,6 +10,8 @@ position; (3) the trainer-vs-generator log-prob gap with and without replay.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -62,6 +65,29 @@ class RouterChoices:
             h.remove()
 
 
+def check_rows_across_the_push(initial, samples) -> None:
+    """Rows of positions the engine processed before the push are the initial weights' own
+    routing (the whole sequence up to there ran on them); later ones are the new weights',
+    computed on KV the old weights left: not what the initial weights route."""
+    from megatron_rl.models.logprobs import forward_logits
+
+    before = after = changed = 0
+    for s in samples:
+        hooks = RouterChoices(initial, 1)
+        with torch.no_grad():
+            forward_logits(initial, torch.tensor([s.prompt_ids + s.response_ids]))
+        hooks.close()
+        # position p produced response token p + 1 - P; prefill positions the first token
+        cut = len(s.prompt_ids) - 1 + s.versions.count(0)
+        rows = torch.from_numpy(s.routed_experts.astype(np.int64))
+        for layer in MOE_LAYERS:
+            ours = hooks.choices[layer][: len(rows), 0]
+            assert torch.equal(ours[:cut], rows[:cut, layer]), (layer, cut)
+            changed += int((ours[cut:] != rows[cut:, layer]).any(-1).sum())
+        before, after = before + cut, after + len(rows) - cut
+    assert before > 0 and after > 0 and changed > 0, (before, after, changed)
+
+
 def sgd_no_step(ddp):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -91,6 +117,7 @@ def test_trainer_replays_the_generators_experts(tiny_hf_dirs, megatron_single_ra
     from megatron_rl.rollout.pool import GeneratorPool
 
     hf_dir = tiny_hf_dirs["tiny-llama4"]
+    initial = megatron_from_hf(hf_dir)  # the engine's weights until the first push
     model = megatron_from_hf(hf_dir)
     perturb_(model, seed=4, noise=0.5)
     assert routing_replay.enable(model) == len(MOE_LAYERS)
@@ -108,9 +135,16 @@ def test_trainer_replays_the_generators_experts(tiny_hf_dirs, megatron_single_ra
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 128, (6, 8), generator=gen).tolist()
     with GeneratorPool(hf_dir, config, encode=lambda text: [ord(c) for c in text]) as pool:
+        pool.submit(prompts)  # then the push lands while they generate (PipelineRL)
+        while pool.generated_tokens() < 24:
+            time.sleep(0.02)
         push_megatron_weights(pool, model, bucket_bytes=256 * 1024)
+        across = []
+        while pool.in_flight:
+            across += pool.poll(timeout=5.0)
         samples = pool.generate(prompts)
         version = pool.version
+    check_rows_across_the_push(initial, across)
     assert any(s.interrupted for s in samples)
     for s in samples:  # every position but the last token's, all layers, top-1
         assert s.routed_experts.shape == (len(s.prompt_ids) + len(s) - 1, 4, 1)
