@@ -129,6 +129,20 @@ def test_model_shape_checks_name_the_parallel_key(tmp_path):
     assert load_run_config(TINY, [*tp2, "parallel.sequence_parallel=true"]).parallel.tensor == 2
 
 
+def test_routing_replay_needs_an_moe_model_and_no_recompute_under_a_pipeline():
+    msg = error_of(TINY, ["algorithm.routing_replay=true"])
+    assert "'algorithm.routing_replay'" in msg and "dense" in msg
+    moe = ["model.preset=tiny-llama4", "algorithm.routing_replay=true"]
+    assert load_run_config(TINY, moe).algorithm.routing_replay
+    pp2 = [*moe, "parallel.pipeline=2", "cluster.gpus_per_node=4", "cluster.trainer_gpus=2"]
+    pp2 += ["cluster.generator_gpus=2"]
+    assert load_run_config(TINY, pp2).parallel.pipeline == 2
+    msg = error_of(TINY, [*pp2, "model.recompute_activations=true"])
+    assert "'algorithm.routing_replay'" in msg and "recompute" in msg
+    msg = error_of(TINY, [*moe, "rollout.enforce_eager=false"])
+    assert "'rollout.enforce_eager'" in msg
+
+
 def test_hf_path_model_is_checked_from_its_config_json(tmp_path):
     model_dir = tmp_path / "hf"
     model_dir.mkdir()

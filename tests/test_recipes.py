@@ -155,6 +155,18 @@ def test_leave_one_out_differs_in_exactly_its_component(name):
     assert variant.training.max_gpu_hours == 16000  # the paper's 16k GPU-h per variant
 
 
+def test_routing_replay_recipe_adds_only_routing_replay_to_scout():
+    base, variant = load("scalerl_scout"), load("scalerl_scout_routing_replay")
+    assert diff_keys(base, variant) - {"name"} == {
+        "algorithm.routing_replay",
+        "rollout.enforce_eager",
+    }
+    assert variant.algorithm.routing_replay and not base.algorithm.routing_replay
+    assert not any(
+        load_run_config(p).algorithm.routing_replay for p in ALL if "routing" not in p.stem
+    )
+
+
 def test_leave_one_out_values():
     assert load("loo_prompt_adv_norm").algorithm.advantage_normalization == "group"
     lp = load("loo_length_penalty").algorithm

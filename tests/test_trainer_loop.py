@@ -311,16 +311,17 @@ def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path):
     [
         "parallel.tensor=2",
         "parallel.pipeline=2",
-        "model.preset=tiny-llama4 parallel.expert=2",
+        "model.preset=tiny-llama4 parallel.expert=2 algorithm.routing_replay=true",
     ],
     ids=["tp2", "pp2", "ep2_moe"],
 )
 def test_two_trainer_ranks(tmp_path, layout):
-    """Two torch.distributed ranks (TP=2, PP=2, or EP=2 on the tiny Llama-4 MoE): the main
-    rank owns the pool (an engine process) and the metrics; updates, pushes and checkpoints
-    are collective. Not repeated here, each at its own level: a data-parallel update equals
-    one rank's (test_trainer_step.py), and a checkpoint resumes in another layout with the
-    same next AdamW step (test_checkpoint.py)."""
+    """Two torch.distributed ranks (TP=2, PP=2, or EP=2 on the tiny Llama-4 MoE, with
+    routing replay: routed experts cross the engine process and the broadcast to the ranks):
+    the main rank owns the pool (an engine process) and the metrics; updates, pushes and
+    checkpoints are collective. Not repeated here, each at its own level: a data-parallel
+    update equals one rank's (test_trainer_step.py), and a checkpoint resumes in another
+    layout with the same next AdamW step (test_checkpoint.py)."""
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -343,6 +344,9 @@ def test_two_trainer_ranks(tmp_path, layout):
         assert all(1.0 <= r["moe/load_ratio_max"] <= 4.0 for r in steps)  # 4 experts
         assert all(0.0 < r["moe/router_entropy"] <= math.log(4) for r in steps)
         assert all(r["moe/dropped_fraction"] == 0.0 and r["moe/tokens"] > 0 for r in steps)
+    if "routing_replay" in layout:  # replayed: the first step is on-policy and in parity
+        first = next(r for r in recs if "reward_mean" in r)
+        assert first["logprob_gap_tokens"] > 0 and first["logprob_gap"] < 1e-4, first
 
 
 @pytest.mark.slow

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -191,12 +193,28 @@ def random_samples(seed: int, vocab: int = 128) -> list[TrainSample]:
     return samples
 
 
+def with_random_routing(samples: list[TrainSample], seed: int) -> list[TrainSample]:
+    """``samples`` with random generator routing for tiny-llama4 (4 experts, top-1, MoE
+    layers 1 and 3): rows for every position but the last, as engines record them."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for s in samples:
+        rows = torch.zeros((len(s.prompt_tokens) + len(s.response_tokens) - 1, 4, 1))
+        rows[:, [1, 3]] = torch.randint(0, 4, (len(rows), 2, 1), generator=gen).float()
+        out.append(dataclasses.replace(s, routed_experts=rows.to(torch.uint8).numpy()))
+    return out
+
+
 LAYOUTS = [
     ("tiny-llama", {"tensor": 2}),
     ("tiny-llama", {"pipeline": 2}),
     ("tiny-llama4", {"expert": 2}),
     # megatron trains MoE with TP only under sequence parallelism
     ("tiny-llama4", {"tensor": 2, "expert": 2, "sequence_parallel": True}),
+    # routing replay: each stage's routers take their global layers' rows, each TP rank the
+    # rows of its sequence-parallel chunk
+    ("tiny-llama4", {"tensor": 2, "expert": 2, "sequence_parallel": True, "replay": True}),
+    ("tiny-llama4", {"pipeline": 2, "replay": True}),
 ]
 
 
@@ -205,7 +223,9 @@ LAYOUTS = [
 def test_update_in_a_parallel_layout_equals_one_rank(preset, layout, tiny_hf_dirs, tmp_path):
     """TP, PP (megatron's pipeline schedule) and EP (experts exchanged by all-to-all, expert
     gradients reduced over the expert-data-parallel group) make the one-rank update, to
-    float rounding: the SGD (lr 1) update is the gradient itself."""
+    float rounding: the SGD (lr 1) update is the gradient itself. With routing replay, the
+    replayed (random) routing differs from the model's own, so a rank that took the wrong
+    rows would route differently and change the update."""
     import shutil
     from pathlib import Path
 
@@ -214,14 +234,19 @@ def test_update_in_a_parallel_layout_equals_one_rank(preset, layout, tiny_hf_dir
 
     from megatron_rl.platform import run_local_ranks
 
-    samples = random_samples(3)
+    layout = dict(layout)
+    replay = layout.pop("replay", False)
+    samples = with_random_routing(random_samples(3), 4) if replay else random_samples(3)
     outs = {}
     for name, lay, world in (("one", {}, 1), ("many", layout, 2)):
         out = str(tmp_path / f"{name}.pt")
         shutil.copytree(tiny_hf_dirs[preset], out + ".hf")
-        run_local_ranks(layout_update_worker, world, preset, lay, samples, out)
+        run_local_ranks(layout_update_worker, world, preset, lay, samples, out, replay)
         outs[name] = torch.load(out, weights_only=False)
     one, many = outs["one"], outs["many"]
+    if replay:  # the routers of rank 0 replayed (a stage: its own MoE layer, 1 of 1 and 3)
+        assert set(one["replayed"]) == {1, 3} and set(many["replayed"]) <= {1, 3}
+        assert many["replayed"]
     assert one["weights"].keys() == many["weights"].keys()
     for key, ref in one["weights"].items():  # updates are up to ~0.1
         assert torch.allclose(ref, many["weights"][key], atol=1e-6, rtol=0), key

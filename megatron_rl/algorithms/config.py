@@ -51,6 +51,10 @@ class AlgorithmConfig:
         length_penalty_on: the samples whose reward gets the penalty: "correct" (ScaleRL's
             alternative to interruptions, SCALERL.md section 2) or "all" (DAPO's soft overlong
             punishment, arXiv 2503.14476 section 3.4, added to every response's reward).
+        routing_replay: MoE models: the policy forward routes every token to the experts the
+            generator routed it to (R3; ``megatron_rl.trainer.routing_replay``). The engines
+            then return routed experts and run without prefix caching. Off in the paper's
+            recipes (recipes/scalerl_scout_routing_replay.yaml turns it on).
     """
 
     loss: str = "cispo"
@@ -66,6 +70,7 @@ class AlgorithmConfig:
     length_penalty_l_max: int = 14336
     length_penalty_l_cache: int = 2048
     length_penalty_on: str = "correct"
+    routing_replay: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -84,7 +89,7 @@ class AlgorithmConfig:
             not _finite(self.npr_threshold) or not 0 < self.npr_threshold <= 1
         ):
             raise ValueError(f"npr_threshold must be in (0, 1] or None, got {self.npr_threshold!r}")
-        for name in ("zero_variance_filter", "length_penalty"):
+        for name in ("zero_variance_filter", "length_penalty", "routing_replay"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.length_penalty_l_cache) or self.length_penalty_l_cache <= 0:

@@ -218,6 +218,7 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
             versions=list(s.versions),
             truncated=s.finish_reason == "length",
             interrupted=s.interrupted,
+            routed_experts=s.routed_experts,
         )
         for g, i, s, r in flat
     ]
@@ -385,6 +386,7 @@ def start_generators(run: Run, step: int):
     rollout = run.config.rollout
     if rollout.dtype == "auto":  # generate in the trainer's dtype, or log-probs disagree
         rollout.dtype = run.config.model.dtype
+    rollout.return_routed_experts |= run.config.algorithm.routing_replay
     if rollout.placement == "subprocess" and get_platform().is_gpu:
         import os
 

@@ -20,6 +20,7 @@ from megatron_rl.algorithms import (
 from megatron_rl.algorithms.config import AlgorithmConfig
 from megatron_rl.models.logprobs import forward_logits, logits_to_logprobs
 from megatron_rl.platform import collectives, get_platform
+from megatron_rl.trainer import routing_replay
 from megatron_rl.trainer.batch import (
     TrainSample,
     flat_response_tensors,
@@ -124,6 +125,8 @@ def policy_update(
     size, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     mine = [i for i, s in enumerate(samples) if s.group % size == rank]
     samples, adv, keep = [samples[i] for i in mine], adv[mine], keep[mine]
+    if routing_replay.is_enabled(model):
+        routing_replay.require_routing(samples)
     flat = flat_response_tensors(samples, adv, keep, mine)
     # Counted on the CPU: over the gloo twin of the DP group where the default one is NCCL.
     count_group = parallel_state.get_data_parallel_group_gloo() if _is_gpu() else dp_group
@@ -239,10 +242,13 @@ def forward_backward(
     if has_router_losses(get_attr_wrapped_model(model, "config")):
         check_router_loss_mode(model)
         router_loss_batches = int(count) * dist.get_world_size(dp_group)
+    replay = routing_replay.is_enabled(model)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
         mb = None if mb is None else mb.to(device)
+        if replay:  # the generator's experts (SFT and empty micro-batches route freely)
+            routing_replay.set_routing(chunk, getattr(mb, "routing", None))
         output = forward_logits(chunk, (empty if mb is None else mb.tokens).to(device))
         if router_loss_batches is not None:
             output = scale_router_losses(output, router_loss_batches)
@@ -262,15 +268,16 @@ def forward_backward(
     model.train()
     longest = max((int(mb.tokens.shape[1]) for mb in micro_batches), default=2)
     widest = max((int(mb.tokens.shape[0]) for mb in micro_batches), default=1)
-    out = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[model],
-        num_microbatches=len(batches),
-        seq_length=longest,
-        micro_batch_size=widest,
-        forward_only=False,
-    )
+    with routing_replay.replay_session(model):
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=[model],
+            num_microbatches=len(batches),
+            seq_length=longest,
+            micro_batch_size=widest,
+            forward_only=False,
+        )
     sums, maxes = torch.zeros(num_sums, dtype=torch.float64), torch.zeros(max(num_maxes, 1))
     for record in out:  # the last pipeline stage's records; empty elsewhere
         sums += record["sums"].double()
