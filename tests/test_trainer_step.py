@@ -209,11 +209,11 @@ LAYOUTS = [
     ("tiny-llama", {"tensor": 2}),
     ("tiny-llama", {"pipeline": 2}),
     ("tiny-llama4", {"expert": 2}),
-    # megatron trains MoE with TP only under sequence parallelism
-    ("tiny-llama4", {"tensor": 2, "expert": 2, "sequence_parallel": True}),
-    # routing replay: each stage's routers take their global layers' rows, each TP rank the
-    # rows of its sequence-parallel chunk
+    # megatron trains MoE with TP only under sequence parallelism; with routing replay each
+    # TP rank takes the rows of its sequence-parallel chunk (free TP+EP routing: the EP run,
+    # the logits of test_models.py, and the loop's EP run)
     ("tiny-llama4", {"tensor": 2, "expert": 2, "sequence_parallel": True, "replay": True}),
+    # and each pipeline stage's routers the rows of their global layers
     ("tiny-llama4", {"pipeline": 2, "replay": True}),
 ]
 
