@@ -219,8 +219,11 @@ def test_dynamic_sampling_fills_batches_with_groups_that_have_variance(mode):
     # every scored group is either trained, dropped, or still waiting (kept) in the source
     assert len(scorer.scored) == len(set(scorer.scored))
     # without dynamic sampling the same source draws exactly what it trains on
-    plain = make_source(SimulatedPool(lambda pid: 2 + pid % 4), mode, k=2)
-    plain_batches = [plain.next_batch(0) for _ in range(2)]
+    plain_pool = SimulatedPool(lambda pid: 2 + pid % 4)
+    plain, plain_batches = make_source(plain_pool, mode, k=2), []
+    for _ in range(2):
+        plain_batches.append(plain.next_batch(plain_pool.version))
+        plain_pool.push()
     assert any(flat_rewards(g.prompt_id) for b in plain_batches for g in b)
     assert plain.counts == {"prompts_drawn": 0 if mode == "ppo" else 4}
 
@@ -246,9 +249,9 @@ def test_dynamic_sampling_cap_bounds_the_prompts_drawn_per_batch(mode, max_round
         assert drawn == [max_rounds * k * 4, 0] * 3
         assert dropped == [(max_rounds - 1) * k * 4, 0] * 3
         assert [c["groups_kept_over_cap"] for c in per_call] == [k * 4, 0] * 3
-    else:  # B a step (2 B in flight at the start), (max_rounds - 1) x B of them replacements
+    else:  # B a step ((k + 1) B outstanding at the start), (max_rounds - 1) x B replacements
         assert all(d <= (max_rounds - 1) * 4 for d in dropped)
-        assert dropped[0] == (max_rounds - 1) * 4 and drawn[0] == 2 * 4 + dropped[0]
+        assert dropped[0] == (max_rounds - 1) * 4 and drawn[0] == (k + 1) * 4 + dropped[0]
         assert all(n <= max_rounds * 4 for n in drawn[1:])
         assert drawn[-2:] == [max_rounds * 4] * 2 and dropped[-2:] == [(max_rounds - 1) * 4] * 2
     assert len(scorer.dropped) == sum(dropped)
@@ -319,8 +322,10 @@ def test_dropped_groups_count_in_the_no_positive_resampling_history(history):
     run = SimpleNamespace(config=config, tokenizer=tokenizer, data=data, tracker=tracker,
                           rewards=ScriptedRewards())  # fmt: skip
     pool = SimulatedPool(lambda pid: 2)
+    # k = 1: at most (k + 1) x B = 4 prompts outstanding, so none of the 4 is in flight twice
+    # (the script counts visits in scoring order; two copies would be recorded out of order)
     source = RolloutSource(pool, sampler.next_prompts, lambda pid: [pid], 2, 4, "pipeline_rl",
-                           2, dynamic=dynamic_sampling(run))  # fmt: skip
+                           1, dynamic=dynamic_sampling(run))  # fmt: skip
     trained, dropped = [], 0
     for _ in range(8):
         groups = source.next_batch(pool.version)
