@@ -378,6 +378,7 @@ class RolloutSource:
         """The next batch of complete groups for the trainer at policy ``version``."""
         assert self._feeder is None, "next_batch() inside feeding()"
         with self._lock:
+            self._load.reset(self._in_flight)
             if self.mode == "ppo":
                 self._begin(batches=0 if self._ppo_queue else self.k)
                 self.counts = self._window
@@ -385,7 +386,6 @@ class RolloutSource:
             return self._next_pipeline_batch(version)
 
     def _next_pipeline_batch(self, version: int) -> list[Group]:
-        self._load.reset(self._in_flight)
         while True:
             self._collect(timeout=0.0)
             self._top_up()
@@ -424,6 +424,21 @@ class RolloutSource:
     def wants_push(self) -> bool:
         """PPO pushes once per k updates (the pool is idle in between); PipelineRL every step."""
         return self.mode != "ppo" or not self._ppo_queue
+
+
+def token_lag_histogram(groups: list[Group], version: int, k: int) -> list[int]:
+    """Per-token staleness of a batch trained at policy ``version``: entry ``i`` counts the
+    policy-generated tokens (mask True) made by version ``version - i``, for i = 0 .. k (longer
+    if a token is older: never the case under the lag bound)."""
+    counts = [0] * (k + 1)
+    for group in groups:
+        for sample in group.samples:
+            for v, mine in zip(sample.versions, sample.mask):
+                if mine:
+                    lag = version - v
+                    counts.extend([0] * (lag + 1 - len(counts)))
+                    counts[lag] += 1
+    return counts
 
 
 def shuffled_groups(groups: list[Group], seed: int) -> list[Group]:
