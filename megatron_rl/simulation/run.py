@@ -3,7 +3,8 @@
 Each step, as ``train()`` does: ask the real ``RolloutSource`` for the next batch at the pool's
 version (its waits move the clock), update (the clock moves by ``CostModel.train_step`` while
 the engines keep generating and the source's feeder tops them up), then push the weights when
-the source wants it (the engines pause for ``CostModel.push``). Only the engines, the trainer and the clock are emulated.
+the source wants it (the engines pause for ``CostModel.push``). Only the engines, the trainer
+and the clock are emulated.
 
 Utilisation is measured after ``warmup`` steps (the pipeline filling), over ``steps`` steps.
 """
