@@ -277,6 +277,9 @@ BAD_BODIES = {
         "rollout:\n  interruption:\n    thinking_budget: [40, 64]\n",
         "'rollout.interruption.thinking_budget'",
     ),
+    "fill-not-positive": ("off_policy:\n  pool_fill: 0\n", "'off_policy.pool_fill'"),
+    # 0.01 x 1 engine x 256 seqs = 2.56 sequences: not one prompt of 8 samples fits
+    "fill-below-a-prompt": ("off_policy:\n  pool_fill: 0.01\n", "'off_policy.pool_fill'"),
 }
 
 

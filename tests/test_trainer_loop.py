@@ -89,6 +89,13 @@ def test_pipeline_rl_run_invariants(tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in vals] == [0, 3, 6]
     assert all(r["staleness_max"] <= 1 for r in steps)  # never beyond k versions of lag
+    for r in steps:  # continuous generation: per-token lags 0..k, the pool's load
+        hist = r["staleness_hist"]
+        assert len(hist) == 2 and 0 < sum(hist) <= r["response_tokens"]
+        assert max(i for i, n in enumerate(hist) if n) == r["staleness_max"]
+        # at most (k + 1) x B = 8 prompts x G = 4 in flight of 1 engine x 256 sequences
+        assert 0 < r["pool_occupancy"] <= 8 * 4 / 256
+        assert 0 <= r["generator_idle_fraction"] < 1
     # Dynamic sampling (the tiny model solves few problems: most groups are all wrong):
     # zero-variance groups were dropped and replaced; only those let through at the cap
     # (max_rounds x B prompts drawn in a step) reach a batch.
@@ -190,7 +197,8 @@ STEP_METRICS = (
     "truncation_rate", "interruption_rate", "effective_batch_fraction", "npr_retired",
     "rho_mean", "rho_max", "clip_frac", "abs_logprob_diff", "staleness_mean", "staleness_max",
     "gen_tokens_per_s", "train_tokens_per_s", "step_seconds", "lr", "grad_norm", "loss",
-    "logprob_gap", "logprob_gap_tokens",
+    "logprob_gap", "logprob_gap_tokens", "staleness_hist", "pool_occupancy",
+    "generator_idle_fraction",
 )  # fmt: skip
 
 

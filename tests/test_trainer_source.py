@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from megatron_rl.rollout.samples import Sample
@@ -219,8 +221,11 @@ def test_dynamic_sampling_fills_batches_with_groups_that_have_variance(mode):
     # every scored group is either trained, dropped, or still waiting (kept) in the source
     assert len(scorer.scored) == len(set(scorer.scored))
     # without dynamic sampling the same source draws exactly what it trains on
-    plain = make_source(SimulatedPool(lambda pid: 2 + pid % 4), mode, k=2)
-    plain_batches = [plain.next_batch(0) for _ in range(2)]
+    plain_pool = SimulatedPool(lambda pid: 2 + pid % 4)
+    plain, plain_batches = make_source(plain_pool, mode, k=2), []
+    for _ in range(2):
+        plain_batches.append(plain.next_batch(plain_pool.version))
+        plain_pool.push()
     assert any(flat_rewards(g.prompt_id) for b in plain_batches for g in b)
     assert plain.counts == {"prompts_drawn": 0 if mode == "ppo" else 4}
 
@@ -246,9 +251,9 @@ def test_dynamic_sampling_cap_bounds_the_prompts_drawn_per_batch(mode, max_round
         assert drawn == [max_rounds * k * 4, 0] * 3
         assert dropped == [(max_rounds - 1) * k * 4, 0] * 3
         assert [c["groups_kept_over_cap"] for c in per_call] == [k * 4, 0] * 3
-    else:  # B a step (2 B in flight at the start), (max_rounds - 1) x B of them replacements
+    else:  # B a step ((k + 1) B outstanding at the start), (max_rounds - 1) x B replacements
         assert all(d <= (max_rounds - 1) * 4 for d in dropped)
-        assert dropped[0] == (max_rounds - 1) * 4 and drawn[0] == 2 * 4 + dropped[0]
+        assert dropped[0] == (max_rounds - 1) * 4 and drawn[0] == (k + 1) * 4 + dropped[0]
         assert all(n <= max_rounds * 4 for n in drawn[1:])
         assert drawn[-2:] == [max_rounds * 4] * 2 and dropped[-2:] == [(max_rounds - 1) * 4] * 2
     assert len(scorer.dropped) == sum(dropped)
@@ -319,8 +324,10 @@ def test_dropped_groups_count_in_the_no_positive_resampling_history(history):
     run = SimpleNamespace(config=config, tokenizer=tokenizer, data=data, tracker=tracker,
                           rewards=ScriptedRewards())  # fmt: skip
     pool = SimulatedPool(lambda pid: 2)
+    # k = 1: at most (k + 1) x B = 4 prompts outstanding, so none of the 4 is in flight twice
+    # (the script counts visits in scoring order; two copies would be recorded out of order)
     source = RolloutSource(pool, sampler.next_prompts, lambda pid: [pid], 2, 4, "pipeline_rl",
-                           2, dynamic=dynamic_sampling(run))  # fmt: skip
+                           1, dynamic=dynamic_sampling(run))  # fmt: skip
     trained, dropped = [], 0
     for _ in range(8):
         groups = source.next_batch(pool.version)
@@ -374,3 +381,160 @@ def test_dynamic_sampling_resume_regenerates_exactly_the_prompts_in_flight(mode)
     assert len(done) == len(set(done)) and set(carry) <= set(done)
     assert set(done) | set(resumed.in_flight_prompt_ids()) == set(range(len(set(
         pool.submitted + resumed_pool.submitted))))  # fmt: skip
+
+
+# -- continuous generation (PipelineRL) ---------------------------------------------------------
+
+
+class ClockPool:
+    """A pool on a tick clock: prompt p's samples finish ``length(p)`` ticks after submission
+    (tokens carry the version current at each tick). Time passes by ``advance`` (the trainer's
+    update) and by waiting polls (``poll(timeout > 0)``: one tick). Every submission checks,
+    against the test's own count of handed-out groups, the lag bound on outstanding prompts and
+    the capacity. Thread-safe: the feeder thread polls while the test advances the clock."""
+
+    def __init__(self, length, k, batch, capacity):
+        self.length, self.k, self.batch, self.capacity = length, k, batch, capacity
+        self.version = self.now = self._next = 0
+        self._live: dict[int, tuple[int, list[Sample]]] = {}  # index -> (end tick, samples)
+        self._done: list[Sample] = []
+        self.submitted: list[int] = []
+        self.handed = 0  # groups the test got from next_batch
+        self.cut_version: int | None = None  # version of the test's last batch
+        self.max_seqs = 0
+        self.submit_threads: set[str] = set()
+        self._lock = threading.Lock()
+
+    def submit(self, prompts, samples_per_prompt, seeds=None):
+        with self._lock:
+            out = []
+            for prompt in prompts:
+                index, self._next = self._next, self._next + 1
+                samples = [Sample(index, j, list(prompt)) for j in range(samples_per_prompt)]
+                self._live[index] = (self.now + self.length(prompt[0]), samples)
+                self.submitted.append(prompt[0])
+                out.append(index)
+            outstanding = len(self.submitted) - self.handed
+            cut = int(self.cut_version == self.version)
+            assert outstanding <= (self.k + 1 - cut) * self.batch, (outstanding, cut)
+            seqs = sum(len(s) for _, s in self._live.values())
+            assert seqs <= self.capacity
+            self.max_seqs = max(self.max_seqs, seqs)
+            self.submit_threads.add(threading.current_thread().name)
+            return out
+
+    def advance(self, ticks=1):
+        with self._lock:
+            for _ in range(ticks):
+                self.now += 1
+                for index, (end, samples) in list(self._live.items()):
+                    for s in samples:
+                        s.append([7], [-1.0], self.version, True)
+                    if self.now >= end:
+                        self._done.extend(samples)
+                        del self._live[index]
+
+    def poll(self, timeout=0.0):
+        if timeout > 0 and not self._done and self._live:
+            self.advance()
+        with self._lock:
+            done, self._done = self._done, []
+            return done
+
+    def push(self):
+        with self._lock:
+            self.version += 1
+
+
+def run_continuous(k, steps=40, batch=4, group=2, capacity=48, update_ticks=1):
+    """PipelineRL-k against a ClockPool whose generation is slower than the update (lengths
+    16..24 ticks, updates of 1 tick): returns the pool, the source's per-step load metrics
+    (from step 10 on) and the per-token lag histogram of the trained batches (counted here)."""
+    from megatron_rl.trainer.rollout_source import token_lag_histogram
+
+    pool = ClockPool(lambda pid: 16 + pid % 9, k, batch, capacity)
+    counter = iter(range(10**6))
+    source = RolloutSource(pool, lambda n: [next(counter) for _ in range(n)], lambda pid: [pid],
+                           batch, group, "pipeline_rl", k, capacity=capacity,
+                           clock=lambda: pool.now)  # fmt: skip
+    loads, lags, trained = [], [], []
+    for step in range(steps):
+        groups = source.next_batch(pool.version)
+        pool.handed += len(groups)
+        pool.cut_version = pool.version
+        trained += [g.prompt_id for g in groups]
+        mine = [pool.version - v for g in groups for s in g.samples for v in s.versions]
+        assert token_lag_histogram(groups, pool.version, k) == [mine.count(i) for i in range(k + 1)]
+        for _ in range(update_ticks):  # the feeder polls while the trainer updates
+            pool.advance()
+            source.feed()
+        if step >= 10:
+            loads.append(source.generator_load())
+            lags += mine
+        pool.push()
+    assert len(trained) == len(set(trained))  # nothing twice, nothing dropped:
+    assert set(pool.submitted) == set(trained) | set(source.in_flight_prompt_ids())
+    return pool, loads, lags
+
+
+def test_k_sets_the_in_flight_amount_and_the_staleness():
+    results = {k: run_continuous(k) for k in (1, 4, 8)}
+    occupancy = {k: sum(d["pool_occupancy"] for d in r[1]) / len(r[1]) for k, r in results.items()}
+    mean_lag = {k: sum(r[2]) / len(r[2]) for k, r in results.items()}
+    for k, (pool, loads, lags) in results.items():
+        assert max(lags) <= k  # the lag bound, per token
+        # in flight: at most (k + 1) x B prompts of G = 2 samples, at most the capacity (48)
+        assert pool.max_seqs == min((k + 1) * 4 * 2, 48)
+        assert all(0 <= d["generator_idle_fraction"] <= 1 for d in loads)
+    # More k, more in flight (up to the capacity: k = 8 would allow 72 sequences) ...
+    assert occupancy[1] < 0.4 < occupancy[4] < occupancy[8] and occupancy[8] > 0.9
+    # ... and older tokens: the histogram moves to larger lags, up to k where it binds.
+    assert mean_lag[1] < mean_lag[4] < mean_lag[8]
+    assert max(results[4][2]) == 4 and max(results[1][2]) == 1
+    # The trainer waits less for due groups: 40 steps take less time (ticks) as k grows.
+    assert results[1][0].now > results[4][0].now > results[8][0].now
+    # The generator never idles with continuous generation (the pool is refilled at once).
+    assert all(d["generator_idle_fraction"] == 0 for r in results.values() for d in r[1])
+
+
+def test_the_feeder_tops_the_pool_up_while_the_trainer_updates():
+    import time
+
+    # capacity 8 sequences = 4 prompts of G = 2: the capacity, not the lag bound, binds
+    k, batch, group, capacity = 2, 4, 2, 8
+    pool = ClockPool(lambda pid: 3, k, batch, capacity)
+    counter = iter(range(10**6))
+    source = RolloutSource(pool, lambda n: [next(counter) for _ in range(n)], lambda pid: [pid],
+                           batch, group, "pipeline_rl", k, capacity=capacity)  # fmt: skip
+    for _ in range(3):
+        groups = source.next_batch(pool.version)
+        pool.handed += len(groups)
+        pool.cut_version = pool.version
+        assert all(pool.version - v <= k for g in groups for s in g.samples for v in s.versions)
+        before = len(pool.submitted)
+        assert pool.max_seqs == capacity and source.outstanding == 4  # the 4 in flight
+        with source.feeding():  # the update: 3 ticks finish the 4 prompts in flight
+            pool.advance(3)
+            deadline = time.monotonic() + 30
+            while len(pool.submitted) < before + 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)  # more polls: nothing more fits (capacity full, k x B outstanding)
+            fed = len(pool.submitted) - before
+        assert fed == 4 and source.outstanding == k * batch
+        pool.push()
+    assert "rollout-feeder" in pool.submit_threads  # submitted by the feeder thread
+
+
+def test_a_feeder_error_is_raised_after_the_update():
+    pool = ClockPool(lambda pid: 3, 2, 4, capacity=100)
+    source = RolloutSource(pool, lambda n: list(range(n)), lambda pid: [pid], 4, 2,
+                           "pipeline_rl", 2, capacity=100)  # fmt: skip
+
+    def broken(timeout=0.0):
+        raise RuntimeError("vLLM engine 0 failed")
+
+    pool.poll = broken
+    with pytest.raises(RuntimeError, match="rollout feeder failed") as info:
+        with source.feeding():
+            pass
+    assert "engine 0 failed" in str(info.value.__cause__)

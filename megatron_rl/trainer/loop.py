@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
@@ -20,6 +21,7 @@ from megatron_rl.trainer.rollout_source import (
     Group,
     PromptsExhausted,
     RolloutSource,
+    token_lag_histogram,
 )
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update
@@ -57,6 +59,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
             seed_of=lambda prompt_id: _sampling_seed(config.seed, prompt_id, run.step),
             shuffle_seed=config.seed,
             dynamic=dynamic_sampling(run),
+            capacity=config.rollout.engines * config.rollout.max_num_seqs,
+            fill=config.off_policy.pool_fill,
         )
         source.submit(carry)  # prompts in flight at the last checkpoint are regenerated
     # The trainer's weights are those of the generator's current policy version right after
@@ -87,24 +91,27 @@ def train(config: RunConfig, run_dir: Path) -> int:
             samples, info, wants_push = batch
             info["lr"] = run.optim.lr  # the rate of this update (the scheduler moves on after)
             t1 = time.perf_counter()
-            result = policy_update(
-                run.ddp,
-                run.optim.optimizer,
-                samples,
-                config.algorithm,
-                _micro_batch(config, samples),
-                temperature=config.rollout.temperature,
-                monitor_version=info["generator_version"] if synced else None,
-                max_logprob_gap=gap_limit,
-                token_multiple=multiple,
-            )
+            # PipelineRL: the main rank's feeder keeps the engines topped up during the update
+            with source.feeding() if main else contextlib.nullcontext():
+                result = policy_update(
+                    run.ddp,
+                    run.optim.optimizer,
+                    samples,
+                    config.algorithm,
+                    _micro_batch(config, samples),
+                    temperature=config.rollout.temperature,
+                    monitor_version=info["generator_version"] if synced else None,
+                    max_logprob_gap=gap_limit,
+                    token_multiple=multiple,
+                )
             synced = wants_push
             run.optim.scheduler.step(increment=1)
             step = run.step = step + 1
             t2 = time.perf_counter()
             push = push_weights(run, pool) if wants_push else None
             if main:
-                run.metrics.log(step_record(run, step, info, result, t0, t1, t2, push, pool))
+                record = step_record(run, step, info, result, t0, t1, t2, push, pool)
+                run.metrics.log({**record, **source.generator_load()})  # over this step
                 if result.expert_load is not None:
                     run.metrics.log_tensorboard(step, result.expert_load.per_layer())
                 bar.update(1)
@@ -155,6 +162,7 @@ def next_batch(run: Run, source: RolloutSource, pool):
         logger.info("every training prompt is retired: stopping at step %d", run.step)
         return None
     samples, info = score_groups(run, groups, pool.version)
+    info["staleness_hist"] = token_lag_histogram(groups, pool.version, _lag(run.config))
     info["generator_version"] = pool.version  # of the weights the generator holds now
     info.update(source.counts)  # prompts drawn this step; dynamic sampling's kept / dropped
     return samples, info, source.wants_push()
