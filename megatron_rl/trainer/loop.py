@@ -15,6 +15,7 @@ from megatron_rl.platform import collectives, get_platform
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.compute import generation_share
+from megatron_rl.trainer.probe import LogprobProbe
 from megatron_rl.trainer.rollout_source import Group, PromptsExhausted, RolloutSource
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update
@@ -61,6 +62,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
     multiple = token_multiple(
         config.model.fp8 is not None, config.parallel.tensor, config.parallel.sequence_parallel
     )
+    # The monitor above sees only the first PipelineRL batch: probe pushes as well.
+    probe = LogprobProbe.from_run(run, step, multiple)
     stop = _StopFlag(config.checkpoint.on_signals)
     if main and step == 0 and config.validation.enabled and config.validation.at_start:
         validate(run, pool, step)
@@ -97,8 +100,12 @@ def train(config: RunConfig, run_dir: Path) -> int:
             step = run.step = step + 1
             t2 = time.perf_counter()
             push = push_weights(run, pool) if wants_push else None
+            probed = probe.after_push(run.ddp, pool, step, wants_push)
             if main:
-                run.metrics.log(step_record(run, step, info, result, t0, t1, t2, push, pool))
+                record = step_record(run, step, info, result, t0, t1, t2, push, pool)
+                run.metrics.log({**record, **(probed.metrics() if probed else {})})
+            probe.check(probed)  # on every rank, after the record: the failing gap is logged
+            if main:
                 bar.update(1)
                 bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
                 if run.forecast is not None:
