@@ -229,30 +229,58 @@ def test_tied_embedding_model_trains_with_the_generator_in_parity(tmp_path):
     assert steps[0]["abs_logprob_diff"] < 1e-4 and steps[0]["rho_max"] < 1.001
 
 
+# A generator that diverges later in a PipelineRL run: from the push after step 1 on, the
+# engine gets a wrong final norm (x 1.5) and the trainer goes on as if nothing happened.
+DIVERGE_AFTER_STEP_1 = """
+import sys
+from megatron_rl.rollout.pool import GeneratorPool
+
+push = GeneratorPool.push_weights
+
+
+def diverging_push(self, buckets, *args, **kwargs):
+    if self.version >= 1:  # the initial push made version 1: corrupt version 2 on
+        scale = lambda n, t: t * 1.5 if n == "model.norm.weight" else t
+        buckets = ([(n, scale(n, t)) for n, t in bucket] for bucket in buckets)
+    return push(self, buckets, *args, **kwargs)
+
+
+GeneratorPool.push_weights = diverging_push
+from megatron_rl.cli import main
+
+sys.exit(main())
+"""
+
+
 @pytest.mark.timeout(480)
-def test_a_diverging_generator_stops_the_run_with_a_clear_error(tmp_path):
-    """The generator runs in bf16 against an fp32 trainer (a wrong rollout.dtype): the monitor
-    stops the run at its first step, before the update, naming the causes."""
+@pytest.mark.parametrize("diverges", ["from_the_start", "after_step_1"])
+def test_a_diverging_generator_stops_the_run_with_a_clear_error(tmp_path, diverges):
+    """from_the_start: the generator runs in bf16 against an fp32 trainer (a wrong
+    rollout.dtype): the monitor stops the run at its first step, before the update, naming
+    the causes. after_step_1: the pushes after step 1 corrupt the engine's weights; in
+    PipelineRL no later batch is generated entirely by the trainer's weights, so the per-step
+    monitor is blind to it: the post-push probe stops the run right after that push."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        train_cmd(
-            run_dir,
-            "rollout.dtype=bfloat16",
-            "warm_start.steps=0",
-            "training.max_steps=3",
-            "validation.enabled=false",
-            "checkpoint.every_steps=0",
-        ),
-        cwd=ROOT,
-        env=train_env(),
-        capture_output=True,
-        text=True,
-    )
+    overrides = ["warm_start.steps=0", "training.max_steps=3", "validation.enabled=false"]
+    if diverges == "from_the_start":
+        cmd = train_cmd(run_dir, "rollout.dtype=bfloat16", *overrides, "checkpoint.every_steps=0")
+    else:
+        args = train_cmd(run_dir, *overrides, "training.logprob_probe_every=1")
+        cmd = [sys.executable, "-c", DIVERGE_AFTER_STEP_1, *args[3:]]
+    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True)
     assert proc.returncode == 3, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("megatron-rl train: error: trainer vs generator log-prob gap"), last
     assert "training.max_logprob_gap 0.001" in last and "rollout.dtype" in last
-    assert not [r for r in records(run_dir) if "reward_mean" in r]  # no step was trained
+    steps = [r for r in records(run_dir) if "reward_mean" in r]
+    if diverges == "from_the_start":
+        assert not steps  # no step was trained
+        return
+    assert "probe samples generated right after the push of policy version 2" in last, last
+    assert [r["step"] for r in steps] == [1]  # stopped before training on version 2's samples
+    first = steps[0]
+    assert first["logprob_gap_tokens"] > 0 and first["logprob_gap"] < 1e-4  # healthy at step 1
+    assert first["logprob_probe_tokens"] > 0 and first["logprob_probe_gap"] > 1e-3
 
 
 def test_ppo_resume_after_sigkill_matches_uninterrupted_run(ppo_full_run, tmp_path):

@@ -196,6 +196,30 @@ def _registered_after_vllm_plugins() -> bool:
     return "megatron_rl_cpu" in WeightTransferEngineFactory._registry
 
 
+def test_ranks_wait_for_the_engines_beyond_the_worlds_timeout_then_fail_naming_rank_0(
+    tmp_path,
+):
+    """Finding 5: rank 0 starts the engines while the other ranks wait at the start-up
+    barrier. A wait longer than the world's own timeout (here 1 s, NCCL's 30 min in a run)
+    passes; a rank 0 that never arrives fails the others within
+    rollout.startup_timeout_minutes, naming rank 0 and the key (it used to wait under the
+    world's timeout: monitored_barrier's own timeout binds rank 0 only)."""
+    from mp_workers import startup_barrier_worker
+
+    from megatron_rl.platform import run_local_ranks
+
+    wait_min = 0.1  # 6 s
+    ranks = run_local_ranks(startup_barrier_worker, 2, str(tmp_path), 1.0, 2.5, wait_min)
+    (late0, _), (late1, absent1) = ranks
+    assert late0 == ("passed", pytest.approx(2.5, abs=1.0))
+    assert late1[0] == "passed" and late1[1] > 2.0  # longer than the world's timeout
+    message, seconds = absent1
+    assert "rank 1: not every rank reached the barrier within " in message, message
+    assert "rollout.startup_timeout_minutes (0.1 min)" in message and "rank 0" in message
+    assert 5.0 < seconds < 30.0  # the start-up timeout, not a hang
+    assert ranks[0][1][0] == "absent"
+
+
 @pytest.mark.timeout(180)
 def test_a_spawned_vllm_process_resolves_the_cpu_backend():
     """The backend is registered through vLLM's ``vllm.general_plugins`` entry point, so a

@@ -34,10 +34,12 @@ def train(config: RunConfig, run_dir: Path) -> int:
     step, carry = resume_or_warm_start(run)
     run.step = step
     main = _is_main()
+    # Engines can take many minutes to load (Scout); the other ranks wait meanwhile on a gloo
+    # group whose timeout is the start-up's, not in a collective with the world's timeout.
+    wait = config.rollout.startup_timeout_minutes
+    startup = collectives.timed_group(wait)
     pool = start_generators(run, step) if main else None
-    # Engines can take many minutes to load (Scout); the other ranks wait here, on the gloo
-    # control group with a timeout of its own, not in an NCCL collective that would time out.
-    collectives.barrier(timeout_minutes=config.rollout.startup_timeout_minutes)
+    collectives.barrier(startup, wait, timeout_key="rollout.startup_timeout_minutes")
     push_weights(run, pool)  # warm-started or resumed weights
     run.forecast = start_forecast(run) if main else None
     source = None

@@ -167,7 +167,7 @@ class LogprobProbe:
                 f"{result.tokens} tokens of {result.samples} probe samples generated right "
                 f"after the push of policy version {result.version}; max {result.max_gap:.3g}) "
                 f"exceeds training.max_logprob_gap {self.limit:g}: the generator no longer "
-                "runs the trainer's weights; the run stops before training on its samples. "
+                "runs the trainer's weights; the run stops before training on samples of that version. "
                 + GAP_CAUSES
             )
 
