@@ -196,6 +196,38 @@ def _registered_after_vllm_plugins() -> bool:
     return "megatron_rl_cpu" in WeightTransferEngineFactory._registry
 
 
+def test_check_parity_scores_samples_on_the_models_device(megatron_single_rank, monkeypatch):
+    """Finding 9: check-parity builds its inputs on the model's device. The real megatron
+    model, moved to the meta device standing in for CUDA, runs the forward, the vocab-parallel
+    log-softmax and the comparison there; the first thing to fail is the copy of the deltas
+    back to the host, which CUDA allows (inputs built on the CPU failed in the forward)."""
+    import megatron_rl.models.logprobs as logprobs
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig
+    from megatron_rl.rollout.parity import logprob_deltas
+    from megatron_rl.rollout.samples import Sample
+
+    model = build_model(ModelConfig(preset="tiny-llama"), ParallelConfig()).eval().to("meta")
+    # RoPE's inv_freq is a plain attribute, which .to() leaves behind; on GPU megatron makes
+    # it on the CUDA device (or moves it there at the first forward).
+    model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.to("meta")
+    scored = []
+    real = logprobs.token_logprobs
+
+    def recorded(model, tokens, temperature=1.0):
+        out = real(model, tokens, temperature)
+        scored.append((tokens.device, out.device, tuple(out.shape)))
+        return out
+
+    monkeypatch.setattr(logprobs, "token_logprobs", recorded)
+    sample = Sample(0, 0, [3, 4, 5], [6, 7, 8], [-1.0, -2.0, -0.5], [1, 1, 1], [True] * 3)
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+        logprob_deltas(model, [sample])
+    meta = torch.device("meta")
+    assert scored == [(meta, meta, (1, 5))]  # log-probs of all 6 tokens' successors
+
+
 def test_ranks_wait_for_the_engines_beyond_the_worlds_timeout_then_fail_naming_rank_0(
     tmp_path,
 ):
