@@ -75,11 +75,19 @@ def held_out_ids(run_dir: Path) -> set[int]:
 
 def test_pipeline_rl_run_invariants(tmp_path):
     run_dir = tmp_path / "run"
-    run_train(run_dir, "training.max_steps=6", "off_policy.max_lag=1")
+    run_train(
+        run_dir, "training.max_steps=6", "off_policy.max_lag=1", "training.logprob_probe_every=2"
+    )
     recs = records(run_dir)
     steps = [r for r in recs if "reward_mean" in r]
     vals = [r for r in recs if "val_pass_rate" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    # the post-push probe: every 2nd step, on fresh tokens, in parity; never in a batch
+    assert [r["step"] for r in steps if "logprob_probe_gap" in r] == [2, 4, 6]
+    for r in steps:
+        assert r["samples"] == 16  # 4 prompts x 4 samples: no probe sample was trained on
+        if r["step"] % 2 == 0:
+            assert r["logprob_probe_tokens"] > 0 and r["logprob_probe_gap"] < 1e-4, r
     assert [r["step"] for r in vals] == [0, 3, 6]
     assert all(r["staleness_max"] <= 1 for r in steps)  # never beyond k versions of lag
     assert all(0.0 <= r["effective_batch_fraction"] <= 1.0 for r in steps)
