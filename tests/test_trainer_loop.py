@@ -342,7 +342,7 @@ def test_two_trainer_ranks(tmp_path, layout):
         "-m", "megatron_rl.cli", "train", str(RECIPE), *SMALL, *layout.split(),
         "rollout.placement=subprocess", "training.max_steps=2", "validation.every_steps=2",
         "cluster.gpus_per_node=3", "cluster.trainer_gpus=2", "cluster.generator_gpus=1",
-        "checkpoint.every_steps=2", "--run-dir", str(run_dir),
+        "checkpoint.every_steps=2", "training.logprob_probe_every=2", "--run-dir", str(run_dir),
     ]  # fmt: skip
     env = {**train_env(), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
@@ -351,6 +351,9 @@ def test_two_trainer_ranks(tmp_path, layout):
     assert [r["step"] for r in recs if "reward_mean" in r] == [1, 2]  # one writer
     assert [r["step"] for r in recs if "val_pass_rate" in r] == [0, 2]
     assert all(r["staleness_max"] <= 8 for r in recs if "reward_mean" in r)
+    probed = [r for r in recs if "logprob_probe_gap" in r]  # scored by both ranks together
+    assert [r["step"] for r in probed] == [2] and probed[0]["logprob_probe_tokens"] > 0
+    assert probed[0]["logprob_probe_gap"] < 1e-4, probed[0]
     meta = json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["world_size"] == 2
     if layout != "parallel.tensor=2":
