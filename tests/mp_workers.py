@@ -104,3 +104,46 @@ def layout_update_worker(
     if dist.get_rank() == 0:
         torch.save({"weights": full, "result": result, "replayed": replayed}, out_path)
     destroy_distributed()
+
+
+def startup_barrier_worker(sync_dir: str, world_timeout_s: float, late_s: float, wait_min: float):
+    """The trainer's start-up wait (loop.train) on a world whose own timeout is short.
+
+    First rank 0 is ``late_s`` late (loading engines), then it never comes. Returns
+    ``[(outcome, seconds)]`` of the two barriers on this rank ("passed" or the error)."""
+    import datetime
+    import os
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megatron_rl.platform import collectives
+
+    rank = int(os.environ["RANK"])
+    sync = Path(sync_dir)
+    (sync / f"up{rank}").touch()  # both up before the world forms: its timeout is short
+    while not all((sync / f"up{r}").exists() for r in (0, 1)):
+        time.sleep(0.02)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=world_timeout_s))
+    group = collectives.timed_group(wait_min)
+    key = "rollout.startup_timeout_minutes"
+    outcomes = []
+    for late in (late_s, None):  # None: rank 0 never arrives
+        start = time.monotonic()
+        if rank == 0 and late is None:
+            deadline = time.monotonic() + 120
+            while not (sync / "rank1_done").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            outcomes.append(("absent", time.monotonic() - start))
+            break
+        if rank == 0:
+            time.sleep(late)
+        try:
+            collectives.barrier(group, wait_min, timeout_key=key)
+            outcomes.append(("passed", time.monotonic() - start))
+        except TimeoutError as err:
+            outcomes.append((str(err), time.monotonic() - start))
+    if rank == 1:
+        (sync / "rank1_done").touch()
+    return outcomes

@@ -70,6 +70,9 @@ def error_of(path: Path, overrides: list[str] = ()) -> str:
         (["data.val_size=0"], "'validation.enabled'"),
         (["validation.num_prompts=65"], "'validation.num_prompts'"),
         (["warm_start.steps=-1"], "'warm_start.steps'"),
+        (["training.logprob_probe_every=-1"], "'training.logprob_probe_every'"),
+        (["training.logprob_probe_samples=0"], "'training.logprob_probe_samples'"),
+        (["training.logprob_probe_max_tokens=49"], "'training.logprob_probe_max_tokens'"),
         (["data.solution_field="], "'warm_start.steps'"),  # warm start without solutions
         (["name=a/b"], "'name'"),
     ],

@@ -82,11 +82,18 @@ def test_pipeline_rl_run_invariants(tmp_path):
         "off_policy.max_lag=1",
         "data.dynamic_sampling=true",
         "data.dynamic_sampling_max_rounds=2",  # the tiny model drops most groups: bound the cost
+        "training.logprob_probe_every=2",
     )
     recs = records(run_dir)
     steps = [r for r in recs if "reward_mean" in r]
     vals = [r for r in recs if "val_pass_rate" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    # the post-push probe: every 2nd step, on fresh tokens, in parity; never in a batch
+    assert [r["step"] for r in steps if "logprob_probe_gap" in r] == [2, 4, 6]
+    for r in steps:
+        assert r["samples"] == 16  # 4 prompts x 4 samples: no probe sample was trained on
+        if r["step"] % 2 == 0:
+            assert r["logprob_probe_tokens"] > 0 and r["logprob_probe_gap"] < 1e-4, r
     assert [r["step"] for r in vals] == [0, 3, 6]
     assert all(r["staleness_max"] <= 1 for r in steps)  # never beyond k versions of lag
     for r in steps:  # continuous generation: per-token lags 0..k, the pool's load
@@ -257,30 +264,58 @@ def test_tied_embedding_model_trains_with_the_generator_in_parity(tmp_path):
     assert steps[0]["abs_logprob_diff"] < 1e-4 and steps[0]["rho_max"] < 1.001
 
 
+# A generator that diverges later in a PipelineRL run: from the push after step 1 on, the
+# engine gets a wrong final norm (x 1.5) and the trainer goes on as if nothing happened.
+DIVERGE_AFTER_STEP_1 = """
+import sys
+from megatron_rl.rollout.pool import GeneratorPool
+
+push = GeneratorPool.push_weights
+
+
+def diverging_push(self, buckets, *args, **kwargs):
+    if self.version >= 1:  # the initial push made version 1: corrupt version 2 on
+        scale = lambda n, t: t * 1.5 if n == "model.norm.weight" else t
+        buckets = ([(n, scale(n, t)) for n, t in bucket] for bucket in buckets)
+    return push(self, buckets, *args, **kwargs)
+
+
+GeneratorPool.push_weights = diverging_push
+from megatron_rl.cli import main
+
+sys.exit(main())
+"""
+
+
 @pytest.mark.timeout(480)
-def test_a_diverging_generator_stops_the_run_with_a_clear_error(tmp_path):
-    """The generator runs in bf16 against an fp32 trainer (a wrong rollout.dtype): the monitor
-    stops the run at its first step, before the update, naming the causes."""
+@pytest.mark.parametrize("diverges", ["from_the_start", "after_step_1"])
+def test_a_diverging_generator_stops_the_run_with_a_clear_error(tmp_path, diverges):
+    """from_the_start: the generator runs in bf16 against an fp32 trainer (a wrong
+    rollout.dtype): the monitor stops the run at its first step, before the update, naming
+    the causes. after_step_1: the pushes after step 1 corrupt the engine's weights; in
+    PipelineRL no later batch is generated entirely by the trainer's weights, so the per-step
+    monitor is blind to it: the post-push probe stops the run right after that push."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        train_cmd(
-            run_dir,
-            "rollout.dtype=bfloat16",
-            "warm_start.steps=0",
-            "training.max_steps=3",
-            "validation.enabled=false",
-            "checkpoint.every_steps=0",
-        ),
-        cwd=ROOT,
-        env=train_env(),
-        capture_output=True,
-        text=True,
-    )
+    overrides = ["warm_start.steps=0", "training.max_steps=3", "validation.enabled=false"]
+    if diverges == "from_the_start":
+        cmd = train_cmd(run_dir, "rollout.dtype=bfloat16", *overrides, "checkpoint.every_steps=0")
+    else:
+        args = train_cmd(run_dir, *overrides, "training.logprob_probe_every=1")
+        cmd = [sys.executable, "-c", DIVERGE_AFTER_STEP_1, *args[3:]]
+    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True)
     assert proc.returncode == 3, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("megatron-rl train: error: trainer vs generator log-prob gap"), last
     assert "training.max_logprob_gap 0.001" in last and "rollout.dtype" in last
-    assert not [r for r in records(run_dir) if "reward_mean" in r]  # no step was trained
+    steps = [r for r in records(run_dir) if "reward_mean" in r]
+    if diverges == "from_the_start":
+        assert not steps  # no step was trained
+        return
+    assert "probe samples generated right after the push of policy version 2" in last, last
+    assert [r["step"] for r in steps] == [1]  # stopped before training on version 2's samples
+    first = steps[0]
+    assert first["logprob_gap_tokens"] > 0 and first["logprob_gap"] < 1e-4  # healthy at step 1
+    assert first["logprob_probe_tokens"] > 0 and first["logprob_probe_gap"] > 1e-3
 
 
 def test_ppo_resume_after_sigkill_matches_uninterrupted_run(ppo_full_run, tmp_path):
@@ -336,7 +371,7 @@ def test_two_trainer_ranks(tmp_path, layout):
         "-m", "megatron_rl.cli", "train", str(RECIPE), *SMALL, *layout.split(),
         "rollout.placement=subprocess", "training.max_steps=2", "validation.every_steps=2",
         "cluster.gpus_per_node=3", "cluster.trainer_gpus=2", "cluster.generator_gpus=1",
-        "checkpoint.every_steps=2", "--run-dir", str(run_dir),
+        "checkpoint.every_steps=2", "training.logprob_probe_every=2", "--run-dir", str(run_dir),
     ]  # fmt: skip
     env = {**train_env(), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
@@ -345,6 +380,9 @@ def test_two_trainer_ranks(tmp_path, layout):
     assert [r["step"] for r in recs if "reward_mean" in r] == [1, 2]  # one writer
     assert [r["step"] for r in recs if "val_pass_rate" in r] == [0, 2]
     assert all(r["staleness_max"] <= 8 for r in recs if "reward_mean" in r)
+    probed = [r for r in recs if "logprob_probe_gap" in r]  # scored by both ranks together
+    assert [r["step"] for r in probed] == [2] and probed[0]["logprob_probe_tokens"] > 0
+    assert probed[0]["logprob_probe_gap"] < 1e-4, probed[0]
     meta = json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["world_size"] == 2
     if "tiny-llama4" in layout:  # expert load, summarised per step (layers: test_metrics)

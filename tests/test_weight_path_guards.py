@@ -196,6 +196,62 @@ def _registered_after_vllm_plugins() -> bool:
     return "megatron_rl_cpu" in WeightTransferEngineFactory._registry
 
 
+def test_check_parity_scores_samples_on_the_models_device(megatron_single_rank, monkeypatch):
+    """Finding 9: check-parity builds its inputs on the model's device. The real megatron
+    model, moved to the meta device standing in for CUDA, runs the forward, the vocab-parallel
+    log-softmax and the comparison there; the first thing to fail is the copy of the deltas
+    back to the host, which CUDA allows (inputs built on the CPU failed in the forward)."""
+    import megatron_rl.models.logprobs as logprobs
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig
+    from megatron_rl.rollout.parity import logprob_deltas
+    from megatron_rl.rollout.samples import Sample
+
+    model = build_model(ModelConfig(preset="tiny-llama"), ParallelConfig()).eval().to("meta")
+    # RoPE's inv_freq is a plain attribute, which .to() leaves behind; on GPU megatron makes
+    # it on the CUDA device (or moves it there at the first forward).
+    model.rotary_pos_emb.inv_freq = model.rotary_pos_emb.inv_freq.to("meta")
+    scored = []
+    real = logprobs.token_logprobs
+
+    def recorded(model, tokens, temperature=1.0):
+        out = real(model, tokens, temperature)
+        scored.append((tokens.device, out.device, tuple(out.shape)))
+        return out
+
+    monkeypatch.setattr(logprobs, "token_logprobs", recorded)
+    sample = Sample(0, 0, [3, 4, 5], [6, 7, 8], [-1.0, -2.0, -0.5], [1, 1, 1], [True] * 3)
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+        logprob_deltas(model, [sample])
+    meta = torch.device("meta")
+    assert scored == [(meta, meta, (1, 5))]  # log-probs of all 6 tokens' successors
+
+
+def test_ranks_wait_for_the_engines_beyond_the_worlds_timeout_then_fail_naming_rank_0(
+    tmp_path,
+):
+    """Finding 5: rank 0 starts the engines while the other ranks wait at the start-up
+    barrier. A wait longer than the world's own timeout (here 1 s, NCCL's 30 min in a run)
+    passes; a rank 0 that never arrives fails the others within
+    rollout.startup_timeout_minutes, naming rank 0 and the key (it used to wait under the
+    world's timeout: monitored_barrier's own timeout binds rank 0 only)."""
+    from mp_workers import startup_barrier_worker
+
+    from megatron_rl.platform import run_local_ranks
+
+    wait_min = 0.1  # 6 s
+    ranks = run_local_ranks(startup_barrier_worker, 2, str(tmp_path), 1.0, 2.5, wait_min)
+    (late0, _), (late1, absent1) = ranks
+    assert late0 == ("passed", pytest.approx(2.5, abs=1.0))
+    assert late1[0] == "passed" and late1[1] > 2.0  # longer than the world's timeout
+    message, seconds = absent1
+    assert "rank 1: not every rank reached the barrier within " in message, message
+    assert "rollout.startup_timeout_minutes (0.1 min)" in message and "rank 0" in message
+    assert 5.0 < seconds < 30.0  # the start-up timeout, not a hang
+    assert ranks[0][1][0] == "absent"
+
+
 @pytest.mark.timeout(180)
 def test_a_spawned_vllm_process_resolves_the_cpu_backend():
     """The backend is registered through vLLM's ``vllm.general_plugins`` entry point, so a

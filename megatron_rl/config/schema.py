@@ -105,6 +105,12 @@ class RunConfig:
         self._validate_pool_fill()
         self._validate_lengths()
         self._validate_cluster()
+        probe_tokens = self.training.logprob_probe_max_tokens
+        if probe_tokens > self.rollout.max_tokens:  # a probe sample fits where samples fit
+            _fail(
+                "training.logprob_probe_max_tokens",
+                f"{probe_tokens} exceeds rollout.max_tokens {self.rollout.max_tokens}",
+            )
         if self.warm_start.steps > 0 and not self.data.solution_field:
             _fail(
                 "warm_start.steps", "a warm start needs worked solutions: set data.solution_field"

@@ -220,12 +220,29 @@ class TrainingConfig:
             update is applied). A generator that silently diverges (a stale tied head, a
             wrong dtype, a failed push) must never train for hours.
         max_logprob_gap: the limit; null: by ``model.dtype`` (:data:`LOGPROB_GAP_LIMITS`).
+            The per-step check sees only samples generated entirely by the trainer's
+            current weights: in PipelineRL only the first batch has such samples (later
+            ones started before the latest push), so the probe below keeps the path guarded.
+        logprob_probe_every: every this many updates (at the first push in each window of
+            that many steps), right after the push, generate ``logprob_probe_samples``
+            short samples with the new weights, score them with the trainer and check their
+            gap against the same limit (logged as ``logprob_probe_gap`` /
+            ``logprob_probe_tokens``); 0: never. Cost per probe: one blocking generation of
+            those samples (its requests queue behind training requests already waiting in
+            the engines, so it can wait up to one sample's generation time) and one
+            forward-only pass of the trainer over them.
+        logprob_probe_samples: prompts (one sample each) per probe, taken in turn from the
+            validation split (else the training split); never trained on, never scored.
+        logprob_probe_max_tokens: tokens generated per probe sample.
     """
 
     max_steps: int = 7400
     max_gpu_hours: float | None = None
     check_logprob_gap: bool = True
     max_logprob_gap: float | None = None
+    logprob_probe_every: int = 10
+    logprob_probe_samples: int = 4
+    logprob_probe_max_tokens: int = 16
 
     def validate(self) -> None:
         _check_int(self, "max_steps", 1)
@@ -235,6 +252,9 @@ class TrainingConfig:
             raise ValueError(f"check_logprob_gap must be a bool, got {self.check_logprob_gap!r}")
         if self.max_logprob_gap is not None:
             _check_positive(self, "max_logprob_gap")
+        _check_int(self, "logprob_probe_every", 0)
+        _check_int(self, "logprob_probe_samples", 1)
+        _check_int(self, "logprob_probe_max_tokens", 1)
 
     def logprob_gap_limit(self, dtype: str) -> float | None:
         """The gap limit of a run whose trainer computes in ``dtype`` (None: no check)."""

@@ -89,17 +89,38 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     return box[0]
 
 
-def barrier(group=None, timeout_minutes: float | None = None) -> None:
+def barrier(group=None, timeout_minutes: float | None = None, timeout_key: str = "") -> None:
     """Wait for every rank of ``group`` on the gloo control group. With a timeout, a rank
-    that does not arrive in time is named in the error (``monitored_barrier``)."""
+    that does not arrive in time is named in the error (``monitored_barrier``): a
+    :class:`TimeoutError` that names ``timeout_key`` (the setting to raise).
+
+    Rank 0 coordinates that barrier: the others wait for it under ``group``'s own timeout,
+    not ``timeout_minutes``. For a wait longer than the world's timeout (rank 0 starting the
+    engines) pass a group made by :func:`timed_group` with the same timeout.
+    """
     if not _active(group):
         return
     control = control_group(group)
     if timeout_minutes is None:
         dist.barrier(group=control)
-    else:
-        timeout = datetime.timedelta(minutes=timeout_minutes)
+        return
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    try:
         dist.monitored_barrier(group=control, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as err:
+        raise TimeoutError(
+            f"rank {dist.get_rank()}: not every rank reached the barrier within "
+            f"{timeout_key or 'its timeout'} ({timeout_minutes:g} min): {err}"
+        ) from err
+
+
+def timed_group(timeout_minutes: float):
+    """A gloo group over the world whose every wait (the ranks' side of :func:`barrier`
+    included) is bounded by ``timeout_minutes`` instead of the world's timeout. Every rank
+    calls this, at the same point, while all are still in step (None on a one-rank world)."""
+    if not _active(None):
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def send_object(obj: Any, dst: int, group) -> None:

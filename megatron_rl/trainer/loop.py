@@ -16,6 +16,7 @@ from megatron_rl.platform import collectives, get_platform
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.compute import generation_share
+from megatron_rl.trainer.probe import LogprobProbe
 from megatron_rl.trainer.rollout_source import (
     DynamicSampling,
     Group,
@@ -40,10 +41,12 @@ def train(config: RunConfig, run_dir: Path) -> int:
     step, carry = resume_or_warm_start(run)
     run.step = step
     main = _is_main()
+    # Engines can take many minutes to load (Scout); the other ranks wait meanwhile on a gloo
+    # group whose timeout is the start-up's, not in a collective with the world's timeout.
+    wait = config.rollout.startup_timeout_minutes
+    startup = collectives.timed_group(wait)
     pool = start_generators(run, step) if main else None
-    # Engines can take many minutes to load (Scout); the other ranks wait here, on the gloo
-    # control group with a timeout of its own, not in an NCCL collective that would time out.
-    collectives.barrier(timeout_minutes=config.rollout.startup_timeout_minutes)
+    collectives.barrier(startup, wait, timeout_key="rollout.startup_timeout_minutes")
     push_weights(run, pool)  # warm-started or resumed weights
     run.forecast = start_forecast(run) if main else None
     source = None
@@ -71,6 +74,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
     multiple = token_multiple(
         config.model.fp8 is not None, config.parallel.tensor, config.parallel.sequence_parallel
     )
+    # The monitor above sees only the first PipelineRL batch: probe pushes as well.
+    probe = LogprobProbe.from_run(run, step, multiple)
     stop = _StopFlag(config.checkpoint.on_signals)
     if main and step == 0 and config.validation.enabled and config.validation.at_start:
         validate(run, pool, step)
@@ -109,11 +114,15 @@ def train(config: RunConfig, run_dir: Path) -> int:
             step = run.step = step + 1
             t2 = time.perf_counter()
             push = push_weights(run, pool) if wants_push else None
+            probed = probe.after_push(run.ddp, pool, step, wants_push)
             if main:
                 record = step_record(run, step, info, result, t0, t1, t2, push, pool)
-                run.metrics.log({**record, **source.generator_load()})  # over this step
+                record.update(source.generator_load())  # over this step
+                run.metrics.log({**record, **(probed.metrics() if probed else {})})
                 if result.expert_load is not None:
                     run.metrics.log_tensorboard(step, result.expert_load.per_layer())
+            probe.check(probed)  # on every rank, after the record: the failing gap is logged
+            if main:
                 bar.update(1)
                 bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
                 if run.forecast is not None:

@@ -217,9 +217,11 @@ def forward_backward(
     num_sums: int,
     num_maxes: int = 0,
     token_multiple: int = 1,
+    forward_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero the gradients, then forward and backward over ``micro_batches`` with megatron's
     schedule (pipelined when PP > 1); gradients end reduced over data-parallel ranks.
+    ``forward_only``: the forward alone, gradients untouched (``optimizer`` unused).
 
     ``loss_fn(mb, logits) -> (loss, sums [num_sums], maxes [num_maxes])`` runs on the last
     pipeline stage; ``loss`` is this micro-batch's term of the global loss. Returns the sums
@@ -263,8 +265,9 @@ def forward_backward(
 
         return output, loss_func
 
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
+    if not forward_only:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
     model.train()
     longest = max((int(mb.tokens.shape[1]) for mb in micro_batches), default=2)
     widest = max((int(mb.tokens.shape[0]) for mb in micro_batches), default=1)
@@ -276,7 +279,7 @@ def forward_backward(
             num_microbatches=len(batches),
             seq_length=longest,
             micro_batch_size=widest,
-            forward_only=False,
+            forward_only=forward_only,
         )
     sums, maxes = torch.zeros(num_sums, dtype=torch.float64), torch.zeros(max(num_maxes, 1))
     for record in out:  # the last pipeline stage's records; empty elsewhere
