@@ -142,6 +142,8 @@ def test_routing_replay_needs_an_moe_model_and_no_recompute_under_a_pipeline():
     assert load_run_config(TINY, pp2).parallel.pipeline == 2
     msg = error_of(TINY, [*pp2, "model.recompute_activations=true"])
     assert "'algorithm.routing_replay'" in msg and "recompute" in msg
+    msg = error_of(TINY, [*moe, "model.moe.capacity_factor=1.0"])
+    assert "'algorithm.routing_replay'" in msg and "capacity_factor" in msg
     msg = error_of(TINY, [*moe, "rollout.enforce_eager=false"])
     assert "'rollout.enforce_eager'" in msg
 

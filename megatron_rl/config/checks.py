@@ -104,6 +104,12 @@ def _check_routing_replay(config: RunConfig, moe: bool, source: str) -> None:
             "recipe key 'rollout.enforce_eager': must be true with algorithm.routing_replay "
             "(the engines record routed experts in eager forwards)"
         )
+    if config.model.moe.capacity_factor is not None:
+        # vLLM never drops a token: a capacity would drop some of the replayed assignments.
+        raise ConfigError(
+            f"{key}: needs dropless experts (model.moe.capacity_factor null); the generator "
+            "drops no tokens"
+        )
     p = config.parallel
     if p.context > 1:
         raise ConfigError(f"{key}: not supported with context parallelism (parallel.context)")
