@@ -155,17 +155,20 @@ def test_push_to_an_engine_killed_mid_push_raises(engine_process):
 def test_an_engine_failing_during_an_nccl_push_raises_instead_of_hanging(engine_process):
     """The NCCL producer blocks until every engine received the broadcast; an engine that
     fails to take the header never will. The pool watches the engines meanwhile."""
+    from megatron_rl.rollout.nccl import NcclSender
+
     pool = engine_process
     released = threading.Event()
 
-    class StuckSender:  # vLLM's producer waiting in synchronize() for a receiver
+    class StuckSender(NcclSender):  # vLLM's producer waiting in synchronize() for a receiver
         def send(self, bucket):
             released.wait(120)
 
         def close(self):
             released.set()
 
-    pool._nccl = StuckSender()  # the engine gets NCCL headers its CPU backend cannot load
+    # the engine gets NCCL headers (NcclSender.pack) that its CPU backend cannot load
+    pool._sender = StuckSender("127.0.0.1", 1, 2, 2**20, device=torch.device("meta"))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="vLLM engine 0 failed"):
         pool.push_weights(iter([MIXED_BUCKET]))
