@@ -4,7 +4,7 @@ Builds a random Llama (default ~64 MB in fp32: bytes dominate, not per-tensor ov
 HF directory, loads it into a one-rank Megatron model, exports its weights once (HF names,
 ``--bucket-mb`` buckets), then for every engine count starts a pool of that many engines and
 times full pushes of those buckets (pack + transport + every engine's vLLM reload; the export
-is timed apart, once). The push should grow well under linearly in the number of engines:
+is timed apart, once), then checks that every engine has the trainer's weights. The push should grow well under linearly in the number of engines:
 a bucket is packed once and sent to all engines at the same time. Prints t(n) / t(1).
 
 Also prints the time of a plain ``copy_`` of the same bytes, and the load average: on a
@@ -45,7 +45,7 @@ def main() -> None:
     from megatron_rl.models import make_hf_model, preset_hf_config
     from megatron_rl.platform import ParallelConfig, init_distributed
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.parity import copy_seconds, megatron_from_hf
+    from megatron_rl.rollout.parity import copy_seconds, megatron_from_hf, perturb_
     from megatron_rl.rollout.pool import GeneratorPool
 
     heads = args.hidden // 64  # vLLM's CPU attention needs head_dim 64
@@ -64,6 +64,7 @@ def main() -> None:
         make_hf_model(config, hf_dir, seed=0)
         init_distributed(ParallelConfig())
         model = megatron_from_hf(hf_dir)
+        perturb_(model, seed=1, noise=0.5)  # a push that changes what the engines generate
         start = time.perf_counter()
         buckets = [
             [(name, tensor.clone()) for name, tensor in bucket]
@@ -82,7 +83,7 @@ def main() -> None:
                 pool.push_weights(iter(buckets))  # warm-up
                 load = os.getloadavg()[0]
                 pushes = [pool.push_weights(iter(buckets)) for _ in range(args.repeats)]
-                assert pool.generate([[1, 5, 9]], samples_per_prompt=count, max_tokens=4)
+                check_engines_run_the_trainers_weights(pool, model, count)
             rows.append(
                 {
                     "engines": count,
@@ -120,6 +121,19 @@ def main() -> None:
             f"{row['engine_paused_seconds']:>9.3f} {row['ratio_to_first']:>11.2f} "
             f"{row['load_average_1min']:>8.2f}"
         )
+
+
+def check_engines_run_the_trainers_weights(pool, model, count: int) -> None:
+    """After the pushes every engine serves the trainer's (perturbed) weights: one sample per
+    engine has Megatron's log-probs (before any push they differ by ~1 nat)."""
+    from megatron_rl.rollout.parity import logprob_deltas
+
+    samples = pool.generate([[1, 5, 9]] * count, samples_per_prompt=1, max_tokens=8)
+    assert {s.engine for s in samples} == set(range(count)), "one prompt per engine"
+    for sample in samples:
+        delta = logprob_deltas(model, [sample])
+        if delta.max() > 1e-4:
+            raise AssertionError(f"engine {sample.engine}: log-probs off by {delta.max():.2e}")
 
 
 if __name__ == "__main__":
