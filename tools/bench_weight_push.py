@@ -7,8 +7,10 @@ times full pushes of those buckets (pack + transport + every engine's vLLM reloa
 is timed apart, once), then checks that every engine has the trainer's weights. The push should grow well under linearly in the number of engines:
 a bucket is packed once and sent to all engines at the same time. Prints t(n) / t(1).
 
-Also prints the time of a plain ``copy_`` of the same bytes, and the load average: on a
-shared machine, run it when the machine is quiet.
+Also prints the CPU time per push of the pool (this process: packing and sending) and of the
+engine processes together (receiving and vLLM's reload: each engine loads its own copy, so
+on a machine with fewer cores than engines this part grows with the engine count), the time
+of a plain ``copy_`` of the same bytes, and the load average: run it on a quiet machine.
 
 Usage: python tools/bench_weight_push.py [--engines 1,2,4] [--placement subprocess]
            [--hidden 512] [--layers 2] [--ffn 2048] [--vocab 8000]
@@ -23,6 +25,7 @@ import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 
 def main() -> None:
@@ -82,13 +85,17 @@ def main() -> None:
             with GeneratorPool(hf_dir, rollout) as pool:
                 pool.push_weights(iter(buckets))  # warm-up
                 load = os.getloadavg()[0]
+                cpu = cpu_seconds(pool)
                 pushes = [pool.push_weights(iter(buckets)) for _ in range(args.repeats)]
+                pool_cpu, engines_cpu = (b - a for a, b in zip(cpu, cpu_seconds(pool)))
                 check_engines_run_the_trainers_weights(pool, model, count)
             rows.append(
                 {
                     "engines": count,
                     "push_seconds": statistics.median(p.seconds for p in pushes),
                     "engine_paused_seconds": statistics.median(p.load_seconds for p in pushes),
+                    "pool_cpu_seconds": pool_cpu / args.repeats,
+                    "engines_cpu_seconds": engines_cpu / args.repeats,
                     "load_average_1min": load,
                 }
             )
@@ -114,13 +121,36 @@ def main() -> None:
         f"({args.placement}, {result['cpus']} CPUs); export alone {export:.3f} s, "
         f"plain copy {result['copy_seconds']:.4f} s"
     )
-    print(f"{'engines':>7} {'push s':>8} {'paused s':>9} {'t(n)/t(1st)':>11} {'load avg':>8}")
+    print(
+        f"{'engines':>7} {'push s':>8} {'t(n)/t(1st)':>11} {'paused s':>9} "
+        f"{'pool cpu s':>10} {'engines cpu s':>13} {'load avg':>8}"
+    )
     for row in rows:
         print(
-            f"{row['engines']:>7} {row['push_seconds']:>8.3f} "
-            f"{row['engine_paused_seconds']:>9.3f} {row['ratio_to_first']:>11.2f} "
-            f"{row['load_average_1min']:>8.2f}"
+            f"{row['engines']:>7} {row['push_seconds']:>8.3f} {row['ratio_to_first']:>11.2f} "
+            f"{row['engine_paused_seconds']:>9.3f} {row['pool_cpu_seconds']:>10.3f} "
+            f"{row['engines_cpu_seconds']:>13.3f} {row['load_average_1min']:>8.2f}"
         )
+    print(
+        "push s: median wall time of a push; paused s: the longest engine pause (from the "
+        "first bucket's arrival); cpu s: per push"
+    )
+
+
+def cpu_seconds(pool) -> tuple[float, float]:
+    """CPU time used so far by this process (the pool: packing and sending) and by all the
+    pool's engine processes together (receiving and vLLM's reload); engines in this process
+    count as this process."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    engines = 0.0
+    for engine in pool._engines:  # a tool's look inside: the engine processes' ids
+        pid = getattr(engine.worker, "pid", None)
+        if pid is not None:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            engines += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return usage.ru_utime + usage.ru_stime, engines
 
 
 def check_engines_run_the_trainers_weights(pool, model, count: int) -> None:
