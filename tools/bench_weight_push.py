@@ -93,6 +93,7 @@ def main() -> None:
                 {
                     "engines": count,
                     "push_seconds": statistics.median(p.seconds for p in pushes),
+                    "best_push_seconds": min(p.seconds for p in pushes),
                     "engine_paused_seconds": statistics.median(p.load_seconds for p in pushes),
                     "pool_cpu_seconds": pool_cpu / args.repeats,
                     "engines_cpu_seconds": engines_cpu / args.repeats,
@@ -100,9 +101,9 @@ def main() -> None:
                 }
             )
     nbytes = pushes[0].bytes
-    base = rows[0]["push_seconds"]
+    base = rows[0]["best_push_seconds"]  # the best of the repeats: least disturbed
     for row in rows:
-        row["ratio_to_first"] = row["push_seconds"] / base
+        row["ratio_to_first"] = row["best_push_seconds"] / base
     result = {
         "bytes": nbytes,
         "buckets": pushes[0].buckets,
@@ -122,18 +123,19 @@ def main() -> None:
         f"plain copy {result['copy_seconds']:.4f} s"
     )
     print(
-        f"{'engines':>7} {'push s':>8} {'t(n)/t(1st)':>11} {'paused s':>9} "
+        f"{'engines':>7} {'push s':>8} {'best s':>8} {'t(n)/t(1st)':>11} {'paused s':>9} "
         f"{'pool cpu s':>10} {'engines cpu s':>13} {'load avg':>8}"
     )
     for row in rows:
         print(
-            f"{row['engines']:>7} {row['push_seconds']:>8.3f} {row['ratio_to_first']:>11.2f} "
+            f"{row['engines']:>7} {row['push_seconds']:>8.3f} {row['best_push_seconds']:>8.3f} "
+            f"{row['ratio_to_first']:>11.2f} "
             f"{row['engine_paused_seconds']:>9.3f} {row['pool_cpu_seconds']:>10.3f} "
             f"{row['engines_cpu_seconds']:>13.3f} {row['load_average_1min']:>8.2f}"
         )
     print(
-        "push s: median wall time of a push; paused s: the longest engine pause (from the "
-        "first bucket's arrival); cpu s: per push"
+        "push s / best s: median / best wall time of a push (t(n) / t(1st): of the best); "
+        "paused s: the longest engine pause; cpu s: per push"
     )
 
 
