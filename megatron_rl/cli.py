@@ -11,6 +11,8 @@ import importlib
 import logging
 import sys
 
+from megatron_rl.platform.threads import set_omp_defaults
+
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_rl.trainer.cli", "train a policy with an RL recipe"),
@@ -23,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    set_omp_defaults()  # before any command imports torch
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=sorted(COMMANDS), help="sub-command")

@@ -6,7 +6,10 @@ import os
 
 import pytest
 
+from megatron_rl.platform.threads import set_omp_defaults  # noqa: E402
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+set_omp_defaults()  # what `megatron-rl` sets: before this process imports torch
 
 
 def pytest_collection_modifyitems(config, items):

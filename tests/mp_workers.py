@@ -56,9 +56,12 @@ def dp_update_worker(samples, out_path: str, world: int, overlap: bool = False) 
     destroy_distributed()
 
 
-def layout_update_worker(preset: str, layout: dict, samples, out_path: str) -> None:
+def layout_update_worker(
+    preset: str, layout: dict, samples, out_path: str, replay: bool = False
+) -> None:
     """One SGD (lr 1) policy update of ``preset`` (seeded) in a parallel ``layout``; rank 0
-    saves the full HF-named weights after it, and the step's statistics."""
+    saves the full HF-named weights after it, and the step's statistics. ``replay``: the
+    routers replay the samples' ``routed_experts`` (algorithm.routing_replay)."""
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -76,6 +79,21 @@ def layout_update_worker(preset: str, layout: dict, samples, out_path: str) -> N
     hf_dir = out_path + ".hf"
     model = build_model(ModelConfig(hf_path=hf_dir, dtype="float32"), parallel)
     load_hf_weights(model, hf_dir, torch.float32)
+    replayed = []  # routers that ran with the samples' routing (rank 0)
+    if replay:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        from megatron_rl.trainer import routing_replay
+
+        routing_replay.enable(model)
+        for layer, router in routing_replay.routers(model):
+            router.register_forward_hook(
+                lambda m, a, o, layer=layer: (
+                    replayed.append(layer)
+                    if m.router_replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+                    else None
+                )
+            )
     ddp = wrap_model(model)
     cfg = OptimizerConfig(
         optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0
@@ -84,5 +102,5 @@ def layout_update_worker(preset: str, layout: dict, samples, out_path: str) -> N
     result = policy_update(ddp, opt, samples, AlgorithmConfig(), 2)
     full = {name: t.clone() for bucket in iter_hf_weights(model) for name, t in bucket}
     if dist.get_rank() == 0:
-        torch.save({"weights": full, "result": result}, out_path)
+        torch.save({"weights": full, "result": result, "replayed": replayed}, out_path)
     destroy_distributed()

@@ -198,6 +198,7 @@ def test_config_defaults_are_scalerl():
         ("zero_variance_filter", "yes"),
         ("length_penalty_l_cache", 0),
         ("length_penalty_l_max", 100),
+        ("length_penalty_on", "wrong"),
     ],
 )
 def test_config_validate_names_the_field(field, value):

@@ -54,6 +54,8 @@ def error_of(path: Path, overrides: list[str] = ()) -> str:
         (["validation.every_steps=0"], "'validation.every_steps'"),
         (["parallel.tensor=0"], "'parallel.tensor'"),  # a component's validate()
         (["data.synthetic.max_digits=0"], "'data.synthetic.max_digits'"),  # nested component
+        (["data.dynamic_sampling_max_rounds=0"], "'data.dynamic_sampling_max_rounds'"),
+        (["data.dynamic_sampling=1"], "'data.dynamic_sampling'"),
         (
             ["rollout.interruption.thinking_budget=[30,60]"],
             "'rollout.interruption.thinking_budget'",
@@ -125,6 +127,20 @@ def test_model_shape_checks_name_the_parallel_key(tmp_path):
     msg = error_of(TINY, tp2)
     assert "'parallel.sequence_parallel'" in msg
     assert load_run_config(TINY, [*tp2, "parallel.sequence_parallel=true"]).parallel.tensor == 2
+
+
+def test_routing_replay_needs_an_moe_model_and_no_recompute_under_a_pipeline():
+    msg = error_of(TINY, ["algorithm.routing_replay=true"])
+    assert "'algorithm.routing_replay'" in msg and "dense" in msg
+    moe = ["model.preset=tiny-llama4", "algorithm.routing_replay=true"]
+    assert load_run_config(TINY, moe).algorithm.routing_replay
+    pp2 = [*moe, "parallel.pipeline=2", "cluster.gpus_per_node=4", "cluster.trainer_gpus=2"]
+    pp2 += ["cluster.generator_gpus=2"]
+    assert load_run_config(TINY, pp2).parallel.pipeline == 2
+    msg = error_of(TINY, [*pp2, "model.recompute_activations=true"])
+    assert "'algorithm.routing_replay'" in msg and "recompute" in msg
+    msg = error_of(TINY, [*moe, "rollout.enforce_eager=false"])
+    assert "'rollout.enforce_eager'" in msg
 
 
 def test_hf_path_model_is_checked_from_its_config_json(tmp_path):
@@ -261,6 +277,9 @@ BAD_BODIES = {
         "rollout:\n  interruption:\n    thinking_budget: [40, 64]\n",
         "'rollout.interruption.thinking_budget'",
     ),
+    "fill-not-positive": ("off_policy:\n  pool_fill: 0\n", "'off_policy.pool_fill'"),
+    # 0.01 x 1 engine x 256 seqs = 2.56 sequences: not one prompt of 8 samples fits
+    "fill-below-a-prompt": ("off_policy:\n  pool_fill: 0.01\n", "'off_policy.pool_fill'"),
 }
 
 

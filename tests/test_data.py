@@ -1,4 +1,4 @@
-"""Prompt data: loaders, validation split, rendering, sampler (resume, retirement, refill)."""
+"""Prompt data: loaders, validation split, rendering, sampler (resume, retirement)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from megatron_rl.data import (
     RetirementTracker,
     has_reward_variance,
     load_prompt_data,
-    refill_until,
     render_prompt,
 )
 from megatron_rl.data.prompts import Prompt, split_ids
@@ -236,25 +235,10 @@ def test_sampler_with_the_algorithms_pass_rate_tracker():
     assert set(sampler.next_prompts(12)) == set(batch[4:])
 
 
-def test_dynamic_sampling_refills_until_enough_groups_have_variance():
-    sampler = PromptSampler(list(range(50)), seed=0)
-    calls = []
-
-    def generate(prompt_ids):
-        calls.append(list(prompt_ids))
-        # Odd prompts get mixed rewards, even prompts all-equal rewards.
-        return [(p, [1.0, -1.0] if p % 2 else [1.0, 1.0]) for p in prompt_ids]
-
-    kept = refill_until(sampler, 8, generate, lambda group: has_reward_variance(group[1]))
-    assert len(kept) == 8 and all(p % 2 for p, _ in kept)
-    assert [len(c) for c in calls][0] == 8 and len(calls) > 1
-    assert sum(len(c) for c in calls) == sampler.num_drawn
-    short = refill_until(
-        PromptSampler([0, 2, 4]), 2, generate, lambda g: has_reward_variance(g[1]), max_rounds=3
-    )
-    assert short == []
+def test_has_reward_variance():
+    assert has_reward_variance([1, -1]) and has_reward_variance([-1.0, -1.0, 0.5])
     assert (
-        has_reward_variance([1, -1])
-        and not has_reward_variance([1, 1])
+        not has_reward_variance([1, 1])
         and not has_reward_variance([1])
+        and not (has_reward_variance([]))
     )

@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,7 +39,13 @@ def scripted_runner(index, hf_dir, config, settings, commands, weights_get, even
             return
         if command[0] == "submit":
             samples = [
-                Sample(s.prompt_index, s.sample_index, list(s.prompt_ids)) for s in command[1]
+                Sample(
+                    s.prompt_index,
+                    s.sample_index,
+                    list(s.prompt_ids),
+                    routed_experts=routing_rows(len(s.prompt_ids)),
+                )
+                for s in command[1]
             ]
             events.put(("samples", index, samples, None))
         elif command[0] == "push":
@@ -53,6 +60,11 @@ def scripted_runner(index, hf_dir, config, settings, commands, weights_get, even
                 received.update({n: v.clone() for n, v in zip(update["names"], views)})
             events.put(("pushed", index, command[1], 0.0, len(received), 0, None))
             events.put(("received", index, received))
+
+
+def routing_rows(positions: int) -> np.ndarray:
+    """Routed-expert rows ``[positions, 4 layers, top-2]`` (uint8, as engines record them)."""
+    return (np.arange(positions * 8) * 37 % 251).astype(np.uint8).reshape(positions, 4, 2)
 
 
 @pytest.fixture
@@ -128,6 +140,8 @@ def test_commands_weights_and_events_cross_the_connection_exactly(job_env):
     engines[1].commands.put(("submit", [RequestSpec(7, 0, (1, 2, 3), 8, 1.0, 1.0)]))
     samples = next_event(events, "samples")
     assert samples[1] == 1 and samples[2][0].prompt_ids == [1, 2, 3]
+    routed = samples[2][0].routed_experts  # routing replay's rows travel with the sample
+    assert routed.dtype == np.uint8 and np.array_equal(routed, routing_rows(3))
 
     for engine in engines:
         engine.commands.put(("stop",))

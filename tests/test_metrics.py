@@ -202,3 +202,35 @@ def test_run_devices_counts_trainers_and_generators():
     assert run_devices(1, engines=0, engine_devices=1, gpu=False) == 1  # engine in-process
     with pytest.raises(ValueError):
         run_devices(0, 1, 1, True)
+
+
+def test_per_layer_expert_load_goes_to_tensorboard_only(tmp_path):
+    """The step record carries the expert-load summary; the per-layer series (tokens per
+    expert ...) go to TensorBoard and not to metrics.jsonl."""
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_rl.trainer.moe_metrics import ExpertLoad
+
+    load = ExpertLoad(
+        layers=(2, 4),
+        tokens_per_expert=torch.tensor([[6.0, 2.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]]),
+        dropped=torch.tensor([2.0, 0.0]),
+        entropy_sum=torch.tensor([4.0, 8.0]),
+        tokens=torch.tensor([8.0, 8.0]),
+        aux_losses={},
+    )
+    assert load.load_ratio.tolist() == [3.0, 1.0]  # 6 / mean 2; even
+    summary = load.summary()
+    assert summary["moe/load_ratio_max"] == 3.0 and summary["moe/router_entropy"] == 0.75
+    assert summary["moe/dropped_fraction"] == 2.0 / 16.0
+    with MetricsLogger(tmp_path, tensorboard=True) as logger:
+        logger.log({"step": 1, **summary})
+        logger.log_tensorboard(1, load.per_layer())
+    (record,) = read_records(tmp_path / "metrics.jsonl")
+    assert not any("layer_" in k for k in record)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert events.Scalars("moe/layer_02/tokens_expert_00")[0].value == 6.0
+    assert events.Scalars("moe/layer_02/dropped_fraction")[0].value == 0.25
+    assert events.Scalars("moe/load_ratio_max")[0].value == 3.0

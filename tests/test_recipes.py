@@ -81,12 +81,20 @@ def test_scalerl_scout_uses_expert_parallelism():
 #            prompts per step, zero-variance filter, fp32 head, NPR threshold)
 PUBLISHED = {
     "deepseek_grpo": ("ppo_clip", 0.2, 0.2, "sample", "group", "ppo", 8, 48, False, False, None),
-    "qwen25_dapo": ("ppo_clip", 0.2, 0.26, "prompt", "group", "ppo", 8, 80, True, False, None),
-    "magistral": ("ppo_clip", 0.2, 0.26, "prompt", "group", "pipeline_rl", 8, 48, False, False,
+    "qwen25_dapo": ("ppo_clip", 0.2, 0.28, "prompt", "group", "ppo", 8, 80, True, False, None),
+    "magistral": ("ppo_clip", 0.2, 0.26, "prompt", "batch", "pipeline_rl", 8, 48, True, False,
                   None),
     "minimax_m1": ("cispo", None, None, "prompt", "group", "ppo", 8, 80, True, True, None),
     "scalerl_8b": ("cispo", None, None, "prompt", "batch", "pipeline_rl", 8, 48, True, True, 0.9),
 }  # fmt: skip
+DYNAMIC_SAMPLING = {"qwen25_dapo", "magistral"}  # DAPO section 3.2; Magistral section 2.1
+# The paper each compared recipe's YAML cites for its settings.
+SOURCES = {
+    "deepseek_grpo": "arXiv 2402.03300",
+    "qwen25_dapo": "arXiv 2503.14476",
+    "magistral": "arXiv 2506.10344",
+    "minimax_m1": "arXiv 2506.13585",
+}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -101,15 +109,31 @@ def test_published_recipe_settings(name):
     assert (cfg.batch.prompts_per_step, cfg.batch.samples_per_prompt) == (prompts, 16)
     assert a.zero_variance_filter is zvf and a.npr_threshold == npr
     assert cfg.model.fp32_head is fp32 and cfg.rollout.fp32_head is fp32
+    assert cfg.data.dynamic_sampling is (name in DYNAMIC_SAMPLING)
+    if name in SOURCES:  # the YAML names its source and ScaleRL's re-implementation
+        text = (RECIPES / f"{name}.yaml").read_text()
+        assert SOURCES[name] in text and "arXiv 2510.13786" in text
     # Same model and data as ScaleRL: the comparison changes only the recipe.
     assert cfg.model.preset == "llama3-8b" and "Polaris" in cfg.data.source
 
 
 def test_dapo_clip_is_asymmetric_and_grpo_symmetric():
     dapo, grpo = load("qwen25_dapo").algorithm, load("deepseek_grpo").algorithm
-    assert 0.26 <= dapo.eps_high <= 0.28 and dapo.eps_low == 0.2
+    assert dapo.loss_params() == {"eps_low": 0.2, "eps_high": 0.28}  # DAPO section 4.1
     assert grpo.loss_params() == {"eps_low": 0.2, "eps_high": 0.2}
     assert load("minimax_m1").algorithm.loss_params() == {"eps_max": 4.0}
+
+
+def test_dapo_has_its_overlong_reward_shaping_and_dynamic_sampling_cap():
+    cfg = load("qwen25_dapo")
+    a = cfg.algorithm
+    # DAPO section 3.4: soft overlong punishment on every response, a 4,096-token cache,
+    # here ending at ScaleRL's generation budget, instead of forced interruptions.
+    assert (a.length_penalty, a.length_penalty_on, a.length_penalty_l_cache) == (True, "all", 4096)
+    assert a.length_penalty_l_max == cfg.rollout.max_tokens
+    assert not cfg.rollout.interruption.enabled
+    # verl recipe/dapo: max_num_gen_batches 10 of 3 x B prompts
+    assert cfg.data.dynamic_sampling_max_rounds == 30
 
 
 # Leave-one-out variant -> the exact keys in which it differs from ScaleRL (same budget).
@@ -129,6 +153,18 @@ def test_leave_one_out_differs_in_exactly_its_component(name):
     base, variant = load("base_scalerl"), load(name)
     assert diff_keys(base, variant) - {"name"} == LOO[name]
     assert variant.training.max_gpu_hours == 16000  # the paper's 16k GPU-h per variant
+
+
+def test_routing_replay_recipe_adds_only_routing_replay_to_scout():
+    base, variant = load("scalerl_scout"), load("scalerl_scout_routing_replay")
+    assert diff_keys(base, variant) - {"name"} == {
+        "algorithm.routing_replay",
+        "rollout.enforce_eager",
+    }
+    assert variant.algorithm.routing_replay and not base.algorithm.routing_replay
+    assert not any(
+        load_run_config(p).algorithm.routing_replay for p in ALL if "routing" not in p.stem
+    )
 
 
 def test_leave_one_out_values():

@@ -11,6 +11,7 @@ import queue
 import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,10 +30,14 @@ STOP = 2
 
 
 class FakeEngine:
-    """One token per request per step: ``script(prompt_ids, absolute_position)``."""
+    """One token per request per step: ``script(prompt_ids, absolute_position)``. With
+    ``routing``, a finished or aborted request returns routed-expert rows ``[positions, 2, 1]``
+    for the positions it processed (all but its last token): layer 0 dense (0), layer 1
+    ``routing(request number, position)``."""
 
-    def __init__(self, script, max_model_len: int = 1000) -> None:
+    def __init__(self, script, max_model_len: int = 1000, routing=None) -> None:
         self.script = script
+        self.routing = routing
         self.max_model_len = max_model_len
         self.active: dict[str, list] = {}
         self.added: list[tuple[str, list[int], int]] = []
@@ -54,9 +59,18 @@ class FakeEngine:
         self.active[request_id] = [list(prompt_ids), 0, max_tokens, stop]
 
     def abort(self, request_ids):
+        rows = {rid: self._rows(rid) for rid in request_ids if self.routing}
         for rid in request_ids:
             self.aborted.append(rid)
             del self.active[rid]
+        return rows
+
+    def _rows(self, rid) -> np.ndarray:
+        prompt, count = self.active[rid][:2]
+        number = [a[0] for a in self.added].index(rid)
+        rows = np.zeros((len(prompt) + count - 1, 2, 1), dtype=np.uint8)
+        rows[:, 1, 0] = [self.routing(number, p) for p in range(len(rows))]
+        return rows
 
     def has_work(self) -> bool:
         return bool(self.active)
@@ -68,9 +82,10 @@ class FakeEngine:
             token = self.script(prompt, len(prompt) + count)
             state[1] = count = count + 1
             reason = "stop" if token in stop else ("length" if count >= max_tokens else None)
+            rows = self._rows(rid) if reason and self.routing else None
             if reason:
                 del self.active[rid]
-            deltas.append(TokenDelta(rid, [token], [-0.25], reason is not None, reason))
+            deltas.append(TokenDelta(rid, [token], [-0.25], reason is not None, reason, rows))
         return deltas
 
     def load_weights(self, updates, kv_on_push="keep"):
@@ -78,10 +93,10 @@ class FakeEngine:
         return len(self.loaded), 0
 
 
-def make_runner(script, max_model_len=1000, answer_budget=5):
+def make_runner(script, max_model_len=1000, answer_budget=5, routing=None):
     events = queue.Queue()
     settings = RunnerSettings((STOP,), TEXT, CLOSE, answer_budget)
-    engine = FakeEngine(script, max_model_len)
+    engine = FakeEngine(script, max_model_len, routing)
     return EngineRunner(0, engine, settings, events), engine, events
 
 
@@ -248,6 +263,50 @@ def test_fanout_raises_a_lanes_failure_on_the_callers_thread():
     assert engines[0].weights.get(timeout=5) == "bucket"
 
 
+def test_interrupted_sample_routing_is_the_thinking_requests_up_to_the_cut_then_the_answers():
+    runner, engine, events = make_runner(
+        counting, answer_budget=5, routing=lambda r, p: 100 * r + p
+    )
+    runner.submit(spec([1, 2, 3], budget=7, max_tokens=30, index=0))
+    runner.submit(spec([4, 5], budget=None, max_tokens=4, index=1))
+    cut, plain = sorted(run_to_end(runner, engine, events), key=lambda s: s.prompt_index)
+    assert cut.interrupted and not plain.interrupted
+    # request 0 (thinking) processed positions 0..8 (3 prompt + 6 of its 7 tokens: aborted
+    # when the 7th came) and the sample keeps them. The answer request (number 2) prefilled
+    # 0..12 (with the interruption text) and decoded: positions 9..16 are its own.
+    sequence = len(cut.prompt_ids) + len(cut)
+    assert cut.routed_experts.shape == (sequence - 1, 2, 1)
+    expected = list(range(9)) + [200 + p for p in range(9, sequence - 1)]
+    assert cut.routed_experts[:, 1, 0].tolist() == expected
+    assert not cut.routed_experts[:, 0].any()
+    assert plain.routed_experts[:, 1, 0].tolist() == [100 + p for p in range(2 + 4 - 1)]
+
+
+def test_recorder_files_rows_by_position_and_keeps_the_first_routing():
+    from megatron_rl.rollout.routing import RoutingRecorder
+
+    recorder = RoutingRecorder(num_layers=3, topk=2, num_experts=8)
+
+    def step(ids, layout, positions):  # layer 1 routes every token to (position, 7)
+        recorder.begin_step()
+        topk = torch.tensor([[p % 7, 7] for p in positions])
+        recorder.capture(1, topk)
+        recorder.end_step(ids, np.array(layout), torch.tensor(positions))
+
+    step(["a-x1y2z3w4", "b-00000000"], [0, 3, 5], [0, 1, 2, 0, 1])  # prefill a (3), b (2)
+    step(["b-00000000", "a-x1y2z3w4"], [0, 1, 2], [2, 3])  # decode: one token each
+    recorder.begin_step()  # b is recomputed (preempted) from 0 with a new routing: kept out
+    recorder.capture(1, torch.tensor([[1, 2]] * 4))
+    recorder.end_step(["b-00000000"], np.array([0, 4]), torch.tensor([0, 1, 2, 3]))
+    a, b = recorder.take("a"), recorder.take("b")
+    assert a.dtype == np.uint8 and a.shape == (4, 3, 2)
+    assert a[:, 1].tolist() == [[0, 7], [1, 7], [2, 7], [3, 7]] and not a[:, [0, 2]].any()
+    assert b[:, 1].tolist() == [[0, 7], [1, 7], [2, 7], [1, 2]]  # position 3 is new
+    assert recorder.take("a").shape == (0, 3, 2)  # taken: forgotten
+    with pytest.raises(RuntimeError, match="prefix caching"):
+        step(["c-00000000"], [0, 2], [5, 6])  # positions 0..4 never computed
+
+
 def test_budget_draws_are_uniform_over_the_inclusive_range_and_seeded():
     config = InterruptionConfig(enabled=True, thinking_budget=(5, 8), text="ab", think_close="c")
     policy = InterruptionPolicy.from_config(config, lambda s: [ord(c) for c in s])
@@ -285,6 +344,7 @@ def test_subsequence_search():
         ({"weight_transport": "nccl", "placement": "subprocess", "colocate": True}, "colocate"),
         ({"push_timeout_seconds": 0}, "push_timeout_seconds"),
         ({"startup_timeout_minutes": -1}, "startup_timeout_minutes"),
+        ({"return_routed_experts": True, "enforce_eager": False}, "enforce_eager"),
         ({"interruption": InterruptionConfig(thinking_budget=(9, 3))}, "thinking_budget"),
         ({"interruption": InterruptionConfig(answer_budget=0)}, "answer_budget"),
         (

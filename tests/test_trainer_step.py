@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,7 +15,12 @@ from megatron_rl.models.provider import build_model
 from megatron_rl.platform import ParallelConfig
 from megatron_rl.trainer.batch import TrainSample, make_micro_batches, token_multiple
 from megatron_rl.trainer.optim import build_optimizer, wrap_model
-from megatron_rl.trainer.step import LogprobGapError, advantages_and_keep, policy_update
+from megatron_rl.trainer.step import (
+    LogprobGapError,
+    advantages_and_keep,
+    policy_update,
+    shaped_rewards,
+)
 from megatron_rl.trainer.warm_start import supervised_warm_start
 
 
@@ -63,6 +70,25 @@ def params_after(model, samples, algo, micro_batch_size, **kwargs):
         for k, p in model.module.named_parameters():
             p.copy_(before[k])
     return after, result
+
+
+def test_length_penalty_on_correct_or_all_samples():
+    # l_max 10, l_cache 4: -(len - 6) / 4 from 6 tokens on, -1 from 10 (by hand)
+    samples = [
+        TrainSample(0, 0, [1], [5] * n, [0.0] * n, [True] * n, r, [0] * n)
+        for n, r in ((6, 1.0), (8, 1.0), (12, 1.0), (8, -1.0), (12, -1.0))
+    ]
+    scalerl = AlgorithmConfig(
+        length_penalty=True, length_penalty_l_max=10, length_penalty_l_cache=4
+    )
+    assert shaped_rewards(samples, scalerl).tolist() == [1.0, 0.5, 0.0, -1.0, -1.0]
+    dapo = AlgorithmConfig(
+        length_penalty=True,
+        length_penalty_l_max=10,
+        length_penalty_l_cache=4,
+        length_penalty_on="all",
+    )
+    assert shaped_rewards(samples, dapo).tolist() == [1.0, 0.5, 0.0, -1.5, -2.0]
 
 
 def test_micro_batching_gives_the_same_update(model):
@@ -167,12 +193,28 @@ def random_samples(seed: int, vocab: int = 128) -> list[TrainSample]:
     return samples
 
 
+def with_random_routing(samples: list[TrainSample], seed: int) -> list[TrainSample]:
+    """``samples`` with random generator routing for tiny-llama4 (4 experts, top-1, MoE
+    layers 1 and 3): rows for every position but the last, as engines record them."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for s in samples:
+        rows = torch.zeros((len(s.prompt_tokens) + len(s.response_tokens) - 1, 4, 1))
+        rows[:, [1, 3]] = torch.randint(0, 4, (len(rows), 2, 1), generator=gen).float()
+        out.append(dataclasses.replace(s, routed_experts=rows.to(torch.uint8).numpy()))
+    return out
+
+
 LAYOUTS = [
     ("tiny-llama", {"tensor": 2}),
     ("tiny-llama", {"pipeline": 2}),
     ("tiny-llama4", {"expert": 2}),
-    # megatron trains MoE with TP only under sequence parallelism
-    ("tiny-llama4", {"tensor": 2, "expert": 2, "sequence_parallel": True}),
+    # megatron trains MoE with TP only under sequence parallelism; with routing replay each
+    # TP rank takes the rows of its sequence-parallel chunk (free TP+EP routing: the EP run,
+    # the logits of test_models.py, and the loop's EP run)
+    ("tiny-llama4", {"tensor": 2, "expert": 2, "sequence_parallel": True, "replay": True}),
+    # and each pipeline stage's routers the rows of their global layers
+    ("tiny-llama4", {"pipeline": 2, "replay": True}),
 ]
 
 
@@ -181,7 +223,9 @@ LAYOUTS = [
 def test_update_in_a_parallel_layout_equals_one_rank(preset, layout, tiny_hf_dirs, tmp_path):
     """TP, PP (megatron's pipeline schedule) and EP (experts exchanged by all-to-all, expert
     gradients reduced over the expert-data-parallel group) make the one-rank update, to
-    float rounding: the SGD (lr 1) update is the gradient itself."""
+    float rounding: the SGD (lr 1) update is the gradient itself. With routing replay, the
+    replayed (random) routing differs from the model's own, so a rank that took the wrong
+    rows would route differently and change the update."""
     import shutil
     from pathlib import Path
 
@@ -190,14 +234,19 @@ def test_update_in_a_parallel_layout_equals_one_rank(preset, layout, tiny_hf_dir
 
     from megatron_rl.platform import run_local_ranks
 
-    samples = random_samples(3)
+    layout = dict(layout)
+    replay = layout.pop("replay", False)
+    samples = with_random_routing(random_samples(3), 4) if replay else random_samples(3)
     outs = {}
     for name, lay, world in (("one", {}, 1), ("many", layout, 2)):
         out = str(tmp_path / f"{name}.pt")
         shutil.copytree(tiny_hf_dirs[preset], out + ".hf")
-        run_local_ranks(layout_update_worker, world, preset, lay, samples, out)
+        run_local_ranks(layout_update_worker, world, preset, lay, samples, out, replay)
         outs[name] = torch.load(out, weights_only=False)
     one, many = outs["one"], outs["many"]
+    if replay:  # the routers of rank 0 replayed (a stage: its own MoE layer, 1 of 1 and 3)
+        assert set(one["replayed"]) == {1, 3} and set(many["replayed"]) <= {1, 3}
+        assert many["replayed"]
     assert one["weights"].keys() == many["weights"].keys()
     for key, ref in one["weights"].items():  # updates are up to ~0.1
         assert torch.allclose(ref, many["weights"][key], atol=1e-6, rtol=0), key
@@ -208,6 +257,33 @@ def test_update_in_a_parallel_layout_equals_one_rank(preset, layout, tiny_hf_dir
             getattr(one["result"], field), rel=1e-4
         ), field
     assert many["result"].num_tokens == one["result"].num_tokens > 0
+    if preset == "tiny-llama4":  # expert load: every rank's routed tokens, summed
+        for name, lay in (("one", {}), ("many", layout)):
+            load = outs[name]["result"].expert_load
+            expected = routed_tokens(samples, lay, micro_batch_size=2, world=1 + (name == "many"))
+            assert load.tokens.tolist() == [expected] * len(load.layers), name
+            assert load.tokens_per_expert.sum(dim=1).tolist() == load.tokens.tolist()
+            assert float(load.dropped.sum()) == 0.0
+
+
+def routed_tokens(samples, layout: dict, micro_batch_size: int, world: int) -> float:
+    """Tokens one MoE layer routes in a step, by hand: each data-parallel rank's groups in
+    micro-batches padded to their longest sequence (to a multiple of TP under sequence
+    parallelism), plus the 2-token empty micro-batches of ranks with fewer."""
+    tp = layout.get("tensor", 1)
+    dp = world // (tp * layout.get("pipeline", 1))
+    multiple = tp if layout.get("sequence_parallel") else 1
+    pad = lambda n: -(-n // multiple) * multiple  # noqa: E731
+    per_rank = []
+    for r in range(dp):
+        mine = [s for s in samples if s.group % dp == r]
+        chunks = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+        lengths = [
+            pad(max(len(s.prompt_tokens) + len(s.response_tokens) for s in c)) for c in chunks
+        ]
+        per_rank.append([len(c) * n for c, n in zip(chunks, lengths)])
+    count = max(len(t) for t in per_rank)
+    return float(sum(sum(t) + (count - len(t)) * pad(2) for t in per_rank))
 
 
 def test_logprob_gap_is_measured_on_every_on_policy_token(model):

@@ -3,7 +3,8 @@
 Defaults are the ScaleRL recipe (SCALERL.md section 2): CISPO with eps_max 4, prompt-level
 loss aggregation, batch-level advantage normalisation, zero-variance filtering and
 No-Positive-Resampling at pass rate 0.9; forced interruptions instead of a length penalty.
-Dynamic sampling (refilling the batch) is owned by the data sampler, not configured here.
+Dynamic sampling (refilling the batch, ``data.dynamic_sampling``) is done by the trainer's rollout
+source, not configured here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ LOSS_NAMES: tuple[str, ...] = ("cispo", "ppo_clip", "gspo", "reinforce")
 AGGREGATION_NAMES: tuple[str, ...] = ("prompt", "sample", "token")
 NORMALIZATION_NAMES: tuple[str, ...] = ("batch", "group", "none")
 NPR_HISTORY_NAMES: tuple[str, ...] = ("cumulative", "latest")
+LENGTH_PENALTY_ON: tuple[str, ...] = ("correct", "all")
 
 # Default clip ranges when the recipe leaves eps_low / eps_high unset.
 # PPO-clip: GRPO's symmetric 0.2 / 0.2. GSPO: the sequence-level scale of the GSPO paper.
@@ -37,13 +39,22 @@ class AlgorithmConfig:
         eps_high: upper clip (ratio <= 1 + eps_high) for ppo_clip / gspo; None = loss default.
         aggregation: how token objectives are averaged, one of AGGREGATION_NAMES.
         advantage_normalization: one of NORMALIZATION_NAMES.
-        zero_variance_filter: drop groups whose rewards are all equal (no loss, no refill).
+        zero_variance_filter: groups whose rewards are all equal get no loss and no share of
+            the loss normalisers (no refill). With ``data.dynamic_sampling`` such groups are
+            replaced before they reach a batch; they reach one only past its cap.
         npr_threshold: No-Positive-Resampling pass-rate threshold; None disables it.
         npr_history: which pass rate is compared with the threshold: "cumulative" (all
             samples of the prompt over all epochs) or "latest" (the last observed group).
         length_penalty: add clip((l_max - len) / l_cache - 1, -1, 0) to correct samples.
         length_penalty_l_max: L_max of the length penalty, in tokens (paper: 14k).
         length_penalty_l_cache: L_cache of the length penalty, in tokens (paper: 2k).
+        length_penalty_on: the samples whose reward gets the penalty: "correct" (ScaleRL's
+            alternative to interruptions, SCALERL.md section 2) or "all" (DAPO's soft overlong
+            punishment, arXiv 2503.14476 section 3.4, added to every response's reward).
+        routing_replay: MoE models: the policy forward routes every token to the experts the
+            generator routed it to (R3; ``megatron_rl.trainer.routing_replay``). The engines
+            then return routed experts and run without prefix caching. Off in the paper's
+            recipes (recipes/scalerl_scout_routing_replay.yaml turns it on).
     """
 
     loss: str = "cispo"
@@ -58,6 +69,8 @@ class AlgorithmConfig:
     length_penalty: bool = False
     length_penalty_l_max: int = 14336
     length_penalty_l_cache: int = 2048
+    length_penalty_on: str = "correct"
+    routing_replay: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -65,6 +78,7 @@ class AlgorithmConfig:
         _check_choice("aggregation", self.aggregation, AGGREGATION_NAMES)
         _check_choice("advantage_normalization", self.advantage_normalization, NORMALIZATION_NAMES)
         _check_choice("npr_history", self.npr_history, NPR_HISTORY_NAMES)
+        _check_choice("length_penalty_on", self.length_penalty_on, LENGTH_PENALTY_ON)
         if not _finite(self.eps_max) or self.eps_max <= 0:
             raise ValueError(f"eps_max must be a finite number > 0, got {self.eps_max!r}")
         if self.eps_low is not None and (not _finite(self.eps_low) or not 0 <= self.eps_low < 1):
@@ -75,7 +89,7 @@ class AlgorithmConfig:
             not _finite(self.npr_threshold) or not 0 < self.npr_threshold <= 1
         ):
             raise ValueError(f"npr_threshold must be in (0, 1] or None, got {self.npr_threshold!r}")
-        for name in ("zero_variance_filter", "length_penalty"):
+        for name in ("zero_variance_filter", "length_penalty", "routing_replay"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.length_penalty_l_cache) or self.length_penalty_l_cache <= 0:

@@ -73,12 +73,16 @@ def check_model_shapes(config: RunConfig) -> None:
             f"recipe key 'parallel.expert': {p.expert} needs an MoE model; {source} is dense"
         )
     _divides("parallel.expert", p.expert, experts, "experts", source)
+    if not experts and not config.model.moe.is_default():
+        raise ConfigError(f"recipe key 'model.moe': {source} is dense (no router to configure)")
     if experts and p.tensor > 1 and not p.sequence_parallel:
         raise ConfigError(
             f"recipe key 'parallel.sequence_parallel': megatron-core trains the MoE layers of "
             f"{source} with tensor parallelism ({p.tensor}) only under sequence parallelism; "
             "set parallel.sequence_parallel: true"
         )
+    if config.algorithm.routing_replay:
+        _check_routing_replay(config, bool(experts), source)
     positions = fields.get("max_position_embeddings")
     longest = config.data.max_prompt_tokens + config.max_response_tokens()
     if isinstance(positions, int) and longest > positions:
@@ -86,4 +90,27 @@ def check_model_shapes(config: RunConfig) -> None:
             f"recipe key 'rollout.max_tokens': prompt ({config.data.max_prompt_tokens}) + longest "
             f"response ({config.max_response_tokens()}) = {longest} tokens exceeds the "
             f"{positions} positions of {source}"
+        )
+
+
+def _check_routing_replay(config: RunConfig, moe: bool, source: str) -> None:
+    key = "recipe key 'algorithm.routing_replay'"
+    if not moe:
+        raise ConfigError(f"{key}: replays MoE routing; {source} is dense")
+    if not config.rollout.enforce_eager:
+        # The engines record routing in the forward; CUDA graphs captured before the capture
+        # hooks are bound would replay without them.
+        raise ConfigError(
+            "recipe key 'rollout.enforce_eager': must be true with algorithm.routing_replay "
+            "(the engines record routed experts in eager forwards)"
+        )
+    p = config.parallel
+    if p.context > 1:
+        raise ConfigError(f"{key}: not supported with context parallelism (parallel.context)")
+    if config.model.recompute_activations and p.pipeline > 1:
+        # A pipeline schedule runs other micro-batches' forwards between a micro-batch's
+        # forward and its recompute: the replayed indices would be another micro-batch's.
+        raise ConfigError(
+            f"{key}: not supported with model.recompute_activations under pipeline "
+            "parallelism (parallel.pipeline > 1)"
         )

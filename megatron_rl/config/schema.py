@@ -102,6 +102,7 @@ class RunConfig:
                 f"{self.batch.samples_per_prompt} (set one of them; the other follows)",
             )
         self._validate_validation()
+        self._validate_pool_fill()
         self._validate_lengths()
         self._validate_cluster()
         if self.warm_start.steps > 0 and not self.data.solution_field:
@@ -124,6 +125,17 @@ class RunConfig:
                 "validation.num_prompts",
                 f"{self.validation.num_prompts} exceeds the held-out prompts of every source "
                 f"(data.val_size = {held_out})",
+            )
+
+    def _validate_pool_fill(self) -> None:
+        seats = self.off_policy.pool_fill * self.rollout.engines * self.rollout.max_num_seqs
+        if self.off_policy.mode == "pipeline_rl" and seats < self.batch.samples_per_prompt:
+            _fail(
+                "off_policy.pool_fill",
+                f"{self.off_policy.pool_fill:g} x rollout.engines {self.rollout.engines} x "
+                f"rollout.max_num_seqs {self.rollout.max_num_seqs} = {seats:g} sequences in "
+                f"flight hold no prompt of batch.samples_per_prompt "
+                f"{self.batch.samples_per_prompt} samples",
             )
 
     def max_response_tokens(self) -> int:

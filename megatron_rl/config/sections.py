@@ -129,17 +129,26 @@ class OffPolicyConfig:
             policy versions old (ScaleRL: PipelineRL-8). "ppo": generate ``k`` batches of
             ``batch.prompts_per_step`` prompts with one policy, then make ``k`` updates on
             them (PPO-off-policy-k).
-        max_lag: k of PipelineRL-k (read in mode pipeline_rl only).
+        max_lag: k of PipelineRL-k (read in mode pipeline_rl only). It also bounds what is
+            in flight: at most (k + 1) x ``batch.prompts_per_step`` prompts are generating or
+            waiting to be trained on (``megatron_rl.trainer.rollout_source``).
         k: updates per generation round (read in mode ppo only).
+        pool_fill: PipelineRL's fill target: the generator pool is kept topped up to
+            ``pool_fill x rollout.engines x rollout.max_num_seqs`` sequences in flight (within
+            the lag bound), also while the trainer updates. 1.0: every engine at capacity;
+            above 1, a queue inside the engines covers the time between a sequence finishing
+            and its replacement arriving (ours; the paper is silent).
     """
 
     mode: Literal["pipeline_rl", "ppo"] = "pipeline_rl"
     max_lag: int = 8
     k: int = 8
+    pool_fill: float = 1.0
 
     def validate(self) -> None:
         _check_int(self, "max_lag", 1)
         _check_int(self, "k", 1)
+        _check_positive(self, "pool_fill")
 
 
 @dataclass

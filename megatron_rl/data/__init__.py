@@ -17,7 +17,6 @@ from megatron_rl.data.sampler import (
     PromptSampler,
     RetirementTracker,
     has_reward_variance,
-    refill_until,
 )
 
 
@@ -49,7 +48,6 @@ __all__ = [
     "build_sampler",
     "has_reward_variance",
     "load_prompt_data",
-    "refill_until",
     "render_prompt",
     "sft_example",
 ]

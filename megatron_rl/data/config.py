@@ -181,9 +181,18 @@ class DataConfig:
         prefill_think: append ``think_start`` to the rendered prompt so the model starts
             inside its thinking (skipped when the chat template already ends with it).
         max_prompt_tokens: drop prompts longer than this after rendering (0: keep all).
-        dynamic_sampling: DAPO-style refill: keep drawing prompts until the batch holds
-            enough groups with non-zero reward variance (``sampler.refill_until``).
-        dynamic_sampling_max_rounds: most draws per batch before giving up with fewer.
+        dynamic_sampling: DAPO dynamic sampling (Yu et al. 2025, section 3.2): every group is
+            scored as it completes; one whose rewards are all equal is dropped (its rewards
+            still enter the No-Positive-Resampling history) and a new prompt is drawn in its
+            place, until the batch holds ``batch.prompts_per_step`` groups with reward
+            variance. Works in both off-policy modes without loosening the lag bound (see
+            ``megatron_rl.trainer.rollout_source``). Metrics per step: ``prompts_drawn``,
+            ``groups_kept``, ``groups_dropped``, ``groups_kept_over_cap``.
+        dynamic_sampling_max_rounds: the cap R: at most R x B prompts are drawn for one batch
+            of B groups (PPO-off-policy-k: R x k x B for the k batches of one generation),
+            i.e. at most (R - 1) x B groups are dropped; past it, zero-variance groups are
+            kept (``algorithm.zero_variance_filter`` then gives them no loss) where DAPO's
+            ``max_num_gen_batches`` stops the run. R = 1: no refill.
         synthetic: settings of the synthetic arithmetic task.
         synthetic_code: settings of the synthetic code task (``source: synthetic_code``).
         domain: domain of the single source ("math" / "code"); empty: by the format.
@@ -323,9 +332,8 @@ class DataConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.dynamic_sampling_max_rounds, int) or (
-            self.dynamic_sampling_max_rounds < 1
-        ):
+        rounds = self.dynamic_sampling_max_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
             raise ValueError(
                 "dynamic_sampling_max_rounds must be an int >= 1, got "
                 f"{self.dynamic_sampling_max_rounds!r}"

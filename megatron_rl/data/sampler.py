@@ -14,9 +14,9 @@ weight that keeps the mix exact at every point of the stream (after ``n`` draws 
 has given ``n * w_i`` prompts, within one), so every window of ``sum(weights)`` draws holds
 exactly ``weight_i`` prompts of source ``i`` when the weights are integers.
 
-DAPO-style dynamic sampling needs rewards, which the sampler never sees: ``refill_until``
-draws prompts, lets the caller generate and score them, keeps the groups the caller's
-predicate accepts (``has_reward_variance``) and draws again until the batch is full.
+DAPO-style dynamic sampling needs rewards, which the sampler never sees: the trainer's rollout
+source (``megatron_rl.trainer.rollout_source``) scores each group as it completes, drops those
+without reward variance (``has_reward_variance``) and draws a new prompt for each.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @runtime_checkable
@@ -282,37 +280,3 @@ class MixedPromptSampler:
 def has_reward_variance(rewards: Sequence[float]) -> bool:
     """True when a group's rewards are not all equal (it carries a learning signal)."""
     return len(rewards) > 1 and any(r != rewards[0] for r in rewards)
-
-
-def refill_until(
-    sampler: PromptSampler | MixedPromptSampler,
-    target: int,
-    generate: Callable[[list[int]], list[T]],
-    keep: Callable[[T], bool],
-    max_rounds: int = 8,
-) -> list[T]:
-    """DAPO dynamic sampling: groups from ``generate(prompt_ids)`` (one per id) until
-    ``target`` of them pass ``keep``.
-
-    Each round draws as many prompts as groups are still missing. After ``max_rounds``
-    the batch may be short (logged); it never holds more than ``target`` groups.
-    """
-    if target < 1 or max_rounds < 1:
-        raise ValueError(f"target and max_rounds must be >= 1, got {target}, {max_rounds}")
-    kept: list[T] = []
-    for _ in range(max_rounds):
-        missing = target - len(kept)
-        if missing <= 0:
-            break
-        prompt_ids = sampler.next_prompts(missing)
-        groups = generate(prompt_ids)
-        if len(groups) != len(prompt_ids):
-            raise ValueError(
-                f"generate returned {len(groups)} groups for {len(prompt_ids)} prompts"
-            )
-        kept.extend(group for group in groups if keep(group))
-    if len(kept) < target:
-        logger.warning(
-            "dynamic sampling: %d/%d groups after %d rounds", len(kept), target, max_rounds
-        )
-    return kept[:target]

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import transformers
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_rl.models.config import MoERouterConfig
 from megatron_rl.platform import ParallelConfig
 
 SUPPORTED_ARCHITECTURES = (
@@ -117,9 +118,14 @@ def transformer_config(
     use_cpu_initialization: bool,
     fp8: str | None = None,
     recompute: bool = False,
+    moe: MoERouterConfig | None = None,
 ) -> TransformerConfig:
-    """megatron-core TransformerConfig equivalent to the HF architecture."""
+    """megatron-core TransformerConfig equivalent to the HF architecture, with the router
+    training settings ``moe`` (``model.moe``) on an MoE model."""
     check_divisibility(arch, parallel)
+    moe = moe or MoERouterConfig()
+    if not arch.is_llama4 and not moe.is_default():
+        raise ValueError(f"model.moe: {arch.hf_architecture} has no experts to route")
     c = arch.text_config
     kwargs = dict(
         num_layers=c.num_hidden_layers,
@@ -171,9 +177,20 @@ def transformer_config(
             moe_router_topk=c.num_experts_per_tok,
             moe_router_score_function="sigmoid",
             moe_apply_probs_on_input=True,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
+            **moe_router_options(moe),
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,  # modelopt's packed-expert import expects SequentialMLP
         )
     return TransformerConfig(**kwargs)
+
+
+def moe_router_options(moe: MoERouterConfig) -> dict:
+    """megatron-core's TransformerConfig options for the ``model.moe`` settings."""
+    return dict(
+        moe_router_load_balancing_type=moe.load_balancing,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_expert_capacity_factor=moe.capacity_factor,
+        moe_token_drop_policy=moe.token_drop_policy,
+        moe_pad_expert_input_to_capacity=moe.pad_to_capacity,
+    )

@@ -2,8 +2,59 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+# megatron-core's load-balancing types that add an auxiliary loss (moe_router_load_balancing_type).
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
+@dataclass
+class MoERouterConfig:
+    """Router training settings of an MoE model (``model.moe``), mapped one to one to
+    megatron-core's options (a dense model with any of them set is an error).
+
+    The defaults train the router as the generator runs it: plain top-k, no auxiliary loss,
+    no token dropping. A capacity factor makes the trainer drop tokens that vLLM (dropless)
+    does route, so the two compute different functions for those tokens.
+    """
+
+    # moe_router_load_balancing_type: "none", or the auxiliary loss that aux_loss_coeff scales
+    # (GShard/Switch per micro-batch, per sequence, or over the global batch).
+    load_balancing: Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"] = "none"
+    aux_loss_coeff: float = 0.0  # moe_aux_loss_coeff
+    z_loss_coeff: float | None = None  # moe_z_loss_coeff (ST-MoE router z-loss); None: off
+    # moe_expert_capacity_factor: each expert takes at most factor x tokens x topk / experts
+    # tokens per micro-batch (and rank); None: dropless.
+    capacity_factor: float | None = None
+    token_drop_policy: Literal["probs", "position"] = "probs"  # moe_token_drop_policy
+    pad_to_capacity: bool = False  # moe_pad_expert_input_to_capacity
+
+    def validate(self) -> None:
+        if self.aux_loss_coeff < 0:
+            raise ValueError(f"aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
+        if self.aux_loss_coeff > 0 and self.load_balancing not in AUX_LOSS_TYPES:
+            raise ValueError(
+                f"aux_loss_coeff {self.aux_loss_coeff} needs model.moe.load_balancing set to "
+                f"one of {list(AUX_LOSS_TYPES)} (it is {self.load_balancing!r})"
+            )
+        if self.load_balancing in AUX_LOSS_TYPES and self.aux_loss_coeff == 0:
+            raise ValueError(
+                f"load_balancing {self.load_balancing!r} needs model.moe.aux_loss_coeff > 0 "
+                "(with 0 megatron-core computes no loss); use 'none' for no balancing loss"
+            )
+        if self.z_loss_coeff is not None and self.z_loss_coeff <= 0:
+            raise ValueError(f"z_loss_coeff must be > 0 or null (off), got {self.z_loss_coeff}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            # megatron-core silently reads a negative factor as "no capacity".
+            raise ValueError(
+                f"capacity_factor must be > 0 or null (dropless), got {self.capacity_factor}"
+            )
+        if self.pad_to_capacity and self.capacity_factor is None:
+            raise ValueError("pad_to_capacity needs model.moe.capacity_factor")
+
+    def is_default(self) -> bool:
+        return self == MoERouterConfig()
 
 
 @dataclass
@@ -27,6 +78,7 @@ class ModelConfig:
     layer_spec: Literal["auto", "te", "local"] = "auto"
     recompute_activations: bool = False
     max_sequence_length: int | None = None  # default: the HF config's max_position_embeddings
+    moe: MoERouterConfig = field(default_factory=MoERouterConfig)  # MoE models only
 
     def validate(self) -> None:
         if self.preset is None and self.hf_path is None:

@@ -64,6 +64,7 @@ def build_model(
         use_cpu_initialization=meta or not platform.is_gpu,
         fp8=model.fp8,
         recompute=model.recompute_activations,
+        moe=model.moe,
     )
     if meta:
         config.perform_initialization = False

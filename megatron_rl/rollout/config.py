@@ -108,6 +108,11 @@ class RolloutConfig:
         push_timeout_seconds: a weight push that an engine does not acknowledge in this time
             (the engine died or failed while loading) raises an error naming the engine.
         prefix_caching: share prompt KV blocks between samples (keyed by policy version).
+            Off in engines that return routed experts (a cached prefix is not recomputed,
+            so its routing would be missing).
+        return_routed_experts: every sample carries the experts each of its positions was
+            routed to (``Sample.routed_experts``, MoE models; see
+            ``megatron_rl.rollout.routing``). Set by ``algorithm.routing_replay``.
         enforce_eager: no CUDA graphs / torch.compile (fast start; the CPU default).
         seed: engine sampling seed (engine i uses seed + i).
     """
@@ -136,6 +141,7 @@ class RolloutConfig:
     startup_timeout_minutes: float = 120.0
     push_timeout_seconds: float = 300.0
     prefix_caching: bool = True
+    return_routed_experts: bool = False
     enforce_eager: bool = True
     seed: int = 0
 
@@ -158,6 +164,11 @@ class RolloutConfig:
             raise ValueError(
                 "weight_transport 'nccl' needs engine GPUs apart from the trainer's (NCCL has "
                 "one rank per GPU): colocate must be false"
+            )
+        if self.return_routed_experts and not self.enforce_eager:
+            raise ValueError(
+                "return_routed_experts (algorithm.routing_replay) needs enforce_eager: the "
+                "routing capture runs in the forward, which CUDA graphs replay without it"
             )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")

@@ -34,13 +34,16 @@ _live_engines = 0  # engines of this process (vLLM's parallel state is process-w
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """New tokens of one request after a step: ``token_ids [k]``, ``logprobs [k]``."""
+    """New tokens of one request after a step: ``token_ids [k]``, ``logprobs [k]``; when it
+    finished in an engine that returns routed experts, ``routed_experts [positions, layers,
+    topk]`` of its whole sequence (see ``megatron_rl.rollout.routing``)."""
 
     request_id: str
     token_ids: list[int]
     logprobs: list[float]
     finished: bool
     finish_reason: str | None
+    routed_experts: np.ndarray | None = None
 
 
 @contextlib.contextmanager
@@ -109,6 +112,10 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
             kwargs["block_size"] < 32 and not get_platform().is_gpu
         ):
             raise ValueError(f"attention_chunk_size {chunk} is not a multiple of a KV block size")
+    if config.return_routed_experts:
+        from megatron_rl.rollout.routing import WORKER_EXTENSION
+
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
     overrides = {}
     if hasattr(text, "attn_temperature_tuning"):
         # vLLM switches Llama-4 temperature tuning on only above 32k context; the trainer
@@ -122,7 +129,7 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         enforce_eager=config.enforce_eager,
-        enable_prefix_caching=config.prefix_caching,
+        enable_prefix_caching=config.prefix_caching and not config.return_routed_experts,
         tensor_parallel_size=config.tensor_parallel,
         logprobs_mode=config.logprobs_mode,
         hf_overrides={"head_dtype": "float32"} if config.fp32_head else None,
@@ -166,6 +173,10 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives here
         # whole GiB on CPU
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.kv_cache_gb)))
+        if config.return_routed_experts:
+            # The routing capture reads the V1 model runner's batch layout (the CPU build
+            # always runs V1; on GPU vLLM 0.32 would pick its V2 runner).
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         from vllm.v1.engine.llm_engine import LLMEngine
 
         from megatron_rl.platform import get_platform
@@ -182,6 +193,8 @@ class VLLMEngine:
             _live_engines += 1
             if config.weight_transport == "host":  # nccl: init_transport joins the group
                 self.init_transport({})
+            if config.return_routed_experts:
+                self.engine.collective_rpc("start_routing_capture")
             if not get_platform().is_gpu:
                 _fix_cuda_stream_stand_ins()
         self.max_model_len = self.engine.model_config.max_model_len
@@ -258,9 +271,17 @@ class VLLMEngine:
         with _ENGINE_LOCK:
             self.engine.add_request(request_id, prompt, params)
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str]) -> dict[str, np.ndarray]:
+        """Abort requests; returns their routed experts so far (when the engine returns them)."""
         with _ENGINE_LOCK:
             self.engine.abort_request(request_ids)
+            return self._take_routed_experts(request_ids)
+
+    def _take_routed_experts(self, request_ids: list[str]) -> dict[str, np.ndarray]:
+        if not self.config.return_routed_experts or not request_ids:
+            return {}
+        # every worker records; the first (TP rank 0) answers first
+        return self.engine.collective_rpc("take_routed_experts", args=(request_ids,))[0]
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -270,13 +291,21 @@ class VLLMEngine:
         deltas = []
         with _ENGINE_LOCK:
             outputs = self.engine.step()
+            routed = self._take_routed_experts([o.request_id for o in outputs if o.finished])
         for out in outputs:
             completion = out.outputs[0]
             ids = list(completion.token_ids)
             logprobs = [entry[t].logprob for entry, t in zip(completion.logprobs or [], ids)]
             assert len(logprobs) == len(ids), "vLLM returned no log-prob for a sampled token"
             deltas.append(
-                TokenDelta(out.request_id, ids, logprobs, out.finished, completion.finish_reason)
+                TokenDelta(
+                    out.request_id,
+                    ids,
+                    logprobs,
+                    out.finished,
+                    completion.finish_reason,
+                    routed.get(out.request_id),
+                )
             )
         return deltas
 

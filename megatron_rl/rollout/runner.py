@@ -226,11 +226,14 @@ class EngineRunner:
             )
             if len(sample) >= budget and not track.closed and not natural_stop:
                 if not delta.finished:
-                    self.engine.abort([delta.request_id])
+                    routed = self.engine.abort([delta.request_id])
+                    sample.add_routed_experts(routed.get(delta.request_id))
+                sample.add_routed_experts(delta.routed_experts)
                 del self.requests[delta.request_id]
                 self._interrupt(track)
                 return
         if delta.finished:
+            sample.add_routed_experts(delta.routed_experts)
             del self.requests[delta.request_id]
             self._finish(track, delta.finish_reason or "length")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Sample:
@@ -20,6 +22,12 @@ class Sample:
     budget ran out) or "abort". ``interrupted``: the thinking budget was hit and the
     interruption text appended. ``thinking_budget``: the budget drawn for this sample (None
     without interruptions).
+
+    ``routed_experts [P, layers, topk]`` (engines that return them, MoE models): the experts
+    position ``p`` of ``prompt_ids + response_ids`` was routed to in every layer when the
+    generator processed it (``megatron_rl.rollout.routing``); ``P`` is at most the sequence
+    length (the last token is never processed). An interrupted sample's rows are those of its
+    first request up to the cut, then those of the answer request.
     """
 
     prompt_index: int
@@ -33,6 +41,7 @@ class Sample:
     interrupted: bool = False
     thinking_budget: int | None = None
     engine: int = -1
+    routed_experts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -58,6 +67,15 @@ class Sample:
         """Keep the first ``length`` response tokens."""
         del self.response_ids[length:], self.logprobs[length:]
         del self.versions[length:], self.mask[length:]
+        if self.routed_experts is not None:
+            self.routed_experts = self.routed_experts[: len(self.prompt_ids) + length]
+
+    def add_routed_experts(self, rows: np.ndarray | None) -> None:
+        """Add a request's routed-expert rows (from position 0): positions this sample has
+        rows for keep them (the routing they were generated with), later ones are appended."""
+        from megatron_rl.rollout.routing import merge_rows
+
+        self.routed_experts = merge_rows(self.routed_experts, rows)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 Each step, as ``train()`` does: ask the real ``RolloutSource`` for the next batch at the pool's
 version (its waits move the clock), update (the clock moves by ``CostModel.train_step`` while
-the engines keep generating), then push the weights when the source wants it (the engines
-pause for ``CostModel.push``). Only the engines, the trainer and the clock are emulated.
+the engines keep generating and the source's feeder tops them up), then push the weights when
+the source wants it (the engines pause for ``CostModel.push``). Only the engines, the trainer
+and the clock are emulated.
 
 Utilisation is measured after ``warmup`` steps (the pipeline filling), over ``steps`` steps.
 """
@@ -18,6 +19,11 @@ from megatron_rl.simulation.costs import CostModel
 from megatron_rl.simulation.engines import EmulatedPool
 from megatron_rl.simulation.workload import LengthModel
 from megatron_rl.trainer.rollout_source import RolloutSource
+
+# The simulated feeder's poll interval: the real one polls every 20 ms
+# (rollout_source.FEED_SECONDS); sequences here decode for seconds to minutes, and a coarser
+# step keeps a simulated run of thousands of updates fast.
+FEED_INTERVAL = 1.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class SimSettings:
     steps: int = 40
     warmup: int = 5
     seed: int = 0
+    fill: float = 1.0  # off_policy.pool_fill
 
 
 @dataclass
@@ -114,6 +121,9 @@ def simulate(costs: CostModel, lengths: LengthModel, settings: SimSettings) -> S
         s.k,
         seed_of=lambda prompt_id: s.seed * 1_000_003 + prompt_id,
         shuffle_seed=s.seed,
+        capacity=s.engines * s.max_num_seqs,
+        fill=s.fill,
+        clock=lambda: pool.now,
     )
     trained: list[int] = []
     lag_tokens: dict[int, int] = {}
@@ -140,7 +150,7 @@ def simulate(costs: CostModel, lengths: LengthModel, settings: SimSettings) -> S
                     if step >= s.warmup:
                         lag_tokens[lag] = lag_tokens.get(lag, 0) + n
         seconds = costs.train_step(sequence_lengths)
-        pool.advance(seconds)  # the engines keep generating during the update
+        update(pool, source, seconds)  # the engines keep generating, topped up, meanwhile
         version += 1
         if step >= s.warmup:
             train_seconds += seconds
@@ -169,6 +179,15 @@ def simulate(costs: CostModel, lengths: LengthModel, settings: SimSettings) -> S
     )
 
 
+def update(pool: EmulatedPool, source: RolloutSource, seconds: float) -> None:
+    """The trainer's update of ``seconds``: the clock moves on while the source's feeder
+    (``RolloutSource.feeding`` in ``train()``) collects and tops up every ``FEED_INTERVAL``."""
+    end = pool.now + seconds
+    while pool.now < end:
+        pool.advance(min(FEED_INTERVAL, end - pool.now))
+        source.feed()
+
+
 def settings_from_config(config, mode: str, k: int, **overrides) -> SimSettings:
     """``SimSettings`` of a recipe (``RunConfig``) for ``mode`` and ``k``."""
     rollout, cluster = config.rollout, config.cluster
@@ -179,6 +198,7 @@ def settings_from_config(config, mode: str, k: int, **overrides) -> SimSettings:
         samples_per_prompt=config.batch.samples_per_prompt,
         engines=rollout.engines,
         max_num_seqs=rollout.max_num_seqs,
+        fill=config.off_policy.pool_fill,
         generator_gpus=cluster.generator_gpus,
         trainer_gpus=cluster.trainer_gpus,
     )

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -15,6 +19,7 @@ class TrainSample:
     ``gen_logprobs``, ``policy_mask`` and ``versions`` are per response token;
     ``policy_mask`` is False on tokens the policy did not generate (interruption text).
     ``group`` numbers the sample's prompt within the step (unique per step).
+    ``routed_experts [P, layers, topk]``: the generator's routing (routing replay), or None.
     """
 
     prompt_id: int
@@ -27,6 +32,7 @@ class TrainSample:
     versions: list[int]
     truncated: bool = False
     interrupted: bool = False
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass
@@ -45,9 +51,11 @@ class MicroBatch:
     sample_ids: torch.Tensor  # [T]
     prompt_ids: torch.Tensor  # [T]
     monitor_mask: torch.Tensor  # [T] bool: policy tokens of samples the trainer's weights made
+    routing: torch.Tensor | None = None  # [b, s, layers, topk]: the generator's experts
 
     def to(self, device) -> MicroBatch:
-        return MicroBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+        moved = (getattr(self, f.name) for f in fields(self))
+        return MicroBatch(*(t if t is None else t.to(device) for t in moved))
 
 
 def right_padded(
@@ -149,6 +157,18 @@ def make_micro_batches(
                 flat["sid"],
                 flat["pid"],
                 flat["monitor"],
+                _routing(chunk, tokens.shape[1]),
             )
         )
     return batches
+
+
+def _routing(samples: Sequence[TrainSample], length: int) -> torch.Tensor | None:
+    """``[b, length, layers, topk]`` of the samples' generator routing (None without any)."""
+    rows = [s.routed_experts for s in samples]
+    known = [r for r in rows if r is not None]
+    if not known:
+        return None
+    from megatron_rl.trainer.routing_replay import routing_tensor
+
+    return routing_tensor(rows, length, tuple(known[0].shape[1:]))

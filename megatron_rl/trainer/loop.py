@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
@@ -15,7 +16,13 @@ from megatron_rl.platform import collectives, get_platform
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.compute import generation_share
-from megatron_rl.trainer.rollout_source import Group, PromptsExhausted, RolloutSource
+from megatron_rl.trainer.rollout_source import (
+    DynamicSampling,
+    Group,
+    PromptsExhausted,
+    RolloutSource,
+    token_lag_histogram,
+)
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update
 
@@ -51,6 +58,9 @@ def train(config: RunConfig, run_dir: Path) -> int:
             _lag(config),
             seed_of=lambda prompt_id: _sampling_seed(config.seed, prompt_id, run.step),
             shuffle_seed=config.seed,
+            dynamic=dynamic_sampling(run),
+            capacity=config.rollout.engines * config.rollout.max_num_seqs,
+            fill=config.off_policy.pool_fill,
         )
         source.submit(carry)  # prompts in flight at the last checkpoint are regenerated
     # The trainer's weights are those of the generator's current policy version right after
@@ -81,24 +91,29 @@ def train(config: RunConfig, run_dir: Path) -> int:
             samples, info, wants_push = batch
             info["lr"] = run.optim.lr  # the rate of this update (the scheduler moves on after)
             t1 = time.perf_counter()
-            result = policy_update(
-                run.ddp,
-                run.optim.optimizer,
-                samples,
-                config.algorithm,
-                _micro_batch(config, samples),
-                temperature=config.rollout.temperature,
-                monitor_version=info["generator_version"] if synced else None,
-                max_logprob_gap=gap_limit,
-                token_multiple=multiple,
-            )
+            # PipelineRL: the main rank's feeder keeps the engines topped up during the update
+            with source.feeding() if main else contextlib.nullcontext():
+                result = policy_update(
+                    run.ddp,
+                    run.optim.optimizer,
+                    samples,
+                    config.algorithm,
+                    _micro_batch(config, samples),
+                    temperature=config.rollout.temperature,
+                    monitor_version=info["generator_version"] if synced else None,
+                    max_logprob_gap=gap_limit,
+                    token_multiple=multiple,
+                )
             synced = wants_push
             run.optim.scheduler.step(increment=1)
             step = run.step = step + 1
             t2 = time.perf_counter()
             push = push_weights(run, pool) if wants_push else None
             if main:
-                run.metrics.log(step_record(run, step, info, result, t0, t1, t2, push, pool))
+                record = step_record(run, step, info, result, t0, t1, t2, push, pool)
+                run.metrics.log({**record, **source.generator_load()})  # over this step
+                if result.expert_load is not None:
+                    run.metrics.log_tensorboard(step, result.expert_load.per_layer())
                 bar.update(1)
                 bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
                 if run.forecast is not None:
@@ -113,9 +128,12 @@ def train(config: RunConfig, run_dir: Path) -> int:
                 signal_name = stop.requested or "a signal to another rank"
                 logger.info("stopping on %s after checkpointing step %d", signal_name, step)
                 return 0
-        if main and config.validation.enabled and step % config.validation.every_steps != 0:
+        validated_at_end = config.validation.enabled and step % config.validation.every_steps != 0
+        if main and validated_at_end:
             validate(run, pool, step)
-        if config.checkpoint.save_at_end:
+        # The loop's own checkpoint of this step holds everything unless validation ran since.
+        saved = step > 0 and _due(step, config.checkpoint.every_steps) and not validated_at_end
+        if config.checkpoint.save_at_end and not saved:
             save_checkpoint(run, step, source)
         finished = True
     finally:
@@ -144,19 +162,58 @@ def next_batch(run: Run, source: RolloutSource, pool):
         logger.info("every training prompt is retired: stopping at step %d", run.step)
         return None
     samples, info = score_groups(run, groups, pool.version)
+    info["staleness_hist"] = token_lag_histogram(groups, pool.version, _lag(run.config))
     info["generator_version"] = pool.version  # of the weights the generator holds now
+    info.update(source.counts)  # prompts drawn this step; dynamic sampling's kept / dropped
     return samples, info, source.wants_push()
+
+
+def dynamic_sampling(run: Run) -> DynamicSampling | None:
+    """The rollout source's dynamic sampling (``data.dynamic_sampling``), else None."""
+    data = run.config.data
+    if not data.dynamic_sampling:
+        return None
+    return DynamicSampling(
+        score=lambda groups: reward_groups(run, groups),
+        discard=lambda groups: record_pass_rates(run, groups),
+        max_rounds=data.dynamic_sampling_max_rounds,
+    )
+
+
+def reward_groups(run: Run, groups: list[Group]) -> None:
+    """Score the samples of every group not scored yet (sets ``rewards``, ``reward_timeouts``)."""
+    todo = [g for g in groups if g.rewards is None]
+    flat = [(g, s) for g in todo for s in g.samples]
+    if not flat:
+        return
+    texts = [run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for _, s in flat]
+    prompts = [run.data.get(g.prompt_id) for g, _ in flat]
+    rewards = run.rewards.score_batch(
+        texts, [p.reference for p in prompts], [p.kind for p in prompts]
+    )
+    statuses = list(run.rewards.last_statuses)
+    start = 0
+    for g in todo:
+        end = start + len(g.samples)
+        g.rewards = [float(r) for r in rewards[start:end]]
+        g.reward_timeouts = statuses[start:end].count("timeout")
+        start = end
+
+
+def record_pass_rates(run: Run, groups: list[Group]) -> None:
+    """No-Positive-Resampling history: the scored groups' rewards, trained on or dropped."""
+    if run.tracker is not None:
+        ids = [g.prompt_id for g in groups for _ in g.rewards]
+        run.tracker.update(ids, [r for g in groups for r in g.rewards])
 
 
 def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[TrainSample], dict]:
     """Rewards for every sample, pass-rate history (No-Positive-Resampling), batch stats."""
-    tok = run.tokenizer
-    flat = [(g, i, s) for i, g in enumerate(groups) for s in g.samples]
-    texts = [tok.decode(s.response_ids, skip_special_tokens=True) for _, _, s in flat]
-    prompts = [run.data.get(g.prompt_id) for g, _, _ in flat]
-    rewards = run.rewards.score_batch(
-        texts, [p.reference for p in prompts], [p.kind for p in prompts]
-    )
+    reward_groups(run, groups)  # those that dynamic sampling has not scored already
+    record_pass_rates(run, groups)
+    flat = [(g, i, s, r) for i, g in enumerate(groups) for s, r in zip(g.samples, g.rewards)]
+    prompts = [run.data.get(g.prompt_id) for g, _, _, _ in flat]
+    rewards = [r for _, _, _, r in flat]
     samples = [
         TrainSample(
             prompt_id=g.prompt_id,
@@ -165,15 +222,14 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
             response_tokens=list(s.response_ids),
             gen_logprobs=list(s.logprobs),
             policy_mask=list(s.mask),
-            reward=float(r),
+            reward=r,
             versions=list(s.versions),
             truncated=s.finish_reason == "length",
             interrupted=s.interrupted,
+            routed_experts=s.routed_experts,
         )
-        for (g, i, s), r in zip(flat, rewards)
+        for g, i, s, r in flat
     ]
-    if run.tracker is not None:
-        run.tracker.update([s.prompt_id for s in samples], [s.reward for s in samples])
     lags = [version - min(s.versions) for s in samples if s.versions]
     n = max(len(samples), 1)
     info = {
@@ -187,7 +243,7 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
         "samples": len(samples),
         # Verifications that ran out of time score incorrect; counted so they never pass
         # for wrong answers unseen.
-        "reward_timeouts": run.rewards.last_counts["timeout"],
+        "reward_timeouts": sum(g.reward_timeouts for g in groups),
         "prompt_ids": [g.prompt_id for g in groups],
         "group_pass_rates": [
             sum(s.reward > 0 for s in samples if s.group == i) / max(len(g.samples), 1)
@@ -338,6 +394,7 @@ def start_generators(run: Run, step: int):
     rollout = run.config.rollout
     if rollout.dtype == "auto":  # generate in the trainer's dtype, or log-probs disagree
         rollout.dtype = run.config.model.dtype
+    rollout.return_routed_experts |= run.config.algorithm.routing_replay
     if rollout.placement == "subprocess" and get_platform().is_gpu:
         import os
 
@@ -403,6 +460,8 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         "step_seconds": time.perf_counter() - t0,
         "policy_version": pool.version,
     }
+    if result.expert_load is not None:
+        record.update(result.expert_load.summary())
     if push is not None:
         record.update(push_seconds=push.seconds, push_gb_per_s=push.gb_per_second)
     record["gen_tokens_per_s"] = info["response_tokens"] / max(record["step_seconds"], 1e-9)

@@ -122,6 +122,11 @@ class MetricsLogger:
         if self.tensorboard:
             self._log_tensorboard(plain)
 
+    def log_tensorboard(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Scalars for TensorBoard only: series too many for ``metrics.jsonl`` (per layer)."""
+        if self.tensorboard:
+            self._log_tensorboard({**_plain(dict(scalars)), "step": step})
+
     def _log_tensorboard(self, record: dict[str, Any]) -> None:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter

@@ -3,26 +3,93 @@
 A *group* is the G samples of one prompt. The source keeps the generator pool busy, hands the
 trainer complete groups and enforces the off-policy bound:
 
-* ``pipeline_rl`` (max lag k): generation never stops. Up to two batches of prompts are in
-  flight; after every optimizer step the new weights are pushed in flight. A group whose
-  oldest token was produced by version ``o`` must be trained on while the policy version is
-  at most ``o + k``: when such a group is due, the trainer waits for it (never drops it), and
-  due groups are taken first.
+* ``pipeline_rl`` (max lag k): generation never stops (continuous generation, below); after
+  every optimizer step the new weights are pushed in flight. A group whose oldest token was
+  produced by version ``o`` must be trained on while the policy version is at most ``o + k``:
+  when such a group is due, the trainer waits for it (never drops it), and due groups are
+  taken first (oldest first).
 * ``ppo`` (k): generate k x B prompts with the current weights, wait for all, then hand out
   k batches of B, cut after a seeded shuffle of the groups (sorting them, by dataset id or
   by completion time, would stratify the minibatches); the pool is idle during the k updates.
+
+Continuous generation (PipelineRL). The source tops the pool up whenever a group completes,
+to the smaller of two limits:
+
+* capacity: ``fill x capacity`` sequences in flight (``capacity`` = rollout.engines x
+  rollout.max_num_seqs, ``fill`` = ``off_policy.pool_fill``). More would only queue inside the
+  engines and age there; a prompt's G samples go in together, so the pool runs between
+  ``fill x capacity - G + 1`` and ``fill x capacity`` sequences.
+* the lag bound: *outstanding* prompts (in flight + complete but not yet handed out)
+  ``<= (k + 1 - c) x B``, where ``c`` is 1 once the batch of the current policy version has
+  been cut (0 before). Why: the trainer cuts one batch of B per version. A prompt submitted at
+  version v (its tokens are of version >= v) is due at version v + k at the latest, so it
+  must be in one of the batches of versions v .. v + k: k + 1 batches, or k once the batch of
+  v is cut. If at every submission the outstanding prompts fit in the batches still to come
+  by then, then by the batch of v + k at least as many groups have been handed out as were
+  submitted up to v: nothing submitted at v or before has to wait past its due version for
+  room in a batch, and groups become due at about B a step. More outstanding could only be
+  trained within lag k by taking more than B groups in some step, so ``(k + 1) x B`` is the most
+  that k allows, and k now sets the in-flight amount (up to the capacity) and the staleness.
+  The bound is on counts: a slow group can still become due beside others that were handed
+  out in its place, and the batch then takes every due group (a little more than B), as the
+  lag rule demands; no sample ever trains at a lag above k and none is dropped.
+
+Who tops up: in ``next_batch`` the caller's thread (while it waits for a batch); while the
+trainer updates, a feeder thread (``with source.feeding(): update()``), which polls the pool
+every ``FEED_SECONDS`` and submits. Why a thread: the main rank runs the update itself and
+cannot poll meanwhile, and the update is most of a step. The pool is driven from one thread at
+a time: every pool call of the source holds the source's lock, and the feeder runs only inside
+``feeding()``, so the pool's own work (``push_weights``, validation's ``generate``) and the
+checkpoint (``in_flight_prompt_ids``, the sampler's state) always happen with the feeder
+stopped. The push itself is not fed: requests in flight keep decoding through it (the engines
+pause only to load), the feeder filled the pool up to the moment the push began, and
+``next_batch`` tops it up right after; the push is a small part of a step. Scoring callbacks
+of dynamic sampling run on the feeder thread (the reward pool is thread-safe; the sampler and
+the pass-rate tracker are not used by the update).
+
+Load metrics (``generator_load``): over the step, from ``next_batch`` until the call (the
+step record), the time average of the sequences in flight divided by the capacity
+(``pool_occupancy``) and the fraction of the time with none in flight
+(``generator_idle_fraction``). "In flight" is the source's own count (submitted, not yet
+collected), a step function that changes when the source submits or collects (every poll:
+1 s waits in ``next_batch``, ``FEED_SECONDS`` while feeding); completions during the push are
+seen after it, so the push counts at the amount it started with.
+
+Dynamic sampling (DAPO, Yu et al. 2025, arXiv 2503.14476, section 3.2; ``data.dynamic_sampling``)
+works the same way in both modes: each group is scored as soon as it completes; a group whose
+rewards are all equal (no learning signal) is dropped and a fresh prompt is drawn in its place
+(PipelineRL: by the next top-up, within the limits above), so the batch fills with groups that
+have reward variance. It is a filter, not a lag rule: a due group is dropped only for having
+zero variance, and replacements are new prompts generated by the current weights, so the lag
+bound holds as without it. Dropped groups still count in the No-Positive-Resampling history
+(``DynamicSampling.discard``). The cap: at most ``(max_rounds - 1) x B`` groups are dropped for
+one batch of B (PPO: for the k batches of one generation, ``(max_rounds - 1) x k x B``), i.e.
+at most ``max_rounds x B`` prompts are drawn per batch, as DAPO's ``max_num_gen_batches``
+(verl ``recipe/dapo``) caps its generation batches; past the cap zero-variance groups are kept
+(where DAPO stops the run), and the zero-variance filter (``algorithm.zero_variance_filter``),
+if on, gives them no loss. A group is judged against the budget of the batch being gathered
+when it completes (PipelineRL: from one batch's cut to the next, so groups that complete during
+an update count for the next batch; groups let through at one batch's cap may be trained in
+a later one). Replacements are submitted as soon as a group is dropped, while the others still
+generate, not in rounds after the whole batch as in DAPO.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from megatron_rl.data.sampler import has_reward_variance
 from megatron_rl.rollout.samples import Sample
 
 logger = logging.getLogger(__name__)
+
+FEED_SECONDS = 0.02  # the feeder's poll interval (a sequence decodes for seconds to minutes)
 
 
 class PromptsExhausted(Exception):
@@ -37,6 +104,8 @@ class Group:
     size: int
     submitted_version: int
     samples: list[Sample] = field(default_factory=list)
+    rewards: list[float] | None = None  # one per sample, once scored
+    reward_timeouts: int = 0  # verifications of its samples that ran out of time
 
     @property
     def complete(self) -> bool:
@@ -51,10 +120,60 @@ class Group:
         return self.submitted_version
 
 
+@dataclass(frozen=True)
+class DynamicSampling:
+    """Dynamic sampling callbacks and cap (see the module docstring).
+
+    ``score(groups)``: sets ``rewards`` (and ``reward_timeouts``) of each group.
+    ``discard(groups)``: the dropped groups (record their pass rates: No-Positive-Resampling).
+    ``max_rounds``: at most ``max_rounds x B`` prompts drawn per batch of B groups.
+    """
+
+    score: Callable[[list[Group]], None]
+    discard: Callable[[list[Group]], None]
+    max_rounds: int
+
+
+class _InFlightClock:
+    """Time integral of the sequences in flight (a step function observed by the source)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.reset(0)
+
+    def reset(self, in_flight: int) -> None:
+        self.start = self.last = self.clock()
+        self.value = in_flight
+        self.area = self.idle = 0.0
+
+    def observe(self, in_flight: int) -> None:
+        now = self.clock()
+        dt = max(now - self.last, 0.0)
+        self.area += self.value * dt
+        self.idle += dt if self.value == 0 else 0.0
+        self.last, self.value = now, in_flight
+
+    def averages(self) -> tuple[float, float]:
+        """(mean sequences in flight, idle fraction) since the last ``reset``."""
+        span = self.last - self.start
+        if span <= 0:
+            return float(self.value), float(self.value == 0)
+        return self.area / span, self.idle / span
+
+
 class RolloutSource:
     """Turns prompt ids into complete groups with bounded staleness (see module docstring).
 
-    ``next_prompt_ids(n)``: the sampler; ``encode(prompt_id)``: prompt token ids.
+    ``next_prompt_ids(n)``: the sampler; ``encode(prompt_id)``: prompt token ids;
+    ``dynamic``: dynamic sampling (None: every complete group goes to the trainer).
+    ``capacity``: sequences the pool runs at once (engines x max_num_seqs; None: unlimited,
+    only the lag bound limits what is in flight); ``fill``: the fraction of it to keep in
+    flight (PipelineRL). ``clock``: seconds, for the load metrics (a simulator passes its own).
+    ``counts``: what the last batch took: ``prompts_drawn`` from the sampler and, with dynamic
+    sampling, groups scored and kept (``groups_kept``, of which ``groups_kept_over_cap`` had
+    zero variance but the cap was reached) or dropped (``groups_dropped``); PipelineRL: from
+    the previous batch's cut to this one's (draws while the trainer updated included), PPO:
+    during the ``next_batch`` call.
     """
 
     def __init__(
@@ -68,7 +187,15 @@ class RolloutSource:
         k: int,
         seed_of: Callable[[int], int] | None = None,
         shuffle_seed: int = 0,
+        dynamic: DynamicSampling | None = None,
+        capacity: int | None = None,
+        fill: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be >= 1 sequences, got {capacity}")
+        if not fill > 0:
+            raise ValueError(f"fill must be > 0, got {fill}")
         self.pool = pool
         self.next_prompt_ids = next_prompt_ids
         self.encode = encode
@@ -78,59 +205,190 @@ class RolloutSource:
         self.k = k
         self.seed_of = seed_of  # prompt id -> sampling seed (reproducible generation)
         self.shuffle_seed = shuffle_seed  # PPO-off-policy-k minibatch order
+        self.capacity = capacity
+        self.fill = fill
         self._groups: dict[int, Group] = {}  # pool prompt index -> group
         self._ready: list[Group] = []
         self._ppo_queue: list[list[Group]] = []
         self.exhausted = False
+        self.dynamic = dynamic
+        self._drop_budget = 0  # groups that may still be dropped for the current batch(es)
+        self._begin(batches=0 if mode == "ppo" else 1)
+        self.counts: dict[str, int] = self._window
+        self._cut_version: int | None = None  # policy version of the last batch cut
+        self._in_flight = 0  # sequences submitted and not yet collected
+        self._load = _InFlightClock(clock)
+        self._lock = threading.RLock()  # one thread drives the pool at a time
+        self._feeder: threading.Thread | None = None
 
     def _draw(self, n: int) -> list[int]:
         if self.exhausted or n <= 0:
             return []
         try:
-            return self.next_prompt_ids(n)
+            ids = self.next_prompt_ids(n)
         except RuntimeError as err:  # the sampler: every prompt retired
             logger.info("%s: training on what is in flight, then stopping", err)
             self.exhausted = True
             return []
+        self._window["prompts_drawn"] += len(ids)
+        return ids
+
+    def _begin(self, batches: int) -> None:
+        """Open a new counts window; ``batches`` > 0 opens a drop budget for that many."""
+        self._window = {"prompts_drawn": 0}
+        if self.dynamic is not None:
+            self._window.update(groups_kept=0, groups_kept_over_cap=0, groups_dropped=0)
+            if batches:
+                self._drop_budget = (self.dynamic.max_rounds - 1) * batches * self.batch_prompts
 
     # -- bookkeeping ------------------------------------------------------------------------
     def in_flight_prompt_ids(self) -> list[int]:
         """Dataset ids of prompts submitted but not yet handed to the trainer (a checkpoint
         records them so that a resumed run regenerates them: nothing skipped, nothing twice)."""
-        ids = [g.prompt_id for g in self._groups.values()] + [g.prompt_id for g in self._ready]
-        ids += [g.prompt_id for batch in self._ppo_queue for g in batch]
-        return ids
+        with self._lock:
+            ids = [g.prompt_id for g in self._groups.values()] + [g.prompt_id for g in self._ready]
+            ids += [g.prompt_id for batch in self._ppo_queue for g in batch]
+            return ids
+
+    @property
+    def outstanding(self) -> int:
+        """Prompts submitted and not yet handed to the trainer (in flight or complete)."""
+        return len(self._groups) + len(self._ready)
 
     def submit(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             return
-        seeds = [self.seed_of(p) for p in prompt_ids] if self.seed_of else None
-        indices = self.pool.submit(
-            [self.encode(p) for p in prompt_ids], self.samples_per_prompt, seeds=seeds
-        )
-        for index, prompt_id in zip(indices, prompt_ids):
-            self._groups[index] = Group(prompt_id, self.samples_per_prompt, self.pool.version)
+        with self._lock:
+            seeds = [self.seed_of(p) for p in prompt_ids] if self.seed_of else None
+            indices = self.pool.submit(
+                [self.encode(p) for p in prompt_ids], self.samples_per_prompt, seeds=seeds
+            )
+            for index, prompt_id in zip(indices, prompt_ids):
+                self._groups[index] = Group(prompt_id, self.samples_per_prompt, self.pool.version)
+            self._in_flight += len(indices) * self.samples_per_prompt
+            self._load.observe(self._in_flight)
 
     def _collect(self, timeout: float) -> None:
-        for sample in self.pool.poll(timeout):
+        done = []
+        samples = self.pool.poll(timeout)
+        for sample in samples:
             group = self._groups[sample.prompt_index]
             group.samples.append(sample)
             if group.complete:
                 del self._groups[sample.prompt_index]
-                self._ready.append(group)
+                done.append(group)
+        self._in_flight -= len(samples)
+        self._load.observe(self._in_flight)
+        if self.dynamic is not None and done:
+            done = self._filter(done)
+        self._ready.extend(done)
+
+    def _filter(self, groups: list[Group]) -> list[Group]:
+        """Dynamic sampling: score ``groups``, drop those without reward variance (within the
+        cap) and have a new prompt drawn for each dropped one. Returns the kept groups."""
+        self.dynamic.score(groups)
+        kept, dropped = [], []
+        for group in groups:
+            if has_reward_variance(group.rewards):
+                kept.append(group)
+            elif self._drop_budget > 0:
+                self._drop_budget -= 1
+                dropped.append(group)
+            else:
+                self._window["groups_kept_over_cap"] += 1
+                kept.append(group)
+        self._window["groups_kept"] += len(kept)
+        self._window["groups_dropped"] += len(dropped)
+        if dropped:
+            self.dynamic.discard(dropped)
+            if self.mode == "ppo":  # PipelineRL: the next top-up replaces them
+                self.submit(self._draw(len(dropped)))
+        return kept
+
+    # -- continuous generation (PipelineRL) --------------------------------------------------
+    def _room(self) -> int:
+        """Prompts that may be submitted now: the lag bound and the capacity (docstring)."""
+        cut = int(self._cut_version == self.pool.version)
+        room = (self.k + 1 - cut) * self.batch_prompts - self.outstanding
+        if self.capacity is not None:
+            seats = (int(self.fill * self.capacity) - self._in_flight) // self.samples_per_prompt
+            # an idle pool always gets a prompt (fill x capacity < G would deadlock)
+            room = min(room, seats if self._in_flight else max(seats, 1))
+        return room
+
+    def _top_up(self) -> None:
+        self.submit(self._draw(self._room()))
+
+    def feed(self) -> None:
+        """One round of continuous generation: collect what finished, top the pool up
+        (PipelineRL; PPO generates only in ``next_batch``)."""
+        if self.mode == "ppo":
+            return
+        with self._lock:
+            self._collect(timeout=0.0)
+            self._top_up()
+
+    @contextlib.contextmanager
+    def feeding(self) -> Iterator[None]:
+        """Keep the pool topped up from a feeder thread while the body runs (the trainer's
+        update; PipelineRL only). An error of the feeder is raised here at the end."""
+        if self.mode == "ppo":
+            yield
+            return
+        assert self._feeder is None, "feeding() does not nest"
+        stop = threading.Event()
+        failure: list[BaseException] = []
+
+        def loop() -> None:
+            try:
+                while not stop.is_set():
+                    self.feed()
+                    stop.wait(FEED_SECONDS)
+            except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
+                failure.append(err)
+
+        self._feeder = threading.Thread(target=loop, name="rollout-feeder", daemon=True)
+        self._feeder.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            self._feeder.join()
+            self._feeder = None
+        if failure:
+            raise RuntimeError("the rollout feeder failed while the trainer updated") from (
+                failure[0]
+            )
+        self.feed()  # up to the moment the caller goes on (the push)
+
+    def generator_load(self) -> dict[str, float]:
+        """Since the last ``next_batch`` began: ``pool_occupancy`` (time-averaged sequences in
+        flight / capacity; without a capacity ``sequences_in_flight``, the mean) and
+        ``generator_idle_fraction`` (of the time with no sequence in flight)."""
+        with self._lock:
+            self._load.observe(self._in_flight)
+            mean, idle = self._load.averages()
+        load = {"generator_idle_fraction": idle}
+        if self.capacity is None:
+            return {"sequences_in_flight": mean, **load}
+        return {"pool_occupancy": mean / self.capacity, **load}
 
     # -- batches ----------------------------------------------------------------------------
     def next_batch(self, version: int) -> list[Group]:
         """The next batch of complete groups for the trainer at policy ``version``."""
-        if self.mode == "ppo":
-            return self._next_ppo_batch()
-        return self._next_pipeline_batch(version)
+        assert self._feeder is None, "next_batch() inside feeding()"
+        with self._lock:
+            self._load.reset(self._in_flight)
+            if self.mode == "ppo":
+                self._begin(batches=0 if self._ppo_queue else self.k)
+                self.counts = self._window
+                return self._next_ppo_batch()
+            return self._next_pipeline_batch(version)
 
     def _next_pipeline_batch(self, version: int) -> list[Group]:
-        # Keep two batches of prompts in flight (the next one generates while we train).
-        self.submit(self._draw(2 * self.batch_prompts - len(self._groups) - len(self._ready)))
         while True:
             self._collect(timeout=0.0)
+            self._top_up()
             due = [g for g in self._groups.values() if version - g.oldest_version >= self.k]
             enough = len(self._ready) >= self.batch_prompts or (self.exhausted and not self._groups)
             if enough and not due:
@@ -143,6 +401,9 @@ class RolloutSource:
         must = sum(1 for g in self._ready if version - g.oldest_version >= self.k)
         take = max(self.batch_prompts, must)
         batch, self._ready = self._ready[:take], self._ready[take:]
+        self._cut_version = version
+        self.counts = self._window
+        self._begin(batches=1)  # what completes from now on counts for the next batch
         return batch
 
     def _next_ppo_batch(self) -> list[Group]:
@@ -163,6 +424,21 @@ class RolloutSource:
     def wants_push(self) -> bool:
         """PPO pushes once per k updates (the pool is idle in between); PipelineRL every step."""
         return self.mode != "ppo" or not self._ppo_queue
+
+
+def token_lag_histogram(groups: list[Group], version: int, k: int) -> list[int]:
+    """Per-token staleness of a batch trained at policy ``version``: entry ``i`` counts the
+    policy-generated tokens (mask True) made by version ``version - i``, for i = 0 .. k (longer
+    if a token is older: never the case under the lag bound)."""
+    counts = [0] * (k + 1)
+    for group in groups:
+        for sample in group.samples:
+            for v, mine in zip(sample.versions, sample.mask):
+                if mine:
+                    lag = version - v
+                    counts.extend([0] * (lag + 1 - len(counts)))
+                    counts[lag] += 1
+    return counts
 
 
 def shuffled_groups(groups: list[Group], seed: int) -> list[Group]:

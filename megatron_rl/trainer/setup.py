@@ -119,6 +119,10 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
     model_cfg.hf_path = str(hf_dir)
     model = build_model(model_cfg, config.parallel)
     load_hf_weights(model, hf_dir, DTYPES[model_cfg.dtype])
+    if config.algorithm.routing_replay:
+        from megatron_rl.trainer import routing_replay
+
+        routing_replay.enable(model)
     ddp = wrap_model(model, config.optimizer.distributed, config.optimizer.overlap_grad_reduce)
 
     data = load_prompt_data(config.data, tokenizer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,12 +20,19 @@ from megatron_rl.algorithms import (
 from megatron_rl.algorithms.config import AlgorithmConfig
 from megatron_rl.models.logprobs import forward_logits, logits_to_logprobs
 from megatron_rl.platform import collectives, get_platform
+from megatron_rl.trainer import routing_replay
 from megatron_rl.trainer.batch import (
     TrainSample,
     flat_response_tensors,
     make_micro_batches,
     padded_length,
 )
+from megatron_rl.trainer.moe_aux_loss import (
+    check_router_loss_mode,
+    has_router_losses,
+    scale_router_losses,
+)
+from megatron_rl.trainer.moe_metrics import ExpertLoad, expert_load_monitor
 
 
 @dataclass
@@ -41,6 +49,7 @@ class StepResult:
     num_tokens: int
     logprob_gap: float = float("nan")  # mean |trainer - generator| over on-policy tokens
     logprob_gap_tokens: int = 0  # the tokens it is measured on
+    expert_load: ExpertLoad | None = None  # MoE models: the step's expert-load statistics
 
 
 class LogprobGapError(RuntimeError):
@@ -59,12 +68,14 @@ GAP_CAUSES = (
 
 
 def shaped_rewards(samples: Sequence[TrainSample], algo: AlgorithmConfig) -> torch.Tensor:
-    """``[S]`` rewards, with the length penalty added on correct samples when enabled."""
+    """``[S]`` rewards, with the length penalty added (``algo.length_penalty_on``: on correct
+    samples or on all) when enabled."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     if algo.length_penalty:
         lengths = torch.tensor([len(s.response_tokens) for s in samples])
+        on = rewards > 0 if algo.length_penalty_on == "correct" else torch.ones_like(rewards > 0)
         rewards = rewards + length_penalty(
-            lengths, rewards > 0, algo.length_penalty_l_max, algo.length_penalty_l_cache
+            lengths, on, algo.length_penalty_l_max, algo.length_penalty_l_cache
         )
     return rewards
 
@@ -114,6 +125,8 @@ def policy_update(
     size, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     mine = [i for i, s in enumerate(samples) if s.group % size == rank]
     samples, adv, keep = [samples[i] for i in mine], adv[mine], keep[mine]
+    if routing_replay.is_enabled(model):
+        routing_replay.require_routing(samples)
     flat = flat_response_tensors(samples, adv, keep, mine)
     # Counted on the CPU: over the gloo twin of the DP group where the default one is NCCL.
     count_group = parallel_state.get_data_parallel_group_gloo() if _is_gpu() else dp_group
@@ -162,9 +175,12 @@ def policy_update(
         monitor_version=monitor_version,
         multiple=token_multiple,
     )
-    sums, maxes = forward_backward(
-        model, optimizer, batches, loss_fn, num_sums=7, num_maxes=1, token_multiple=token_multiple
-    )
+    monitor = expert_load_monitor(model)  # None for a dense model
+    with monitor.recording() if monitor else contextlib.nullcontext():
+        sums, maxes = forward_backward(
+            model, optimizer, batches, loss_fn, 7, num_maxes=1, token_multiple=token_multiple
+        )
+    expert_load = monitor.reduce() if monitor else None
     gap_tokens = int(sums[6])
     gap = float(sums[5]) / gap_tokens if gap_tokens else float("nan")
     # The sums are global: every rank raises, or none does.
@@ -189,6 +205,7 @@ def policy_update(
         num_tokens=int(sums[1]),
         logprob_gap=gap,
         logprob_gap_tokens=gap_tokens,
+        expert_load=expert_load,
     )
 
 
@@ -212,6 +229,7 @@ def forward_backward(
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_attr_wrapped_model
 
     dp_group = parallel_state.get_data_parallel_group()
     device = get_platform().torch_device()  # where the process groups' backend reduces
@@ -220,11 +238,20 @@ def forward_backward(
     )
     batches = list(micro_batches) + [None] * (int(count) - len(micro_batches))
     empty = torch.zeros((1, padded_length(2, token_multiple)), dtype=torch.long)
+    router_loss_batches = None  # MoE aux / z losses: weighed as megatron-core means them
+    if has_router_losses(get_attr_wrapped_model(model, "config")):
+        check_router_loss_mode(model)
+        router_loss_batches = int(count) * dist.get_world_size(dp_group)
+    replay = routing_replay.is_enabled(model)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
         mb = None if mb is None else mb.to(device)
+        if replay:  # the generator's experts (SFT and empty micro-batches route freely)
+            routing_replay.set_routing(chunk, getattr(mb, "routing", None))
         output = forward_logits(chunk, (empty if mb is None else mb.tokens).to(device))
+        if router_loss_batches is not None:
+            output = scale_router_losses(output, router_loss_batches)
 
         def loss_func(logits):
             if mb is None:
@@ -241,15 +268,16 @@ def forward_backward(
     model.train()
     longest = max((int(mb.tokens.shape[1]) for mb in micro_batches), default=2)
     widest = max((int(mb.tokens.shape[0]) for mb in micro_batches), default=1)
-    out = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[model],
-        num_microbatches=len(batches),
-        seq_length=longest,
-        micro_batch_size=widest,
-        forward_only=False,
-    )
+    with routing_replay.replay_session(model):
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=[model],
+            num_microbatches=len(batches),
+            seq_length=longest,
+            micro_batch_size=widest,
+            forward_only=False,
+        )
     sums, maxes = torch.zeros(num_sums, dtype=torch.float64), torch.zeros(max(num_maxes, 1))
     for record in out:  # the last pipeline stage's records; empty elsewhere
         sums += record["sums"].double()
