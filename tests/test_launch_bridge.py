@@ -19,7 +19,8 @@ import torch
 
 from megatron_rl.launch import bridge
 from megatron_rl.platform import free_port
-from megatron_rl.rollout.buckets import shared_update, tensors_update, unpack_views
+from megatron_rl.rollout.buckets import flat_update, shared_update, tensors_update, unpack_views
+from megatron_rl.rollout.fanout import Fanout
 from megatron_rl.rollout.samples import Sample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,8 +121,12 @@ def test_commands_weights_and_events_cross_the_connection_exactly(job_env):
     bucket = weight_bucket()
     for engine in engines:
         engine.commands.put(("push", 1, "keep"))
-        engine.weights.put(tensors_update(bucket[:3]))  # tensors form (in-process pools)
-        engine.weights.put(shared_update(bucket[3:]))  # flat-buffer form (subprocess pools)
+    with Fanout(engines, lambda index: None) as lanes:  # what a remote pool does
+        lanes.put(flat_update(bucket[:2]))  # flattened once, streamed to both engines
+        lanes.finish()
+    for engine in engines:  # the other forms are flattened by the link
+        engine.weights.put(tensors_update(bucket[2:4]))  # tensors form (in-process pools)
+        engine.weights.put(shared_update(bucket[4:]))  # flat-buffer form (subprocess pools)
         engine.weights.put(None)
     for _ in engines:
         index, received = next_event(events, "received")[1:]

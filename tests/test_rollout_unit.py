@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 import queue
+import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -196,6 +198,69 @@ def test_tokens_after_a_push_carry_the_new_version():
     (sample,) = run_to_end(runner, engine, events)
     assert sample.versions == [0] * 4 + [1] * 6
     assert runner.oldest_version() is None
+
+
+def test_an_engine_generates_until_the_pushs_first_bucket_arrives():
+    """A push does not pause the engine when it is announced: the engine steps on with the old
+    weights until the first bucket is in its weights queue, then loads and goes on."""
+    runner, engine, events = make_runner(counting)
+    commands, weights = queue.Queue(), queue.Queue()
+    commands.put(("submit", [spec([1, 2, 3], budget=None, max_tokens=12)]))
+    commands.put(("push", 1, "keep"))
+    step, steps = engine.step, []
+
+    def step_and_deliver():
+        steps.append(1)
+        if len(steps) == 5:  # the trainer's bucket arrives during the 5th step
+            weights.put({"names": ["w"]})
+            weights.put(None)
+        return step()
+
+    engine.step = step_and_deliver
+    serving = threading.Thread(target=runner.serve, args=(commands, weights.get), daemon=True)
+    serving.start()
+    try:
+        kinds = [events.get(timeout=30) for _ in range(2)]
+    finally:
+        commands.put(("stop",))
+        serving.join(10)
+    pushed, (_, _, (sample,), _) = kinds
+    assert pushed[:3] == ("pushed", 0, 1) and engine.loaded == [{"names": ["w"]}]
+    assert sample.versions == [0] * 5 + [1] * 7
+
+
+def test_fanout_feeds_every_engine_while_one_engine_takes_nothing():
+    """Each item goes to every engine's queue on a lane of its own: an engine whose queue is
+    full (it takes nothing) does not hold the others up, and all get the same objects."""
+    from megatron_rl.rollout.fanout import Fanout
+
+    stuck, free = queue.Queue(maxsize=2), queue.Queue()
+    engines = [SimpleNamespace(index=0, weights=stuck), SimpleNamespace(index=1, weights=free)]
+    items, waited = [object() for _ in range(4)], []
+    with Fanout(engines, waited.append) as lanes:
+        for item in items:  # engine 0: two in its queue, one being delivered, one in the lane
+            lanes.put(item)
+        got = [free.get(timeout=30) for _ in items]
+    assert all(a is b for a, b in zip(got, items)) and stuck.qsize() == 2
+    assert set(waited) <= {0}  # only ever waited for the stuck engine
+
+
+def test_fanout_raises_a_lanes_failure_on_the_callers_thread():
+    from megatron_rl.rollout.fanout import Fanout
+
+    class Gone:
+        def put(self, item, timeout=None):
+            raise ConnectionError("generator engine 1: connection lost")
+
+    engines = [
+        SimpleNamespace(index=0, weights=queue.Queue()),
+        SimpleNamespace(index=1, weights=Gone()),
+    ]
+    with Fanout(engines, lambda index: None) as lanes:
+        lanes.put("bucket")
+        with pytest.raises(ConnectionError, match="engine 1: connection lost"):
+            lanes.finish()
+    assert engines[0].weights.get(timeout=5) == "bucket"
 
 
 def test_interrupted_sample_routing_is_the_thinking_requests_up_to_the_cut_then_the_answers():

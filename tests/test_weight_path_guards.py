@@ -66,6 +66,117 @@ def test_nccl_sender_moves_every_tensor_to_its_device_before_packing():
     assert chunk.packed_tensor.numel() == sum(t.numel() * t.element_size() for _, t in MIXED_BUCKET)
 
 
+def test_auto_weight_transport_is_nccl_on_gpus_for_engines_with_gpus_of_their_own(monkeypatch):
+    """``weight_transport: auto`` (the default) follows the platform layer's one decision,
+    mocked where it is made (``get_platform``)."""
+    from megatron_rl.platform import Platform, device
+
+    cases = [  # recipe keys, then the transport on a GPU machine and on a CPU one
+        ({"placement": "subprocess"}, "nccl", "host"),
+        ({"placement": "remote"}, "nccl", "host"),
+        ({"placement": "in_process"}, "host", "host"),  # the engine shares the trainer's GPU
+        ({"placement": "subprocess", "colocate": True}, "host", "host"),
+        ({"placement": "subprocess", "weight_transport": "host"}, "host", "host"),
+        ({"placement": "remote", "weight_transport": "nccl"}, "nccl", "nccl"),
+    ]
+    assert RolloutConfig().weight_transport == "auto"
+    for column, platform in enumerate(
+        [Platform("cuda", "nccl", False), Platform("cpu", "gloo", False)]
+    ):
+        monkeypatch.setattr(device, "get_platform", lambda p=platform: p)
+        for keys, *expected in cases:
+            config = RolloutConfig(**keys)
+            config.validate()
+            resolved = config.resolved()
+            assert resolved.weight_transport == expected[column], (platform.device, keys)
+            assert resolved.resolved() == resolved and config.weight_transport == keys.get(
+                "weight_transport", "auto"
+            )  # the caller's config is left as it was
+
+
+def test_an_nccl_push_packs_each_header_once_and_vllms_consumers_decode_the_broadcast(
+    monkeypatch,
+):
+    """The pool's NCCL push on CPU up to the NCCL calls, with two engines: each bucket's
+    header (vLLM's update info) is made once and reaches both engines, which parse it and
+    receive with vLLM's own NCCL engine and packed consumer, while the pool broadcasts the
+    tensors once with vLLM's packed producer. Stand-ins: the NCCL communicators (a broadcast
+    hands every receiver a copy of what rank 0 sent) and the CUDA device index."""
+    import queue
+    from types import SimpleNamespace
+
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_NUM_BUFFERS
+
+    from megatron_rl.platform import get_platform
+    from megatron_rl.rollout.nccl import NcclSender
+    from megatron_rl.rollout.pool import GeneratorPool, _Engine
+
+    get_platform()  # on CPU: the torch.cuda stream stand-ins every run has
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    chunk_bytes = 64  # several broadcasts per bucket: both ends must cut them alike
+    inboxes: list[queue.Queue] = [queue.Queue(), queue.Queue()]
+    sent: list[torch.Tensor] = []
+    received: dict[int, tuple[list, list]] = {}
+    finished = threading.Event()
+
+    class Wire:  # rank 0's communicator
+        def broadcast(self, tensor, src):
+            sent.append(tensor.clone())
+            for inbox in inboxes:
+                inbox.put(tensor.clone())
+
+    class Receiver:  # an engine worker's communicator
+        def __init__(self, inbox):
+            self.inbox = inbox
+
+        def broadcast(self, tensor, src):
+            tensor.copy_(self.inbox.get(timeout=30))
+
+    def engine(index, commands, weights, events):
+        worker = NCCLWeightTransferEngine.__new__(NCCLWeightTransferEngine)
+        worker.model_update_group, worker.device = Receiver(inboxes[index]), torch.device("cpu")
+        worker.packed, worker.packed_buffer_size_bytes = True, chunk_bytes
+        worker.packed_num_buffers = DEFAULT_PACKED_NUM_BUFFERS
+        headers, loaded = received.setdefault(index, ([], []))
+        worker.model = SimpleNamespace(load_weights=lambda ws: loaded.extend(ws))
+        _, version, _ = commands.get(timeout=30)
+        while (header := weights.get(timeout=30)) is not None:
+            headers.append(header)
+            worker.receive_weights(worker.parse_update_info(header))  # vLLM's validation
+        events.put(("pushed", index, version, 0.0, len(loaded), 0, None))
+        finished.wait(60)
+
+    pool = GeneratorPool.__new__(GeneratorPool)
+    pool.config = RolloutConfig(placement="subprocess", push_timeout_seconds=60)
+    pool.version, pool._closed, pool._acks, pool._events = 0, False, {}, queue.Queue()
+    pool._engines = []
+    for index in range(2):
+        commands, weights = queue.Queue(), queue.Queue(2)
+        args = (index, commands, weights, pool._events)
+        worker = threading.Thread(target=engine, args=args, daemon=True)
+        worker.start()
+        pool._engines.append(_Engine(index, commands, weights, worker))
+    pool._sender = NcclSender("127.0.0.1", 1, 3, chunk_bytes, device=torch.device("cpu"))
+    pool._sender.group = Wire()
+    try:
+        stats = pool.push_weights(iter([MIXED_BUCKET[:2], MIXED_BUCKET[2:]]))
+    finally:
+        finished.set()
+    assert stats.version == pool.version == 1 and stats.buckets == 2
+    (headers0, loaded0), (headers1, loaded1) = received[0], received[1]
+    assert len(headers0) == 2 and all(a is b for a, b in zip(headers0, headers1))  # packed once
+    for loaded in (loaded0, loaded1):
+        assert [name for name, _ in loaded] == [name for name, _ in MIXED_BUCKET]
+        for (_, got), (_, want) in zip(loaded, MIXED_BUCKET):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    # the tensors crossed the wire once, in several packed broadcasts, not once per engine
+    assert len(sent) > 2
+    assert sum(t.numel() for t in sent) == sum(
+        t.numel() * t.element_size() for _, t in MIXED_BUCKET
+    )
+
+
 COLLECTIVES = {
     "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
     "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list",
@@ -155,17 +266,20 @@ def test_push_to_an_engine_killed_mid_push_raises(engine_process):
 def test_an_engine_failing_during_an_nccl_push_raises_instead_of_hanging(engine_process):
     """The NCCL producer blocks until every engine received the broadcast; an engine that
     fails to take the header never will. The pool watches the engines meanwhile."""
+    from megatron_rl.rollout.nccl import NcclSender
+
     pool = engine_process
     released = threading.Event()
 
-    class StuckSender:  # vLLM's producer waiting in synchronize() for a receiver
+    class StuckSender(NcclSender):  # vLLM's producer waiting in synchronize() for a receiver
         def send(self, bucket):
             released.wait(120)
 
         def close(self):
             released.set()
 
-    pool._nccl = StuckSender()  # the engine gets NCCL headers its CPU backend cannot load
+    # the engine gets NCCL headers (NcclSender.pack) that its CPU backend cannot load
+    pool._sender = StuckSender("127.0.0.1", 1, 2, 2**20, device=torch.device("meta"))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="vLLM engine 0 failed"):
         pool.push_weights(iter([MIXED_BUCKET]))

@@ -13,9 +13,10 @@ the connection, and drains into it:
     pool events queue                <--event---   events.put(...)   (+ heartbeats)
 
 Messages are pickled tuples (the connection is authenticated: only tasks of the job that know
-its key can connect); weight buckets travel as raw bytes. A connection that closes, or stays
-silent for longer than the heartbeat timeout, counts as a dead engine: the pool then raises,
-the trainer exits with the message, and Slurm ends the job.
+its key can connect); weight buckets travel as raw bytes, flattened once by the pool and
+streamed to every engine task at the same time (``megatron_rl.rollout.fanout``). A connection
+that closes, or stays silent for longer than the heartbeat timeout, counts as a dead engine:
+the pool then raises, the trainer exits with the message, and Slurm ends the job.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ import time
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_rl.rollout.buckets import FlatBucket
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +45,6 @@ CONNECT_TIMEOUT_ENV = "MEGATRON_RL_GENERATOR_CONNECT_TIMEOUT"  # seconds to wait
 HEARTBEAT_SECONDS = 5.0
 DEFAULT_SILENCE_TIMEOUT = 300.0
 DEFAULT_CONNECT_TIMEOUT = 3600.0
-_ALIGN = 64  # byte alignment of tensors inside a received bucket
 
 
 def address_from_env() -> tuple[str, int]:
@@ -95,13 +98,16 @@ class Link:
     def recv(self) -> tuple:
         return pickle.loads(self.conn.recv_bytes())
 
-    def send_update(self, update: dict[str, Any]) -> None:
-        """Send one bucket (an update info of the ``megatron_rl_cpu`` transport, with
-        ``tensors`` or a flat ``buffer``): a header, then the raw bytes of every tensor."""
-        chunks, header = _flatten(update)
+    def send_update(self, update: FlatBucket | dict[str, Any]) -> None:
+        """Send one bucket (flattened once for every engine by the pool, or an update info of
+        the ``megatron_rl_cpu`` transport, with ``tensors`` or a flat ``buffer``): a header,
+        then the raw bytes of every tensor."""
+        from megatron_rl.rollout.buckets import FlatBucket, flat_update  # imports torch
+
+        flat = update if isinstance(update, FlatBucket) else flat_update(update)
         with self._send_lock:
-            self.conn.send_bytes(pickle.dumps(("weights", header), pickle.HIGHEST_PROTOCOL))
-            for chunk in chunks:
+            self.conn.send_bytes(pickle.dumps(("weights", flat.header), pickle.HIGHEST_PROTOCOL))
+            for chunk in flat.chunks:
                 self.conn.send_bytes(chunk)
 
     def recv_update(self, header: dict[str, Any]) -> dict[str, Any]:
@@ -136,40 +142,6 @@ class Link:
             pass
 
 
-def _flatten(update: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
-    """(byte chunks, header) of a bucket; tensor i lands at ``offsets[i]`` of the receiver's
-    buffer, so views into it are aligned as the transport's own buffers are."""
-    import torch
-
-    names = list(update["names"])
-    if update.get("tensors") is not None:
-        tensors = [t.detach().to("cpu").contiguous() for t in update["tensors"]]
-    else:
-        from megatron_rl.rollout.buckets import unpack_views
-
-        tensors = unpack_views(
-            update["buffer"], update["dtype_names"], update["shapes"], update["offsets"]
-        )
-    assert len(tensors) == len(names)
-    chunks, offsets, sizes, total = [], [], [], 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        offsets.append(total)
-        sizes.append(nbytes)
-        total += -(-nbytes // _ALIGN) * _ALIGN
-        if nbytes:
-            chunks.append(tensor.reshape(-1).view(torch.uint8).numpy())
-    header = {
-        "names": names,
-        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors],
-        "shapes": [list(t.shape) for t in tensors],
-        "offsets": offsets,
-        "nbytes": sizes,
-        "total": total,
-    }
-    return chunks, header
-
-
 # -- trainer side ------------------------------------------------------------------------------
 
 
@@ -187,7 +159,7 @@ class RemoteEngine:
         self._last_seen = time.monotonic()
         self._closing = False
         self.commands = _CommandSender(self)
-        self.weights = _WeightSender(self)
+        self.weights = _BucketSender(self)
         self._reader = threading.Thread(
             target=self._read, name=f"generator-link-{index}", daemon=True
         )
@@ -258,17 +230,17 @@ class _CommandSender:
         self._engine._send(lambda: self._engine._link.send(("command", command)))
 
 
-class _WeightSender:
+class _BucketSender:
     def __init__(self, engine: RemoteEngine) -> None:
         self._engine = engine
 
-    def put(self, update: dict[str, Any] | None, timeout: float | None = None) -> None:
+    def put(self, update: FlatBucket | dict[str, Any] | None, timeout: float | None = None) -> None:
         """Send a bucket (None: the push's end). TCP flow control bounds what is in flight;
         ``timeout`` is accepted for the queue interface and not needed."""
         link = self._engine._link
         if update is None:
             self._engine._send(lambda: link.send(("weights_end",)))
-        elif "tensors" in update or "buffer" in update:
+        elif not isinstance(update, dict) or "tensors" in update or "buffer" in update:
             self._engine._send(lambda: link.send_update(update))
         else:  # a bucket's header: its tensors come by NCCL broadcast (rollout.nccl)
             self._engine._send(lambda: link.send(("weights_header", update)))

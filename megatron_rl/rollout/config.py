@@ -7,6 +7,7 @@ answer budget (off by default here: the tiny CPU recipes switch it on with small
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,6 +18,7 @@ PLACEMENTS: tuple[str, ...] = ("in_process", "subprocess", "remote")
 LOGPROBS_MODES: tuple[str, ...] = ("processed_logprobs", "raw_logprobs")
 KV_ON_PUSH: tuple[str, ...] = ("keep", "recompute")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_TRANSPORTS: tuple[str, ...] = ("auto", "host", "nccl")
 
 
 @dataclass
@@ -83,9 +85,12 @@ class RolloutConfig:
         weight_bucket_mb: size of the buckets in which weights are streamed.
         weight_transport: how buckets reach the engines: "host" (through host memory: the
             trainer's tensors in process, shared memory to engine processes, TCP to remote
-            engines; vLLM backend ``megatron_rl_cpu``) or "nccl" (GPU: one NCCL broadcast
-            from the trainer's sender to every engine worker, vLLM's ``nccl`` backend; needs
-            ``placement`` subprocess or remote, see ``megatron_rl.rollout.nccl``).
+            engines; each bucket packed once and sent to all engines at the same time; vLLM
+            backend ``megatron_rl_cpu``), "nccl" (GPU: one NCCL broadcast from the trainer's
+            sender to every engine worker, vLLM's ``nccl`` backend; needs ``placement``
+            subprocess or remote, see ``megatron_rl.rollout.nccl``) or "auto" (the default:
+            "nccl" on a GPU machine when the engines have GPUs of their own, ``placement``
+            subprocess or remote without ``colocate``; else "host": see :meth:`resolved`).
         nccl_address: the sender's address for the NCCL rendezvous (None: this host's name).
         kv_cache_gb: KV cache per engine (CPU: ``VLLM_CPU_KVCACHE_SPACE``, rounded up to whole
             GiB; GPU: bytes reserved).
@@ -125,7 +130,7 @@ class RolloutConfig:
     stop_token_ids: list[int] | None = None
     interruption: InterruptionConfig = field(default_factory=InterruptionConfig)
     weight_bucket_mb: int = 256
-    weight_transport: Literal["host", "nccl"] = "host"
+    weight_transport: Literal["auto", "host", "nccl"] = "auto"
     nccl_address: str | None = None
     kv_cache_gb: float = 1.0
     max_num_seqs: int = 64
@@ -149,7 +154,7 @@ class RolloutConfig:
         _check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         _check_choice("kv_on_push", self.kv_on_push, KV_ON_PUSH)
         _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("weight_transport", self.weight_transport, ("host", "nccl"))
+        _check_choice("weight_transport", self.weight_transport, WEIGHT_TRANSPORTS)
         if self.weight_transport == "nccl" and self.placement == "in_process":
             raise ValueError(
                 "weight_transport 'nccl' needs engines on GPUs of their own: placement "
@@ -193,6 +198,19 @@ class RolloutConfig:
     @property
     def weight_bucket_bytes(self) -> int:
         return self.weight_bucket_mb * 2**20
+
+    def resolved(self) -> RolloutConfig:
+        """This config with ``weight_transport: auto`` decided for this machine (the platform
+        layer says whether it has GPUs): "nccl" when it has and the engines own GPUs apart
+        from the trainer's (``placement`` subprocess or remote, ``colocate`` off), else
+        "host". The pool resolves its config once, before its engines start."""
+        if self.weight_transport != "auto":
+            return self
+        from megatron_rl.platform import get_platform
+
+        own_gpus = self.placement != "in_process" and not self.colocate
+        nccl = get_platform().is_gpu and own_gpus
+        return dataclasses.replace(self, weight_transport="nccl" if nccl else "host")
 
 
 def engine_gpus(config: RolloutConfig, trainer_gpus: int, gpus_per_node: int) -> list[int]:

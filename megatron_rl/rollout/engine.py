@@ -183,6 +183,7 @@ class VLLMEngine:
         from megatron_rl.rollout.transport import register_backend
 
         register_backend()
+        config = config.resolved()  # a pool's config is already: this engine's platform else
         self.config = config
         self.index = index
         global _live_engines

@@ -8,11 +8,13 @@ and loads them through vLLM's layerwise reload. The trainer side uses vLLM's ren
 
 Per push, for every bucket the pool announces the bucket's names / dtypes / shapes to every
 engine (its runner calls ``update_weights`` with them, which blocks in the NCCL receive), then
-broadcasts the tensors once; all engines receive the same broadcast. Requests in flight stay
-in vLLM's scheduler meanwhile, as on the CPU path.
+broadcasts the tensors once; all engines receive the same broadcast. An engine generates
+until the header arrives; requests in flight stay in vLLM's scheduler meanwhile, as on the
+CPU path.
 
 Engines must own GPUs other than the sender's (NCCL has one rank per device), so this path
-needs ``placement`` subprocess or remote. Selected by ``rollout.weight_transport: nccl``.
+needs ``placement`` subprocess or remote. Selected by ``rollout.weight_transport: nccl``, and
+by the default ``auto`` on GPU machines for such placements (``RolloutConfig.resolved``).
 Unverified so far: it needs two GPUs, and the machines this project has tested on had at
 most one (see the rollout issue's notes).
 """
@@ -74,8 +76,12 @@ def bucket_header(bucket: WeightBucket) -> dict[str, Any]:
 
 
 class NcclSender:
-    """The trainer end of the transfer group (rank 0). ``connect`` blocks until every engine
-    worker has joined: start the engines' side first."""
+    """The trainer end of the transfer group (rank 0), a
+    :class:`~megatron_rl.rollout.buckets.WeightSender`: every engine gets a bucket's header
+    (``pack``), then its tensors by one broadcast (``send``). ``connect`` blocks until every
+    engine worker has joined: start the engines' side first."""
+
+    blocking = True  # the broadcast returns when every engine has received it
 
     def __init__(
         self,
@@ -108,6 +114,10 @@ class NcclSender:
         """A bucket tensor on the sender's device, where vLLM packs and broadcasts it (the
         stream mixes host tensors, as modelopt's exporter returns, with CUDA ones)."""
         return item[1].to(self.device, non_blocking=True)
+
+    def pack(self, bucket: WeightBucket) -> dict[str, Any]:
+        """The bucket's header, which every engine gets through its weights queue."""
+        return bucket_header(bucket)
 
     def send(self, bucket: WeightBucket) -> None:
         """Broadcast the bucket's tensors in the order ``bucket_header`` announced. Blocks

@@ -26,14 +26,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_rl.conversion.weight_stream import WeightBucket
+from megatron_rl.rollout.buckets import HostSender, WeightSender
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.fanout import Fanout
 from megatron_rl.rollout.interruption import InterruptionPolicy
 from megatron_rl.rollout.runner import RequestSpec, RunnerSettings, run_engine, subprocess_main
 from megatron_rl.rollout.samples import PushStats, Sample
 
 logger = logging.getLogger(__name__)
 
-_WEIGHT_QUEUE_DEPTH = 2  # buckets in flight per engine: bounds the push's extra memory
+_WEIGHT_QUEUE_DEPTH = 2  # buckets queued per engine: bounds the push's extra memory
 _POLL_SECONDS = 1.0
 
 
@@ -67,6 +69,7 @@ class GeneratorPool:
         initial_version: int = 0,
     ) -> None:
         config.validate()
+        config = config.resolved()  # weight_transport "auto": decided once, here
         self.config = config
         self.hf_dir = str(hf_dir)
         # A resumed trainer continues its numbering: the next push is initial_version + 1.
@@ -83,7 +86,7 @@ class GeneratorPool:
         self._status: dict[int, dict[str, Any]] = {}
         self._finished_tokens: dict[int, int] = {}  # engine -> response tokens returned
         self._closed = False
-        self._nccl = None  # the NcclSender of weight_transport "nccl", once connected
+        self._sender: WeightSender | None = None  # the trainer end of weight_transport
         self._transport_acks: set[int] = set()
         self._engines = self._start_engines(self._settings())
         if wait:
@@ -152,17 +155,22 @@ class GeneratorPool:
         return engines
 
     def _wait_ready(self) -> None:
-        if all(e.max_model_len for e in self._engines):
+        if self._sender is not None:
             return
         while not all(e.max_model_len for e in self._engines):
             self._handle(self._next_event())
         logger.info(
-            "generator pool: %d engine(s) ready (%s)", len(self._engines), self.config.placement
+            "generator pool: %d engine(s) ready (%s, weight transport %s)",
+            len(self._engines),
+            self.config.placement,
+            self.config.weight_transport,
         )
         if self.config.weight_transport == "nccl":
-            self._connect_nccl()
+            self._sender = self._connect_nccl()
+        else:
+            self._sender = HostSender(self.config.placement)
 
-    def _connect_nccl(self) -> None:
+    def _connect_nccl(self) -> WeightSender:
         """Form the NCCL weight-transfer group: every engine's workers, then this sender."""
         import socket
 
@@ -183,7 +191,7 @@ class GeneratorPool:
         sender.connect()  # returns when every worker has joined
         while len(self._transport_acks) < len(self._engines):
             self._pump(_POLL_SECONDS)
-        self._nccl = sender
+        return sender
 
     # -- generation -------------------------------------------------------------------------
     def submit(
@@ -301,45 +309,45 @@ class GeneratorPool:
         """Load HF-named full tensors into every engine (in flight: requests are kept) and
         advance the policy version. Returns when every engine runs the new weights.
 
-        ``buckets``: e.g. ``iter_hf_weights(model, config.weight_bucket_bytes)``. At most
-        two buckets per engine are held at a time. ``kv_on_push``: "keep" or "recompute"
-        (see RolloutConfig); default: the config's.
+        ``buckets``: e.g. ``iter_hf_weights(model, config.weight_bucket_bytes)``. Each bucket
+        is packed once and sent to all engines at the same time (:mod:`.fanout`); engines
+        go on generating until it arrives. A few buckets are held at a time (two per
+        engine queue, one per sending lane). ``kv_on_push``: "keep" or "recompute" (see
+        RolloutConfig); default: the config's.
         """
-        from megatron_rl.rollout.buckets import shared_update, tensors_update
-
         self._check_open()
         kv_on_push = kv_on_push or self.config.kv_on_push
         if kv_on_push not in ("keep", "recompute"):
             raise ValueError(f"kv_on_push must be 'keep' or 'recompute', got {kv_on_push!r}")
         version = self.version + 1
-        # a subprocess engine reads one shared buffer; in-process and remote engines (the
-        # bridge serialises tensors itself) take the tensors as they are
-        pack = shared_update if self.config.placement == "subprocess" else tensors_update
-        if self._nccl is not None:  # announce each bucket; its tensors go by NCCL broadcast
-            from megatron_rl.rollout.nccl import bucket_header
-
-            pack = bucket_header
+        sender = self._sender
         start = time.perf_counter()
         # No engine may keep the trainer waiting forever: one that died or failed raises at
         # once (its event or its exit), one that hangs when the deadline passes.
         deadline = time.monotonic() + self.config.push_timeout_seconds
+
+        def wait(index: int) -> None:
+            self._pump(0.0)  # raises if an engine failed or died
+            self._check_deadline(deadline, f"engine {index} taking a weight bucket")
+
         for engine in self._engines:
             engine.commands.put(("push", version, kv_on_push))
         tensors = nbytes = count = 0
-        try:
-            for bucket in buckets:
-                update = pack(bucket)
-                for engine in self._engines:
-                    self._put_weights(engine, update, deadline)
-                if self._nccl is not None:
-                    self._watched(lambda b=bucket: self._nccl.send(b), deadline, "NCCL broadcast")
-                count += 1
-                tensors += len(bucket)
-                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        finally:
-            if not self._closed:  # a failed engine closed the pool: nobody to tell
-                for engine in self._engines:
-                    self._put_weights(engine, None, deadline)
+        with Fanout(self._engines, wait) as lanes:
+            try:
+                for bucket in buckets:
+                    lanes.put(sender.pack(bucket))
+                    if sender.blocking:  # e.g. the NCCL broadcast, received by every engine
+                        self._watched(lambda b=bucket: sender.send(b), deadline, "weight broadcast")
+                    else:
+                        sender.send(bucket)
+                    count += 1
+                    tensors += len(bucket)
+                    nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            finally:
+                if not self._closed:  # a failed engine closed the pool: nobody to tell
+                    lanes.put(None)
+                    lanes.finish()
         acks = self._wait_acks(version, deadline)
         if count == 0:
             raise ValueError("push_weights got no buckets: this rank is not the stream's sender")
@@ -352,15 +360,6 @@ class GeneratorPool:
             seconds=time.perf_counter() - start,
             load_seconds=max(a[3] for a in acks),
         )
-
-    def _put_weights(self, engine: _Engine, item: Any, deadline: float) -> None:
-        while True:  # bounded queue: wait for the engine, but notice if it died
-            try:
-                engine.weights.put(item, timeout=_POLL_SECONDS)
-                return
-            except queue.Full:
-                self._pump(0.0)
-                self._check_deadline(deadline, f"engine {engine.index} taking a weight bucket")
 
     def _wait_acks(self, version: int, deadline: float) -> list[tuple]:
         while len(self._acks.get(version, [])) < len(self._engines):
@@ -493,9 +492,9 @@ class GeneratorPool:
             engine.worker.join(timeout=30)
             if hasattr(engine.worker, "terminate") and engine.worker.is_alive():
                 engine.worker.terminate()
-        if getattr(self, "_nccl", None) is not None:  # the weight-transfer group's sender end
-            self._nccl.close()
-            self._nccl = None
+        if getattr(self, "_sender", None) is not None:  # e.g. the NCCL group's sender end
+            self._sender.close()
+            self._sender = None
 
     def __enter__(self) -> GeneratorPool:
         return self

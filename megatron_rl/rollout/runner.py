@@ -1,17 +1,17 @@
 """The loop that owns one engine: requests, interruptions, policy versions, weight loads.
 
 An :class:`EngineRunner` steps its :class:`~megatron_rl.rollout.engine.VLLMEngine` and, between
-two steps, handles commands from the pool: new requests, or a weight push (the engine loads
-the buckets while its requests in flight wait in vLLM's scheduler, then generation goes on
-with the new weights). Every token is tagged with the version of the weights that produced
+two steps, handles commands from the pool: new requests, or a weight push (the engine goes on
+generating until the push's first bucket arrives, then loads the buckets while its requests
+in flight wait in vLLM's scheduler, then generation goes on with the new weights). Every token is tagged with the version of the weights that produced
 it. It runs on a thread of the trainer's process or as the main loop of an engine process;
 both talk to the pool through queues:
 
 - ``commands``: ``("submit", [RequestSpec])``, ``("push", version, kv_on_push)``,
   ``("status",)``, ``("transport", init_info)``, ``("stop",)``;
-- ``weights``: a push's bucket update infos, then ``None``;
+- ``weights``: a push's bucket update infos, then ``None`` (``get`` takes ``block=False``);
 - ``events`` (shared by all engines): ``("ready", i, info)``, ``("samples", i, [Sample],
-  oldest)``, ``("pushed", i, version, load_seconds, tensors, bytes, oldest)``,
+  oldest)``, ``("pushed", i, version, paused_seconds, tensors, bytes, oldest)``,
   ``("status", i, dict)``, ``("transport", i)``, ``("error", i, traceback)``,
   ``("stopped", i)``. ``oldest`` is the oldest policy version
   still in flight on engine i (None when it is idle).
@@ -33,6 +33,8 @@ from megatron_rl.rollout.interruption import find_subsequence
 from megatron_rl.rollout.samples import Sample
 
 logger = logging.getLogger(__name__)
+
+_NOTHING = object()  # no weights item waiting
 
 
 @dataclass(frozen=True)
@@ -82,17 +84,23 @@ class EngineRunner:
         self._seq = 0
 
     # -- commands ---------------------------------------------------------------------------
-    def serve(self, commands, weights_get: Callable[[], Any]) -> None:
-        """Handle commands between engine steps until ``("stop",)``."""
+    def serve(self, commands, weights_get: Callable[..., Any]) -> None:
+        """Handle commands between engine steps until ``("stop",)``.
+
+        A push does not pause generation when it is announced: the engine goes on stepping
+        until the push's first bucket is in its weights queue (``weights_get(block=False)``
+        finds it), and only then loads (see :meth:`push`)."""
+        pending: tuple[int, str] | None = None  # (version, kv_on_push) of an announced push
         while True:
-            for command in _commands(commands, block=not self.engine.has_work()):
+            idle = not self.engine.has_work()
+            for command in _commands(commands, block=idle and pending is None):
                 if command[0] == "stop":
                     return
                 if command[0] == "submit":
                     for spec in command[1]:
                         self.submit(spec)
                 elif command[0] == "push":
-                    self.push(command[1], command[2], weights_get)
+                    pending = (command[1], command[2])
                 elif command[0] == "status":
                     self.events.put(("status", self.index, self.status()))
                 elif command[0] == "transport":  # join the NCCL weight-transfer group
@@ -100,6 +108,12 @@ class EngineRunner:
                     self.events.put(("transport", self.index))
                 else:
                     raise ValueError(f"unknown runner command {command[0]!r}")
+            if pending is not None:
+                # idle: wait for the first bucket; busy: take it only if it is there
+                first = _next_bucket(weights_get, block=not self.engine.has_work())
+                if first is not _NOTHING:
+                    self.push(*pending, weights_get, first=first)
+                    pending = None
             self.step()
 
     def step(self) -> None:
@@ -128,16 +142,34 @@ class EngineRunner:
             "oldest_version": self.oldest_version(),
         }
 
-    def push(self, version: int, kv_on_push: str, weights_get: Callable[[], Any]) -> None:
-        """Load the buckets that ``weights_get`` returns (until None), then run ``version``."""
+    def push(
+        self,
+        version: int,
+        kv_on_push: str,
+        weights_get: Callable[[], Any],
+        first: Any = _NOTHING,
+    ) -> None:
+        """Load the buckets that ``weights_get`` returns (until None), after ``first`` if it
+        was taken already, then run ``version``. Generation is paused meanwhile: vLLM's
+        layerwise reload keeps layers on the meta device until the last bucket is in; the
+        ``pushed`` event reports this pause."""
         start = time.perf_counter()
+        ended = []  # the push's end (None) was taken from the queue
+
+        def updates() -> Iterator[Any]:
+            item = weights_get() if first is _NOTHING else first
+            while item is not None:
+                yield item
+                item = weights_get()
+            ended.append(True)
+
         try:
-            tensors, nbytes = self.engine.load_weights(_until_none(weights_get), kv_on_push)
+            tensors, nbytes = self.engine.load_weights(updates(), kv_on_push)
         except BaseException:
             # Report first: the pusher may be blocked until every engine has taken the bucket
             # (an NCCL broadcast), and then never sends the end of the push we would wait for.
             self.events.put(("error", self.index, traceback.format_exc()))
-            for _ in _until_none(weights_get):  # let the pusher finish sending
+            for _ in () if ended else _until_none(weights_get):  # let the pusher finish
                 pass
             raise
         self.version = version
@@ -240,6 +272,17 @@ def _commands(commands, block: bool) -> Iterator[Any]:
 def _until_none(get: Callable[[], Any]) -> Iterator[Any]:
     while (item := get()) is not None:
         yield item
+
+
+def _next_bucket(get: Callable[..., Any], block: bool) -> Any:
+    """The next item of a weights queue's ``get`` (a bucket, or None: the push's end), or
+    ``_NOTHING`` when none is there and ``block`` is false."""
+    if block:
+        return get()
+    try:
+        return get(block=False)
+    except queue.Empty:
+        return _NOTHING
 
 
 def run_engine(
