@@ -158,7 +158,9 @@ def _final_weights(run_dir: Path, step: int) -> dict:
     return {k: v for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()}
 
 
-TIMING = ("gpu_hours", "seconds", "per_s", "gb_per_s", "val_train_fraction")
+# timings, and the pool's load over a step (time-averaged)
+TIMING = ("gpu_hours", "seconds", "per_s", "gb_per_s", "val_train_fraction", "pool_occupancy")
+TIMING += ("generator_idle_fraction",)
 
 
 def _comparable(recs: list[dict]) -> list[dict]:
@@ -337,6 +339,7 @@ def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path):
     # 28 problems - 16 held out = 12 training prompts = 3 steps of 4 per epoch; no retirement.
     args = (
         "training.max_steps=3",
+        "off_policy.max_lag=1",  # (k + 1) x B = 8 prompts outstanding: less than an epoch
         "data.synthetic.num_problems=28",
         "algorithm.npr_threshold=null",
         "checkpoint.every_steps=1",
@@ -414,6 +417,9 @@ def test_joint_math_code_run_validates_each_domain(tmp_path):
         "validation.every_steps=2",
         "validation.num_prompts=4",
         "training.max_steps=2",
+        # lag 1: the groups of both batches are of the first 2 x B prompts drawn, whichever
+        # domain finishes first (math answers are shorter than programs)
+        "off_policy.max_lag=1",
         "checkpoint.every_steps=0",
         "checkpoint.save_at_end=false",
         "logging.tensorboard=false",
