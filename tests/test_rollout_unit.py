@@ -401,3 +401,26 @@ def test_engine_tensor_parallelism_needs_gpus(tiny_hf_dirs):
         pytest.skip("this machine has GPUs")
     with pytest.raises(ValueError, match="tensor_parallel / gpu_ids need GPUs"):
         GeneratorPool(tiny_hf_dirs["tiny-llama"], RolloutConfig(tensor_parallel=2))
+
+
+def test_pushes_do_not_print_the_rotary_embeddings_expected_reload_warning():
+    """vLLM's layerwise reload warns for every layer without weights in an update; rotary
+    embeddings never have any (their cache comes from the config): quiet for them alone."""
+    import logging
+
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    from megatron_rl.rollout.engine import _quiet_expected_reload_warnings
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    layerwise.logger.addHandler(handler)
+    try:
+        _quiet_expected_reload_warnings()
+        _quiet_expected_reload_warnings()  # once per engine: one filter
+        for layer in ("RotaryEmbedding", "ParallelLMHead"):
+            layerwise.logger.warning("%s: Failed to load weights", layer)
+    finally:
+        layerwise.logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["ParallelLMHead: Failed to load weights"]

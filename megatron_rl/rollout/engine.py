@@ -140,6 +140,9 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         # One scheduled batch at a time: a weight load between two steps then separates the
         # tokens of the old weights from those of the new ones exactly.
         async_scheduling=False,
+        # Its throughput lines every 10 s interleave with the trainer's progress bar; the
+        # trainer logs the pool's load and tokens per step.
+        disable_log_stats=True,
         **kwargs,
     )
 
@@ -166,6 +169,25 @@ def _check_process_layout(hf_dir: str) -> None:
             ) from None
 
 
+class _ExpectedReloadWarnings(logging.Filter):
+    """vLLM 0.32's layerwise reload warns "<layer>: Failed to load weights" for every layer
+    that has loadable tensors but got none in the update. Rotary embeddings hold only their
+    cos/sin cache, computed from the config and never in a checkpoint or weight stream, so
+    every push printed it (it restores the cache, correctly). Other layers still warn."""
+
+    QUIET = frozenset({"RotaryEmbedding"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        expected = record.msg == "%s: Failed to load weights" and record.args
+        return not (expected and record.args[0] in self.QUIET)
+
+
+def _quiet_expected_reload_warnings() -> None:
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _ExpectedReloadWarnings) for f in log.filters):
+        log.addFilter(_ExpectedReloadWarnings())
+
+
 class VLLMEngine:
     """A vLLM ``LLMEngine`` driven step by step, with weight loading between steps."""
 
@@ -183,6 +205,7 @@ class VLLMEngine:
         from megatron_rl.rollout.transport import register_backend
 
         register_backend()
+        _quiet_expected_reload_warnings()
         config = config.resolved()  # a pool's config is already: this engine's platform else
         self.config = config
         self.index = index
