@@ -4,6 +4,7 @@ import datetime
 import itertools
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -102,3 +103,26 @@ def test_two_gloo_ranks_match_one_batch():
             got = results[(kind, aggregation)]
             assert expected.abs().max() > 1e-3
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_gpu_ranks_are_spawned_and_cpu_ranks_forked_from_the_preloaded_server(monkeypatch):
+    """run_local_ranks forks CPU ranks from a fork server that imported torch and megatron;
+    on GPU nothing that may have touched CUDA is forked: its ranks are spawned."""
+    import torch.multiprocessing as mp
+
+    import megatron_rl.platform.parallel as parallel
+    from megatron_rl.platform.device import Platform
+
+    methods = []
+
+    def start_processes(fn, args, nprocs, start_method):
+        methods.append(start_method)
+        raise InterruptedError  # stop before the ranks' results are read
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(mp, "start_processes", start_processes)
+    for platform in (Platform("cuda", "nccl", False), Platform("cpu", "gloo", False)):
+        monkeypatch.setattr(parallel, "get_platform", lambda platform=platform: platform)
+        with pytest.raises(InterruptedError):
+            run_local_ranks(_worker, 2)
+    assert methods == ["spawn", "forkserver"]
