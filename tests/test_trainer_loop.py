@@ -75,9 +75,14 @@ def held_out_ids(run_dir: Path) -> set[int]:
 
 
 def test_pipeline_rl_run_invariants(tmp_path):
+    """Also a tied model (as Llama-3.2-1B/3B) whose weights moved in the warm start before RL:
+    the generator's log-probs equal the trainer's on the first (on-policy) batch and at every
+    probe (they were 0.06 apart, with importance ratios up to 1.84, while the engine kept a
+    stale head)."""
     run_dir = tmp_path / "run"
     run_train(
         run_dir,
+        "model.preset=tiny-llama-tied",
         "training.max_steps=6",
         "off_policy.max_lag=1",
         "data.dynamic_sampling=true",
@@ -94,6 +99,8 @@ def test_pipeline_rl_run_invariants(tmp_path):
         assert r["samples"] == 16  # 4 prompts x 4 samples: no probe sample was trained on
         if r["step"] % 2 == 0:
             assert r["logprob_probe_tokens"] > 0 and r["logprob_probe_gap"] < 1e-4, r
+    assert steps[0]["logprob_gap_tokens"] > 0  # the first batch is all on-policy
+    assert steps[0]["logprob_gap"] < 1e-4 and steps[0]["rho_max"] < 1.001, steps[0]
     assert [r["step"] for r in vals] == [0, 3, 6]
     assert all(r["staleness_max"] <= 1 for r in steps)  # never beyond k versions of lag
     for r in steps:  # continuous generation: per-token lags 0..k, the pool's load
@@ -243,29 +250,6 @@ def test_retired_prompts_stop_appearing(ppo_full_run):
     assert len(seen) == 12  # the whole training set was drawn before retirement mattered
 
 
-@pytest.mark.timeout(480)
-def test_tied_embedding_model_trains_with_the_generator_in_parity(tmp_path):
-    """A tied model (as Llama-3.2-1B/3B) whose weights move in the warm start before RL: the
-    generator's log-probs equal the trainer's at every step (they were 0.06 apart, with
-    importance ratios up to 1.84, while the engine kept a stale head)."""
-    run_dir = tmp_path / "run"
-    run_train(
-        run_dir,
-        "model.preset=tiny-llama-tied",
-        "warm_start.steps=20",
-        "training.max_steps=3",
-        "validation.enabled=false",
-        "checkpoint.every_steps=0",
-        "checkpoint.save_at_end=false",
-    )
-    steps = [r for r in records(run_dir) if "reward_mean" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    assert steps[0]["logprob_gap_tokens"] > 0  # the first batch is all on-policy
-    for r in steps:
-        assert r["logprob_gap_tokens"] == 0 or r["logprob_gap"] < 1e-4, r
-    assert steps[0]["abs_logprob_diff"] < 1e-4 and steps[0]["rho_max"] < 1.001
-
-
 # A generator that diverges later in a PipelineRL run: from the push after step 1 on, the
 # engine gets a wrong final norm (x 1.5) and the trainer goes on as if nothing happened.
 DIVERGE_AFTER_STEP_1 = """
@@ -355,15 +339,16 @@ def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path):
 @pytest.mark.parametrize(
     "layout",
     [
-        "parallel.tensor=2",
         "parallel.pipeline=2",
-        "model.preset=tiny-llama4 parallel.expert=2 algorithm.routing_replay=true",
+        "model.preset=tiny-llama4 parallel.tensor=2 parallel.expert=2"
+        " parallel.sequence_parallel=true algorithm.routing_replay=true",
     ],
-    ids=["tp2", "pp2", "ep2_moe"],
+    ids=["pp2", "tp2_ep2_sp_moe"],
 )
 def test_two_trainer_ranks(tmp_path, layout):
-    """Two torch.distributed ranks (TP=2, PP=2, or EP=2 on the tiny Llama-4 MoE, with
-    routing replay: routed experts cross the engine process and the broadcast to the ranks):
+    """Two torch.distributed ranks (PP=2, or TP=2 with sequence parallelism and EP=2 over the
+    same two ranks on the tiny Llama-4 MoE, with routing replay: routed experts cross the
+    engine process and the broadcast to the ranks):
     the main rank owns the pool (an engine process) and the metrics; updates, pushes and
     checkpoints are collective. Not repeated here, each at its own level: a data-parallel
     update equals one rank's (test_trainer_step.py), and a checkpoint resumes in another
