@@ -439,6 +439,26 @@ def test_program_never_runs_as_root():
         assert "0" not in uids + gids, (pid, name, uids, gids)
 
 
+def test_launcher_drops_to_the_sandbox_uid_after_a_vfork():
+    """A root trainer starts each program through ``setpriv``: Popen itself changes no ids,
+    so CPython starts it with vfork (a full fork copies the trainer's page tables per test:
+    tools/bench_code_reward.py --parent-mb), and the launcher is uid/gid 65534 with no
+    supplementary group, no capability and no_new_privs before bwrap runs."""
+    from megatron_rl.rewards.isolation import as_user
+
+    assert as_user(["true"], None) == (["true"], {})
+    if os.geteuid() != 0 or shutil.which("setpriv", path="/usr/bin:/bin") is None:
+        pytest.skip("needs root and setpriv")
+    command, kwargs = as_user(["/bin/cat", "/proc/self/status"], 65534)
+    assert kwargs == {}  # no user= / group= / extra_groups=: vfork stays possible
+    status = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    assert fields["Uid"].split() == ["65534"] * 4 and fields["Gid"].split() == ["65534"] * 4
+    assert fields["Groups"].strip() == ""
+    assert fields["CapPrm"] == fields["CapEff"] == fields["CapAmb"] == "0000000000000000"
+    assert fields["NoNewPrivs"] == "1"
+
+
 @pytest.mark.timeout(30)
 def test_timeout_leaves_nothing_behind():
     _box_or_skip()

@@ -229,3 +229,122 @@ def test_a_forecast_without_enough_points_logs_nothing(tmp_path):
     live.submit(20, 0.04, 0.002)
     live.close(lambda: {"step": 20}, wait_seconds=60)  # waits for it: a ValueError, no record
     assert logged == [] and live.latest is None
+
+
+# Two domains on different curves (a math-like one that starts low and rises far, a
+# code-like one that starts high and rises little); the overall rate is their mean.
+DOMAIN_TRUTH = {
+    "math": CurveParams(0.9, 1.5, 0.012, 0.35),
+    "code": CurveParams(0.7, 2.0, 0.008, 0.62),
+}
+
+
+def write_mixed_run(run_dir: Path, n_evals: int) -> Path:
+    """A math+code run's metrics.jsonl: ``val_pass_rate/<domain>`` drawn from each domain's
+    curve (noise sd 0.005) every 10 steps at 1e-4 GPU-hours a step, and a third domain
+    validated only twice (too few points to fit)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(7)
+    lines = []
+    for step in range(0, 10 * n_evals + 1, 10):
+        hours = step * 1e-4
+        rates = {d: float(p.predict(np.array([hours]))[0]) for d, p in DOMAIN_TRUTH.items()}
+        rates = {d: r + rng.normal(0.0, 0.005) for d, r in rates.items()}
+        record = {"step": step, "gpu_hours": hours, "val_pass_rate": sum(rates.values()) / 2}
+        record.update({f"val_pass_rate/{d}": r for d, r in rates.items()})
+        if step in (0, 10):
+            record["val_pass_rate/rare"] = 0.5 + step / 100
+        lines.append({"step": step, "gpu_hours": hours, "reward_mean": 0.0})
+        lines.append(record)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return run_dir
+
+
+def test_each_domain_is_forecast_from_its_own_points(tmp_path):
+    """Each domain's forecast recovers its own curve (not the other's, not the mean's); its
+    fields are the overall ones suffixed with /<domain>; a domain too sparse to fit is
+    skipped with its reason, without stopping the others."""
+    from megatron_rl.scaling.forecast import forecast_metrics
+
+    path = write_mixed_run(tmp_path / "run", n_evals=30) / "metrics.jsonl"
+    config = ForecastConfig(min_gpu_hours=0, grid="auto", bootstrap=10)
+    budget = 0.04  # 400 steps; the points reach 0.03
+    result = forecast_metrics(path, config, budget, growing=False)
+    assert list(result.domains) == ["math", "code"]
+    assert "rare" in result.skipped and "rare" not in result.domains
+    for domain, truth in DOMAIN_TRUTH.items():
+        f = result.domains[domain]
+        true_at_budget = float(truth.predict(np.array([budget]))[0])
+        assert abs(f.pass_rate_at_budget - true_at_budget) < 0.02, (domain, f.params)
+        assert abs(f.params.a - truth.a) < 0.05, (domain, f.params)
+        assert f.n_points == 30  # every point but step 0 (x = 0: R0)
+    # the two truths are far apart at the budget, so a swapped or averaged fit fails above
+    at_budget = [float(p.predict(np.array([budget]))[0]) for p in DOMAIN_TRUTH.values()]
+    assert abs(at_budget[0] - at_budget[1]) > 0.1
+    rec = result.record()
+    overall = forecast_run(load_run(path), config, budget)
+    assert rec["forecast_A"] == pytest.approx(overall.params.a)
+    for domain in ("math", "code"):
+        f = result.domains[domain]
+        assert rec[f"forecast_A/{domain}"] == f.params.a
+        assert rec[f"forecast_pass_rate_at_budget/{domain}"] == f.pass_rate_at_budget
+        low, high = rec[f"forecast_C_mid_lo/{domain}"], rec[f"forecast_C_mid_hi/{domain}"]
+        assert low <= rec[f"forecast_C_mid/{domain}"] <= high
+    assert not any(k.endswith("/rare") for k in rec)
+    assert "math " in result.summary_line() and "code " in result.summary_line()
+
+
+def test_live_forecast_logs_and_plots_each_domain(tmp_path, monkeypatch):
+    """The background forecast of a mixture logs forecast_*/<domain> to metrics.jsonl and
+    TensorBoard; the plot draws each domain's fit and band in the colour of its line."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_rl.trainer import metrics as metrics_module
+    from megatron_rl.trainer.live_forecast import LiveForecast
+    from megatron_rl.trainer.metrics import MetricsLogger, plot_reward_curve, read_records
+
+    run_dir = write_mixed_run(tmp_path / "run", n_evals=20)
+    config = ForecastConfig(min_gpu_hours=0, grid="auto", bootstrap=5)
+    logger = MetricsLogger(run_dir, tensorboard=True)
+    live = LiveForecast(logger.path, config, run_dir / "reward_curve.png", "mix", logger.log)
+    try:
+        live.submit(200, 0.04, 0.02)
+        deadline = time.monotonic() + 90
+        while live.latest is None and time.monotonic() < deadline:
+            live.poll({"step": 201, "gpu_hours": 0.0201})
+            time.sleep(0.1)
+    finally:
+        live.close(lambda: {"step": 202}, wait_seconds=0)
+        logger.close()
+    rec = [r for r in read_records(logger.path) if "forecast_step" in r]
+    assert len(rec) == 1
+    assert {"forecast_A/math", "forecast_A/code", "forecast_pass_rate_at_budget/math"} <= set(
+        rec[0]
+    )
+    assert rec[0]["forecast_A/math"] == live.latest.domains["math"].params.a
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"forecast_A/math", "forecast_A/code", "forecast_A"} <= tags
+    assert (run_dir / "reward_curve.png").read_bytes()[:8] == PNG_MAGIC
+
+    drawn = []  # the plot of the worker, drawn again here to see what it draws
+    original = metrics_module._draw_forecast
+
+    def spy(ax, forecast, color="C3", domain=""):
+        lines = {line.get_label(): line.get_color() for line in ax.get_lines()}
+        drawn.append((domain, color, lines.get(f"val_pass_rate/{domain}")))
+        original(ax, forecast, color, domain)
+
+    monkeypatch.setattr(metrics_module, "_draw_forecast", spy)
+    latest = live.latest
+    plot_reward_curve(
+        logger.path,
+        tmp_path / "again.png",
+        forecast=latest.overall,
+        domain_forecasts=latest.domains,
+    )
+    assert [d for d, _, _ in drawn] == ["", "math", "code"]
+    for domain, color, line_color in drawn[1:]:
+        assert color == line_color is not None, domain
+    assert drawn[1][1] != drawn[2][1]

@@ -5,6 +5,14 @@ Each response is a correct stdin/stdout program (so every one of its tests runs)
 
 Usage: python tools/bench_code_reward.py [--responses 24] [--tests 4] [--workers 1 2 4]
        [--unsafe]   (also time the unsafe mode, no bubblewrap box, to show the box's cost)
+       [--parent-mb 2000]   (make this process as large as a trainer first: the cost of
+                             starting a program can grow with the size of its parent)
+
+Besides tests/s it prints the CPU time per test (user and system) of this process and of the
+bubblewrap processes it starts, which is where the cost of starting a program from a large
+parent lands (page-table copies and teardown). The programs inside the box are not in it:
+the box's own init reaps them, out of this process's accounting; ``perf stat -e task-clock``
+around the whole benchmark counts everything.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import time
 
 from megatron_rl.rewards import RewardConfig, RewardPool
@@ -46,20 +55,32 @@ def make_batch(responses: int, tests: int) -> tuple[list[str], list[list[dict[st
     return texts, references
 
 
-def measure(config: RewardConfig, texts: list[str], references: list, repeats: int) -> float:
-    """Best tests-per-second over ``repeats`` batches (the box is probed before timing)."""
+def measure(
+    config: RewardConfig, texts: list[str], references: list, repeats: int
+) -> tuple[float, float, float]:
+    """Best tests-per-second over ``repeats`` batches (the box is probed before timing), and
+    the mean user and system CPU seconds per test (this process and its children)."""
     runs = sum(len(r) for r in references)
-    best = 0.0
+    best, user, system = 0.0, 0.0, 0.0
     with RewardPool(config) as pool:
         pool.score_batch(texts[:1], references[:1])  # warm-up: threads, page cache
         for _ in range(repeats):
-            start = time.perf_counter()
+            before, start = os.times(), time.perf_counter()
             rewards = pool.score_batch(texts, references)
-            elapsed = time.perf_counter() - start
+            elapsed, after = time.perf_counter() - start, os.times()
             if rewards != [config.correct_reward] * len(texts):
                 raise RuntimeError(f"the benchmark programs failed their tests: {rewards}")
             best = max(best, runs / elapsed)
-    return best
+            user += after.user + after.children_user - before.user - before.children_user
+            system += after.system + after.children_system - before.system - before.children_system
+    return best, user / (runs * repeats), system / (runs * repeats)
+
+
+def ballast(megabytes: int) -> bytearray:
+    """``megabytes`` of touched memory: this process then has a trainer's page tables."""
+    block = bytearray(megabytes << 20)
+    block[::4096] = b"\1" * len(block[::4096])
+    return block
 
 
 def main() -> None:
@@ -69,24 +90,36 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--unsafe", action="store_true", help="also time the unsafe mode")
+    parser.add_argument("--parent-mb", type=int, default=0, help="grow this process first")
+    parser.add_argument(
+        "--timeout", type=float, default=30.0, help="per test (s): a loaded machine is slow"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    memory = ballast(args.parent_mb)  # noqa: F841 - held until the end
     texts, references = make_batch(args.responses, args.tests)
-    modes = {"bwrap box": RewardConfig(kind="code")}
+    modes = {"bwrap box": RewardConfig(kind="code", code_test_timeout_s=args.timeout)}
     if args.unsafe:
         modes["unsafe (no box)"] = RewardConfig(
-            kind="code", code_bwrap="", code_allow_unsafe_sandbox=True
+            kind="code",
+            code_test_timeout_s=args.timeout,
+            code_bwrap="",
+            code_allow_unsafe_sandbox=True,
         )
     for mode, base in modes.items():
         report = capabilities(base)
         print(
             f"{mode}: python {report['python']}, uid {report['run_as_uid']}, "
-            f"{args.responses} responses x {args.tests} tests per batch"
+            f"{args.responses} responses x {args.tests} tests per batch, parent "
+            f"{args.parent_mb} MB larger"
         )
         for workers in args.workers:
             config = dataclasses.replace(base, num_workers=workers)
-            rate = measure(config, texts, references, args.repeats)
-            print(f"  {workers} worker(s): {rate:6.1f} tests/s")
+            rate, user, system = measure(config, texts, references, args.repeats)
+            print(
+                f"  {workers} worker(s): {rate:6.1f} tests/s, CPU per test: user "
+                f"{1000 * user:5.1f} ms, system {1000 * system:5.1f} ms"
+            )
 
 
 if __name__ == "__main__":

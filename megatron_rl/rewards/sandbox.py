@@ -37,7 +37,7 @@ from pathlib import Path
 
 from megatron_rl.rewards import guard
 from megatron_rl.rewards.config import RewardConfig
-from megatron_rl.rewards.isolation import BOX_DIR, Box, box_for, source_fd, user_kwargs
+from megatron_rl.rewards.isolation import BOX_DIR, Box, as_user, box_for, source_fd
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +219,7 @@ def _run(
     ):
         fin.write(stdin.encode())
         fin.seek(0)
+        command, user = as_user(command, box.run_as)
         proc = subprocess.Popen(
             command,
             stdin=fin,
@@ -228,7 +229,7 @@ def _run(
             env=env,
             start_new_session=True,
             pass_fds=pass_fds,
-            **user_kwargs(box.run_as),
+            **user,
         )
         status = "ok"
         try:

@@ -76,6 +76,29 @@ def load_run(
     return RunData(name or run_name(path), str(path), x_field, y_field, x, y)
 
 
+def domain_fields(path: str | Path, y_field: str = "val_pass_rate") -> list[str]:
+    """The per-domain fields of ``y_field`` in a metrics.jsonl (``val_pass_rate/math``,
+    ``val_pass_rate/code`` ...: a mixture of data sources), in first-seen order; [] for a
+    CSV, a single-source run, or a missing file. A torn last line is ignored."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    if not _is_jsonl(path, text):
+        return []
+    prefix, fields = f"{y_field}/", {}
+    for line in text.splitlines(keepends=True):
+        if not line.endswith("\n"):
+            break
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # load_run names the bad line
+        if isinstance(record, dict):
+            fields.update(dict.fromkeys(k for k in record if k.startswith(prefix)))
+    return list(fields)
+
+
 def _is_jsonl(path: Path, text: str) -> bool:
     if path.suffix.lower() in JSONL_SUFFIXES:
         return True

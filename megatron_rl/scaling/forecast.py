@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from megatron_rl.scaling.analysis import fit_run
 from megatron_rl.scaling.config import AUTO, PAPER_MIN_X, FitConfig
-from megatron_rl.scaling.data import RunData
+from megatron_rl.scaling.data import RunData, domain_fields, load_run
 from megatron_rl.scaling.model import CurveParams
 
 GRIDS = ("paper", "auto")
@@ -107,8 +108,11 @@ class Forecast:
     band_lo: np.ndarray | None = None  # [M]
     band_hi: np.ndarray | None = None  # [M]
 
-    def record(self) -> dict[str, Any]:
-        """The metrics fields (``forecast_*``; intervals as ``*_lo`` / ``*_hi``)."""
+    def record(self, domain: str | None = None) -> dict[str, Any]:
+        """The metrics fields (``forecast_*``; intervals as ``*_lo`` / ``*_hi``); a
+        ``domain``'s forecast names them ``forecast_*/<domain>``, as ``val_pass_rate/<domain>``."""
+        if domain is not None:
+            return {f"{key}/{domain}": value for key, value in self.record().items()}
         p = self.params
         out: dict[str, Any] = {
             "forecast_A": p.a,
@@ -181,6 +185,56 @@ def forecast_run(run: RunData, config: ForecastConfig, budget: float) -> Forecas
         band_lo=band[0],
         band_hi=band[1],
     )
+
+
+@dataclass
+class RunForecast:
+    """The forecast of a run's ``val_pass_rate`` and, for a mixture of sources, of each
+    domain's ``val_pass_rate/<domain>`` (same points' compute, same budget).
+
+    ``domains``: domain -> its forecast; ``skipped``: domain -> why it has none yet (too few
+    points, a flat curve ...: the overall forecast does not wait for every domain).
+    """
+
+    overall: Forecast
+    domains: dict[str, Forecast]
+    skipped: dict[str, str]
+
+    def record(self) -> dict[str, Any]:
+        """The overall forecast's fields, then each domain's (``forecast_A/math`` ...)."""
+        out = self.overall.record()
+        for domain, forecast in self.domains.items():
+            out.update(forecast.record(domain))
+        return out
+
+    def summary_line(self) -> str:
+        """The overall line, then each domain's prediction at the budget."""
+        parts = [self.overall.summary_line()]
+        for domain, forecast in self.domains.items():
+            text = f"{domain} {forecast.pass_rate_at_budget:.3f}"
+            if forecast.prediction_interval:
+                text += " [{:.3f}, {:.3f}]".format(*forecast.prediction_interval)
+            parts.append(text)
+        return "; ".join(parts)
+
+
+def forecast_metrics(
+    metrics_path: str | Path, config: ForecastConfig, budget: float, growing: bool = True
+) -> RunForecast:
+    """Forecast ``val_pass_rate`` of a metrics.jsonl and every ``val_pass_rate/<domain>`` in
+    it. Raises ValueError when the overall curve cannot be fitted yet; a domain that cannot
+    is listed in ``skipped``. ``growing``: the file is being written (see ``load_run``)."""
+    overall = forecast_run(load_run(metrics_path, growing=growing), config, budget)
+    domains: dict[str, Forecast] = {}
+    skipped: dict[str, str] = {}
+    for field in domain_fields(metrics_path):
+        domain = field.split("/", 1)[1]
+        try:
+            run = load_run(metrics_path, y_field=field, growing=growing)
+            domains[domain] = forecast_run(run, config, budget)
+        except ValueError as err:
+            skipped[domain] = str(err)
+    return RunForecast(overall, domains, skipped)
 
 
 def resolve_budget(

@@ -17,8 +17,12 @@ from typing import Any, TextIO
 
 import yaml
 
-from megatron_rl.scaling.data import load_run
-from megatron_rl.scaling.forecast import Forecast, ForecastConfig, forecast_run, resolve_budget
+from megatron_rl.scaling.forecast import (
+    ForecastConfig,
+    RunForecast,
+    forecast_metrics,
+    resolve_budget,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +59,13 @@ def read_settings(run_dir: Path) -> WatchSettings:
 
 @dataclass
 class Refresh:
-    """One look at the run: its progress, the forecast (if one could be fitted), the line."""
+    """One look at the run: its progress, the forecast (if one could be fitted; per domain
+    too for a mixture of sources), the line."""
 
     step: int
     gpu_hours: float
     finished: bool
-    forecast: Forecast | None
+    forecast: RunForecast | None
     line: str
 
 
@@ -95,13 +100,19 @@ def refresh(run_dir: Path, settings: WatchSettings, plot: Path | None) -> Refres
         tail = "no budget to forecast at yet"
     else:
         try:
-            forecast = forecast_run(load_run(metrics, growing=True), settings.forecast, budget)
+            forecast = forecast_metrics(metrics, settings.forecast, budget, growing=True)
             tail = forecast.summary_line()
         except ValueError as err:
             tail = f"no forecast: {err}"
     if plot is not None and vals:
         try:
-            plot_reward_curve(metrics, plot, title=run_dir.name, forecast=forecast)
+            plot_reward_curve(
+                metrics,
+                plot,
+                title=run_dir.name,
+                forecast=forecast.overall if forecast is not None else None,
+                domain_forecasts=forecast.domains if forecast is not None else None,
+            )
         except (ValueError, OSError) as err:
             tail += f" (plot failed: {err})"
     line = f"{head}  |  {tail}" + ("  [finished]" if finished else "")

@@ -1,7 +1,9 @@
 """The live forecast of a training run (main rank): after every validation, fit the compute
 curve to the validation points so far in a background process, then log the forecast
 (``forecast_*`` fields, see :class:`megatron_rl.scaling.forecast.Forecast`) and redraw
-``reward_curve.png`` with the fit and its band extrapolated to the budget.
+``reward_curve.png`` with the fit and its band extrapolated to the budget. A mixture of
+sources (math + code) is also forecast per domain, from its ``val_pass_rate/<domain>``
+points: fields ``forecast_*/<domain>`` and a band per domain in the plot.
 
 Nothing here blocks a step: a validation only hands the job to the worker process (spawned,
 one at a time, at a lower CPU priority); the loop collects finished forecasts each step.
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.scaling.forecast import Forecast, ForecastConfig
+from megatron_rl.scaling.forecast import ForecastConfig, RunForecast
 from megatron_rl.trainer.metrics import read_records
 
 logger = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ class LiveForecast:
         self.png = Path(png) if png is not None else None
         self.title = title
         self.log = log
-        self.latest: Forecast | None = None  # the newest forecast logged
+        self.latest: RunForecast | None = None  # the newest forecast logged
         self._executor: ProcessPoolExecutor | None = None
         self._running: tuple[_Job, Future] | None = None
         self._pending: _Job | None = None
@@ -122,6 +124,8 @@ class LiveForecast:
             self.latest = forecast
             self.log({**fields, "forecast_step": job.step, **forecast.record()})
             logger.info("forecast at step %d: %s", job.step, forecast.summary_line())
+            for domain, why in forecast.skipped.items():
+                logger.info("no %s forecast at step %d: %s", domain, job.step, why)
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._start(pending)
@@ -142,18 +146,22 @@ class LiveForecast:
 
 def forecast_job(
     metrics_path: str, config: ForecastConfig, budget: float, png: str | None, title: str
-) -> Forecast:
-    """The worker's job: fit the run's validation points, redraw the plot, return the
-    forecast. Raises ValueError when there is nothing to fit yet."""
-    from megatron_rl.scaling.data import load_run
-    from megatron_rl.scaling.forecast import forecast_run
+) -> RunForecast:
+    """The worker's job: fit the run's validation points (overall and per domain), redraw
+    the plot, return the forecast. Raises ValueError when there is nothing to fit yet."""
+    from megatron_rl.scaling.forecast import forecast_metrics
     from megatron_rl.trainer.metrics import plot_reward_curve
 
-    run = load_run(metrics_path, growing=True)
-    forecast = forecast_run(run, config, budget)
+    forecast = forecast_metrics(metrics_path, config, budget, growing=True)
     if png is not None:
         try:
-            plot_reward_curve(metrics_path, png, title=title, forecast=forecast)
+            plot_reward_curve(
+                metrics_path,
+                png,
+                title=title,
+                forecast=forecast.overall,
+                domain_forecasts=forecast.domains,
+            )
         except Exception as err:  # the forecast is still worth logging
             logging.getLogger(__name__).warning("could not redraw %s: %r", png, err)
     return forecast

@@ -541,9 +541,15 @@ def _plot(run: Run) -> None:
     from megatron_rl.trainer.metrics import plot_reward_curve
 
     try:
-        forecast = run.forecast.latest if run.forecast is not None else None
+        latest = run.forecast.latest if run.forecast is not None else None
         png = run.run_dir / "reward_curve.png"
-        plot_reward_curve(run.metrics.path, png, title=run.config.name, forecast=forecast)
+        plot_reward_curve(
+            run.metrics.path,
+            png,
+            title=run.config.name,
+            forecast=latest.overall if latest is not None else None,
+            domain_forecasts=latest.domains if latest is not None else None,
+        )
     except Exception as err:  # a plot must never fail a finished run
         logger.warning("could not plot the reward curve: %s", err)
 
