@@ -224,3 +224,15 @@ def test_engine_rank_takes_its_own_part_and_checks_the_placement():
     other = ExpertPlacement(8, ((0, 2, 4, 6), (1, 3, 5, 7)))  # not what vLLM placed
     with pytest.raises(ValueError, match="split for experts per EP rank"):
         own_part(HostSender("in_process", other).pack(_bucket(8)), rank1)
+
+
+def test_engine_args_ask_vllm_for_expert_parallelism(tiny_hf_dirs):
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.engine import engine_args
+
+    config = RolloutConfig(tensor_parallel=2, expert_parallel=True)
+    args = engine_args(tiny_hf_dirs["tiny-llama4"], config, 0)
+    assert args.enable_expert_parallel and args.tensor_parallel_size == 2
+    assert not engine_args(tiny_hf_dirs["tiny-llama4"], RolloutConfig(), 0).enable_expert_parallel
+    with pytest.raises(ValueError, match="no routed experts"):
+        engine_args(tiny_hf_dirs["tiny-llama"], config, 0)
