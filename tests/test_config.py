@@ -61,6 +61,12 @@ def error_of(path: Path, overrides: list[str] = ()) -> str:
             "'rollout.interruption.thinking_budget'",
         ),
         (["rollout.max_model_len=40"], "'rollout.max_model_len'"),  # 16 + 48 > 40
+        (["rollout.expert_parallel=true"], "'rollout.expert_parallel'"),  # tensor_parallel 1
+        (
+            ["rollout.expert_parallel=true", "rollout.tensor_parallel=2"]
+            + ["cluster.gpus_per_node=3", "cluster.generator_gpus=2"],
+            "'rollout.expert_parallel'",  # a dense model
+        ),
         (["batch.micro_batch_tokens=32"], "'batch.micro_batch_tokens'"),
         (["batch.micro_batch_size=4"], "'batch.micro_batch_size'"),  # both micro-batch kinds
         (["batch.samples_per_prompt=1"], "'batch.samples_per_prompt'"),

@@ -348,6 +348,28 @@ def test_engine_kv_cache_by_hand():
     assert e.weights == 8_030_261_248 * 2
 
 
+def test_engine_expert_parallel_weights_by_hand():
+    """Engine TP 4: split in width, a GPU holds a quarter of every expert; placed whole
+    (rollout.expert_parallel), the fullest GPU holds ceil(E / 4) experts. Scout's 16 experts
+    cost the same either way; 6 experts: 2 whole vs 6 quarters, per MoE layer."""
+    import dataclasses
+
+    config = load_run_config(ROOT / "recipes/scalerl_scout.yaml")
+    width = dataclasses.replace(config.rollout, expert_parallel=False)
+    whole = dataclasses.replace(config.rollout, expert_parallel=True)
+    shapes = model_shapes(config.model)
+    assert engine_bytes(shapes, whole, "bfloat16").weights == (
+        engine_bytes(shapes, width, "bfloat16").weights
+    )
+    six = dataclasses.replace(shapes, experts=6)
+    h, f, moe_layers = shapes.hidden, shapes.expert_ffn, sum(map(bool, shapes.moe))
+    extra = moe_layers * 3 * h * (2 * f - 6 * (f // 4)) * 2  # bf16
+    diff = (
+        engine_bytes(six, whole, "bfloat16").weights - engine_bytes(six, width, "bfloat16").weights
+    )
+    assert diff == extra > 0
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe", ["scalerl_8b", "scalerl_scout"])
 def test_production_recipes_fit_with_headroom(recipe):

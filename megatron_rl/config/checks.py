@@ -73,6 +73,11 @@ def check_model_shapes(config: RunConfig) -> None:
             f"recipe key 'parallel.expert': {p.expert} needs an MoE model; {source} is dense"
         )
     _divides("parallel.expert", p.expert, experts, "experts", source)
+    if config.rollout.expert_parallel and not experts:
+        raise ConfigError(
+            f"recipe key 'rollout.expert_parallel': places routed experts on the engines' "
+            f"GPUs; {source} is dense"
+        )
     if not experts and not config.model.moe.is_default():
         raise ConfigError(f"recipe key 'model.moe': {source} is dense (no router to configure)")
     if experts and p.tensor > 1 and not p.sequence_parallel:

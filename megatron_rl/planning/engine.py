@@ -2,7 +2,8 @@
 
 - Weights: the model split ``rollout.tensor_parallel`` ways as vLLM does (embedding, head,
   attention heads, MLP and every expert's width; KV heads replicated when fewer than TP;
-  norms and the router whole). The FP32 head costs nothing extra on CUDA: vLLM keeps the
+  norms and the router whole). With ``rollout.expert_parallel`` the routed experts are
+  placed whole instead, ``tensor_parallel`` GPUs sharing them (the fullest GPU is counted). The FP32 head costs nothing extra on CUDA: vLLM keeps the
   head weight in the model dtype and accumulates in fp32 (GPU.md), and the trainer pushes it
   in the model dtype.
 - KV cache: ``rollout.kv_cache_gb`` GiB, which ``megatron_rl.rollout.engine`` hands vLLM as
@@ -51,8 +52,11 @@ class EngineBytes:
         }
 
 
-def engine_weight_elements(shapes: ModelShapes, tp: int) -> int:
-    """Weight elements on one GPU of an engine with tensor parallelism ``tp``."""
+def engine_weight_elements(shapes: ModelShapes, tp: int, expert_parallel: bool = False) -> int:
+    """Weight elements on one GPU of an engine with tensor parallelism ``tp``; with
+    ``expert_parallel`` the routed experts are not split in width but placed whole, ``tp``
+    ranks sharing them (vLLM's linear placement: the first ranks take one more when ``tp``
+    does not divide them; counted here for the fullest GPU)."""
     s = shapes
     h, hd = s.hidden, s.head_dim
     kv = max(s.kv_heads // tp, 1)
@@ -61,7 +65,11 @@ def engine_weight_elements(shapes: ModelShapes, tp: int) -> int:
     for i in range(s.layers):
         total += 2 * h + (s.heads // tp + 2 * kv) * hd * h + h * (s.heads // tp) * hd
         if s.moe[i]:
-            total += s.experts * h + s.experts * 3 * h * (s.expert_ffn // tp)
+            total += s.experts * h  # router, whole on every GPU
+            if expert_parallel:
+                total += -(-s.experts // tp) * 3 * h * s.expert_ffn
+            else:
+                total += s.experts * 3 * h * (s.expert_ffn // tp)
             total += 3 * h * (s.shared_ffn // tp)
         else:
             total += 3 * h * (s.ffn // tp)
@@ -85,7 +93,7 @@ def engine_bytes(shapes: ModelShapes, rollout, model_dtype: str) -> EngineBytes:
     s, tp = shapes, rollout.tensor_parallel
     dtype = model_dtype if rollout.dtype == "auto" else rollout.dtype
     d = DTYPE_BYTES[dtype]
-    weights = engine_weight_elements(s, tp) * d
+    weights = engine_weight_elements(s, tp, rollout.expert_parallel) * d
     kv_cache = int(rollout.kv_cache_gb * 2**30)
     length = rollout.max_model_len or 2**31
     kv = max(s.kv_heads // tp, 1)

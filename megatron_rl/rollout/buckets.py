@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron_rl.conversion.weight_stream import WeightBucket
+from megatron_rl.rollout.experts import ExpertPlacement, expert_parallel_update, split_bucket
 
 ALIGN = 64  # byte alignment of tensors inside a flat buffer
 
@@ -42,9 +43,19 @@ class HostSender:
 
     blocking = False
 
-    def __init__(self, placement: str) -> None:
+    def __init__(self, placement: str, experts: ExpertPlacement | None = None) -> None:
         packers = {"in_process": tensors_update, "subprocess": shared_update, "remote": flat_update}
-        self.pack = packers[placement]
+        self._pack = packers[placement]
+        # Expert-parallel engines (rollout.expert_parallel): one part per engine rank, each
+        # with only the experts that rank holds. A remote engine's byte stream carries whole
+        # buckets (its workers' loaders skip the experts they do not hold).
+        self.experts = experts if placement != "remote" else None
+
+    def pack(self, bucket: WeightBucket) -> Any:
+        if self.experts is None:
+            return self._pack(bucket)
+        parts = [self._pack(part) for part in split_bucket(bucket, self.experts)]
+        return expert_parallel_update(parts, self.experts)
 
     def send(self, bucket: WeightBucket) -> None:
         pass

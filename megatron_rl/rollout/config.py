@@ -97,6 +97,12 @@ class RolloutConfig:
         max_num_seqs: concurrent sequences per engine.
         max_model_len: prompt + response limit per sequence; None = the model's maximum.
         tensor_parallel: GPUs per engine (GPU only).
+        expert_parallel: MoE engines place whole routed experts on their GPUs instead of
+            splitting every expert's width over them (vLLM ``enable_expert_parallel``; the EP
+            size is ``tensor_parallel``, attention stays tensor-parallel). Which experts a GPU
+            holds is vLLM's own placement (``determine_expert_map``, linear), and a weight push
+            hands each GPU only those experts (``megatron_rl.rollout.experts``). Needs
+            ``tensor_parallel`` >= 2 and a model with routed experts.
         gpu_ids: GPUs of the engine processes: engine i gets ``gpu_ids[i * tp : (i + 1) * tp]``
             (``CUDA_VISIBLE_DEVICES``); None: with ``placement: subprocess`` the GPUs after
             the trainer's on the node (``cluster.trainer_gpus`` ... , see
@@ -136,6 +142,7 @@ class RolloutConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     tensor_parallel: int = 1
+    expert_parallel: bool = False
     gpu_ids: list[int] | None = None
     colocate: bool = False
     startup_timeout_minutes: float = 120.0
@@ -164,6 +171,11 @@ class RolloutConfig:
             raise ValueError(
                 "weight_transport 'nccl' needs engine GPUs apart from the trainer's (NCCL has "
                 "one rank per GPU): colocate must be false"
+            )
+        if self.expert_parallel and self.tensor_parallel < 2:
+            raise ValueError(
+                "expert_parallel needs rollout.tensor_parallel >= 2: vLLM splits the "
+                f"experts over an engine's GPUs, and tensor_parallel is {self.tensor_parallel}"
             )
         if self.return_routed_experts and not self.enforce_eager:
             raise ValueError(

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.experts import routed_expert_count
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
             kwargs["block_size"] < 32 and not get_platform().is_gpu
         ):
             raise ValueError(f"attention_chunk_size {chunk} is not a multiple of a KV block size")
+    if config.expert_parallel and not routed_expert_count(text):
+        raise ValueError(f"rollout.expert_parallel: {hf_dir} has no routed experts")
     if config.return_routed_experts:
         from megatron_rl.rollout.routing import WORKER_EXTENSION
 
@@ -131,6 +134,7 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         enforce_eager=config.enforce_eager,
         enable_prefix_caching=config.prefix_caching and not config.return_routed_experts,
         tensor_parallel_size=config.tensor_parallel,
+        enable_expert_parallel=config.expert_parallel,
         logprobs_mode=config.logprobs_mode,
         hf_overrides={"head_dtype": "float32"} if config.fp32_head else None,
         override_generation_config=overrides,
@@ -157,7 +161,7 @@ def _check_process_layout(hf_dir: str) -> None:
         return
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     text = getattr(config, "text_config", config)
-    moe = any(getattr(text, k, 0) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    moe = routed_expert_count(text) > 0
     try:
         parallel_state.get_ep_group()
     except AssertionError:
@@ -348,8 +352,9 @@ class VLLMEngine:
             for update in updates:  # the lock is not held while waiting for the next bucket
                 with _ENGINE_LOCK:
                     rpc("update_weights", kwargs={"update_info": update})
-                tensors += len(update["names"])
-                nbytes += _update_nbytes(update)
+                for part in update.get("ep_ranks", [update]):  # expert parallel: per rank
+                    tensors += len(part["names"])
+                    nbytes += _update_nbytes(part)
         finally:
             with _ENGINE_LOCK:
                 rpc("finish_weight_update")

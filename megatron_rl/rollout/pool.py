@@ -28,6 +28,7 @@ from typing import Any
 from megatron_rl.conversion.weight_stream import WeightBucket
 from megatron_rl.rollout.buckets import HostSender, WeightSender
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.experts import engine_placement
 from megatron_rl.rollout.fanout import Fanout
 from megatron_rl.rollout.interruption import InterruptionPolicy
 from megatron_rl.rollout.runner import RequestSpec, RunnerSettings, run_engine, subprocess_main
@@ -168,7 +169,8 @@ class GeneratorPool:
         if self.config.weight_transport == "nccl":
             self._sender = self._connect_nccl()
         else:
-            self._sender = HostSender(self.config.placement)
+            experts = engine_placement(self.config, self._hf)  # rollout.expert_parallel
+            self._sender = HostSender(self.config.placement, experts)
 
     def _connect_nccl(self) -> WeightSender:
         """Form the NCCL weight-transfer group: every engine's workers, then this sender."""

@@ -37,6 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from megatron_rl.rollout.buckets import unpack_views
+from megatron_rl.rollout.experts import own_part
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuTransferInitInfo, CpuTrans
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises without one.
+        # An expert-parallel engine's update has a part per rank: this rank's experts.
+        update_info = own_part(update_info, self.model)
         self.receive_weights(self.parse_update_info(update_info))
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()

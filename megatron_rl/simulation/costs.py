@@ -202,7 +202,10 @@ def cost_model(config, hardware: str = "gb200") -> CostModel:
         total_params=shapes.total_parameters(),
         active_params=active_parameters(shapes),
         engine_tp=rollout.tensor_parallel,
-        engine_weight_bytes=engine_weight_elements(shapes, rollout.tensor_parallel) * d,
+        engine_weight_bytes=engine_weight_elements(
+            shapes, rollout.tensor_parallel, rollout.expert_parallel
+        )
+        * d,
         kv_read_bytes_per_token=kv_per_token,
         kv_capacity_tokens=int(eb.kv_cache // kv_per_token) if kv_per_token else 2**62,
         push_bytes=push,

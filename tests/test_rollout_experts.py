@@ -1,0 +1,238 @@
+"""Expert-parallel engines: each engine rank's experts (vLLM's placement) and its part of a
+push, loaded through vLLM's real MoE weight loaders (no engine: vLLM's ``RoutedExperts``
+layers built as vLLM builds them for an EP rank, and Llama-4's own expert loading code)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.rollout.buckets import HostSender
+from megatron_rl.rollout.experts import (
+    ExpertPlacement,
+    own_part,
+    rank_bucket,
+    split_bucket,
+)
+
+HIDDEN, FFN = 64, 64  # vLLM's CPU MoE kernel wants multiples of its GEMM tiles
+PACKS = (
+    "model.layers.1.feed_forward.experts.gate_up_proj",
+    "model.layers.1.feed_forward.experts.down_proj",
+)
+
+
+def _bucket(experts: int, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """A Llama-4 MoE layer as the weight stream names it (HF packs of all experts)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("model.layers.1.self_attn.o_proj.weight", torch.randn(HIDDEN, HIDDEN, generator=g)),
+        ("model.layers.1.feed_forward.router.weight", torch.randn(experts, HIDDEN, generator=g)),
+        (
+            "model.layers.1.feed_forward.shared_expert.down_proj.weight",
+            torch.randn(HIDDEN, FFN, generator=g),
+        ),
+        (PACKS[0], torch.randn(experts, HIDDEN, 2 * FFN, generator=g)),
+        (PACKS[1], torch.randn(experts, FFN, HIDDEN, generator=g)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "experts,ep,expected",
+    [
+        (16, 2, [range(0, 8), range(8, 16)]),
+        (16, 4, [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]),
+        (8, 4, [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]),
+        # 6 over 4: the first `remainder` ranks get one more (vLLM's linear rule)
+        (6, 4, [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]),
+    ],
+)
+def test_placement_is_vllms_linear_expert_map(experts, ep, expected):
+    placement = ExpertPlacement.from_vllm(experts, ep)
+    assert placement.ranks == tuple(tuple(r) for r in expected)
+    assert [placement.owner(e) for e in expected[-1]] == [ep - 1] * len(expected[-1])
+
+
+@pytest.mark.parametrize("experts,ep", [(8, 2), (8, 4), (16, 2), (16, 4)])
+def test_each_rank_receives_exactly_its_experts_bytes(experts, ep):
+    bucket = _bucket(experts)
+    dense = {n: t for n, t in bucket if n not in PACKS}
+    placement = ExpertPlacement.from_vllm(experts, ep)
+    per_expert = 3 * HIDDEN * FFN * 4  # gate, up, down in fp32
+    seen: list[int] = []
+    for rank, part in enumerate(split_bucket(bucket, placement)):
+        names = [n for n, _ in part]
+        assert all(n in names for n in dense)  # every dense tensor, to every rank
+        held = sorted(
+            {int(n.split(".experts.")[1].split(".")[0]) for n in names if ".experts." in n}
+        )
+        assert held == sorted(placement.ranks[rank])
+        seen += held
+        expert_bytes = sum(t.numel() * t.element_size() for n, t in part if n not in dense)
+        assert expert_bytes == len(held) * per_expert
+    assert sorted(seen) == list(range(experts))  # each expert to exactly one rank
+
+
+def test_per_expert_names_go_to_the_owning_rank_only():
+    """Qwen3-MoE streams one tensor per expert: routed, never unpacked."""
+    placement = ExpertPlacement.from_vllm(4, 2)
+    w = torch.zeros(2, 2)
+    bucket = [(f"model.layers.0.mlp.experts.{e}.down_proj.weight", w) for e in range(4)]
+    bucket += [("model.layers.0.mlp.shared_expert.down_proj.weight", w)]
+    names = [n for n, _ in rank_bucket(bucket, placement, 1)]
+    assert names == [
+        "model.layers.0.mlp.experts.2.down_proj.weight",
+        "model.layers.0.mlp.experts.3.down_proj.weight",
+        "model.layers.0.mlp.shared_expert.down_proj.weight",
+    ]
+
+
+def _vllm_moe_layer(experts: int, ep: int, rank: int) -> torch.nn.Module:
+    """vLLM's RoutedExperts for EP rank ``rank`` of ``ep``, inside a module tree shaped like
+    vLLM's Llama4Model (``layers.1.feed_forward.experts``), with the parallel config that
+    ``FusedMoEParallelConfig.make`` gives a TP x EP engine (tp 1 for the experts)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (
+        FusedMoEConfig,
+        FusedMoEParallelConfig,
+        RoutingMethodType,
+    )
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    parallel = FusedMoEParallelConfig(
+        tp_size=1,
+        pcp_size=1,
+        dp_size=1,
+        ep_size=ep,
+        tp_rank=0,
+        pcp_rank=0,
+        dp_rank=0,
+        ep_rank=rank,
+        sp_size=1,
+        use_ep=ep > 1,
+        all2all_backend="allgather_reducescatter",
+        enable_eplb=False,
+    )
+    manager = ExpertMapManager(
+        max_num_batched_tokens=16,
+        top_k=1,
+        global_num_experts=experts,
+        num_redundant_experts=0,
+        num_expert_group=None,
+        moe_parallel_config=parallel,
+        placement_strategy="linear",
+        enable_eplb=False,
+    )
+    config = FusedMoEConfig(
+        num_experts=experts,
+        experts_per_token=1,
+        hidden_dim=HIDDEN,
+        intermediate_size=FFN,
+        num_local_experts=manager.local_num_experts,
+        num_logical_experts=experts,
+        activation=MoEActivation.SILU,
+        device="cpu",
+        routing_method=RoutingMethodType.Llama4,
+        moe_parallel_config=parallel,
+        in_dtype=torch.float32,
+    )
+    with set_current_vllm_config(VllmConfig()):
+        layer = RoutedExperts(
+            "layers.1.feed_forward.experts.routed_experts", torch.float32, config, None, manager
+        )
+    for p in layer.parameters():
+        p.data.fill_(float("nan"))  # whatever is not loaded shows
+    root, block = torch.nn.Module(), torch.nn.Module()
+    block.feed_forward = torch.nn.Module()
+    block.feed_forward.experts = _FusedMoE(layer)
+    root.layers = torch.nn.ModuleList([torch.nn.Module(), block])
+    return root
+
+
+class _FusedMoE(torch.nn.Module):
+    """Where vLLM's Llama-4 keeps its RoutedExperts (``experts.routed_experts``)."""
+
+    def __init__(self, routed_experts: torch.nn.Module) -> None:
+        super().__init__()
+        self.routed_experts = routed_experts
+
+    @property
+    def expert_map(self) -> torch.Tensor | None:
+        return self.routed_experts.expert_map
+
+
+def _load_llama4_experts(model: torch.nn.Module, bucket, experts: int) -> None:
+    """Llama-4's own expert loading (``Llama4Model.load_moe_expert_weights``: packed or per
+    expert, as its ``load_weights`` decides) on names as vLLM's model sees them."""
+    from vllm.model_executor.layers.fused_moe.layer import fused_moe_make_expert_params_mapping
+    from vllm.model_executor.models.llama4 import Llama4Model
+
+    params, loaded = dict(model.named_parameters()), set()
+    for name, tensor in bucket:
+        name = name.removeprefix("model.")
+        if ".experts." not in name:
+            continue
+        fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        mapping = fused_moe_make_expert_params_mapping(
+            model,
+            ckpt_gate_proj_name="gate_up_proj" if fused else "gate_proj",
+            ckpt_down_proj_name="down_proj",
+            ckpt_up_proj_name="gate_up_proj" if fused else "up_proj",
+            num_experts=1 if fused else experts,
+        )
+        assert Llama4Model.load_moe_expert_weights(
+            model, name, tensor, params, loaded, mapping, fused=fused
+        )
+
+
+@pytest.mark.parametrize("experts,ep", [(8, 2), (16, 4)])
+def test_rank_parts_load_like_a_full_load_in_vllm(experts, ep):
+    """Each rank loads only its part; its expert weights equal a full load's (one rank,
+    vLLM's packed path, from the untouched packs) and equal the hand-unpacked HF packs."""
+    bucket = _bucket(experts, seed=1)
+    full = _vllm_moe_layer(experts, 1, 0)
+    _load_llama4_experts(full, bucket, experts)
+    w13 = full.layers[1].feed_forward.experts.routed_experts.w13_weight.data
+    w2 = full.layers[1].feed_forward.experts.routed_experts.w2_weight.data
+    gate_up, down = bucket[3][1], bucket[4][1]
+    assert torch.equal(w13[3, :FFN], gate_up[3, :, :FFN].t())  # vLLM: [gate; up] per expert
+    assert torch.equal(w2[3], down[3].t())
+    placement = ExpertPlacement.from_vllm(experts, ep)
+    for rank in range(ep):
+        model = _vllm_moe_layer(experts, ep, rank)
+        _load_llama4_experts(model, rank_bucket(bucket, placement, rank), experts)
+        layer = model.layers[1].feed_forward.experts.routed_experts
+        held = list(placement.ranks[rank])
+        assert layer.w13_weight.shape[0] == len(held)
+        assert torch.equal(layer.w13_weight.data, w13[held])
+        assert torch.equal(layer.w2_weight.data, w2[held])
+
+
+def test_engine_rank_takes_its_own_part_and_checks_the_placement():
+    """The worker side (transport): its part of a split update, by its layers' EP rank."""
+    placement = ExpertPlacement.from_vllm(8, 2)
+    sender = HostSender("in_process", placement)
+    update = sender.pack(_bucket(8))
+    rank1 = _vllm_moe_layer(8, 2, 1)
+    part = own_part(update, rank1)
+    experts = {int(n.split(".experts.")[1].split(".")[0]) for n in part["names"] if "experts." in n}
+    assert experts == {4, 5, 6, 7}
+    plain = HostSender("in_process").pack(_bucket(8))
+    assert own_part(plain, rank1) is plain  # an update that is not split: all of it
+    other = ExpertPlacement(8, ((0, 2, 4, 6), (1, 3, 5, 7)))  # not what vLLM placed
+    with pytest.raises(ValueError, match="split for experts per EP rank"):
+        own_part(HostSender("in_process", other).pack(_bucket(8)), rank1)
+
+
+def test_engine_args_ask_vllm_for_expert_parallelism(tiny_hf_dirs):
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.engine import engine_args
+
+    config = RolloutConfig(tensor_parallel=2, expert_parallel=True)
+    args = engine_args(tiny_hf_dirs["tiny-llama4"], config, 0)
+    assert args.enable_expert_parallel and args.tensor_parallel_size == 2
+    assert not engine_args(tiny_hf_dirs["tiny-llama4"], RolloutConfig(), 0).enable_expert_parallel
+    with pytest.raises(ValueError, match="no routed experts"):
+        engine_args(tiny_hf_dirs["tiny-llama"], config, 0)
