@@ -3,7 +3,11 @@
 Makes a random Llama with many small layers (so that the model, not the libraries, dominates
 memory) and runs each conversion in a fresh subprocess:
 
-- ``hf-to-mcore``: ``megatron-rl convert hf-to-mcore`` (one rank);
+- ``hf-to-mcore``: ``megatron-rl convert hf-to-mcore`` as shipped (one rank; streamed per
+  layer: a model on the meta device, one layer at a time filled and written);
+- ``hf-to-mcore-whole``: the reference, megatron_rl's code before streaming (kept here only):
+  the whole model built and filled by modelopt's ``import_mcore_gpt_from_hf``, then saved
+  with megatron-core's default ``torch_dist`` strategy;
 - ``mcore-to-hf``: ``megatron-rl convert mcore-to-hf`` as shipped (streamed per layer);
 - ``mcore-to-hf-whole``: the reference, megatron_rl's code before streaming (kept here only):
   the whole model built and loaded, then modelopt's ``export_mcore_gpt_to_hf``.
@@ -14,7 +18,8 @@ width (imports, lazy initialisation), then resets the kernel's peak-RSS mark
 RSS (``VmHWM`` in ``/proc/self/status``, the mark ``getrusage``'s ``ru_maxrss`` is made of).
 Not ``ru_maxrss`` itself: it also keeps the peak of the memory image the process had before
 ``exec``, i.e. the RSS of the forking parent, which no reset clears. "extra" = peak - RSS
-before; the model's bytes (its safetensors tensors) are printed alongside.
+before; the model's bytes (its safetensors tensors) are printed alongside, and "extra/model"
+is the ratio (at one rank the model is the rank's shard).
 
 The subprocesses run with glibc's mmap threshold fixed at its 128 KiB default
 (``MALLOC_MMAP_THRESHOLD_``). Left dynamic, glibc raises it (up to 32 MiB) after the first
@@ -23,7 +28,8 @@ keeps freed layers resident (+3 MiB per layer here). A real model's tensors are 
 32 MiB and always mmapped, so the fixed threshold is what a real conversion sees.
 
 Usage: python tools/bench_conversion_memory.py [--layers 32] [--hidden 512] [--ffn 1536]
-           [--vocab 1024] [--shard-mb 16] [--modes hf-to-mcore mcore-to-hf mcore-to-hf-whole]
+           [--vocab 1024] [--shard-mb 16] [--modes hf-to-mcore hf-to-mcore-whole mcore-to-hf
+           mcore-to-hf-whole]
            [--json]
 """
 
@@ -37,7 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODES = ("hf-to-mcore", "mcore-to-hf", "mcore-to-hf-whole")
+MODES = ("hf-to-mcore", "hf-to-mcore-whole", "mcore-to-hf", "mcore-to-hf-whole")
 
 
 def make_model(out_dir: str, layers: int, hidden: int, ffn: int, vocab: int) -> str:
@@ -98,12 +104,34 @@ def mcore_to_hf_whole(ckpt_dir: str, out_dir: str) -> None:
         destroy_distributed()
 
 
+def hf_to_mcore_whole(hf_dir: str, ckpt_dir: str, dtype: str = "float32") -> None:
+    """The reference: megatron_rl's hf-to-mcore before streaming (one rank, whole model)."""
+    from megatron_rl.conversion import checkpoint
+    from megatron_rl.conversion.hf import load_hf_weights
+    from megatron_rl.models.config import ModelConfig
+    from megatron_rl.models.provider import DTYPES, build_model, load_hf_config
+    from megatron_rl.platform import ParallelConfig, destroy_distributed, init_distributed
+
+    init_distributed(ParallelConfig())
+    try:
+        cfg = ModelConfig(hf_path=hf_dir, dtype=dtype, fp32_head=False, layer_spec="local")
+        model = build_model(cfg, ParallelConfig())
+        load_hf_weights(model, hf_dir, DTYPES[dtype])
+        hf_config = load_hf_config(cfg)
+        hf_config.dtype = dtype
+        checkpoint.save_model(model, ckpt_dir, hf_config, hf_source_dir=hf_dir)
+    finally:
+        destroy_distributed()
+
+
 def _convert(mode: str, source: str, out: str, shard_bytes: int) -> None:
     from megatron_rl.conversion import hf
     from megatron_rl.platform import ParallelConfig
 
     if mode == "hf-to-mcore":
         hf.hf_to_mcore(source, out, ParallelConfig())
+    elif mode == "hf-to-mcore-whole":
+        hf_to_mcore_whole(source, out)
     elif mode == "mcore-to-hf":
         hf.mcore_to_hf(source, out, shard_bytes=shard_bytes)
     else:
@@ -161,7 +189,7 @@ def run(args, root: Path) -> dict:
     shard_bytes = int(args.shard_mb * 2**20)
     report = {"model_bytes": model_bytes(big), "layers": args.layers, "results": []}
     for mode in args.modes:
-        if mode == "hf-to-mcore":
+        if mode.startswith("hf-to-mcore"):
             sources = (small, big)
         else:
             sources = (str(root / "ckpt_small"), str(root / "ckpt"))

@@ -47,9 +47,17 @@ def save_hf_config(
 
 
 def save_model(
-    model, ckpt_dir: str | Path, hf_config, hf_source_dir: str | Path | None = None
+    model,
+    ckpt_dir: str | Path,
+    hf_config,
+    hf_source_dir: str | Path | None = None,
+    sharded_strategy=None,
 ) -> None:
-    """Save ``model`` (all ranks call this) as a dist checkpoint into ``ckpt_dir``, atomically."""
+    """Save ``model`` (all ranks call this) as a dist checkpoint into ``ckpt_dir``, atomically.
+
+    ``sharded_strategy``: megatron's default (``torch_dist``) unless given, e.g. a
+    :class:`~megatron_rl.conversion.streamed_save.StreamedSaveStrategy` for a model on the
+    meta device."""
     ckpt_dir = Path(ckpt_dir)
     tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -59,7 +67,9 @@ def save_model(
         save_hf_config(hf_config, hf_source_dir, tmp / HF_CONFIG_SUBDIR)
     _barrier()
     start_results_manager()
-    dist_checkpointing.save(model.sharded_state_dict(), str(tmp / MODEL_SUBDIR))
+    dist_checkpointing.save(
+        model.sharded_state_dict(), str(tmp / MODEL_SUBDIR), sharded_strategy=sharded_strategy
+    )
     _barrier()
     if rank0:
         if ckpt_dir.exists():

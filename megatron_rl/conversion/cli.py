@@ -47,6 +47,16 @@ def run(args: argparse.Namespace) -> int:
             hf.check_hf_dir(args.hf_dir)
             arch = architecture_from_hf(transformers.AutoConfig.from_pretrained(args.hf_dir))
             check_divisibility(arch, parallel)
+            if arch.tie_embeddings and parallel.pipeline > 1:
+                # megatron-core copies the embedding to the last stage's tied head when it
+                # builds the model (an all-reduce of device tensors), which a model on the meta
+                # device (the streamed conversion's) cannot do. The layout is no loss: the
+                # checkpoint reshards on load into any pipeline layout.
+                raise ValueError(
+                    f"--pp {parallel.pipeline}: {args.hf_dir} ties its word embeddings "
+                    "(tie_word_embeddings), which hf-to-mcore converts with --pp 1 only; the "
+                    "checkpoint then loads into any pipeline layout"
+                )
             hf.hf_to_mcore(args.hf_dir, args.out_dir, parallel, args.dtype)
         else:
             hf.mcore_to_hf(args.ckpt_dir, args.out_dir, args.dtype)

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -25,7 +25,6 @@ from megatron_rl.models.provider import DTYPES
 from megatron_rl.platform import (
     ParallelConfig,
     destroy_distributed,
-    get_platform,
     init_distributed,
     local_device_count,
     run_local_ranks,
@@ -109,20 +108,84 @@ def hf_to_mcore(
 
 
 def _hf_to_mcore_rank(hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype: str) -> None:
+    from megatron_rl.conversion.streamed_save import StreamedSaveStrategy
     from megatron_rl.models.provider import build_model, load_hf_config
 
     init_distributed(parallel)
     try:
-        # TE specs where TE imports, else local ones (a converter need not fail without TE)
-        spec = "te" if get_platform().transformer_engine else "local"
-        cfg = ModelConfig(hf_path=hf_dir, dtype=dtype, fp32_head=False, layer_spec=spec)
-        model = build_model(cfg, parallel)
-        load_hf_weights(model, hf_dir, DTYPES[dtype])
+        # Local layer specs, on the meta device: TE modules allocate on the GPU whatever the
+        # device context. Their checkpoint keys are TE's (megatron's local specs map them), so
+        # TE-spec models load the checkpoint (it holds no TE FP8 ``_extra_state``).
+        cfg = ModelConfig(hf_path=hf_dir, dtype=dtype, fp32_head=False, layer_spec="local")
+        model = build_model(cfg, parallel, meta=True)
+        groups, materialize = _streamed_import(model, hf_dir, DTYPES[dtype])
         hf_config = load_hf_config(cfg)
         hf_config.dtype = dtype  # what the checkpoint holds: mcore-to-hf's default dtype
-        checkpoint.save_model(model, out_dir, hf_config, hf_source_dir=hf_dir)
+        strategy = StreamedSaveStrategy(groups, materialize)
+        checkpoint.save_model(model, out_dir, hf_config, hf_dir, sharded_strategy=strategy)
     finally:
         destroy_distributed()
+
+
+def _streamed_import(model, hf_dir: str | Path, dtype: torch.dtype):
+    """This rank's module groups (embedding, each decoder layer, final norm, untied head) and a
+    context manager that materialises one of them on the host with its HF weights, and frees it
+    on exit (for :class:`~megatron_rl.conversion.streamed_save.StreamedSaveStrategy`).
+
+    modelopt's ``import_mcore_gpt_from_hf`` fills the whole model in one call. Its importer
+    reads each tensor lazily (``safe_open``, this rank's slice only), so we keep it and its
+    mapping tables and call its per-module rules (and its per-layer
+    ``_import_transformer_layer``) one group at a time, in the order its
+    ``_import_state_dict`` would. The tied head of a last pipeline stage is not filled: it is a
+    replica of the first stage's embedding, which the checkpoint stores once.
+    """
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    modelopt_export()  # first: it fills modelopt's gaps before modelopt is imported
+    from modelopt.torch.export.plugins.megatron_importer import GPTModelImporter
+
+    importer = GPTModelImporter(model, str(hf_dir), dtype=dtype)
+    rules = importer.rules
+    layers = list(model.decoder.layers)
+    progress = tqdm(total=len(layers), desc="hf-to-mcore", disable=dist.get_rank() > 0)
+    fills: list[tuple[torch.nn.Module, Callable[[], None]]] = []
+    if getattr(model, "embedding", None) is not None:
+        words = model.embedding.word_embeddings
+        fills.append((words, lambda: rules["word_embeddings"](words)))
+    for layer in layers:
+
+        def fill(layer=layer) -> None:
+            importer._import_transformer_layer(layer, layer.layer_number - 1, progress)
+            progress.update()
+
+        fills.append((layer, fill))
+    final_norm = getattr(model.decoder, "final_layernorm", None)
+    if final_norm is not None:
+        fills.append((final_norm, lambda: rules["final_layernorm"](final_norm)))
+    head = getattr(model, "output_layer", None)
+    if head is not None and not model.share_embeddings_and_output_weights:
+        fills.append((head, lambda: rules["output_layer"](head)))
+    fill_of = {id(group): fill for group, fill in fills}
+
+    @contextlib.contextmanager
+    def materialize(group: torch.nn.Module):
+        group.to_empty(device="cpu")
+        try:
+            with torch.no_grad():
+                for param in group.parameters():
+                    param.fill_(float("nan"))
+                fill_of[id(group)]()
+            unset = [n for n, p in group.named_parameters() if p.isnan().any()]
+            if unset:
+                raise ValueError(
+                    f"{hf_dir}: modelopt's importer set no value (or NaN) for {unset[:5]}"
+                )
+            yield
+        finally:
+            group.to_empty(device="meta")
+
+    return [group for group, _ in fills], materialize
 
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
