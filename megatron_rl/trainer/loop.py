@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.platform import collectives, get_platform
+from megatron_rl.rollout.elastic import WeightsNeeded
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.compute import generation_share
@@ -90,7 +91,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
     try:
         while step < config.training.max_steps:
             t0 = time.perf_counter()
-            batch = collectives.broadcast_object(next_batch(run, source, pool) if main else None)
+            batch = batch_on_every_rank(run, source, pool, main)
             if batch is None:  # every prompt retired, or the GPU-hour budget spent
                 break
             samples, info, wants_push = batch
@@ -159,9 +160,23 @@ def train(config: RunConfig, run_dir: Path) -> int:
     return 0
 
 
+REWEIGH = "reweigh"  # the main rank's answer instead of a batch: restarted engines wait
+
+
+def batch_on_every_rank(run: Run, source: RolloutSource | None, pool, main: bool):
+    """The main rank's ``next_batch``, broadcast to every rank. Before it, as often as the
+    main rank asks (a restarted engine waits for the current weights: elastic engines), every
+    rank streams the weights again into those engines (a collective, like a push)."""
+    while True:
+        batch = collectives.broadcast_object(next_batch(run, source, pool) if main else None)
+        if batch != REWEIGH:
+            return batch
+        push_weights(run, pool, reweigh=True)
+
+
 def next_batch(run: Run, source: RolloutSource, pool):
-    """(samples, info, wants_push) of the next step, or None when training must end (main
-    rank only)."""
+    """(samples, info, wants_push) of the next step, None when training must end, or
+    ``REWEIGH`` when restarted engines wait for the weights (main rank only)."""
     if _budget_spent(run):
         logger.info("GPU-hour budget spent: stopping at step %d", run.step)
         return None
@@ -170,6 +185,9 @@ def next_batch(run: Run, source: RolloutSource, pool):
     except PromptsExhausted:
         logger.info("every training prompt is retired: stopping at step %d", run.step)
         return None
+    except WeightsNeeded:
+        logger.info("re-sending the weights of version %d to restarted engines", pool.version)
+        return REWEIGH
     samples, info = score_groups(run, groups, pool.version)
     info["staleness_hist"] = token_lag_histogram(groups, pool.version, _lag(run.config))
     info["generator_version"] = pool.version  # of the weights the generator holds now
@@ -421,13 +439,15 @@ def start_generators(run: Run, step: int):
     return pool
 
 
-def push_weights(run: Run, pool):
-    """Stream the trainer's weights (HF names, full tensors, bounded buckets) into the pool.
-    Every rank calls this (the gathers are collectives); ``pool`` is None off the main rank."""
+def push_weights(run: Run, pool, reweigh: bool = False):
+    """Stream the trainer's weights (HF names, full tensors, bounded buckets) into the pool
+    (``reweigh``: into restarted engines only, see ``GeneratorPool.reweigh``). Every rank
+    calls this (the gathers are collectives); ``pool`` is None off the main rank."""
     from megatron_rl.rollout.push import push_megatron_weights
 
+    bucket_bytes = run.config.rollout.weight_bucket_bytes
     with torch.no_grad():
-        return push_megatron_weights(pool, run.model, run.config.rollout.weight_bucket_bytes)
+        return push_megatron_weights(pool, run.model, bucket_bytes, reweigh=reweigh)
 
 
 def save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:
@@ -468,6 +488,7 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         "gen_wait_seconds": gen_seconds,
         "step_seconds": time.perf_counter() - t0,
         "policy_version": pool.version,
+        "engine_restarts": pool.restarts,  # so far: engines that died and were restarted
     }
     if result.expert_load is not None:
         record.update(result.expert_load.summary())
