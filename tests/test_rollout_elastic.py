@@ -309,3 +309,24 @@ def test_in_process_engines_are_not_restarted():
     pool._engines = [pool_module._Engine(0, queue.Queue(), queue.Queue(), dead)]
     with pytest.raises(RuntimeError, match="vLLM engine 0 exited unexpectedly.*in_process"):
         pool._check_alive()
+
+
+def test_an_engine_process_output_goes_to_its_console_and_its_log(tmp_path):
+    """``tee_output`` in a fresh process (it rewires file descriptors 1 and 2): Python
+    prints and raw writes reach both the process's own stdout / stderr and the log."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "engine-0.log"
+    code = (
+        "import os, sys, time\n"
+        "from megatron_rl.rollout.elastic import tee_output\n"
+        f"tee_output({str(log)!r})\n"
+        "print('from python', flush=True)\n"
+        "os.write(2, b'raw stderr\\n')\n"
+        "time.sleep(0.5)\n"  # the copying threads are daemons
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "from python\n" and proc.stderr == "raw stderr\n"
+    assert sorted(log.read_text().splitlines()) == ["from python", "raw stderr"]

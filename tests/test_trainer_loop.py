@@ -378,7 +378,8 @@ def test_an_engine_process_killed_mid_run_is_replaced_and_every_prompt_trains_on
     import time
 
     run_dir = tmp_path / "run"
-    args = ("rollout.placement=subprocess", "training.max_steps=3", "off_policy.max_lag=2")
+    args = ("warm_start.steps=0", "rollout.placement=subprocess", "training.max_steps=3")
+    args += ("off_policy.max_lag=2",)
     args += ("validation.enabled=false", "checkpoint.every_steps=0")
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen(

@@ -425,6 +425,7 @@ class GeneratorPool:
         # event), one that died is restarted or raises, one that hangs when the deadline passes.
         deadline = time.monotonic() + self.config.push_timeout_seconds
         self._acks = {}
+        self._pushed = True  # an engine restarted from now on needs weights from the trainer
 
         def wait(index: int) -> None:
             self._pump(0.0)  # raises if an engine failed, or died past its restarts
@@ -455,7 +456,6 @@ class GeneratorPool:
         if count == 0:
             raise ValueError("push_weights got no buckets: this rank is not the stream's sender")
         self.version = version
-        self._pushed = True
         for engine in targets:
             if engine.index in acks and self._same(targets, engine.index):
                 engine.current = True
