@@ -283,6 +283,7 @@ def test_requests_wait_when_no_engine_runs_the_current_weights(fake_pool):
     pool.poll(timeout=0.5)  # the restarted engines are ready, with stale weights
     with pytest.raises(WeightsNeeded):
         pool.generate([[20]])
+    assert len(pool._pending) == 2 and pool.in_flight == 2  # generate's request withdrawn
     assert owner in (0, 1)
 
 

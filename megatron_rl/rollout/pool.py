@@ -310,7 +310,8 @@ class GeneratorPool:
         return done
 
     def generate(self, prompts: Sequence[Sequence[int]], **settings: Any) -> list[Sample]:
-        """Generate and wait: the samples of ``prompts`` ordered by (prompt, sample)."""
+        """Generate and wait: the samples of ``prompts`` ordered by (prompt, sample). Raises
+        ``WeightsNeeded`` (withdrawing its requests) when every engine waits for weights."""
         indices = set(self.submit(prompts, **settings))
         mine: list[Sample] = []
         expected = len(indices) * (
@@ -319,9 +320,13 @@ class GeneratorPool:
         while len(mine) < expected:
             self._pump(_POLL_SECONDS)
             if self.needs_weights() and not any(e.current for e in self._engines):
+                # No engine holds any of our requests now: withdraw them all, so that the
+                # caller can reweigh and call again (same seeds: the same samples).
+                self._pending = [s for s in self._pending if s.prompt_index not in indices]
+                self._done = [s for s in self._done if s.prompt_index not in indices]
                 raise WeightsNeeded(
                     "generate(): every engine was restarted and waits for the current weights "
-                    "(GeneratorPool.reweigh); the requests are kept"
+                    "(GeneratorPool.reweigh); this call's requests were withdrawn"
                 )
             keep = []
             for sample in self._done:

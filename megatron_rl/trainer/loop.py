@@ -6,7 +6,9 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -91,7 +93,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
     try:
         while step < config.training.max_steps:
             t0 = time.perf_counter()
-            batch = batch_on_every_rank(run, source, pool, main)
+            batch = on_every_rank(run, pool, main, lambda: next_batch(run, source, pool))
             if batch is None:  # every prompt retired, or the GPU-hour budget spent
                 break
             samples, info, wants_push = batch
@@ -115,7 +117,9 @@ def train(config: RunConfig, run_dir: Path) -> int:
             step = run.step = step + 1
             t2 = time.perf_counter()
             push = push_weights(run, pool) if wants_push else None
-            probed = probe.after_push(run.ddp, pool, step, wants_push)
+            probed = probe.after_push(
+                run.ddp, pool, step, wants_push, lambda make: on_every_rank(run, pool, main, make)
+            )
             if main:
                 record = step_record(run, step, info, result, t0, t1, t2, push, pool)
                 record.update(source.generator_load())  # over this step
@@ -160,23 +164,32 @@ def train(config: RunConfig, run_dir: Path) -> int:
     return 0
 
 
-REWEIGH = "reweigh"  # the main rank's answer instead of a batch: restarted engines wait
+REWEIGH = "reweigh"  # the main rank's answer instead of a value: restarted engines wait
 
 
-def batch_on_every_rank(run: Run, source: RolloutSource | None, pool, main: bool):
-    """The main rank's ``next_batch``, broadcast to every rank. Before it, as often as the
-    main rank asks (a restarted engine waits for the current weights: elastic engines), every
-    rank streams the weights again into those engines (a collective, like a push)."""
+def on_every_rank(run: Run, pool, main: bool, make: Callable[[], Any]) -> Any:
+    """``make()`` on the main rank (it drives the pool), broadcast to every rank. While the
+    main rank waits on the pool, restarted engines may wait for the current weights (elastic
+    engines, ``WeightsNeeded``): then every rank streams the weights again into those
+    engines (a collective, like a push), and ``make`` is called again (it resumes)."""
     while True:
-        batch = collectives.broadcast_object(next_batch(run, source, pool) if main else None)
-        if batch != REWEIGH:
-            return batch
+        value = collectives.broadcast_object(_or_reweigh(make, pool) if main else None)
+        if not (isinstance(value, str) and value == REWEIGH):
+            return value
         push_weights(run, pool, reweigh=True)
 
 
+def _or_reweigh(make: Callable[[], Any], pool) -> Any:
+    try:
+        return make()
+    except WeightsNeeded:
+        logger.info("re-sending the weights of version %d to restarted engines", pool.version)
+        return REWEIGH
+
+
 def next_batch(run: Run, source: RolloutSource, pool):
-    """(samples, info, wants_push) of the next step, None when training must end, or
-    ``REWEIGH`` when restarted engines wait for the weights (main rank only)."""
+    """(samples, info, wants_push) of the next step, or None when training must end (main
+    rank only); raises ``WeightsNeeded`` (see :func:`on_every_rank`)."""
     if _budget_spent(run):
         logger.info("GPU-hour budget spent: stopping at step %d", run.step)
         return None
@@ -185,9 +198,6 @@ def next_batch(run: Run, source: RolloutSource, pool):
     except PromptsExhausted:
         logger.info("every training prompt is retired: stopping at step %d", run.step)
         return None
-    except WeightsNeeded:
-        logger.info("re-sending the weights of version %d to restarted engines", pool.version)
-        return REWEIGH
     samples, info = score_groups(run, groups, pool.version)
     info["staleness_hist"] = token_lag_histogram(groups, pool.version, _lag(run.config))
     info["generator_version"] = pool.version  # of the weights the generator holds now
