@@ -368,7 +368,7 @@ def _engine_processes(trainer_pid: int) -> list[int]:
     return pids
 
 
-@pytest.mark.timeout(900)  # ~TODO s here
+@pytest.mark.timeout(1800)  # 10.5 min here under a load average of 15 (other suites)
 def test_an_engine_process_killed_mid_run_is_replaced_and_every_prompt_trains_once(tmp_path):
     """Elastic engines: SIGKILL the engine process after the first step. The pool restarts
     it, its requests wait (it is the only engine) until the trainer re-sent the weights, and
@@ -386,7 +386,7 @@ def test_an_engine_process_killed_mid_run_is_replaced_and_every_prompt_trains_on
             train_cmd(run_dir, *args), cwd=ROOT, env=train_env(), stdout=err, stderr=err
         )
         metrics, killed = run_dir / "metrics.jsonl", []
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 900
         while proc.poll() is None and time.monotonic() < deadline and not killed:
             time.sleep(0.2)
             if metrics.is_file() and '"reward_mean"' in metrics.read_text():  # step 1 logged
@@ -394,7 +394,7 @@ def test_an_engine_process_killed_mid_run_is_replaced_and_every_prompt_trains_on
                 for pid in killed:
                     os.kill(pid, signal.SIGKILL)
         assert killed, "no engine process to kill"
-        proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        proc.wait(timeout=900)
     log = (tmp_path / "stderr.txt").read_text()
     assert proc.returncode == 0, log[-3000:]
     steps = [r for r in records(run_dir) if "reward_mean" in r]

@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 _WEIGHT_QUEUE_DEPTH = 2  # buckets queued per engine: bounds the push's extra memory
 _POLL_SECONDS = 1.0
+_STOP_SECONDS = 30.0  # engines that have not stopped by then are terminated
 
 
 @dataclass
@@ -658,8 +659,11 @@ class GeneratorPool:
                 engine.commands.put(("stop",))
             except (ValueError, OSError):  # queue already closed
                 pass
+        deadline = time.monotonic() + _STOP_SECONDS
         for engine in engines:
-            engine.worker.join(timeout=30)
+            while engine.worker.is_alive() and time.monotonic() < deadline:
+                engine.worker.join(timeout=_POLL_SECONDS / 4)
+                self._discard_events()  # an engine process flushes its events as it stops
             if hasattr(engine.worker, "terminate") and engine.worker.is_alive():
                 engine.worker.terminate()
         if getattr(self, "_sender", None) is not None:  # e.g. the NCCL group's sender end
@@ -670,6 +674,14 @@ class GeneratorPool:
         if getattr(self, "_log_dir", None) is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
             self._log_dir = None
+
+    def _discard_events(self) -> None:
+        events = getattr(self, "_events", None)
+        try:
+            while events is not None:
+                events.get_nowait()
+        except (queue.Empty, OSError, ValueError):  # none left, or the queue is closed
+            pass
 
     def __enter__(self) -> GeneratorPool:
         return self
