@@ -368,10 +368,10 @@ def _engine_processes(trainer_pid: int) -> list[int]:
     return pids
 
 
-@pytest.mark.timeout(1800)  # 10.5 min here under a load average of 15 (other suites)
+@pytest.mark.timeout(1800)  # 10-16 min here under a load average of 15 (other suites)
 def test_an_engine_process_killed_mid_run_is_replaced_and_every_prompt_trains_once(tmp_path):
     """Elastic engines: SIGKILL the engine process after the first step. The pool restarts
-    it, its requests wait (it is the only engine) until the trainer re-sent the weights, and
+    it, its requests wait (it is the only engine) until the trainer sent it the weights, and
     the run completes: every group complete (G samples each), no prompt twice, the lag bound
     kept, one restart logged."""
     import signal
@@ -404,8 +404,8 @@ def test_an_engine_process_killed_mid_run_is_replaced_and_every_prompt_trains_on
     assert len(trained) == len(set(trained)) >= 12  # B = 4 a step, never a prompt twice
     assert all(r["samples"] == 4 * len(r["prompt_ids"]) for r in steps)  # whole groups
     assert all(r["staleness_max"] <= 2 for r in steps)
+    # the engine gets the weights by the next push, or by a re-send if the run waits first
     assert "vLLM engine 0 exited unexpectedly (exit code -9): restarted" in log
-    assert "re-sending the weights" in log
 
 
 @pytest.mark.parametrize(
