@@ -336,6 +336,62 @@ def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path):
     assert [r["step"] for r in records(run_dir) if "prompt_ids" in r] == [1, 2, 3]
 
 
+def _engine_processes(trainer_pid: int) -> list[int]:
+    """The trainer's engine processes: its children that hold an engine log open."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            logs = (
+                [os.readlink(fd) for fd in (proc / "fd").iterdir()] if ppid == trainer_pid else []
+            )
+        except (OSError, IndexError, ValueError):
+            continue
+        if any("megatron_rl_engines_" in link for link in logs):
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.timeout(1800)  # 10-16 min here under a load average of 15 (other suites)
+def test_an_engine_process_killed_mid_run_is_replaced_and_every_prompt_trains_once(tmp_path):
+    """Elastic engines: SIGKILL the engine process after the first step. The pool restarts
+    it, its requests wait (it is the only engine) until the trainer sent it the weights, and
+    the run completes: every group complete (G samples each), no prompt twice, the lag bound
+    kept, one restart logged."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    args = ("warm_start.steps=0", "rollout.placement=subprocess", "training.max_steps=3")
+    args += ("off_policy.max_lag=2",)
+    args += ("validation.enabled=false", "checkpoint.every_steps=0")
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(
+            train_cmd(run_dir, *args), cwd=ROOT, env=train_env(), stdout=err, stderr=err
+        )
+        metrics, killed = run_dir / "metrics.jsonl", []
+        deadline = time.monotonic() + 900
+        while proc.poll() is None and time.monotonic() < deadline and not killed:
+            time.sleep(0.2)
+            if metrics.is_file() and '"reward_mean"' in metrics.read_text():  # step 1 logged
+                killed = _engine_processes(proc.pid)
+                for pid in killed:
+                    os.kill(pid, signal.SIGKILL)
+        assert killed, "no engine process to kill"
+        proc.wait(timeout=900)
+    log = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    steps = [r for r in records(run_dir) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert steps[0]["engine_restarts"] == 0 and steps[-1]["engine_restarts"] == 1
+    trained = [pid for r in steps for pid in r["prompt_ids"]]
+    assert len(trained) == len(set(trained)) >= 12  # B = 4 a step, never a prompt twice
+    assert all(r["samples"] == 4 * len(r["prompt_ids"]) for r in steps)  # whole groups
+    assert all(r["staleness_max"] <= 2 for r in steps)
+    # the engine gets the weights by the next push, or by a re-send if the run waits first
+    assert "vLLM engine 0 exited unexpectedly (exit code -9): restarted" in log
+
+
 @pytest.mark.parametrize(
     "layout",
     [

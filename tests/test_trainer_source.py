@@ -538,3 +538,29 @@ def test_a_feeder_error_is_raised_after_the_update():
         with source.feeding():
             pass
     assert "engine 0 failed" in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("mode", ["ppo", "pipeline_rl"])
+def test_next_batch_after_weights_needed_goes_on_without_drawing_again(mode):
+    """Elastic engines: while a batch is awaited the pool asks for weights (a restarted
+    engine); the trainer re-sends them and asks again. The second call resumes the first:
+    PPO submits its k x B prompts once, PipelineRL tops up within the same bound."""
+    from megatron_rl.rollout.elastic import WeightsNeeded
+
+    pool = SimulatedPool(lambda pid: 3)
+    answers = iter([False, True])  # the second wait for samples finds an engine waiting
+    pool.needs_weights = lambda: next(answers, False)
+    source = make_source(pool, mode, k=2)
+    with pytest.raises(WeightsNeeded):
+        source.next_batch(pool.version)
+    drawn = list(pool.submitted)
+    assert len(drawn) == (8 if mode == "ppo" else 12)  # k x B / (k + 1) x B
+    first = source.next_batch(pool.version)
+    assert pool.submitted == drawn and len(first) == 4
+    if mode == "ppo":
+        second = source.next_batch(pool.version)
+        trained = [g.prompt_id for g in first + second]
+        assert sorted(trained) == sorted(drawn)  # each prompt once, in the two batches
+        assert source.counts["prompts_drawn"] == 0  # a batch of the same generation
+    else:
+        assert {g.prompt_id for g in first} <= set(drawn)

@@ -112,7 +112,14 @@ class RolloutConfig:
         startup_timeout_minutes: how long the other trainer ranks wait (on a gloo barrier)
             for the main rank to start the engines (Scout loads for many minutes).
         push_timeout_seconds: a weight push that an engine does not acknowledge in this time
-            (the engine died or failed while loading) raises an error naming the engine.
+            (the engine hangs while loading) raises an error naming the engine.
+        engine_max_restarts: ``placement: subprocess``: an engine process that dies (killed,
+            crashed without a Python error) is restarted on its devices, gets the current
+            weights and its requests in flight again; at most this many times per engine
+            within ``engine_restart_window_minutes``. One more death fails the run with the
+            engine's last log lines. 0: the first death fails the run. An engine that
+            reports an error (a Python exception) always fails the run: such failures repeat.
+        engine_restart_window_minutes: the window of ``engine_max_restarts``.
         prefix_caching: share prompt KV blocks between samples (keyed by policy version).
             Off in engines that return routed experts (a cached prefix is not recomputed,
             so its routing would be missing).
@@ -147,6 +154,8 @@ class RolloutConfig:
     colocate: bool = False
     startup_timeout_minutes: float = 120.0
     push_timeout_seconds: float = 300.0
+    engine_max_restarts: int = 3
+    engine_restart_window_minutes: float = 30.0
     prefix_caching: bool = True
     return_routed_experts: bool = False
     enforce_eager: bool = True
@@ -186,7 +195,10 @@ class RolloutConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("startup_timeout_minutes", "push_timeout_seconds"):
+        if self.engine_max_restarts < 0:
+            raise ValueError(f"engine_max_restarts must be >= 0, got {self.engine_max_restarts}")
+        timeouts = ("startup_timeout_minutes", "push_timeout_seconds")
+        for name in (*timeouts, "engine_restart_window_minutes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kv_cache_gb <= 0:

@@ -36,7 +36,7 @@ class Fanout:
     def put(self, item: Any) -> None:
         """Hand ``item`` to every engine's lane, in order after the previous items."""
         for lane in self._lanes:
-            while True:
+            while not lane.dropped.is_set():
                 lane.raise_error()
                 try:
                     lane.items.put(item, timeout=_POLL_SECONDS)
@@ -52,7 +52,14 @@ class Fanout:
                 lane.thread.join(_POLL_SECONDS)
                 if lane.thread.is_alive():
                     self._wait(lane.index)
-            lane.raise_error()
+            if not lane.dropped.is_set():
+                lane.raise_error()
+
+    def drop(self, index: int) -> None:
+        """Stop engine ``index``'s lane (the engine died): the push goes on without it."""
+        for lane in self._lanes:
+            if lane.index == index:
+                lane.dropped.set()
 
     def stop(self) -> None:
         """Stop every lane (what is not delivered yet is dropped)."""
@@ -72,6 +79,7 @@ class _Lane:
         self.index = index
         self.items: queue.Queue = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
+        self.dropped = threading.Event()
         self._target = target
         self._stopped = stopped
         self.thread = threading.Thread(target=self._run, name=f"weights-to-{index}", daemon=True)
@@ -82,7 +90,7 @@ class _Lane:
             raise self.error
 
     def _run(self) -> None:
-        while not self._stopped.is_set():
+        while not (self._stopped.is_set() or self.dropped.is_set()):
             try:
                 item = self.items.get(timeout=_POLL_SECONDS)
             except queue.Empty:
@@ -96,7 +104,7 @@ class _Lane:
                     self.error = err
 
     def _deliver(self, item: Any) -> None:
-        while not self._stopped.is_set():
+        while not (self._stopped.is_set() or self.dropped.is_set()):
             try:
                 self._target.put(item, timeout=_POLL_SECONDS)
                 return

@@ -12,32 +12,58 @@ Typical use (PipelineRL)::
 run on their own threads (``placement: in_process``), processes (``subprocess``) or tasks
 that connect over TCP (``remote``, see ``megatron_rl.launch.bridge``); all of them run
 :func:`megatron_rl.rollout.runner.run_engine` behind the same three queues.
+
+Elastic engines (``subprocess``): the pool knows every request it handed to each engine
+(its :class:`RequestSpec`, with its seed). An engine process that dies is restarted on its
+devices (within ``rollout.engine_max_restarts``, :mod:`.elastic`); its events up to its
+last complete message are handled, and the requests it had not returned go to the engines
+that run the current weights (or wait for one: ``_pending``), exactly as submitted. A
+restarted engine takes requests once it runs the current policy version: at the next
+``push_weights``, or earlier by ``reweigh`` (the trainer re-sends its weights to that engine
+only; the pool keeps no copy of them). Every token thus still carries a known version.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
+import shutil
+import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl.conversion.weight_stream import WeightBucket
 from megatron_rl.rollout.buckets import HostSender, WeightSender
 from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.elastic import (
+    EventChannels,
+    RestartBudget,
+    WeightsNeeded,
+    refusal_message,
+)
 from megatron_rl.rollout.experts import engine_placement
 from megatron_rl.rollout.fanout import Fanout
 from megatron_rl.rollout.interruption import InterruptionPolicy
-from megatron_rl.rollout.runner import RequestSpec, RunnerSettings, run_engine, subprocess_main
+from megatron_rl.rollout.runner import (
+    RequestSpec,
+    RunnerSettings,
+    engine_devices,
+    run_engine,
+    subprocess_main,
+)
 from megatron_rl.rollout.samples import PushStats, Sample
 
 logger = logging.getLogger(__name__)
 
 _WEIGHT_QUEUE_DEPTH = 2  # buckets queued per engine: bounds the push's extra memory
 _POLL_SECONDS = 1.0
+_STOP_SECONDS = 30.0  # engines that have not stopped by then are terminated
 
 
 @dataclass
@@ -46,9 +72,17 @@ class _Engine:
     commands: Any
     weights: Any
     worker: Any  # threading.Thread or a process
-    outstanding: int = 0  # samples submitted and not yet returned
     oldest: int | None = None  # oldest version in flight, as last reported
     max_model_len: int = 0
+    ready: bool = False  # built, answering commands
+    current: bool = True  # runs the pool's policy version: may take requests
+    log_path: str | None = None
+    # (prompt index, sample index) -> the request, submitted and not yet returned
+    specs: dict[tuple[int, int], RequestSpec] = field(default_factory=dict)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.specs)
 
 
 class GeneratorPool:
@@ -89,7 +123,13 @@ class GeneratorPool:
         self._closed = False
         self._sender: WeightSender | None = None  # the trainer end of weight_transport
         self._transport_acks: set[int] = set()
-        self._engines = self._start_engines(self._settings())
+        self._pending: list[RequestSpec] = []  # requests of a dead engine, waiting for one
+        self._pushed = False  # a push happened: the HF directory's weights are not current
+        window = config.engine_restart_window_minutes * 60
+        self._restarts = RestartBudget(config.engine_max_restarts, window)
+        self._log_dir: str | None = None
+        self._runner_settings = self._settings()
+        self._engines = self._start_engines(self._runner_settings)
         if wait:
             self._wait_ready()
 
@@ -117,48 +157,48 @@ class GeneratorPool:
             self._events = queue.Queue()
             handles = accept_engines(config.engines, self.hf_dir, config, settings, self._events)
             return [_Engine(h.index, h.commands, h.weights, h.worker) for h in handles]
-        if config.placement == "in_process":
-            _check_one_rank_world()
-            self._events = queue.Queue()
-        else:
+        if config.placement == "subprocess":
             import torch.multiprocessing as mp
 
             self._ctx = mp.get_context("spawn")
-            self._events = self._ctx.Queue()
+            self._events = EventChannels()
+            self._log_dir = tempfile.mkdtemp(prefix="megatron_rl_engines_")
+            return [self._spawn(index, settings) for index in range(config.engines)]
+        _check_one_rank_world()
+        self._events = queue.Queue()
         engines = []
         for index in range(config.engines):
-            if config.placement == "in_process":
-                commands, weights = queue.Queue(), queue.Queue(_WEIGHT_QUEUE_DEPTH)
-                worker = threading.Thread(
-                    target=run_engine,
-                    args=(
-                        index,
-                        self.hf_dir,
-                        config,
-                        settings,
-                        commands,
-                        weights.get,
-                        self._events,
-                    ),
-                    name=f"vllm-engine-{index}",
-                    daemon=True,
-                )
-            else:
-                commands, weights = self._ctx.Queue(), self._ctx.Queue(_WEIGHT_QUEUE_DEPTH)
-                worker = self._ctx.Process(
-                    target=subprocess_main,
-                    args=(index, self.hf_dir, config, settings, commands, weights, self._events),
-                    name=f"vllm-engine-{index}",
-                    daemon=True,
-                )
+            commands, weights = queue.Queue(), queue.Queue(_WEIGHT_QUEUE_DEPTH)
+            worker = threading.Thread(
+                target=run_engine,
+                args=(index, self.hf_dir, config, settings, commands, weights.get, self._events),
+                name=f"vllm-engine-{index}",
+                daemon=True,
+            )
             worker.start()
             engines.append(_Engine(index, commands, weights, worker))
         return engines
 
+    def _spawn(self, index: int, settings: RunnerSettings) -> _Engine:
+        """Start engine process ``index`` with an event pipe and a log of its own."""
+        commands, weights = self._ctx.Queue(), self._ctx.Queue(_WEIGHT_QUEUE_DEPTH)
+        reader, writer = self._ctx.Pipe(duplex=False)
+        log_path = os.path.join(self._log_dir, f"engine-{index}.log")
+        worker = self._ctx.Process(
+            target=subprocess_main,
+            args=(index, self.hf_dir, self.config, settings, commands, weights, writer, log_path),
+            name=f"vllm-engine-{index}",
+            daemon=True,
+        )
+        worker.start()
+        writer.close()  # the engine holds the only write end: its death ends the pipe
+        self._events.add(index, reader)
+        return _Engine(index, commands, weights, worker, log_path=log_path)
+
     def _wait_ready(self) -> None:
         if self._sender is not None:
             return
-        while not all(e.max_model_len for e in self._engines):
+        while not all(e.ready for e in self._engines):
             self._handle(self._next_event())
         logger.info(
             "generator pool: %d engine(s) ready (%s, weight transport %s)",
@@ -234,13 +274,31 @@ class GeneratorPool:
                 RequestSpec(index, j, ids, max_tokens, temperature, top_p, self._budget(seed), seed)
                 for j, seed in enumerate(sample_seeds)
             ]
-            engine = min(self._engines, key=lambda e: e.outstanding)  # least loaded
-            engine.commands.put(("submit", specs))
-            engine.outstanding += n
-            if engine.oldest is None:
-                engine.oldest = self.version
+            self._assign(specs)
             indices.append(index)
         return indices
+
+    def _assign(self, specs: list[RequestSpec]) -> None:
+        """Hand one prompt's requests to the least loaded engine that runs the current
+        weights; without one they wait in ``_pending`` (see :meth:`_dispatch_pending`)."""
+        usable = [e for e in self._engines if e.current]
+        if not usable:
+            self._pending.extend(specs)
+            return
+        engine = min(usable, key=lambda e: e.outstanding)
+        engine.commands.put(("submit", specs))
+        engine.specs.update(((s.prompt_index, s.sample_index), s) for s in specs)
+        if engine.oldest is None:
+            engine.oldest = self.version
+
+    def _dispatch_pending(self) -> None:
+        """Resubmit the waiting requests, a prompt's samples together, in their order."""
+        pending, self._pending = self._pending, []
+        by_prompt: dict[int, list[RequestSpec]] = {}
+        for spec in pending:
+            by_prompt.setdefault(spec.prompt_index, []).append(spec)
+        for specs in by_prompt.values():
+            self._assign(specs)
 
     def poll(self, timeout: float = 0.0) -> list[Sample]:
         """Finished samples not returned yet, waiting up to ``timeout`` s for the first."""
@@ -255,7 +313,8 @@ class GeneratorPool:
         return done
 
     def generate(self, prompts: Sequence[Sequence[int]], **settings: Any) -> list[Sample]:
-        """Generate and wait: the samples of ``prompts`` ordered by (prompt, sample)."""
+        """Generate and wait: the samples of ``prompts`` ordered by (prompt, sample). Raises
+        ``WeightsNeeded`` (withdrawing its requests) when every engine waits for weights."""
         indices = set(self.submit(prompts, **settings))
         mine: list[Sample] = []
         expected = len(indices) * (
@@ -263,6 +322,15 @@ class GeneratorPool:
         )
         while len(mine) < expected:
             self._pump(_POLL_SECONDS)
+            if self.needs_weights() and not any(e.current for e in self._engines):
+                # No engine holds any of our requests now: withdraw them all, so that the
+                # caller can reweigh and call again (same seeds: the same samples).
+                self._pending = [s for s in self._pending if s.prompt_index not in indices]
+                self._done = [s for s in self._done if s.prompt_index not in indices]
+                raise WeightsNeeded(
+                    "generate(): every engine was restarted and waits for the current weights "
+                    "(GeneratorPool.reweigh); this call's requests were withdrawn"
+                )
             keep = []
             for sample in self._done:
                 (mine if sample.prompt_index in indices else keep).append(sample)
@@ -272,7 +340,7 @@ class GeneratorPool:
     @property
     def in_flight(self) -> int:
         """Samples submitted and not yet finished."""
-        return sum(e.outstanding for e in self._engines)
+        return sum(e.outstanding for e in self._engines) + len(self._pending)
 
     def oldest_version_in_flight(self) -> int | None:
         """The oldest policy version that produced a token still in flight (a lower bound:
@@ -286,17 +354,34 @@ class GeneratorPool:
         ``version``, ``requests`` / ``tokens`` in flight, ``oldest_version`` in flight."""
         self._check_open()
         self._status = {}
-        for engine in self._engines:
+        asked = [e for e in self._engines if e.ready]
+        for engine in asked:
             engine.commands.put(("status",))
-        while len(self._status) < len(self._engines):
+        # an engine that dies meanwhile (restarted: another object) answers no more
+        while any(e.index not in self._status and self._engines[e.index] is e for e in asked):
             self._pump(_POLL_SECONDS)
-        return [self._status[e.index] for e in self._engines]
+        idle = {"version": None, "requests": 0, "tokens": 0, "oldest_version": None}
+        return [
+            self._status.get(e.index)
+            or {**idle, "finished_tokens": self._finished_tokens.get(e.index, 0)}
+            for e in self._engines
+        ]
 
     def generated_tokens(self) -> int:
         """Response tokens generated so far by every request, finished or in flight (asks the
         engines, like ``engine_status``). The difference of two calls is the decoding work
         done in between (the compute clock splits a validation window by it)."""
         return sum(s["tokens"] + s["finished_tokens"] for s in self.engine_status())
+
+    def needs_weights(self) -> bool:
+        """Whether a restarted engine is ready and waits for the current weights
+        (:meth:`reweigh`)."""
+        return any(e.ready and not e.current for e in self._engines)
+
+    @property
+    def restarts(self) -> int:
+        """Engine restarts so far (all engines)."""
+        return self._restarts.total
 
     @property
     def staleness(self) -> int:
@@ -321,21 +406,46 @@ class GeneratorPool:
         kv_on_push = kv_on_push or self.config.kv_on_push
         if kv_on_push not in ("keep", "recompute"):
             raise ValueError(f"kv_on_push must be 'keep' or 'recompute', got {kv_on_push!r}")
-        version = self.version + 1
+        targets = [e for e in self._engines if e.ready]  # restarted ones: once they are up
+        return self._push(self.version + 1, buckets, targets, kv_on_push)
+
+    def reweigh(self, buckets: Iterable[WeightBucket]) -> PushStats:
+        """Load the current weights (``buckets``: the trainer's, as for :meth:`push_weights`)
+        into the restarted engines that wait for them (:meth:`needs_weights`), which then
+        take requests; the version does not change. Every bucket is consumed (the stream is
+        collective on the trainer's ranks) even when no engine waits any more."""
+        self._check_open()
+        targets = [e for e in self._engines if e.ready and not e.current]
+        return self._push(self.version, buckets, targets, "keep")
+
+    def _push(
+        self,
+        version: int,
+        buckets: Iterable[WeightBucket],
+        targets: list[_Engine],
+        kv_on_push: str,
+    ) -> PushStats:
+        """Load ``buckets`` into ``targets`` as policy ``version``. An engine that dies
+        meanwhile is restarted (it gets the weights later) and drops out of the push."""
         sender = self._sender
         start = time.perf_counter()
-        # No engine may keep the trainer waiting forever: one that died or failed raises at
-        # once (its event or its exit), one that hangs when the deadline passes.
+        # No engine may keep the trainer waiting forever: one that failed raises at once (its
+        # event), one that died is restarted or raises, one that hangs when the deadline passes.
         deadline = time.monotonic() + self.config.push_timeout_seconds
+        self._acks = {}
+        self._pushed = True  # an engine restarted from now on needs weights from the trainer
 
         def wait(index: int) -> None:
-            self._pump(0.0)  # raises if an engine failed or died
+            self._pump(0.0)  # raises if an engine failed, or died past its restarts
+            if not self._same(targets, index):
+                lanes.drop(index)
             self._check_deadline(deadline, f"engine {index} taking a weight bucket")
 
-        for engine in self._engines:
+        for engine in targets:
             engine.commands.put(("push", version, kv_on_push))
         tensors = nbytes = count = 0
-        with Fanout(self._engines, wait) as lanes:
+        lanes = Fanout(targets, wait)  # before any call of wait
+        with lanes:
             try:
                 for bucket in buckets:
                     lanes.put(sender.pack(bucket))
@@ -350,25 +460,40 @@ class GeneratorPool:
                 if not self._closed:  # a failed engine closed the pool: nobody to tell
                     lanes.put(None)
                     lanes.finish()
-        acks = self._wait_acks(version, deadline)
+        acks = self._wait_acks(version, targets, deadline)
         if count == 0:
             raise ValueError("push_weights got no buckets: this rank is not the stream's sender")
         self.version = version
+        for engine in targets:
+            if engine.index in acks and self._same(targets, engine.index):
+                engine.current = True
+        if self._pending:
+            self._dispatch_pending()
         return PushStats(
             version=version,
             tensors=tensors,
             bytes=nbytes,
             buckets=count,
             seconds=time.perf_counter() - start,
-            load_seconds=max(a[3] for a in acks),
+            load_seconds=max((a[3] for a in acks.values()), default=0.0),
         )
 
-    def _wait_acks(self, version: int, deadline: float) -> list[tuple]:
-        while len(self._acks.get(version, [])) < len(self._engines):
+    def _same(self, targets: list[_Engine], index: int) -> bool:
+        """Whether engine ``index`` of ``targets`` is still the same process (not restarted)."""
+        return any(e is self._engines[index] for e in targets if e.index == index)
+
+    def _wait_acks(self, version: int, targets: list[_Engine], deadline: float) -> dict:
+        """The ``pushed`` events of ``targets`` by engine index (not of those restarted)."""
+        while True:
+            acked = {a[1]: a for a in self._acks.get(version, [])}
+            waiting = [
+                e.index for e in targets if e.index not in acked and self._same(targets, e.index)
+            ]
+            if not waiting:
+                self._acks.pop(version, None)
+                return acked
             self._pump(_POLL_SECONDS)
-            waiting = {e.index for e in self._engines} - {a[1] for a in self._acks.get(version, [])}
-            self._check_deadline(deadline, f"engine(s) {sorted(waiting)} loading the weights")
-        return self._acks.pop(version)
+            self._check_deadline(deadline, f"engine(s) {waiting} loading the weights")
 
     def _watched(self, fn: Callable[[], None], deadline: float, what: str) -> None:
         """Run ``fn`` (a blocking collective with the engines) on a helper thread while this
@@ -433,8 +558,13 @@ class GeneratorPool:
         kind, index = event[0], event[1]
         engine = self._engines[index]
         if kind == "samples":
-            samples, engine.oldest = event[2], event[3]
-            engine.outstanding -= len(samples)
+            samples, engine.oldest = [], event[3]
+            for sample in event[2]:
+                if engine.specs.pop((sample.prompt_index, sample.sample_index), None) is None:
+                    # never expected: every request is returned by one engine, once
+                    logger.warning("engine %d returned a sample it was not given: dropped", index)
+                    continue
+                samples.append(sample)
             self._done.extend(samples)
             tokens = sum(len(s) for s in samples)
             self._finished_tokens[index] = self._finished_tokens.get(index, 0) + tokens
@@ -446,14 +576,55 @@ class GeneratorPool:
             self._status[index] = {**event[2], "finished_tokens": finished}
         elif kind == "ready":
             engine.max_model_len = event[2]["max_model_len"]
+            engine.ready = True
         elif kind == "transport":
             self._transport_acks.add(index)
 
     def _check_alive(self) -> None:
-        for engine in self._engines:
-            if not engine.worker.is_alive():
-                self.close()
-                raise RuntimeError(f"vLLM engine {engine.index} exited unexpectedly")
+        for engine in list(self._engines):
+            if not self._closed and not engine.worker.is_alive():
+                self._replace(engine)
+
+    def _replace(self, engine: _Engine) -> None:
+        """Engine ``engine`` died: handle what it sent, restart it (or raise when its
+        restarts are spent, or its placement cannot restart), resubmit its requests."""
+        config, index = self.config, engine.index
+        elastic = config.placement == "subprocess" and config.weight_transport == "host"
+        if isinstance(self._events, EventChannels):
+            for event in self._events.drain(index):  # its complete messages, in order
+                self._raise_on_error(event)
+                self._handle(event)
+        if not (elastic and self._restarts.take(index)):
+            devices = engine_devices(config, index)
+            devices = "cpu" if devices is None else f"GPUs {devices}"
+            if elastic:
+                message = refusal_message(
+                    index, config.placement, devices, self._restarts, engine.log_path
+                )
+            else:  # remote tasks and NCCL groups are not re-formed yet (issue 13)
+                message = (
+                    f"vLLM engine {index} exited unexpectedly (placement {config.placement}, "
+                    f"devices {devices}; restarts need placement subprocess and "
+                    "weight_transport host)"
+                )
+            self.close()
+            raise RuntimeError(message)
+        _bury(engine)
+        specs = list(engine.specs.values())
+        new = self._spawn(index, self._runner_settings)
+        new.max_model_len, new.current = engine.max_model_len, not self._pushed
+        self._engines[index] = new
+        logger.warning(
+            "vLLM engine %d exited unexpectedly (exit code %s): restarted (%d time(s) in the "
+            "last %g min); %d request(s) resubmitted",
+            index,
+            engine.worker.exitcode,
+            self._restarts.recent(index),
+            config.engine_restart_window_minutes,
+            len(specs),
+        )
+        self._pending.extend(specs)
+        self._dispatch_pending()
 
     # -- checks and shutdown ----------------------------------------------------------------
     def _budget(self, seed: int | None = None) -> int | None:
@@ -490,13 +661,29 @@ class GeneratorPool:
                 engine.commands.put(("stop",))
             except (ValueError, OSError):  # queue already closed
                 pass
+        deadline = time.monotonic() + _STOP_SECONDS
         for engine in engines:
-            engine.worker.join(timeout=30)
+            while engine.worker.is_alive() and time.monotonic() < deadline:
+                engine.worker.join(timeout=_POLL_SECONDS / 4)
+                self._discard_events()  # an engine process flushes its events as it stops
             if hasattr(engine.worker, "terminate") and engine.worker.is_alive():
                 engine.worker.terminate()
         if getattr(self, "_sender", None) is not None:  # e.g. the NCCL group's sender end
             self._sender.close()
             self._sender = None
+        if isinstance(getattr(self, "_events", None), EventChannels):
+            self._events.close()
+        if getattr(self, "_log_dir", None) is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            self._log_dir = None
+
+    def _discard_events(self) -> None:
+        events = getattr(self, "_events", None)
+        try:
+            while events is not None:
+                events.get_nowait()
+        except (queue.Empty, OSError, ValueError):  # none left, or the queue is closed
+            pass
 
     def __enter__(self) -> GeneratorPool:
         return self
@@ -514,6 +701,18 @@ def _check_one_rank_world() -> None:
             f"one-rank torch.distributed world (this one has {dist.get_world_size()}); "
             "use placement: subprocess"
         )
+
+
+def _bury(engine: _Engine) -> None:
+    """End what is left of a dead engine process's group (e.g. vLLM workers holding its
+    GPUs), so that its restart finds the devices free; drop its queues."""
+    try:
+        os.killpg(engine.worker.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    engine.worker.join(timeout=5)
+    for channel in (engine.commands, engine.weights):
+        channel.cancel_join_thread()  # nobody reads them any more: exit without flushing
 
 
 def _text_config(hf_dir: str):

@@ -9,9 +9,15 @@ from megatron_rl.rollout.samples import PushStats
 
 
 def push_megatron_weights(
-    pool, model, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+    pool,
+    model,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+    reweigh: bool = False,
 ) -> PushStats | None:
-    """Stream ``model``'s weights (HF names, full tensors) into ``pool``.
+    """Stream ``model``'s weights (HF names, full tensors) into ``pool``; ``reweigh``: only
+    into the restarted engines that wait for them, as the current version
+    (``GeneratorPool.reweigh``), else into every engine as the next version.
 
     Every rank of the trainer calls this (the TP / EP / PP gathers are collectives); the rank
     that holds the pool (the stream's sender: TP / EP / DP rank 0 of the first pipeline stage)
@@ -25,4 +31,4 @@ def push_megatron_weights(
                 "create the pool on the stream's sender rank"
             )
         return None
-    return pool.push_weights(buckets)
+    return pool.reweigh(buckets) if reweigh else pool.push_weights(buckets)

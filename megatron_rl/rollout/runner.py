@@ -10,7 +10,8 @@ both talk to the pool through queues:
 - ``commands``: ``("submit", [RequestSpec])``, ``("push", version, kv_on_push)``,
   ``("status",)``, ``("transport", init_info)``, ``("stop",)``;
 - ``weights``: a push's bucket update infos, then ``None`` (``get`` takes ``block=False``);
-- ``events`` (shared by all engines): ``("ready", i, info)``, ``("samples", i, [Sample],
+- ``events`` (one queue shared by in-process and remote engines; an engine process writes
+  to a pipe of its own, :mod:`megatron_rl.rollout.elastic`): ``("ready", i, info)``, ``("samples", i, [Sample],
   oldest)``, ``("pushed", i, version, paused_seconds, tensors, bytes, oldest)``,
   ``("status", i, dict)``, ``("transport", i)``, ``("error", i, traceback)``,
   ``("stopped", i)``. ``oldest`` is the oldest policy version
@@ -319,18 +320,38 @@ def subprocess_main(
     commands,
     weights,
     events,
+    log_path: str | None = None,
 ) -> None:
-    """Entry point of an engine process (``placement: subprocess``)."""
+    """Entry point of an engine process (``placement: subprocess``). ``events``: the write
+    end of this engine's event pipe (:mod:`megatron_rl.rollout.elastic`); ``log_path``: a
+    file that gets a copy of the process's output (its tail names the cause of a death)."""
+    # Its own process group: a dead engine's helpers (vLLM workers) go with it on restart.
+    os.setpgrp()
+    if log_path is not None:
+        from megatron_rl.rollout.elastic import tee_output
+
+        tee_output(log_path)
     # The engine forms its own one-process world; the trainer's launcher variables would
     # only confuse it.
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)
     if config.gpu_ids is not None:  # before anything initialises CUDA
-        tp = config.tensor_parallel
-        mine = config.gpu_ids[index * tp : (index + 1) * tp]
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in mine)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine_devices(config, index))
     logging.basicConfig(level=logging.WARNING)
     from megatron_rl.platform import exit_with_parent
+    from megatron_rl.rollout.elastic import EventWriter
 
     exit_with_parent()
-    run_engine(index, hf_dir, config, settings, commands, weights.get, events)
+    writer = EventWriter(events)
+    try:
+        run_engine(index, hf_dir, config, settings, commands, weights.get, writer)
+    finally:
+        writer.close()
+
+
+def engine_devices(config: RolloutConfig, index: int) -> list[int] | None:
+    """The GPUs of engine ``index`` (``rollout.gpu_ids``), None: no GPU list (CPU)."""
+    if config.gpu_ids is None:
+        return None
+    tp = config.tensor_parallel
+    return list(config.gpu_ids[index * tp : (index + 1) * tp])

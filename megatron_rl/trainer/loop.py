@@ -6,13 +6,16 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.platform import collectives, get_platform
+from megatron_rl.rollout.elastic import WeightsNeeded
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.compute import generation_share
@@ -90,7 +93,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
     try:
         while step < config.training.max_steps:
             t0 = time.perf_counter()
-            batch = collectives.broadcast_object(next_batch(run, source, pool) if main else None)
+            batch = on_every_rank(run, pool, main, lambda: next_batch(run, source, pool))
             if batch is None:  # every prompt retired, or the GPU-hour budget spent
                 break
             samples, info, wants_push = batch
@@ -114,7 +117,9 @@ def train(config: RunConfig, run_dir: Path) -> int:
             step = run.step = step + 1
             t2 = time.perf_counter()
             push = push_weights(run, pool) if wants_push else None
-            probed = probe.after_push(run.ddp, pool, step, wants_push)
+            probed = probe.after_push(
+                run.ddp, pool, step, wants_push, lambda make: on_every_rank(run, pool, main, make)
+            )
             if main:
                 record = step_record(run, step, info, result, t0, t1, t2, push, pool)
                 record.update(source.generator_load())  # over this step
@@ -159,9 +164,32 @@ def train(config: RunConfig, run_dir: Path) -> int:
     return 0
 
 
+REWEIGH = "reweigh"  # the main rank's answer instead of a value: restarted engines wait
+
+
+def on_every_rank(run: Run, pool, main: bool, make: Callable[[], Any]) -> Any:
+    """``make()`` on the main rank (it drives the pool), broadcast to every rank. While the
+    main rank waits on the pool, restarted engines may wait for the current weights (elastic
+    engines, ``WeightsNeeded``): then every rank streams the weights again into those
+    engines (a collective, like a push), and ``make`` is called again (it resumes)."""
+    while True:
+        value = collectives.broadcast_object(_or_reweigh(make, pool) if main else None)
+        if not (isinstance(value, str) and value == REWEIGH):
+            return value
+        push_weights(run, pool, reweigh=True)
+
+
+def _or_reweigh(make: Callable[[], Any], pool) -> Any:
+    try:
+        return make()
+    except WeightsNeeded:
+        logger.info("re-sending the weights of version %d to restarted engines", pool.version)
+        return REWEIGH
+
+
 def next_batch(run: Run, source: RolloutSource, pool):
     """(samples, info, wants_push) of the next step, or None when training must end (main
-    rank only)."""
+    rank only); raises ``WeightsNeeded`` (see :func:`on_every_rank`)."""
     if _budget_spent(run):
         logger.info("GPU-hour budget spent: stopping at step %d", run.step)
         return None
@@ -421,13 +449,15 @@ def start_generators(run: Run, step: int):
     return pool
 
 
-def push_weights(run: Run, pool):
-    """Stream the trainer's weights (HF names, full tensors, bounded buckets) into the pool.
-    Every rank calls this (the gathers are collectives); ``pool`` is None off the main rank."""
+def push_weights(run: Run, pool, reweigh: bool = False):
+    """Stream the trainer's weights (HF names, full tensors, bounded buckets) into the pool
+    (``reweigh``: into restarted engines only, see ``GeneratorPool.reweigh``). Every rank
+    calls this (the gathers are collectives); ``pool`` is None off the main rank."""
     from megatron_rl.rollout.push import push_megatron_weights
 
+    bucket_bytes = run.config.rollout.weight_bucket_bytes
     with torch.no_grad():
-        return push_megatron_weights(pool, run.model, run.config.rollout.weight_bucket_bytes)
+        return push_megatron_weights(pool, run.model, bucket_bytes, reweigh=reweigh)
 
 
 def save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:
@@ -468,6 +498,7 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         "gen_wait_seconds": gen_seconds,
         "step_seconds": time.perf_counter() - t0,
         "policy_version": pool.version,
+        "engine_restarts": pool.restarts,  # so far: engines that died and were restarted
     }
     if result.expert_load is not None:
         record.update(result.expert_load.summary())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,14 +111,26 @@ class LogprobProbe:
         self._last_push = step
         return due
 
-    def after_push(self, model, pool, step: int, pushed: bool) -> ProbeResult | None:
+    def after_push(
+        self,
+        model,
+        pool,
+        step: int,
+        pushed: bool,
+        share: Callable[[Callable[[], Any]], Any] | None = None,
+    ) -> ProbeResult | None:
         """Probe the push that ended ``step`` if due. Every rank calls this (``pool``: None
-        off the main rank); returns the same result on every rank, or None."""
+        off the main rank); returns the same result on every rank, or None. ``share(make)``:
+        ``make()`` on the main rank, broadcast to every rank (default: a plain broadcast;
+        the loop's also re-sends weights to restarted engines when they wait for them)."""
         if not self.due(step, pushed):
             return None
         start = time.perf_counter()
-        generated = self.generate(pool, step) if pool is not None else None
-        version, samples, discarded = collectives.broadcast_object(generated)
+        if share is None:
+            share = lambda make: collectives.broadcast_object(make())  # noqa: E731
+        version, samples, discarded = share(
+            lambda: self.generate(pool, step) if pool is not None else None
+        )
         gap, tokens, max_gap = measure_gap(
             model, samples, version, self.temperature, self.token_multiple
         )

@@ -1,0 +1,333 @@
+"""Elastic engines without vLLM: event pipes that survive a killed writer, the restart budget
+and its message, and the pool's bookkeeping of a dead engine's requests (fake engines on
+real pipes, the real GeneratorPool). The SIGKILL of a real engine process in a training run
+is in test_trainer_loop.py."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import struct
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl.rollout import pool as pool_module
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.elastic import (
+    EventChannels,
+    EventWriter,
+    RestartBudget,
+    WeightsNeeded,
+    refusal_message,
+)
+from megatron_rl.rollout.fanout import Fanout
+from megatron_rl.rollout.samples import Sample
+
+
+def _channel(channels: EventChannels, index: int) -> EventWriter:
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    channels.add(index, reader)
+    return EventWriter(writer)
+
+
+def _die_writing(writer: EventWriter, event: tuple | None) -> None:
+    """The engine process is killed: what it put so far is written, then ``event`` (if any)
+    only half, then its end of the pipe closes."""
+    writer.flush()
+    if event is not None:
+        data = pickle.dumps(event)
+        frame = struct.pack("!Q", len(data)) + data
+        os.write(writer._conn.fileno(), frame[: len(frame) // 2])
+    writer._conn.close()
+
+
+def test_a_dead_writers_complete_events_are_read_and_its_half_message_dropped():
+    channels = EventChannels()
+    reader, conn = multiprocessing.Pipe(duplex=False)
+    channels.add(0, reader)
+    other = _channel(channels, 1)
+    writer = EventWriter(conn)
+    writer.put(("samples", 0, ["a"], 0))
+    writer.put(("status", 0, {"n": 1}))
+    other.put(("ready", 1, {}))
+    _die_writing(writer, ("samples", 0, ["half"], 0))
+    got = []
+    while True:
+        try:
+            got.append(channels.get(timeout=0.5))
+        except queue.Empty:
+            break
+    # each engine's events in order; the half-written one never shows up
+    assert [e for e in got if e[1] == 0] == [("samples", 0, ["a"], 0), ("status", 0, {"n": 1})]
+    assert ("ready", 1, {}) in got
+    assert channels.drain(0) == []  # nothing complete is left; the channel is closed
+    other.close()
+    channels.close()
+
+
+def test_drain_returns_the_unread_events_of_one_engine_in_order():
+    channels = EventChannels()
+    a, b = _channel(channels, 0), _channel(channels, 1)
+    for n in range(3):
+        a.put(("samples", 0, [n], 0))
+        b.put(("samples", 1, [n], 0))
+    a.close(), b.close()
+    first = channels.get(timeout=1)  # reads what both pipes hold
+    assert first[0] == "samples"
+    rest_a = channels.drain(0)
+    seen_a = ([first] if first[1] == 0 else []) + rest_a
+    assert [e[2] for e in seen_a] == [[0], [1], [2]]
+    seen_b = ([first] if first[1] == 1 else []) + [
+        channels.get(0) for _ in range(3 - (first[1] == 1))
+    ]
+    assert [e[2] for e in seen_b] == [[0], [1], [2]]
+    with pytest.raises(queue.Empty):
+        channels.get(0)
+    channels.close()
+
+
+def test_restart_budget_counts_within_the_window():
+    now = [0.0]
+    budget = RestartBudget(2, 60.0, clock=lambda: now[0])
+    assert budget.take(0) and budget.take(0)
+    assert not budget.take(0)  # a third within a minute
+    assert budget.take(1)  # per engine
+    now[0] = 61.0  # the first two left the window
+    assert budget.recent(0) == 0 and budget.take(0)
+    assert budget.total == 4
+    assert not RestartBudget(0, 60.0).take(0)
+
+
+def test_refusal_message_names_the_engine_the_keys_and_the_log_tail(tmp_path):
+    log = tmp_path / "engine-3.log"
+    log.write_text("".join(f"line {i}\n" for i in range(1, 31)))
+    budget = RestartBudget(1, 1800.0)
+    budget.take(3)
+    text = refusal_message(3, "subprocess", "GPUs [6, 7]", budget, str(log))
+    assert "vLLM engine 3 exited unexpectedly (placement subprocess, devices GPUs [6, 7])" in text
+    assert "restarted 1 time(s) in the last 30 min" in text
+    assert "rollout.engine_max_restarts is 1" in text
+    assert "rollout.engine_restart_window_minutes 30" in text
+    tail = text.split(f"({log}):\n")[1].splitlines()
+    assert tail == [f"line {i}" for i in range(11, 31)]  # the last 20 lines
+
+
+def test_fanout_drops_a_dead_engines_lane_and_delivers_to_the_others():
+    live, dead = queue.Queue(), queue.Queue(maxsize=1)
+    dead.put("never taken")  # a dead engine takes nothing
+    engines = [SimpleNamespace(index=0, weights=live), SimpleNamespace(index=1, weights=dead)]
+    waited = []
+
+    def wait(index):
+        waited.append(index)
+        lanes.drop(index)
+
+    lanes = Fanout(engines, wait)
+    with lanes:
+        for item in ("b0", "b1", "b2", None):
+            lanes.put(item)
+        lanes.finish()
+    assert [live.get_nowait() for _ in range(4)] == ["b0", "b1", "b2", None]
+    assert set(waited) == {1}
+
+
+# -- the pool's bookkeeping, on fake engines ------------------------------------------------
+
+
+class FakeProcess:
+    def __init__(self):
+        self.alive, self.exitcode, self.pid = True, None, -1
+
+    def is_alive(self):
+        return self.alive
+
+    def join(self, timeout=None):
+        pass
+
+
+class FakeEngines:
+    """Stands in for ``GeneratorPool._spawn``: engine i's "process" is this test, which reads
+    its commands and writes its events into a real pipe."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.writers: dict[int, EventWriter] = {}
+        self.spawned: list[int] = []
+
+    def spawn(self, pool, index, settings):
+        self.spawned.append(index)
+        self.writers[index] = _channel(pool._events, index)
+        log = self.tmp_path / f"engine-{index}.log"
+        log.write_text(f"engine {index} incarnation {self.spawned.count(index)}\nboom\n")
+        engine = pool_module._Engine(
+            index, queue.Queue(), queue.Queue(2), FakeProcess(), log_path=str(log)
+        )
+        self.writers[index].put(("ready", index, {"max_model_len": 64}))
+        return engine
+
+    def start(self, pool, settings):
+        pool._events = EventChannels()
+        return [pool._spawn(i, settings) for i in range(pool.config.engines)]
+
+    def kill(self, pool, index, half: tuple | None = None):
+        """The process dies; ``half``: an event it was writing at that moment."""
+        _die_writing(self.writers.pop(index), half)
+        pool._engines[index].worker.alive = False
+
+
+@pytest.fixture
+def fake_pool(tmp_path, monkeypatch):
+    fakes = FakeEngines(tmp_path)
+    hf = SimpleNamespace(vocab_size=100, eos_token_id=2)
+    monkeypatch.setattr(pool_module, "_text_config", lambda hf_dir: hf)
+    monkeypatch.setattr(pool_module, "_bury", lambda engine: None)
+    monkeypatch.setattr(pool_module.GeneratorPool, "_start_engines", lambda p, s: fakes.start(p, s))
+    monkeypatch.setattr(pool_module.GeneratorPool, "_spawn", lambda p, i, s: fakes.spawn(p, i, s))
+    config = RolloutConfig(
+        engines=2, placement="subprocess", samples_per_prompt=2, engine_max_restarts=1
+    )
+    pool = pool_module.GeneratorPool("unused", config)
+    yield pool, fakes
+    pool.close()
+
+
+def _submitted(engine) -> list:
+    specs = []
+    while True:
+        try:
+            command = engine.commands.get_nowait()
+        except queue.Empty:
+            return specs
+        if command[0] == "submit":
+            specs.extend(command[1])
+
+
+def _returned(spec, version: int) -> Sample:
+    sample = Sample(spec.prompt_index, spec.sample_index, list(spec.prompt_ids))
+    sample.append([5], [-0.5], version, True)
+    return sample
+
+
+def _serve_one_push(pool, fakes, index, pushes):
+    """The restarted engine's side of a push: the command, the buckets, the ack."""
+    engine = pool._engines[index]
+
+    def run():
+        command = engine.commands.get(timeout=30)
+        assert command[0] == "push"
+        while engine.weights.get(timeout=30) is not None:
+            pass
+        pushes.append(command[1])
+        fakes.writers[index].put(("pushed", index, command[1], 0.0, 1, 16, None))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_dead_engines_requests_are_resubmitted_exactly_once_each(fake_pool):
+    import torch
+
+    pool, fakes = fake_pool
+    pool._pushed, pool.version = True, 4  # the HF directory's weights are stale now
+    indices = pool.submit([[10, 11], [12], [13, 14, 15]], seeds=[7, 8, 9])
+    by_engine = {e.index: _submitted(e) for e in pool._engines}
+    assert sorted(len(s) for s in by_engine.values()) == [2, 4]
+    victim = max(by_engine, key=lambda i: len(by_engine[i]))
+    survivor = 1 - victim
+    lost = by_engine[victim]
+    # one sample comes back whole; the next is half written when the process is killed
+    fakes.writers[victim].put(("samples", victim, [_returned(lost[0], 4)], 4))
+    fakes.kill(pool, victim, half=("samples", victim, [_returned(lost[1], 4)], 4))
+    got = pool.poll(timeout=2)
+    assert [(s.prompt_index, s.sample_index) for s in got] == [
+        (lost[0].prompt_index, lost[0].sample_index)
+    ]
+    assert fakes.spawned == [0, 1, victim] and pool.restarts == 1
+    resubmitted = _submitted(pool._engines[survivor])
+    assert resubmitted == lost[1:]  # the same requests (seeds, budgets), none twice
+    assert pool.in_flight == len(lost) - 1 + len(by_engine[survivor])
+    # the restarted engine is up but runs stale weights: it takes nothing until reweighed
+    pool.poll(timeout=0.5)
+    assert pool.needs_weights() and not pool._engines[victim].current
+    pushes = []
+    thread = _serve_one_push(pool, fakes, victim, pushes)
+    stats = pool.reweigh(iter([[("w", torch.zeros(4))]]))
+    thread.join(30)
+    assert pushes == [4] and stats.version == pool.version == 4  # the current version
+    assert not pool.needs_weights() and pool._engines[victim].current
+    assert _submitted(pool._engines[survivor]) == []  # the reweigh went to the restarted only
+    # everything comes back once: the survivor returns its own and the resubmitted requests
+    todo = by_engine[survivor] + resubmitted
+    fakes.writers[survivor].put(("samples", survivor, [_returned(s, 4) for s in todo], 4))
+    got += pool.poll(timeout=2)
+    want = {(i, j) for i in indices for j in range(2)}
+    assert sorted((s.prompt_index, s.sample_index) for s in got) == sorted(want)
+    assert pool.in_flight == 0
+
+
+def test_requests_wait_when_no_engine_runs_the_current_weights(fake_pool):
+    pool, fakes = fake_pool
+    pool._pushed = True
+    pool.submit([[10]], seeds=[1])
+    owner = next(e.index for e in pool._engines if _submitted(e))
+    for index in (0, 1):
+        fakes.kill(pool, index)
+    pool.poll(timeout=0.5)  # both restarted: the request waits in the pool
+    assert pool.restarts == 2 and pool.in_flight == 2 and len(pool._pending) == 2
+    assert all(_submitted(e) == [] for e in pool._engines)
+    pool.poll(timeout=0.5)  # the restarted engines are ready, with stale weights
+    with pytest.raises(WeightsNeeded):
+        pool.generate([[20]])
+    assert len(pool._pending) == 2 and pool.in_flight == 2  # generate's request withdrawn
+    assert owner in (0, 1)
+
+
+def test_one_death_too_many_fails_with_the_engine_and_its_log(fake_pool):
+    pool, fakes = fake_pool
+    fakes.kill(pool, 1)
+    pool.poll(timeout=0.5)
+    assert pool.restarts == 1
+    fakes.kill(pool, 1)  # the second within the window; engine_max_restarts is 1
+    with pytest.raises(RuntimeError) as err:
+        pool.poll(timeout=0.5)
+    text = str(err.value)
+    assert "vLLM engine 1 exited unexpectedly (placement subprocess, devices cpu)" in text
+    assert "engine 1 incarnation 2\nboom" in text
+
+
+def test_in_process_engines_are_not_restarted():
+    pool = pool_module.GeneratorPool.__new__(pool_module.GeneratorPool)
+    pool.config = RolloutConfig(placement="in_process")
+    pool._closed, pool._events = False, queue.Queue()
+    pool._restarts = RestartBudget(3, 60.0)
+    dead = FakeProcess()
+    dead.alive = False
+    pool._engines = [pool_module._Engine(0, queue.Queue(), queue.Queue(), dead)]
+    with pytest.raises(RuntimeError, match="vLLM engine 0 exited unexpectedly.*in_process"):
+        pool._check_alive()
+
+
+def test_an_engine_process_output_goes_to_its_console_and_its_log(tmp_path):
+    """``tee_output`` in a fresh process (it rewires file descriptors 1 and 2): Python
+    prints and raw writes reach both the process's own stdout / stderr and the log."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "engine-0.log"
+    code = (
+        "import os, sys, time\n"
+        "from megatron_rl.rollout.elastic import tee_output\n"
+        f"tee_output({str(log)!r})\n"
+        "print('from python', flush=True)\n"
+        "os.write(2, b'raw stderr\\n')\n"
+        "time.sleep(0.5)\n"  # the copying threads are daemons
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "from python\n" and proc.stderr == "raw stderr\n"
+    assert sorted(log.read_text().splitlines()) == ["from python", "raw stderr"]
