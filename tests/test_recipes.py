@@ -74,7 +74,9 @@ def test_scalerl_scout_uses_expert_parallelism():
     assert {k for k in diff_keys(load("scalerl_8b"), cfg) if k.startswith("rollout")} == {
         "rollout.engines",
         "rollout.tensor_parallel",
+        "rollout.expert_parallel",  # each engine GPU holds whole experts
     }
+    assert cfg.rollout.expert_parallel and cfg.rollout.tensor_parallel >= 2
 
 
 # recipe -> (loss, eps_low, eps_high, aggregation, normalization, off-policy mode, k or lag,
