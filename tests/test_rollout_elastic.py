@@ -139,10 +139,15 @@ def test_fanout_drops_a_dead_engines_lane_and_delivers_to_the_others():
 
 
 class FakeProcess:
-    def __init__(self):
+    """Alive until killed, or until told to stop (a ``("stop",)`` in its ``commands``)."""
+
+    def __init__(self, commands: queue.Queue | None = None):
         self.alive, self.exitcode, self.pid = True, None, -1
+        self.commands = commands
 
     def is_alive(self):
+        if self.commands is not None and ("stop",) in list(self.commands.queue):
+            self.alive = False
         return self.alive
 
     def join(self, timeout=None):
@@ -163,8 +168,9 @@ class FakeEngines:
         self.writers[index] = _channel(pool._events, index)
         log = self.tmp_path / f"engine-{index}.log"
         log.write_text(f"engine {index} incarnation {self.spawned.count(index)}\nboom\n")
+        commands = queue.Queue()
         engine = pool_module._Engine(
-            index, queue.Queue(), queue.Queue(2), FakeProcess(), log_path=str(log)
+            index, commands, queue.Queue(2), FakeProcess(commands), log_path=str(log)
         )
         self.writers[index].put(("ready", index, {"max_model_len": 64}))
         return engine
