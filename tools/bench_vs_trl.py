@@ -175,9 +175,9 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = make_model(Path(tmp))
-        runs = {"megatron_rl": ours, "TRL": trl}
-        for name, fn in runs.items():
-            if args.only and name != {"ours": "megatron_rl", "trl": "TRL"}[args.only]:
+        runs = {"ours": ("megatron_rl", ours), "trl": ("TRL", trl)}
+        for key, (name, fn) in runs.items():
+            if args.only not in (None, key):
                 continue
             tokens, seconds = fn(hf_dir, args.steps, args.skip, Path(tmp) / name)
             results[name] = tokens / seconds
