@@ -22,7 +22,7 @@ from megatron_rl.rollout.config import InterruptionConfig, RolloutConfig
 from megatron_rl.rollout.parity import megatron_from_hf, perturb_
 from megatron_rl.rollout.push import push_megatron_weights
 from megatron_rl.trainer import routing_replay
-from megatron_rl.trainer.batch import TrainSample
+from megatron_rl.trainer.batch import TrainSample, plan_micro_batches
 from megatron_rl.trainer.optim import wrap_model
 from megatron_rl.trainer.step import policy_update
 
@@ -49,10 +49,11 @@ class RouterChoices:
 
         return hook
 
-    def mismatches(self, samples) -> tuple[int, int]:
-        """(position-layer pairs whose experts differ from the generator's rows, pairs compared)."""
+    def mismatches(self, samples, columns) -> tuple[int, int]:
+        """(position-layer pairs whose experts differ from the generator's rows, pairs compared);
+        sample ``s`` is column ``columns[s]`` of the micro-batch."""
         bad = total = 0
-        for i, s in enumerate(samples):
+        for s, i in zip(samples, columns):
             rows = torch.from_numpy(s.routed_experts.astype(np.int64))
             for layer in MOE_LAYERS:
                 ours = self.choices[layer][: len(rows), i]
@@ -169,7 +170,11 @@ def test_trainer_replays_the_generators_experts(tiny_hf_dirs, megatron_single_ra
             hooks.close()
             for router, rr in saved:
                 router.router_replay = rr
-        return hooks.mismatches(samples), result
+        # the one micro-batch holds the longest samples first
+        order = plan_micro_batches(
+            [len(t.prompt_tokens) + len(t.response_tokens) for t in batch], len(batch)
+        )[0]
+        return hooks.mismatches(samples, [order.index(i) for i in range(len(batch))]), result
 
     # (1) same weights on both sides: the trainer's own routing is vLLM's (fp32; a near-tie
     # may flip one)

@@ -13,7 +13,12 @@ from megatron_rl.models import ModelConfig
 from megatron_rl.models.logprobs import token_logprobs
 from megatron_rl.models.provider import build_model
 from megatron_rl.platform import ParallelConfig
-from megatron_rl.trainer.batch import TrainSample, make_micro_batches, token_multiple
+from megatron_rl.trainer.batch import (
+    TrainSample,
+    make_micro_batches,
+    plan_micro_batches,
+    token_multiple,
+)
 from megatron_rl.trainer.optim import build_optimizer, wrap_model
 from megatron_rl.trainer.step import (
     LogprobGapError,
@@ -98,6 +103,22 @@ def test_micro_batching_gives_the_same_update(model):
         full, _ = params_after(model, samples, algo, micro_batch_size=len(samples))
         split, _ = params_after(model, samples, algo, micro_batch_size=5)
         assert torch.allclose(full, split, atol=1e-6), agg
+        longest = max(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
+        budget, _ = params_after(model, samples, algo, None, micro_batch_tokens=3 * longest)
+        assert torch.allclose(full, budget, atol=1e-6), agg
+
+
+def test_micro_batches_take_the_longest_first_and_fill_the_token_budget():
+    lengths = [10, 40, 12, 38, 20, 5]  # longest first: indices 1, 3, 4, 2, 0, 5
+    assert plan_micro_batches(lengths, tokens=80) == [[1, 3], [4, 2, 0, 5]]  # 2 x 40, 4 x 20
+    assert plan_micro_batches(lengths, tokens=79) == [[1], [3, 4], [2, 0, 5]]  # 2 x 38, 3 x 12
+    # FP8 rounding: widths 48, 48, 32: two of 48, three of 32 fit 96
+    assert plan_micro_batches(lengths, tokens=96, multiple=16) == [[1, 3], [4, 2, 0], [5]]
+    assert plan_micro_batches(lengths, size=4) == [[1, 3, 4, 2], [0, 5]]
+    assert plan_micro_batches([100, 3], tokens=50) == [[0], [1]]  # too long: one of its own
+    assert plan_micro_batches([7, 7, 7], tokens=14) == [[0, 1], [2]]  # ties keep their order
+    with pytest.raises(ValueError, match="give size or tokens"):
+        plan_micro_batches(lengths, size=2, tokens=80)
 
 
 def test_zero_variance_groups_contribute_nothing(model):
@@ -135,7 +156,8 @@ def test_interruption_tokens_get_no_loss(model):
     samples[0].policy_mask[0] = False
     adv, keep = advantages_and_keep(samples, AlgorithmConfig())
     mb = make_micro_batches(samples, adv, keep, 8)[0]
-    assert mb.loss_mask.tolist() == samples[0].policy_mask + samples[1].policy_mask
+    for i, sample in enumerate(samples):  # the micro-batch holds the longest first
+        assert mb.loss_mask[mb.sample_ids == i].tolist() == sample.policy_mask
     assert int(mb.select.sum()) == mb.loss_mask.numel()
 
 
@@ -268,8 +290,8 @@ def test_update_in_a_parallel_layout_equals_one_rank(preset, layout, tiny_hf_dir
 
 def routed_tokens(samples, layout: dict, micro_batch_size: int, world: int) -> float:
     """Tokens one MoE layer routes in a step, by hand: each data-parallel rank's groups in
-    micro-batches padded to their longest sequence (to a multiple of TP under sequence
-    parallelism), plus the 2-token empty micro-batches of ranks with fewer."""
+    micro-batches (longest sequences first) padded to their longest sequence (to a multiple of
+    TP under sequence parallelism), plus the 2-token empty micro-batches of ranks with fewer."""
     tp = layout.get("tensor", 1)
     dp = world // (tp * layout.get("pipeline", 1))
     multiple = tp if layout.get("sequence_parallel") else 1
@@ -277,6 +299,7 @@ def routed_tokens(samples, layout: dict, micro_batch_size: int, world: int) -> f
     per_rank = []
     for r in range(dp):
         mine = [s for s in samples if s.group % dp == r]
+        mine.sort(key=lambda s: -(len(s.prompt_tokens) + len(s.response_tokens)))
         chunks = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
         lengths = [
             pad(max(len(s.prompt_tokens) + len(s.response_tokens) for s in c)) for c in chunks

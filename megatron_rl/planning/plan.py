@@ -152,7 +152,7 @@ class Plan:
 def micro_batch_shape(config) -> tuple[int, int]:
     """(tokens, sequence length) of the largest micro-batch the trainer builds: sequences of
     the longest length, as many as ``batch.micro_batch_tokens`` holds (at least one;
-    ``megatron_rl.trainer.loop._micro_batch``), or ``batch.micro_batch_size`` of them."""
+    ``megatron_rl.trainer.batch.plan_micro_batches``), or ``batch.micro_batch_size`` of them."""
     longest = config.data.max_prompt_tokens + config.max_response_tokens()
     if config.batch.micro_batch_size:
         count = config.batch.micro_batch_size

@@ -125,27 +125,58 @@ def flat_response_tensors(
     }
 
 
+def plan_micro_batches(
+    lengths: Sequence[int],
+    size: int | None = None,
+    tokens: int | None = None,
+    multiple: int = 1,
+) -> list[list[int]]:
+    """Which samples form each micro-batch: lists of indices into ``lengths`` (each sample's
+    prompt + response length), longest first, so that the sequences of a micro-batch have
+    similar lengths and little padding (the order of the samples does not change the loss:
+    it is a sum with batch-wide normalisers). Exactly one of ``size`` (that many sequences
+    each) and ``tokens`` (as many as fit ``tokens`` once padded to the micro-batch's longest,
+    ``multiple``-rounded; a sequence longer than that gets a micro-batch of its own)."""
+    if (size is None) == (tokens is None):
+        raise ValueError(f"plan_micro_batches: give size or tokens, got {size!r} and {tokens!r}")
+    if (size if tokens is None else tokens) < 1:
+        raise ValueError(f"plan_micro_batches: size {size!r} / tokens {tokens!r} below 1")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep order
+    if size is not None:
+        return [order[start : start + size] for start in range(0, len(order), size)]
+    plan: list[list[int]] = []
+    width = 0  # the padded length of the current micro-batch (its first, longest sequence)
+    for i in order:
+        if not plan or (len(plan[-1]) + 1) * width > tokens:
+            plan.append([])
+            width = padded_length(lengths[i], multiple)
+        plan[-1].append(i)
+    return plan
+
+
 def make_micro_batches(
     samples: Sequence[TrainSample],
     advantages: torch.Tensor,
     keep: torch.Tensor,
-    micro_batch_size: int,
+    micro_batch_size: int | None = None,
     pad_id: int = 0,
     ids: Sequence[int] | None = None,
     monitor_version: int | None = None,
     multiple: int = 1,
+    micro_batch_tokens: int | None = None,
 ) -> list[MicroBatch]:
-    """Split samples (in order) into micro-batches of ``micro_batch_size`` sequences, each
-    padded to a length that is a ``multiple`` (see :func:`token_multiple`)."""
+    """Split samples into micro-batches as :func:`plan_micro_batches` groups them (by
+    ``micro_batch_size`` sequences or a ``micro_batch_tokens`` budget), each padded to a
+    length that is a ``multiple`` (see :func:`token_multiple`)."""
     ids = list(range(len(samples))) if ids is None else list(ids)
+    lengths = [len(s.prompt_tokens) + len(s.response_tokens) for s in samples]
     batches = []
-    for start in range(0, len(samples), micro_batch_size):
-        chunk = samples[start : start + micro_batch_size]
+    for part in plan_micro_batches(lengths, micro_batch_size, micro_batch_tokens, multiple):
+        chunk = [samples[i] for i in part]
         pairs = [(s.prompt_tokens, s.response_tokens) for s in chunk]
         tokens, select = right_padded(pairs, pad_id, multiple)
-        part = slice(start, start + micro_batch_size)
         flat = flat_response_tensors(
-            chunk, advantages[part], keep[part], ids[part], monitor_version
+            chunk, advantages[part], keep[part], [ids[i] for i in part], monitor_version
         )
         batches.append(
             MicroBatch(

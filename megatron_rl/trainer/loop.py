@@ -106,7 +106,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
                     run.optim.optimizer,
                     samples,
                     config.algorithm,
-                    _micro_batch(config, samples),
+                    config.batch.micro_batch_size,
+                    micro_batch_tokens=config.batch.micro_batch_tokens,
                     temperature=config.rollout.temperature,
                     monitor_version=info["generator_version"] if synced else None,
                     max_logprob_gap=gap_limit,
@@ -554,13 +555,6 @@ def _lag(config: RunConfig) -> int:
         if config.off_policy.mode == "pipeline_rl"
         else config.off_policy.k
     )
-
-
-def _micro_batch(config: RunConfig, samples: list[TrainSample]) -> int:
-    if config.batch.micro_batch_size:
-        return config.batch.micro_batch_size
-    longest = max((len(s.prompt_tokens) + len(s.response_tokens) for s in samples), default=1)
-    return max(1, config.batch.micro_batch_tokens // longest)
 
 
 def _budget_spent(run: Run) -> bool:

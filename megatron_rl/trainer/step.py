@@ -98,11 +98,12 @@ def policy_update(
     optimizer,
     samples: Sequence[TrainSample],
     algo: AlgorithmConfig,
-    micro_batch_size: int,
+    micro_batch_size: int | None = None,
     temperature: float = 1.0,
     monitor_version: int | None = None,
     max_logprob_gap: float | None = None,
     token_multiple: int = 1,
+    micro_batch_tokens: int | None = None,
 ) -> StepResult:
     """One optimizer step on the step's whole batch (``samples``, the same on every rank).
 
@@ -115,7 +116,9 @@ def policy_update(
     The log-prob gap is measured on the samples generated entirely by ``monitor_version``
     (the trainer's current weights; None: the trainer is ahead of every sample): above
     ``max_logprob_gap`` :class:`LogprobGapError` is raised before the optimizer steps.
-    Micro-batch lengths are padded to a ``token_multiple`` (FP8, see ``batch.token_multiple``).
+    Micro-batches hold ``micro_batch_size`` sequences or fill a ``micro_batch_tokens`` budget,
+    longest sequences first (``batch.plan_micro_batches``); their lengths are padded to a
+    ``token_multiple`` (FP8, see ``batch.token_multiple``).
     """
     from megatron.core import parallel_state
 
@@ -174,6 +177,7 @@ def policy_update(
         ids=mine,
         monitor_version=monitor_version,
         multiple=token_multiple,
+        micro_batch_tokens=micro_batch_tokens,
     )
     monitor = expert_load_monitor(model)  # None for a dense model
     with monitor.recording() if monitor else contextlib.nullcontext():
