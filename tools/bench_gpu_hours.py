@@ -17,15 +17,13 @@ machine the two runs' step times alone differ by more than 10%. Measured on this
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from train_run import ROOT, train
+
 RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
 # Small batches, no warm start (the accounting, not the learning, is measured), heavy
 # validation: 32 prompts x 2 samples = 64 validation samples against 16 training samples a
@@ -44,19 +42,12 @@ ARGS = [
     "logging.tensorboard=false",
     "logging.progress_bar=false",
 ]
-DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def run(run_dir: Path, every: int) -> dict:
     """Train 10 steps validating every ``every`` steps; the step-10 training record."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE), *ARGS]
-    cmd += [f"validation.every_steps={every}", "--run-dir", str(run_dir)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"run failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    overrides = [*ARGS, f"validation.every_steps={every}"]
+    records = train(RECIPE, overrides, run_dir, VLLM_CPU_KVCACHE_SPACE="1")
     (last,) = [r for r in records if r["step"] == 10 and "reward_mean" in r]
     validations = sum("val_pass_rate" in r for r in records)
     expected = 11 if every == 1 else 2

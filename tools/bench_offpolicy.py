@@ -11,12 +11,19 @@ weight push). Prints both numbers and their ratio.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from train_run import step_records, train
+
+ARGS = [
+    "warm_start.steps=0",
+    "validation.enabled=false",
+    "checkpoint.every_steps=0",
+    "checkpoint.save_at_end=false",
+    "logging.progress_bar=false",
+]
 MODES = {
     "PipelineRL-8": ["off_policy.mode=pipeline_rl", "off_policy.max_lag=8"],
     "PPO-off-policy-1": ["off_policy.mode=ppo", "off_policy.k=1"],
@@ -24,25 +31,8 @@ MODES = {
 
 
 def seconds_per_768(recipe: str, steps: int, overrides: list[str], run_dir: Path) -> float:
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_rl.cli",
-        "train",
-        recipe,
-        f"training.max_steps={steps}",
-        "warm_start.steps=0",
-        "validation.enabled=false",
-        "checkpoint.every_steps=0",
-        "checkpoint.save_at_end=false",
-        "logging.progress_bar=false",
-        *overrides,
-        "--run-dir",
-        str(run_dir),
-    ]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps_ = [r for r in records if "step_seconds" in r][2:]  # skip warm-up steps
+    records = train(recipe, [f"training.max_steps={steps}", *ARGS, *overrides], run_dir)
+    steps_ = step_records(records, skip=2)  # skip warm-up steps
     return sum(r["step_seconds"] for r in steps_) / sum(r["samples"] for r in steps_) * 768
 
 

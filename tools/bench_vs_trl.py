@@ -33,7 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from train_run import ROOT, step_records, train
+
 RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
 PROMPTS, SAMPLES, MAX_TOKENS = 8, 8, 64
 MODEL = {
@@ -59,7 +60,6 @@ OVERRIDES = [
     "rollout.interruption.enabled=false",
     "algorithm.zero_variance_filter=false",
 ]
-DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def make_model(out_dir: Path) -> Path:
@@ -75,14 +75,8 @@ def make_model(out_dir: Path) -> Path:
 
 def ours(hf_dir: Path, steps: int, skip: int, run_dir: Path) -> tuple[float, float]:
     """(tokens, seconds) of megatron_rl's steps after ``skip``."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE), *OVERRIDES]
-    cmd += [f"model.hf_path={hf_dir}", f"training.max_steps={steps}", "--run-dir", str(run_dir)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"megatron_rl run failed:\n{proc.stderr[-3000:]}")
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    records = [r for r in map(json.loads, lines) if "step_seconds" in r][skip:]
+    overrides = [*OVERRIDES, f"model.hf_path={hf_dir}", f"training.max_steps={steps}"]
+    records = step_records(train(RECIPE, overrides, run_dir), skip)
     tokens = sum(r["gen_tokens_per_s"] * r["step_seconds"] for r in records)
     return tokens, sum(r["step_seconds"] for r in records)
 
