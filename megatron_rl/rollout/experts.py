@@ -184,3 +184,35 @@ def engine_placement(rollout: Any, text_config: Any) -> ExpertPlacement | None:
     if not experts:
         raise ValueError("rollout.expert_parallel: the model has no routed experts")
     return ExpertPlacement.from_vllm(experts, rollout.tensor_parallel)
+
+
+def fix_cpu_moe_expert_map() -> None:
+    """Upstream bug, vLLM 0.32 CPU build: its unquantized fused-MoE kernel
+    (``CPUUnquantizedExperts.apply`` -> ``torch.ops._C.cpu_fused_moe``) takes no expert map.
+    Under expert parallelism a rank holds ``E / ep`` experts (``w13 [E / ep, ...]``) but the
+    router's ``topk_ids`` are global expert ids, and nothing maps them to local slots (the
+    modular kernel passes ``expert_map`` to ``apply``, which drops it; no-DP/EP prepare does
+    not remap): the kernel reads past the rank's weights (garbage outputs, or a segfault in
+    ``fused_moe_impl``). Here ``apply`` maps ids through ``expert_map`` and gives experts held
+    elsewhere no weight; a token none of whose experts is local gets a zero row (with
+    ``apply_router_weight_on_input`` the kernel does not apply the weights). The ranks' partial
+    outputs are then summed by vLLM's usual all-reduce. Idempotent; a no-op without EP."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    original = CPUUnquantizedExperts.apply
+    if getattr(original, "_maps_experts", False):
+        return
+
+    def apply(self, **kw: Any) -> None:  # vLLM calls it with keywords only
+        expert_map = kw["expert_map"]
+        if expert_map is None:
+            return original(self, **kw)
+        local = expert_map[kw["topk_ids"].long()]
+        held = local >= 0
+        ids = torch.where(held, local, 0).to(kw["topk_ids"].dtype).contiguous()
+        weights = (kw["topk_weights"] * held).to(kw["topk_weights"].dtype).contiguous()
+        original(self, **{**kw, "topk_ids": ids, "topk_weights": weights, "expert_map": None})
+        kw["output"][~held.any(dim=-1)] = 0
+
+    apply._maps_experts = True
+    CPUUnquantizedExperts.apply = apply
