@@ -91,22 +91,39 @@ def rank_bucket(bucket: WeightBucket, placement: ExpertPlacement, rank: int) -> 
     """The part of ``bucket`` that EP rank ``rank`` loads: every dense tensor, and the routed
     experts it holds, per expert (see the module docstring). Tensors are views of the
     bucket's."""
-    mine = set(placement.ranks[rank])
-    out: WeightBucket = []
-    for name, tensor in bucket:
-        packed = _PACKED.match(name)
-        if packed and tensor.dim() == 3:
-            out.extend(_unpack(packed["prefix"], packed["kind"], tensor, placement, mine))
-            continue
-        per_expert = _PER_EXPERT.search(name)
-        if per_expert is None or int(per_expert[1]) in mine:
-            out.append((name, tensor))
-    return out
+    dense, experts = split_experts(bucket, placement, (rank,))
+    return dense + experts[0]
 
 
 def split_bucket(bucket: WeightBucket, placement: ExpertPlacement) -> list[WeightBucket]:
     """:func:`rank_bucket` for every EP rank."""
     return [rank_bucket(bucket, placement, r) for r in range(placement.ep_size)]
+
+
+def split_experts(
+    bucket: WeightBucket, placement: ExpertPlacement, ranks: tuple[int, ...] | None = None
+) -> tuple[WeightBucket, list[WeightBucket]]:
+    """(the dense tensors of ``bucket``, the routed experts of each EP rank of ``ranks``
+    (default: all), per expert): each expert's tensors in exactly one rank's list. Tensors
+    are views of the bucket's, in bucket order."""
+    ranks = tuple(range(placement.ep_size)) if ranks is None else ranks
+    held = [set(placement.ranks[r]) for r in ranks]
+    dense: WeightBucket = []
+    experts: list[WeightBucket] = [[] for _ in ranks]
+    for name, tensor in bucket:
+        packed = _PACKED.match(name)
+        if packed and tensor.dim() == 3:
+            for part, mine in zip(experts, held):
+                part.extend(_unpack(packed["prefix"], packed["kind"], tensor, placement, mine))
+            continue
+        per_expert = _PER_EXPERT.search(name)
+        if per_expert is None:
+            dense.append((name, tensor))
+            continue
+        for part, mine in zip(experts, held):
+            if int(per_expert[1]) in mine:
+                part.append((name, tensor))
+    return dense, experts
 
 
 def _unpack(

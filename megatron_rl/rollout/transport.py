@@ -42,6 +42,7 @@ from megatron_rl.rollout.experts import fix_cpu_moe_expert_map, own_part
 logger = logging.getLogger(__name__)
 
 BACKEND = "megatron_rl_cpu"
+NCCL_EP_BACKEND = "megatron_rl_nccl_ep"  # GPU, expert-parallel engines: megatron_rl.rollout.nccl
 
 
 @dataclass
@@ -159,3 +160,7 @@ def register_backend() -> None:
     fix_cpu_moe_expert_map()
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, CpuWeightTransferEngine)
+    if NCCL_EP_BACKEND not in WeightTransferEngineFactory._registry:  # loaded when used
+        WeightTransferEngineFactory.register_engine(
+            NCCL_EP_BACKEND, "megatron_rl.rollout.nccl", "ExpertParallelNcclEngine"
+        )
