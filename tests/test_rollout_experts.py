@@ -10,6 +10,7 @@ import torch
 from megatron_rl.rollout.buckets import HostSender
 from megatron_rl.rollout.experts import (
     ExpertPlacement,
+    held_experts,
     own_part,
     rank_bucket,
     split_bucket,
@@ -409,3 +410,62 @@ def test_nccl_ep_push_sends_each_expert_only_to_its_ranks_group(monkeypatch, exp
             assert torch.equal(got[f"{prefix}.{e}.up_proj.weight"], gate_up[e, :, FFN:].t())
             assert torch.equal(got[f"{prefix}.{e}.down_proj.weight"], down[e].t())
     assert all(box.empty() for box in inbox.values())  # nothing sent that no one took
+
+
+@pytest.mark.parametrize("on_input", [True, False])
+def test_cpu_moe_kernel_on_an_ep_rank_computes_only_its_experts(on_input):
+    """The vLLM 0.32 CPU bug worked around in ``fix_cpu_moe_expert_map``: its fused-MoE
+    kernel on an EP rank (2 of 4 experts) gets global expert ids. With the fix, the ranks'
+    outputs sum to the float64 reference of every token through its expert (what vLLM's
+    all-reduce then does)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    from megatron_rl.rollout.experts import fix_cpu_moe_expert_map
+
+    experts, ep, tokens = 4, 2, 12
+    g = torch.Generator().manual_seed(3)
+    w13 = torch.randn(experts, 2 * FFN, HIDDEN, generator=g) / 8
+    w2 = torch.randn(experts, HIDDEN, FFN, generator=g) / 8
+    x = torch.randn(tokens, HIDDEN, generator=g)
+    ids = torch.arange(tokens, dtype=torch.int32).remainder(experts)[:, None]
+    weights = torch.rand(tokens, 1, generator=g) + 0.5
+    # Llama-4 scales the input by the router weight, others the output
+    inputs = x.double() * (weights.double() if on_input else 1)
+    gate, up = (inputs[:, None] @ w13[ids[:, 0]].double().mT)[:, 0].chunk(2, -1)
+    reference = ((torch.nn.functional.silu(gate) * up)[:, None] @ w2[ids[:, 0]].double().mT)[:, 0]
+    reference = reference * (1 if on_input else weights.double())
+
+    def ranks_sum() -> torch.Tensor:
+        total = torch.zeros(tokens, HIDDEN, dtype=torch.float64)
+        for rank in range(ep):
+            layer = _vllm_moe_layer(experts, ep, rank).layers[1].feed_forward.experts
+            held = list(held_experts(layer.expert_map, experts))
+            kernel = CPUUnquantizedExperts(
+                layer.routed_experts.moe_config, FUSED_MOE_UNQUANTIZED_CONFIG
+            )
+            out = torch.empty_like(x)
+            kernel.apply(
+                output=out,
+                hidden_states=x * weights if on_input else x,
+                w1=cpu_prepack_moe_weight(w13[held], "vec"),
+                w2=cpu_prepack_moe_weight(w2[held], "vec"),
+                topk_weights=weights,
+                topk_ids=ids,
+                activation=MoEActivation.SILU,
+                global_num_experts=experts,
+                expert_map=layer.expert_map,
+                a1q_scale=None,
+                a2_scale=None,
+                workspace13=None,
+                workspace2=None,
+                expert_tokens_meta=None,
+                apply_router_weight_on_input=on_input,
+            )
+            total += out.double()
+        return total
+
+    fix_cpu_moe_expert_map()  # (unfixed, this reads past each rank's weights: not run)
+    assert torch.allclose(ranks_sum(), reference, atol=1e-4)
