@@ -247,6 +247,7 @@ class VLLMEngine:
             # The routing capture reads the V1 model runner's batch layout (the CPU build
             # always runs V1; on GPU vLLM 0.32 would pick its V2 runner).
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        from vllm import envs
         from vllm.v1.engine.llm_engine import LLMEngine
 
         from megatron_rl.platform import get_platform
@@ -260,6 +261,10 @@ class VLLMEngine:
         global _live_engines
         with _ENGINE_LOCK, _preserve_process_state():
             _check_process_layout(hf_dir)
+            # vLLM caches its environment variables once an engine has started
+            # (``enable_envs_cache``): a later engine of this process would read the first
+            # one's (KV cache size, CPU worker binding). It caches them again after start-up.
+            envs.disable_envs_cache()
             with _cpu_workers_bound(config):
                 self.engine = LLMEngine.from_engine_args(engine_args(hf_dir, config, index))
             _live_engines += 1
