@@ -20,8 +20,12 @@ A weight push then hands rank r only its experts (:func:`rank_bucket`):
   rank does not hold (``RoutedExperts.weight_loader``: ``expert_id == -1`` returns), so the
   per-expert names load on every placement.
 
-The engine side (:mod:`megatron_rl.rollout.transport`) picks its rank's part of an update and
-checks that its layers' expert maps are the placement the sender split for.
+The engine side (:mod:`megatron_rl.rollout.transport`; on GPU :mod:`megatron_rl.rollout.nccl`,
+which broadcasts each rank's experts in a group of its own) picks its rank's part of an update
+and checks that its layers' expert maps are the placement the sender split for.
+
+vLLM 0.32's CPU build cannot run such an engine as shipped: its fused-MoE kernel ignores the
+expert map (:func:`fix_cpu_moe_expert_map`).
 """
 
 from __future__ import annotations
@@ -214,8 +218,10 @@ def fix_cpu_moe_expert_map() -> None:
     elsewhere no weight; a token none of whose experts is local gets a zero row (with
     ``apply_router_weight_on_input`` the kernel does not apply the weights). The ranks' partial
     outputs are then summed by vLLM's usual all-reduce. Idempotent; a no-op without EP."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM build without the CPU kernels: nothing to fix
+        return
     original = CPUUnquantizedExperts.apply
     if getattr(original, "_maps_experts", False):
         return
