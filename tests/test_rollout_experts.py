@@ -4,6 +4,8 @@ layers built as vLLM builds them for an EP rank, and Llama-4's own expert loadin
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -237,6 +239,21 @@ def test_engine_args_ask_vllm_for_expert_parallelism(tiny_hf_dirs):
     assert not engine_args(tiny_hf_dirs["tiny-llama4"], RolloutConfig(), 0).enable_expert_parallel
     with pytest.raises(ValueError, match="no routed experts"):
         engine_args(tiny_hf_dirs["tiny-llama"], config, 0)
+    # on the NCCL path the engines run our EP variant of vLLM's nccl backend, found by vLLM's
+    # factory (registered by our vLLM plugin) in every worker
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    from megatron_rl.rollout.nccl import ExpertParallelNcclEngine
+    from megatron_rl.rollout.transport import register_backend
+
+    nccl = dataclasses.replace(config, weight_transport="nccl", placement="subprocess")
+    backend = engine_args(tiny_hf_dirs["tiny-llama4"], nccl, 0).weight_transfer_config.backend
+    register_backend()
+    assert WeightTransferEngineFactory._registry[backend]() is ExpertParallelNcclEngine
+    plain = dataclasses.replace(nccl, expert_parallel=False)
+    assert (
+        engine_args(tiny_hf_dirs["tiny-llama4"], plain, 0).weight_transfer_config.backend == "nccl"
+    )
 
 
 @pytest.mark.timeout(900)
