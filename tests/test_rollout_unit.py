@@ -394,13 +394,19 @@ def test_shared_buffer_roundtrip_is_exact_for_mixed_dtypes():
     )  # no copy in-process
 
 
-def test_engine_tensor_parallelism_needs_gpus(tiny_hf_dirs):
+def test_cpu_engine_workers_get_a_core_each(tiny_hf_dirs, monkeypatch):
+    from megatron_rl.rollout import engine
     from megatron_rl.rollout.pool import GeneratorPool
 
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
-    with pytest.raises(ValueError, match="tensor_parallel / gpu_ids need GPUs"):
-        GeneratorPool(tiny_hf_dirs["tiny-llama"], RolloutConfig(tensor_parallel=2))
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 6, 7})
+    assert engine.cpu_worker_binding(2) == "0,1,2,3|4,6,7"
+    assert engine.cpu_worker_binding(3) == "0,1,2|3,4|6,7"
+    with pytest.raises(ValueError, match="rollout.tensor_parallel 8: .* may use 7"):
+        GeneratorPool(tiny_hf_dirs["tiny-llama"], RolloutConfig(tensor_parallel=8))
+    with pytest.raises(ValueError, match="rollout.gpu_ids need GPUs"):
+        GeneratorPool(tiny_hf_dirs["tiny-llama"], RolloutConfig(gpu_ids=[0]))
 
 
 def test_pushes_do_not_print_the_rotary_embeddings_expected_reload_warning():

@@ -96,7 +96,7 @@ class RolloutConfig:
             GiB; GPU: bytes reserved).
         max_num_seqs: concurrent sequences per engine.
         max_model_len: prompt + response limit per sequence; None = the model's maximum.
-        tensor_parallel: GPUs per engine (GPU only).
+        tensor_parallel: GPUs per engine (on CPU: worker processes, a CPU core each).
         expert_parallel: MoE engines place whole routed experts on their GPUs instead of
             splitting every expert's width over them (vLLM ``enable_expert_parallel``; the EP
             size is ``tensor_parallel``, attention stays tensor-parallel). Which experts a GPU

@@ -63,6 +63,47 @@ def _preserve_process_state():
         random.setstate(states[2])
 
 
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_worker_binding(tensor_parallel: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a CPU engine of ``tensor_parallel`` workers: the CPUs
+    this process may use, split into that many contiguous groups (``"0|1"``). vLLM's default
+    ("auto") binds each worker to a NUMA node of its own and refuses more workers than nodes
+    ("Not enough allowed NUMA nodes", ``vllm/utils/ompmultiprocessing.py``), which a one-node
+    machine never has. Raises ``ValueError`` when there are fewer CPUs than workers."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tensor_parallel:
+        raise ValueError(
+            f"rollout.tensor_parallel {tensor_parallel}: a CPU engine needs a CPU core per "
+            f"worker; this process may use {len(cpus)}"
+        )
+    size, extra = divmod(len(cpus), tensor_parallel)
+    groups, start = [], 0
+    for rank in range(tensor_parallel):
+        end = start + size + (rank < extra)
+        groups.append(",".join(map(str, cpus[start:end])))
+        start = end
+    return "|".join(groups)
+
+
+@contextlib.contextmanager
+def _cpu_workers_bound(config: RolloutConfig):
+    """Set :func:`cpu_worker_binding` while vLLM spawns a CPU engine's workers (they read it
+    at start-up), unless the user set it; restored after, for the next engine of another
+    size."""
+    from megatron_rl.platform import get_platform
+
+    if get_platform().is_gpu or config.tensor_parallel == 1 or THREADS_BIND in os.environ:
+        yield
+        return
+    os.environ[THREADS_BIND] = cpu_worker_binding(config.tensor_parallel)
+    try:
+        yield
+    finally:
+        del os.environ[THREADS_BIND]
+
+
 def _fix_cuda_stream_stand_ins() -> None:
     """Importing vLLM's CPU worker (``vllm/v1/worker/cpu/shm.py``) replaces ``torch.cuda.Stream``,
     ``current_stream`` and ``stream`` process-wide by placeholders whose ``record_event()``
@@ -91,6 +132,7 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
     from vllm import EngineArgs
 
     from megatron_rl.platform import get_platform
+    from megatron_rl.rollout.nccl import engine_backend
     from megatron_rl.rollout.transport import BACKEND
 
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
@@ -139,7 +181,9 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         hf_overrides={"head_dtype": "float32"} if config.fp32_head else None,
         override_generation_config=overrides,
         weight_transfer_config={
-            "backend": BACKEND if config.weight_transport == "host" else "nccl"
+            "backend": BACKEND
+            if config.weight_transport == "host"
+            else engine_backend(config.expert_parallel)
         },
         # One scheduled batch at a time: a weight load between two steps then separates the
         # tokens of the old weights from those of the new ones exactly.
@@ -203,6 +247,7 @@ class VLLMEngine:
             # The routing capture reads the V1 model runner's batch layout (the CPU build
             # always runs V1; on GPU vLLM 0.32 would pick its V2 runner).
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        from vllm import envs
         from vllm.v1.engine.llm_engine import LLMEngine
 
         from megatron_rl.platform import get_platform
@@ -216,7 +261,12 @@ class VLLMEngine:
         global _live_engines
         with _ENGINE_LOCK, _preserve_process_state():
             _check_process_layout(hf_dir)
-            self.engine = LLMEngine.from_engine_args(engine_args(hf_dir, config, index))
+            # vLLM caches its environment variables once an engine has started
+            # (``enable_envs_cache``): a later engine of this process would read the first
+            # one's (KV cache size, CPU worker binding). It caches them again after start-up.
+            envs.disable_envs_cache()
+            with _cpu_workers_bound(config):
+                self.engine = LLMEngine.from_engine_args(engine_args(hf_dir, config, index))
             _live_engines += 1
             if config.weight_transport == "host":  # nccl: init_transport joins the group
                 self.init_transport({})
@@ -352,7 +402,9 @@ class VLLMEngine:
             for update in updates:  # the lock is not held while waiting for the next bucket
                 with _ENGINE_LOCK:
                     rpc("update_weights", kwargs={"update_info": update})
-                for part in update.get("ep_ranks", [update]):  # expert parallel: per rank
+                # expert parallel: a part per rank, and (NCCL) the dense tensors at the top
+                parts = ([update] if "names" in update else []) + update.get("ep_ranks", [])
+                for part in parts:
                     tensors += len(part["names"])
                     nbytes += _update_nbytes(part)
         finally:

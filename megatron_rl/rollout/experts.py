@@ -20,8 +20,12 @@ A weight push then hands rank r only its experts (:func:`rank_bucket`):
   rank does not hold (``RoutedExperts.weight_loader``: ``expert_id == -1`` returns), so the
   per-expert names load on every placement.
 
-The engine side (:mod:`megatron_rl.rollout.transport`) picks its rank's part of an update and
-checks that its layers' expert maps are the placement the sender split for.
+The engine side (:mod:`megatron_rl.rollout.transport`; on GPU :mod:`megatron_rl.rollout.nccl`,
+which broadcasts each rank's experts in a group of its own) picks its rank's part of an update
+and checks that its layers' expert maps are the placement the sender split for.
+
+vLLM 0.32's CPU build cannot run such an engine as shipped: its fused-MoE kernel ignores the
+expert map (:func:`fix_cpu_moe_expert_map`).
 """
 
 from __future__ import annotations
@@ -91,22 +95,39 @@ def rank_bucket(bucket: WeightBucket, placement: ExpertPlacement, rank: int) -> 
     """The part of ``bucket`` that EP rank ``rank`` loads: every dense tensor, and the routed
     experts it holds, per expert (see the module docstring). Tensors are views of the
     bucket's."""
-    mine = set(placement.ranks[rank])
-    out: WeightBucket = []
-    for name, tensor in bucket:
-        packed = _PACKED.match(name)
-        if packed and tensor.dim() == 3:
-            out.extend(_unpack(packed["prefix"], packed["kind"], tensor, placement, mine))
-            continue
-        per_expert = _PER_EXPERT.search(name)
-        if per_expert is None or int(per_expert[1]) in mine:
-            out.append((name, tensor))
-    return out
+    dense, experts = split_experts(bucket, placement, (rank,))
+    return dense + experts[0]
 
 
 def split_bucket(bucket: WeightBucket, placement: ExpertPlacement) -> list[WeightBucket]:
     """:func:`rank_bucket` for every EP rank."""
     return [rank_bucket(bucket, placement, r) for r in range(placement.ep_size)]
+
+
+def split_experts(
+    bucket: WeightBucket, placement: ExpertPlacement, ranks: tuple[int, ...] | None = None
+) -> tuple[WeightBucket, list[WeightBucket]]:
+    """(the dense tensors of ``bucket``, the routed experts of each EP rank of ``ranks``
+    (default: all), per expert): each expert's tensors in exactly one rank's list. Tensors
+    are views of the bucket's, in bucket order."""
+    ranks = tuple(range(placement.ep_size)) if ranks is None else ranks
+    held = [set(placement.ranks[r]) for r in ranks]
+    dense: WeightBucket = []
+    experts: list[WeightBucket] = [[] for _ in ranks]
+    for name, tensor in bucket:
+        packed = _PACKED.match(name)
+        if packed and tensor.dim() == 3:
+            for part, mine in zip(experts, held):
+                part.extend(_unpack(packed["prefix"], packed["kind"], tensor, placement, mine))
+            continue
+        per_expert = _PER_EXPERT.search(name)
+        if per_expert is None:
+            dense.append((name, tensor))
+            continue
+        for part, mine in zip(experts, held):
+            if int(per_expert[1]) in mine:
+                part.append((name, tensor))
+    return dense, experts
 
 
 def _unpack(
@@ -184,3 +205,37 @@ def engine_placement(rollout: Any, text_config: Any) -> ExpertPlacement | None:
     if not experts:
         raise ValueError("rollout.expert_parallel: the model has no routed experts")
     return ExpertPlacement.from_vllm(experts, rollout.tensor_parallel)
+
+
+def fix_cpu_moe_expert_map() -> None:
+    """Upstream bug, vLLM 0.32 CPU build: its unquantized fused-MoE kernel
+    (``CPUUnquantizedExperts.apply`` -> ``torch.ops._C.cpu_fused_moe``) takes no expert map.
+    Under expert parallelism a rank holds ``E / ep`` experts (``w13 [E / ep, ...]``) but the
+    router's ``topk_ids`` are global expert ids, and nothing maps them to local slots (the
+    modular kernel passes ``expert_map`` to ``apply``, which drops it; no-DP/EP prepare does
+    not remap): the kernel reads past the rank's weights (garbage outputs, or a segfault in
+    ``fused_moe_impl``). Here ``apply`` maps ids through ``expert_map`` and gives experts held
+    elsewhere no weight; a token none of whose experts is local gets a zero row (with
+    ``apply_router_weight_on_input`` the kernel does not apply the weights). The ranks' partial
+    outputs are then summed by vLLM's usual all-reduce. Idempotent; a no-op without EP."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM build without the CPU kernels: nothing to fix
+        return
+    original = CPUUnquantizedExperts.apply
+    if getattr(original, "_maps_experts", False):
+        return
+
+    def apply(self, **kw: Any) -> None:  # vLLM calls it with keywords only
+        expert_map = kw["expert_map"]
+        if expert_map is None:
+            return original(self, **kw)
+        local = expert_map[kw["topk_ids"].long()]
+        held = local >= 0
+        ids = torch.where(held, local, 0).to(kw["topk_ids"].dtype).contiguous()
+        weights = (kw["topk_weights"] * held).to(kw["topk_weights"].dtype).contiguous()
+        original(self, **{**kw, "topk_ids": ids, "topk_weights": weights, "expert_map": None})
+        kw["output"][~held.any(dim=-1)] = 0
+
+    apply._maps_experts = True
+    CPUUnquantizedExperts.apply = apply

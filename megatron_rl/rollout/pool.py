@@ -147,10 +147,13 @@ class GeneratorPool:
 
     def _start_engines(self, settings: RunnerSettings) -> list[_Engine]:
         from megatron_rl.platform import get_platform
+        from megatron_rl.rollout.engine import cpu_worker_binding
 
         config = self.config
-        if not get_platform().is_gpu and (config.tensor_parallel > 1 or config.gpu_ids):
-            raise ValueError("rollout.tensor_parallel / gpu_ids need GPUs; this machine has none")
+        if not get_platform().is_gpu and config.gpu_ids:
+            raise ValueError("rollout.gpu_ids need GPUs; this machine has none")
+        if not get_platform().is_gpu and config.placement != "remote":
+            cpu_worker_binding(config.tensor_parallel)  # a CPU core per engine worker
         if config.placement == "remote":  # engine tasks connect to us (megatron_rl.launch)
             from megatron_rl.launch.bridge import accept_engines
 
@@ -217,19 +220,24 @@ class GeneratorPool:
         import socket
 
         from megatron_rl.platform import free_port, get_platform
-        from megatron_rl.rollout.nccl import NcclSender, group_layout, worker_payload
+        from megatron_rl.rollout.nccl import NcclSender, group_layout, worker_payloads
 
         if not get_platform().is_gpu:
             raise ValueError("rollout.weight_transport 'nccl' needs GPUs; this machine has none")
         config = self.config
         address = config.nccl_address or socket.gethostname()
         port = free_port()
-        world, offsets = group_layout(len(self._engines), config.tensor_parallel)
-        bucket = config.weight_bucket_bytes
-        for engine, offset in zip(self._engines, offsets):
-            payload = worker_payload(address, port, offset, world, bucket)
+        experts = engine_placement(config, self._hf)  # rollout.expert_parallel: EP groups
+        expert_ports = [free_port() for _ in range(experts.ep_size if experts else 0)]
+        engines, tp, bucket = len(self._engines), config.tensor_parallel, config.weight_bucket_bytes
+        for engine, payload in zip(
+            self._engines, worker_payloads(address, port, expert_ports, engines, tp, bucket)
+        ):
             engine.commands.put(("transport", payload))
-        sender = NcclSender(address, port, world, bucket)
+        world, _ = group_layout(engines, tp)
+        sender = NcclSender(
+            address, port, world, bucket, experts=experts, expert_ports=expert_ports
+        )
         sender.connect()  # returns when every worker has joined
         while len(self._transport_acks) < len(self._engines):
             self._pump(_POLL_SECONDS)

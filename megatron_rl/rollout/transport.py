@@ -37,11 +37,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from megatron_rl.rollout.buckets import unpack_views
-from megatron_rl.rollout.experts import own_part
+from megatron_rl.rollout.experts import fix_cpu_moe_expert_map, own_part
 
 logger = logging.getLogger(__name__)
 
 BACKEND = "megatron_rl_cpu"
+NCCL_EP_BACKEND = "megatron_rl_nccl_ep"  # GPU, expert-parallel engines: megatron_rl.rollout.nccl
 
 
 @dataclass
@@ -153,6 +154,13 @@ def keep_shared_modules_out_of_reload(model: torch.nn.Module) -> None:
 
 
 def register_backend() -> None:
-    """Register ``megatron_rl_cpu`` with vLLM's WeightTransferEngineFactory (idempotent)."""
+    """Register ``megatron_rl_cpu`` with vLLM's WeightTransferEngineFactory (idempotent).
+    vLLM runs this (our general plugin) in every process it starts: the CPU MoE kernel's
+    expert-parallel fix goes there too."""
+    fix_cpu_moe_expert_map()
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, CpuWeightTransferEngine)
+    if NCCL_EP_BACKEND not in WeightTransferEngineFactory._registry:  # loaded when used
+        WeightTransferEngineFactory.register_engine(
+            NCCL_EP_BACKEND, "megatron_rl.rollout.nccl", "ExpertParallelNcclEngine"
+        )

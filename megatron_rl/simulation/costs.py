@@ -18,7 +18,9 @@ Times, in seconds, of:
 - a weight push: pushed bytes / link bandwidth (LINK_EFFICIENCY of it), once per push for a
   pipelined broadcast (NCCL), engines x for a serial push to one engine after another (the
   host transport before fan-out). The engines pause for the whole push (a conservative
-  reading of "pause only to swap a bucket in").
+  reading of "pause only to swap a bucket in"). Expert-parallel engines receive on each GPU
+  only its experts, but the sender still emits every byte once: the push bytes are the
+  model's either way.
 
 For MoE models FLOPs use the *active* parameters (top-k routed experts + shared expert) and
 weight bytes the *total* parameters (at decode batch sizes every expert is hit every step).
