@@ -88,7 +88,9 @@ class BatchConfig:
         samples_per_prompt: G, generations per prompt (ScaleRL: 16; 48 x 16 = 768 samples).
             ``rollout.samples_per_prompt`` follows it when a recipe sets only this one.
         micro_batch_size: sequences per forward/backward micro-batch; or
-        micro_batch_tokens: a token budget per micro-batch (sequences are packed up to it).
+        micro_batch_tokens: a token budget per micro-batch: sequences, longest first, as
+            many as fit once padded to the micro-batch's longest (so a micro-batch holds
+            sequences of similar lengths and little padding).
             Exactly one of the two is set; a single sequence must fit the token budget.
     """
 
