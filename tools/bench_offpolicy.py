@@ -11,7 +11,9 @@ Placement decides how much PipelineRL can overlap here. ``in_process`` (the embe
 default) runs vLLM on a thread of the trainer: with a model this small both sides are mostly
 Python and take turns on the GIL. ``subprocess`` gives the engine a process (and a core) of
 its own. Prints seconds per 768 samples for each run, the ratio per placement, and the ratio
-of each mode at its faster placement.
+of each mode at its faster placement. Measured on the project's 2-core machine (near-quiet,
+24 steps): in_process 7.84 s vs 10.20 s per 768 samples (1.30x), subprocess 6.09 s vs 7.79 s
+(1.28x).
 
     .venv/bin/python tools/bench_offpolicy.py [--steps 24] [--recipe recipes/tiny_cpu.yaml]
         [--placements in_process subprocess]
