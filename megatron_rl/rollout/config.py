@@ -67,7 +67,7 @@ class RolloutConfig:
             have one rank, and dense and MoE engines cannot mix), "subprocess" (one
             process per engine; on GPU each engine owns ``tensor_parallel`` GPUs) or "remote"
             (engines are tasks of their own, e.g. on other nodes of a Slurm job, that connect
-            to the pool: ``megatron_rl.launch.bridge``).
+            to the pool: ``megatron_rl.rollout.remote``).
         temperature / top_p: sampling settings.
         samples_per_prompt: n samples drawn for every prompt.
         max_tokens: response length cap (with interruptions: for samples that close their

@@ -23,6 +23,7 @@ import torch
 
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.experts import routed_expert_count
+from megatron_rl.rollout.senders import transport_for
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,6 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
     from vllm import EngineArgs
 
     from megatron_rl.platform import get_platform
-    from megatron_rl.rollout.transport import BACKEND
 
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     text = getattr(hf_config, "text_config", hf_config)
@@ -138,9 +138,7 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         logprobs_mode=config.logprobs_mode,
         hf_overrides={"head_dtype": "float32"} if config.fp32_head else None,
         override_generation_config=overrides,
-        weight_transfer_config={
-            "backend": BACKEND if config.weight_transport == "host" else "nccl"
-        },
+        weight_transfer_config={"backend": transport_for(config.resolved()).backend},
         # One scheduled batch at a time: a weight load between two steps then separates the
         # tokens of the old weights from those of the new ones exactly.
         async_scheduling=False,
@@ -218,7 +216,7 @@ class VLLMEngine:
             _check_process_layout(hf_dir)
             self.engine = LLMEngine.from_engine_args(engine_args(hf_dir, config, index))
             _live_engines += 1
-            if config.weight_transport == "host":  # nccl: init_transport joins the group
+            if transport_for(config).joins_at_build:  # else JoinTransport: init_transport
                 self.init_transport({})
             if config.return_routed_experts:
                 self.engine.collective_rpc("start_routing_capture")
