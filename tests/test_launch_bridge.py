@@ -188,7 +188,9 @@ def test_commands_weights_and_events_cross_the_connection_exactly(job_env):
     assert results == {0: 0, 1: 0}  # both engine tasks exit 0 after stop
 
 
-def test_engine_task_that_goes_away_is_dead_and_pushes_to_it_fail_clearly(job_env):
+def test_engine_task_that_goes_away_is_dead_and_what_is_sent_to_it_is_dropped(job_env):
+    """Like an engine process's queue, a lost connection never raises in the pool's sends:
+    the pool learns of the death from ``is_alive`` (and restarts the engine, or fails)."""
     address, key = job_env
     events: queue.Queue = queue.Queue()
     link_box = {}
@@ -208,9 +210,10 @@ def test_engine_task_that_goes_away_is_dead_and_pushes_to_it_fail_clearly(job_en
     while engine.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.is_alive()
-    with pytest.raises(ConnectionError, match="generator engine 0"):
-        for _ in range(50):  # the first sends may still land in the socket buffer
-            engine.put_weights(tensors_update(weight_bucket()))
+    for _ in range(50):  # the first sends may still land in the socket buffer
+        engine.put_weights(tensors_update(weight_bucket()))
+        engine.send(Push(1, "keep"))
+    assert not engine.is_alive() and engine._lost
 
 
 def test_silent_engine_counts_as_dead_after_the_timeout(job_env, monkeypatch):
@@ -306,3 +309,74 @@ def test_nccl_bucket_headers_cross_the_connection_as_they_are(job_env):
     engine.join(timeout=10)
     task.join(timeout=10)
     assert results == {0: 0}
+
+
+def test_a_remote_engine_that_reconnects_gets_its_lost_requests_exactly_once(job_env, monkeypatch):
+    """Remote elasticity without vLLM: the real pool with two scripted engine tasks. Engine
+    0's connection dies while it holds requests; its task reconnects (as the generator's
+    supervisor does after restarting the engine process); the pool counts a restart and
+    resubmits: every sample comes back once."""
+    from types import SimpleNamespace
+
+    from megatron_rl.rollout import pool as pool_module
+    from megatron_rl.rollout.config import RolloutConfig
+
+    address, key = job_env
+    monkeypatch.setenv(remote.CONNECT_TIMEOUT_ENV, "120")
+    monkeypatch.setattr(
+        pool_module, "_text_config", lambda hf_dir: SimpleNamespace(vocab_size=100, eos_token_id=2)
+    )
+    links, results, held = {}, {}, []
+
+    def task(index, runner):
+        link = bridge.connect(address, key, timeout=120)  # the pool imports torch first
+        links[index] = link
+        results[index] = bridge.serve_engine(link, index, runner)
+        link.close()
+
+    def silent_runner(index, hf_dir, config, settings, commands, weights_get, events):
+        events.put(Ready(index, 64))
+        while not isinstance(command := commands.get(), Stop):
+            held.extend(command.specs)  # takes requests, never answers
+
+    def answering_runner(index, hf_dir, config, settings, commands, weights_get, events):
+        class PoolEvents:  # the scripted runner's test-only events are not for a pool
+            def put(self, event):
+                if not isinstance(event, (Started, Header, Received)):
+                    events.put(event)
+
+        scripted_runner(index, hf_dir, config, settings, commands, weights_get, PoolEvents())
+
+    def start(index, runner):
+        thread = threading.Thread(target=task, args=(index, runner), daemon=True)
+        thread.start()
+        return thread
+
+    tasks = [start(0, silent_runner), start(1, answering_runner)]
+    config = RolloutConfig(engines=2, placement="remote", samples_per_prompt=2)
+    pool = pool_module.GeneratorPool("/models/hf", config)
+    try:
+        pool.submit([[10, 11], [12], [13]], seeds=[1, 2, 3])
+        got, deadline = [], time.monotonic() + 10
+        while len(got) + len(held) < 6 and time.monotonic() < deadline:
+            got += pool.poll(timeout=0.5)
+        assert held and len(got) + len(held) == 6  # engine 0 holds some
+        links[0].close()  # engine 0's process dies with its requests
+        tasks[0].join(timeout=10)
+        assert results[0] == 3  # its end saw the connection go
+        deadline = time.monotonic() + 10
+        while pool.restarts == 0 and time.monotonic() < deadline:
+            got += pool.poll(timeout=0.5)
+        assert pool.restarts == 1
+        tasks[0] = start(0, answering_runner)  # the supervisor's new engine process
+        deadline = time.monotonic() + 20
+        while pool.in_flight and time.monotonic() < deadline:
+            got += pool.poll(timeout=0.5)
+        pairs = sorted((s.prompt_index, s.sample_index) for s in got)
+        assert pairs == [(i, j) for i in range(3) for j in range(2)]  # each once
+        assert pool.in_flight == 0
+    finally:
+        pool.close()
+    for thread in tasks:
+        thread.join(timeout=10)
+    assert results == {0: 0, 1: 0}  # both stopped by the pool at the end

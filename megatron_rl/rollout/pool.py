@@ -552,11 +552,11 @@ class GeneratorPool:
                 message = refusal_message(
                     index, config.placement, devices, self._restarts, engine.handle.log_path
                 )
-            else:  # remote tasks and NCCL groups are not re-formed yet (issue 13)
+            else:  # in-process engines cannot be, and NCCL groups are not re-formed (issue 13)
                 message = (
                     f"vLLM engine {index} exited unexpectedly (placement {config.placement}, "
-                    f"devices {devices}; restarts need placement subprocess and "
-                    "weight_transport host)"
+                    f"devices {devices}; restarts need placement subprocess or "
+                    "remote and weight_transport host)"
                 )
             self.close()
             raise RuntimeError(message)
