@@ -380,3 +380,31 @@ def test_a_remote_engine_that_reconnects_gets_its_lost_requests_exactly_once(job
     for thread in tasks:
         thread.join(timeout=10)
     assert results == {0: 0, 1: 0}  # both stopped by the pool at the end
+
+
+def test_the_generator_task_restarts_an_engine_process_killed_by_a_signal_only(monkeypatch):
+    """The supervisor's rule: a signal death (-9: SIGKILL, OOM) starts the engine process
+    again with the same arguments; an exit status (0 stopped, 1 failed, 3 no trainer ...)
+    ends the task with it."""
+    from megatron_rl.launch import generator
+
+    started, statuses = [], iter([-9, -11, 3])
+
+    class FakeProcess:
+        def __init__(self, command, process_group=None):
+            started.append(command)
+            self.pid = 10**7 + len(started)  # no such process: killpg finds none
+
+        def wait(self):
+            return next(statuses)
+
+    monkeypatch.setattr(generator.subprocess, "Popen", FakeProcess)
+    assert generator.supervise(2, ["--engine", "2", "--no-supervise"]) == 3
+    assert len(started) == 3 and all(c == started[0] for c in started)
+    assert started[0][1:] == [
+        "-m",
+        "megatron_rl.launch.generator",
+        "--engine",
+        "2",
+        "--no-supervise",
+    ]
