@@ -1,4 +1,5 @@
-"""The TCP bridge between the generator pool and engine tasks (megatron_rl.launch.bridge).
+"""The TCP bridge between the generator pool and engine tasks (megatron_rl.rollout.remote:
+the wire and the pool's end; megatron_rl.launch.bridge: the engine task's end).
 
 The engine side runs a scripted runner with the real runner's queue protocol, on threads of
 this process; the vLLM engine itself is exercised by the Slurm test.
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,25 +21,60 @@ import torch
 
 from megatron_rl.launch import bridge
 from megatron_rl.platform import free_port
+from megatron_rl.rollout import remote
 from megatron_rl.rollout.buckets import flat_update, shared_update, tensors_update, unpack_views
 from megatron_rl.rollout.fanout import Fanout
+from megatron_rl.rollout.messages import (
+    Failed,
+    Hello,
+    Init,
+    Push,
+    Pushed,
+    Ready,
+    RequestSpec,
+    SamplesDone,
+    Stop,
+    Stopped,
+    Submit,
+)
 from megatron_rl.rollout.samples import Sample
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@dataclass(frozen=True)
+class Started:  # test-only events: the pool's end forwards every event to the pool's queue
+    engine: int
+    hf_dir: str
+    config: object
+
+
+@dataclass(frozen=True)
+class Header:
+    engine: int
+    info: dict
+
+
+@dataclass(frozen=True)
+class Received:
+    engine: int
+    tensors: dict
+
+
 def scripted_runner(index, hf_dir, config, settings, commands, weights_get, events):
-    """The runner's protocol without vLLM: echoes submits, reports pushed tensors."""
-    events.put(("ready", index, {"max_model_len": 64, "hf_dir": hf_dir, "config": config}))
+    """The runner's protocol without vLLM: echoes submits (an empty prompt: fails), reports
+    pushed tensors."""
+    events.put(Ready(index, 64))
+    events.put(Started(index, hf_dir, config))
     while True:
         command = commands.get()
-        if command[0] == "stop":
-            events.put(("stopped", index))
+        if isinstance(command, Stop):
+            events.put(Stopped(index))
             return
-        if command[0] == "fail":
-            events.put(("error", index, "Traceback: scripted failure"))
-            return
-        if command[0] == "submit":
+        if isinstance(command, Submit):
+            if not command.specs[0].prompt_ids:
+                events.put(Failed(index, "Traceback: scripted failure"))
+                return
             samples = [
                 Sample(
                     s.prompt_index,
@@ -45,21 +82,21 @@ def scripted_runner(index, hf_dir, config, settings, commands, weights_get, even
                     list(s.prompt_ids),
                     routed_experts=routing_rows(len(s.prompt_ids)),
                 )
-                for s in command[1]
+                for s in command.specs
             ]
-            events.put(("samples", index, samples, None))
-        elif command[0] == "push":
+            events.put(SamplesDone(index, samples, None))
+        elif isinstance(command, Push):
             received = {}
             while (update := weights_get()) is not None:
                 if "buffer" not in update:  # an NCCL bucket header: the tensors go by NCCL
-                    events.put(("header", index, update))
+                    events.put(Header(index, update))
                     continue
                 views = unpack_views(
                     update["buffer"], update["dtype_names"], update["shapes"], update["offsets"]
                 )
                 received.update({n: v.clone() for n, v in zip(update["names"], views)})
-            events.put(("pushed", index, command[1], 0.0, len(received), 0, None))
-            events.put(("received", index, received))
+            events.put(Pushed(index, command.version, 0.0, len(received), 0, None))
+            events.put(Received(index, received))
 
 
 def routing_rows(positions: int) -> np.ndarray:
@@ -70,8 +107,8 @@ def routing_rows(positions: int) -> np.ndarray:
 @pytest.fixture
 def job_env(monkeypatch):
     port = free_port()
-    monkeypatch.setenv(bridge.ADDR_ENV, f"127.0.0.1:{port}")
-    monkeypatch.setenv(bridge.KEY_ENV, "0123456789abcdef0123")
+    monkeypatch.setenv(remote.ADDR_ENV, f"127.0.0.1:{port}")
+    monkeypatch.setenv(remote.KEY_ENV, "0123456789abcdef0123")
     return ("127.0.0.1", port), b"0123456789abcdef0123"
 
 
@@ -90,9 +127,9 @@ def next_event(events, kind, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         event = events.get(timeout=deadline - time.monotonic())
-        if event[0] == kind:
+        if isinstance(event, kind):
             return event
-    raise AssertionError(f"no {kind} event")
+    raise AssertionError(f"no {kind.__name__} event")
 
 
 def weight_bucket():
@@ -112,39 +149,38 @@ def test_commands_weights_and_events_cross_the_connection_exactly(job_env):
     results: dict[int, int] = {}
     tasks = [start_engine_task(address, key, i, results) for i in (1, 0)]  # any order
     events: queue.Queue = queue.Queue()
-    engines = bridge.accept_engines(2, "/models/hf", {"engines": 2}, None, events)
+    engines = remote.accept_engines(2, "/models/hf", {"engines": 2}, None, events)
     assert [e.index for e in engines] == [0, 1]
-    ready = [next_event(events, "ready"), next_event(events, "ready")]
-    assert {e[1] for e in ready} == {0, 1}
-    assert all(e[2]["hf_dir"] == "/models/hf" and e[2]["config"] == {"engines": 2} for e in ready)
+    started = [next_event(events, Started), next_event(events, Started)]
+    assert {e.engine for e in started} == {0, 1}
+    assert all(e.hf_dir == "/models/hf" and e.config == {"engines": 2} for e in started)
 
     bucket = weight_bucket()
     for engine in engines:
-        engine.commands.put(("push", 1, "keep"))
+        engine.send(Push(1, "keep"))
     with Fanout(engines, lambda index: None) as lanes:  # what a remote pool does
         lanes.put(flat_update(bucket[:2]))  # flattened once, streamed to both engines
         lanes.finish()
     for engine in engines:  # the other forms are flattened by the link
-        engine.weights.put(tensors_update(bucket[2:4]))  # tensors form (in-process pools)
-        engine.weights.put(shared_update(bucket[4:]))  # flat-buffer form (subprocess pools)
-        engine.weights.put(None)
+        engine.put_weights(tensors_update(bucket[2:4]))  # tensors form (in-process pools)
+        engine.put_weights(shared_update(bucket[4:]))  # flat-buffer form (subprocess pools)
+        engine.put_weights(None)
     for _ in engines:
-        index, received = next_event(events, "received")[1:]
+        event = next_event(events, Received)
+        index, received = event.engine, event.tensors
         assert list(received) == [name for name, _ in bucket]
         for name, tensor in bucket:
             assert received[name].dtype == tensor.dtype and received[name].shape == tensor.shape
             assert torch.equal(received[name], tensor), (index, name)
 
-    from megatron_rl.rollout.runner import RequestSpec
-
-    engines[1].commands.put(("submit", [RequestSpec(7, 0, (1, 2, 3), 8, 1.0, 1.0)]))
-    samples = next_event(events, "samples")
-    assert samples[1] == 1 and samples[2][0].prompt_ids == [1, 2, 3]
-    routed = samples[2][0].routed_experts  # routing replay's rows travel with the sample
+    engines[1].send(Submit((RequestSpec(7, 0, (1, 2, 3), 8, 1.0, 1.0),)))
+    done = next_event(events, SamplesDone)
+    assert done.engine == 1 and done.samples[0].prompt_ids == [1, 2, 3]
+    routed = done.samples[0].routed_experts  # routing replay's rows travel with the sample
     assert routed.dtype == np.uint8 and np.array_equal(routed, routing_rows(3))
 
     for engine in engines:
-        engine.commands.put(("stop",))
+        engine.send(Stop())
     for engine in engines:
         engine.join(timeout=10)
     for task in tasks:
@@ -152,45 +188,48 @@ def test_commands_weights_and_events_cross_the_connection_exactly(job_env):
     assert results == {0: 0, 1: 0}  # both engine tasks exit 0 after stop
 
 
-def test_engine_task_that_goes_away_is_dead_and_pushes_to_it_fail_clearly(job_env):
+def test_engine_task_that_goes_away_is_dead_and_what_is_sent_to_it_is_dropped(job_env):
+    """Like an engine process's queue, a lost connection never raises in the pool's sends:
+    the pool learns of the death from ``is_alive`` (and restarts the engine, or fails)."""
     address, key = job_env
     events: queue.Queue = queue.Queue()
     link_box = {}
 
     def vanishing_task():
         link = bridge.connect(address, key, timeout=20)
-        link.send(("hello", 0, {"host": "test", "pid": 0}))
+        link.send(Hello(0, {"host": "test", "pid": 0}))
         link_box["init"] = link.recv()
         link.close()  # the task dies
 
     thread = threading.Thread(target=vanishing_task, daemon=True)
     thread.start()
-    (engine,) = bridge.accept_engines(1, "/hf", None, None, events)
+    (engine,) = remote.accept_engines(1, "/hf", None, None, events)
     thread.join(timeout=10)
-    assert link_box["init"][0] == "init"
+    assert link_box["init"] == Init("/hf", None, None)
     deadline = time.monotonic() + 10
     while engine.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.is_alive()
-    with pytest.raises(ConnectionError, match="generator engine 0"):
-        for _ in range(50):  # the first sends may still land in the socket buffer
-            engine.weights.put(tensors_update(weight_bucket()))
+    for _ in range(50):  # the first sends may still land in the socket buffer
+        engine.put_weights(tensors_update(weight_bucket()))
+        engine.send(Push(1, "keep"))
+    assert not engine.is_alive() and engine._lost
 
 
 def test_silent_engine_counts_as_dead_after_the_timeout(job_env, monkeypatch):
     address, key = job_env
-    monkeypatch.setenv(bridge.TIMEOUT_ENV, "0.5")
+    monkeypatch.setenv(remote.TIMEOUT_ENV, "0.5")
     events: queue.Queue = queue.Queue()
 
     def silent_task():  # connected, never sends a heartbeat
         link = bridge.connect(address, key, timeout=20)
-        link.send(("hello", 0, {"host": "test", "pid": 0}))
+        link.send(Hello(0, {"host": "test", "pid": 0}))
         link.recv()
         time.sleep(5)
         link.close()
 
     threading.Thread(target=silent_task, daemon=True).start()
-    (engine,) = bridge.accept_engines(1, "/hf", None, None, events)
+    (engine,) = remote.accept_engines(1, "/hf", None, None, events)
     assert engine.is_alive()
     time.sleep(0.8)
     assert not engine.is_alive()
@@ -201,11 +240,11 @@ def test_engine_task_exits_3_when_the_trainer_goes_away_and_1_when_its_engine_fa
     results: dict[int, int] = {}
     tasks = [start_engine_task(address, key, i, results) for i in (0, 1)]
     events: queue.Queue = queue.Queue()
-    engines = bridge.accept_engines(2, "/hf", None, None, events)
-    next_event(events, "ready"), next_event(events, "ready")
+    engines = remote.accept_engines(2, "/hf", None, None, events)
+    next_event(events, Ready), next_event(events, Ready)
     engines[0].terminate()  # no stop command: the trainer crashed
-    engines[1].commands.put(("fail",))
-    assert next_event(events, "error")[2] == "Traceback: scripted failure"
+    engines[1].send(Submit((RequestSpec(0, 0, (), 8, 1.0, 1.0),)))  # scripted: fails
+    assert next_event(events, Failed).traceback == "Traceback: scripted failure"
     for task in tasks:
         task.join(timeout=15)
     assert results == {0: 3, 1: 1}
@@ -215,12 +254,12 @@ def test_missing_engine_is_named_after_the_connect_timeout_and_bad_index_rejecte
     job_env, monkeypatch
 ):
     address, key = job_env
-    monkeypatch.setenv(bridge.CONNECT_TIMEOUT_ENV, "3")
+    monkeypatch.setenv(remote.CONNECT_TIMEOUT_ENV, "3")
     results: dict[int, int] = {}
     start_engine_task(address, key, 5, results)  # out of range: rejected
     start_engine_task(address, key, 0, results)
     with pytest.raises(RuntimeError, match=r"generator engine\(s\) \[1\] did not connect"):
-        bridge.accept_engines(2, "/hf", None, None, queue.Queue())
+        remote.accept_engines(2, "/hf", None, None, queue.Queue())
     assert results.get(5) == 4
 
 
@@ -259,14 +298,113 @@ def test_nccl_bucket_headers_cross_the_connection_as_they_are(job_env):
     results: dict[int, int] = {}
     task = start_engine_task(address, key, 0, results)
     events: queue.Queue = queue.Queue()
-    (engine,) = bridge.accept_engines(1, "/models/hf", {"engines": 1}, None, events)
-    next_event(events, "ready")
-    engine.commands.put(("push", 1, "keep"))
-    engine.weights.put(header)
-    engine.weights.put(None)
-    assert next_event(events, "header")[2] == header
-    assert next_event(events, "received")[2] == {}
-    engine.commands.put(("stop",))
+    (engine,) = remote.accept_engines(1, "/models/hf", {"engines": 1}, None, events)
+    next_event(events, Ready)
+    engine.send(Push(1, "keep"))
+    engine.put_weights(header)
+    engine.put_weights(None)
+    assert next_event(events, Header).info == header
+    assert next_event(events, Received).tensors == {}
+    engine.send(Stop())
     engine.join(timeout=10)
     task.join(timeout=10)
     assert results == {0: 0}
+
+
+def test_a_remote_engine_that_reconnects_gets_its_lost_requests_exactly_once(job_env, monkeypatch):
+    """Remote elasticity without vLLM: the real pool with two scripted engine tasks. Engine
+    0's connection dies while it holds requests; its task reconnects (as the generator's
+    supervisor does after restarting the engine process); the pool counts a restart and
+    resubmits: every sample comes back once."""
+    from types import SimpleNamespace
+
+    from megatron_rl.rollout import pool as pool_module
+    from megatron_rl.rollout.config import RolloutConfig
+
+    address, key = job_env
+    monkeypatch.setenv(remote.CONNECT_TIMEOUT_ENV, "120")
+    monkeypatch.setattr(
+        pool_module, "_text_config", lambda hf_dir: SimpleNamespace(vocab_size=100, eos_token_id=2)
+    )
+    links, results, held = {}, {}, []
+
+    def task(index, runner):
+        link = bridge.connect(address, key, timeout=120)  # the pool imports torch first
+        links[index] = link
+        results[index] = bridge.serve_engine(link, index, runner)
+        link.close()
+
+    def silent_runner(index, hf_dir, config, settings, commands, weights_get, events):
+        events.put(Ready(index, 64))
+        while not isinstance(command := commands.get(), Stop):
+            held.extend(command.specs)  # takes requests, never answers
+
+    def answering_runner(index, hf_dir, config, settings, commands, weights_get, events):
+        class PoolEvents:  # the scripted runner's test-only events are not for a pool
+            def put(self, event):
+                if not isinstance(event, (Started, Header, Received)):
+                    events.put(event)
+
+        scripted_runner(index, hf_dir, config, settings, commands, weights_get, PoolEvents())
+
+    def start(index, runner):
+        thread = threading.Thread(target=task, args=(index, runner), daemon=True)
+        thread.start()
+        return thread
+
+    tasks = [start(0, silent_runner), start(1, answering_runner)]
+    config = RolloutConfig(engines=2, placement="remote", samples_per_prompt=2)
+    pool = pool_module.GeneratorPool("/models/hf", config)
+    try:
+        pool.submit([[10, 11], [12], [13]], seeds=[1, 2, 3])
+        got, deadline = [], time.monotonic() + 10
+        while len(got) + len(held) < 6 and time.monotonic() < deadline:
+            got += pool.poll(timeout=0.5)
+        assert held and len(got) + len(held) == 6  # engine 0 holds some
+        links[0].close()  # engine 0's process dies with its requests
+        tasks[0].join(timeout=10)
+        assert results[0] == 3  # its end saw the connection go
+        deadline = time.monotonic() + 10
+        while pool.restarts == 0 and time.monotonic() < deadline:
+            got += pool.poll(timeout=0.5)
+        assert pool.restarts == 1
+        tasks[0] = start(0, answering_runner)  # the supervisor's new engine process
+        deadline = time.monotonic() + 20
+        while pool.in_flight and time.monotonic() < deadline:
+            got += pool.poll(timeout=0.5)
+        pairs = sorted((s.prompt_index, s.sample_index) for s in got)
+        assert pairs == [(i, j) for i in range(3) for j in range(2)]  # each once
+        assert pool.in_flight == 0
+    finally:
+        pool.close()
+    for thread in tasks:
+        thread.join(timeout=10)
+    assert results == {0: 0, 1: 0}  # both stopped by the pool at the end
+
+
+def test_the_generator_task_restarts_an_engine_process_killed_by_a_signal_only(monkeypatch):
+    """The supervisor's rule: a signal death (-9: SIGKILL, OOM) starts the engine process
+    again with the same arguments; an exit status (0 stopped, 1 failed, 3 no trainer ...)
+    ends the task with it."""
+    from megatron_rl.launch import generator
+
+    started, statuses = [], iter([-9, -11, 3])
+
+    class FakeProcess:
+        def __init__(self, command, process_group=None):
+            started.append(command)
+            self.pid = 10**7 + len(started)  # no such process: killpg finds none
+
+        def wait(self):
+            return next(statuses)
+
+    monkeypatch.setattr(generator.subprocess, "Popen", FakeProcess)
+    assert generator.supervise(2, ["--engine", "2", "--no-supervise"]) == 3
+    assert len(started) == 3 and all(c == started[0] for c in started)
+    assert started[0][1:] == [
+        "-m",
+        "megatron_rl.launch.generator",
+        "--engine",
+        "2",
+        "--no-supervise",
+    ]

@@ -5,6 +5,7 @@ is in test_trainer_loop.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -25,6 +26,16 @@ from megatron_rl.rollout.elastic import (
     refusal_message,
 )
 from megatron_rl.rollout.fanout import Fanout
+from megatron_rl.rollout.messages import (
+    Event,
+    Push,
+    Pushed,
+    Ready,
+    SamplesDone,
+    StatusReport,
+    Stop,
+    Submit,
+)
 from megatron_rl.rollout.samples import Sample
 
 
@@ -34,7 +45,7 @@ def _channel(channels: EventChannels, index: int) -> EventWriter:
     return EventWriter(writer)
 
 
-def _die_writing(writer: EventWriter, event: tuple | None) -> None:
+def _die_writing(writer: EventWriter, event: Event | None) -> None:
     """The engine process is killed: what it put so far is written, then ``event`` (if any)
     only half, then its end of the pipe closes."""
     writer.flush()
@@ -51,10 +62,11 @@ def test_a_dead_writers_complete_events_are_read_and_its_half_message_dropped():
     channels.add(0, reader)
     other = _channel(channels, 1)
     writer = EventWriter(conn)
-    writer.put(("samples", 0, ["a"], 0))
-    writer.put(("status", 0, {"n": 1}))
-    other.put(("ready", 1, {}))
-    _die_writing(writer, ("samples", 0, ["half"], 0))
+    sample = Sample(3, 1, [1, 2], [5], [-0.5], [0], [True], "stop")
+    writer.put(SamplesDone(0, [sample], 0))
+    writer.put(StatusReport(0, {"n": 1}))
+    other.put(Ready(1, 64))
+    _die_writing(writer, SamplesDone(0, [Sample(3, 2, [1])], 0))
     got = []
     while True:
         try:
@@ -62,8 +74,10 @@ def test_a_dead_writers_complete_events_are_read_and_its_half_message_dropped():
         except queue.Empty:
             break
     # each engine's events in order; the half-written one never shows up
-    assert [e for e in got if e[1] == 0] == [("samples", 0, ["a"], 0), ("status", 0, {"n": 1})]
-    assert ("ready", 1, {}) in got
+    mine = [e for e in got if e.engine == 0]
+    assert mine == [SamplesDone(0, [sample], 0), StatusReport(0, {"n": 1})]
+    assert mine[0].samples[0] is not sample  # it crossed the pipe, whole
+    assert Ready(1, 64) in got
     assert channels.drain(0) == []  # nothing complete is left; the channel is closed
     other.close()
     channels.close()
@@ -73,18 +87,18 @@ def test_drain_returns_the_unread_events_of_one_engine_in_order():
     channels = EventChannels()
     a, b = _channel(channels, 0), _channel(channels, 1)
     for n in range(3):
-        a.put(("samples", 0, [n], 0))
-        b.put(("samples", 1, [n], 0))
+        a.put(StatusReport(0, {"n": n}))
+        b.put(StatusReport(1, {"n": n}))
     a.close(), b.close()
     first = channels.get(timeout=1)  # reads what both pipes hold
-    assert first[0] == "samples"
+    assert isinstance(first, StatusReport)
     rest_a = channels.drain(0)
-    seen_a = ([first] if first[1] == 0 else []) + rest_a
-    assert [e[2] for e in seen_a] == [[0], [1], [2]]
-    seen_b = ([first] if first[1] == 1 else []) + [
-        channels.get(0) for _ in range(3 - (first[1] == 1))
+    seen_a = ([first] if first.engine == 0 else []) + rest_a
+    assert [e.status["n"] for e in seen_a] == [0, 1, 2]
+    seen_b = ([first] if first.engine == 1 else []) + [
+        channels.get(0) for _ in range(3 - (first.engine == 1))
     ]
-    assert [e[2] for e in seen_b] == [[0], [1], [2]]
+    assert [e.status["n"] for e in seen_b] == [0, 1, 2]
     with pytest.raises(queue.Empty):
         channels.get(0)
     channels.close()
@@ -119,7 +133,10 @@ def test_refusal_message_names_the_engine_the_keys_and_the_log_tail(tmp_path):
 def test_fanout_drops_a_dead_engines_lane_and_delivers_to_the_others():
     live, dead = queue.Queue(), queue.Queue(maxsize=1)
     dead.put("never taken")  # a dead engine takes nothing
-    engines = [SimpleNamespace(index=0, weights=live), SimpleNamespace(index=1, weights=dead)]
+    engines = [
+        SimpleNamespace(index=0, put_weights=live.put),
+        SimpleNamespace(index=1, put_weights=dead.put),
+    ]
     waited = []
 
     def wait(index):
@@ -138,51 +155,68 @@ def test_fanout_drops_a_dead_engines_lane_and_delivers_to_the_others():
 # -- the pool's bookkeeping, on fake engines ------------------------------------------------
 
 
-class FakeProcess:
-    """Alive until killed, or until told to stop (a ``("stop",)`` in its ``commands``)."""
+class FakeHandle:
+    """Engine i's "process" is this test, which reads its commands and writes its events
+    into a real pipe; alive until killed, or until told to stop."""
 
-    def __init__(self, commands: queue.Queue | None = None):
+    def __init__(self, index: int, channels: EventChannels, log_path: str | None = None):
+        self.index, self.log_path, self.channels = index, log_path, channels
+        self.commands, self.weights = queue.Queue(), queue.Queue(2)
         self.alive, self.exitcode, self.pid = True, None, -1
-        self.commands = commands
+
+    def send(self, command):
+        self.commands.put(command)
+
+    def put_weights(self, item, timeout=None):
+        self.weights.put(item, timeout=timeout)
 
     def is_alive(self):
-        if self.commands is not None and ("stop",) in list(self.commands.queue):
+        if any(isinstance(c, Stop) for c in list(self.commands.queue)):
             self.alive = False
         return self.alive
+
+    def leftover_events(self):
+        return self.channels.drain(self.index)
 
     def join(self, timeout=None):
         pass
 
+    def terminate(self):
+        self.alive = False
+
+    def discard(self):
+        pass
+
 
 class FakeEngines:
-    """Stands in for ``GeneratorPool._spawn``: engine i's "process" is this test, which reads
-    its commands and writes its events into a real pipe."""
+    """Stands in for the subprocess launcher: engine i is a :class:`FakeHandle`."""
+
+    restartable = True
 
     def __init__(self, tmp_path):
         self.tmp_path = tmp_path
+        self.events = EventChannels()
         self.writers: dict[int, EventWriter] = {}
         self.spawned: list[int] = []
 
-    def spawn(self, pool, index, settings):
+    def start(self, count):
+        return [self.restart(i) for i in range(count)]
+
+    def restart(self, index):
         self.spawned.append(index)
-        self.writers[index] = _channel(pool._events, index)
+        self.writers[index] = _channel(self.events, index)
         log = self.tmp_path / f"engine-{index}.log"
         log.write_text(f"engine {index} incarnation {self.spawned.count(index)}\nboom\n")
-        commands = queue.Queue()
-        engine = pool_module._Engine(
-            index, commands, queue.Queue(2), FakeProcess(commands), log_path=str(log)
-        )
-        self.writers[index].put(("ready", index, {"max_model_len": 64}))
-        return engine
+        self.writers[index].put(Ready(index, 64))
+        return FakeHandle(index, self.events, str(log))
 
-    def start(self, pool, settings):
-        pool._events = EventChannels()
-        return [pool._spawn(i, settings) for i in range(pool.config.engines)]
+    def close(self):
+        self.events.close()
 
-    def kill(self, pool, index, half: tuple | None = None):
+    def kill(self, pool, index, half: Event | None = None):
         """The process dies; ``half``: an event it was writing at that moment."""
         _die_writing(self.writers.pop(index), half)
-        pool._engines[index].worker.alive = False
+        pool._engines[index].handle.alive = False
 
 
 @pytest.fixture
@@ -190,9 +224,7 @@ def fake_pool(tmp_path, monkeypatch):
     fakes = FakeEngines(tmp_path)
     hf = SimpleNamespace(vocab_size=100, eos_token_id=2)
     monkeypatch.setattr(pool_module, "_text_config", lambda hf_dir: hf)
-    monkeypatch.setattr(pool_module, "_bury", lambda engine: None)
-    monkeypatch.setattr(pool_module.GeneratorPool, "_start_engines", lambda p, s: fakes.start(p, s))
-    monkeypatch.setattr(pool_module.GeneratorPool, "_spawn", lambda p, i, s: fakes.spawn(p, i, s))
+    monkeypatch.setattr(pool_module, "engine_launcher", lambda hf_dir, config, settings: fakes)
     config = RolloutConfig(
         engines=2, placement="subprocess", samples_per_prompt=2, engine_max_restarts=1
     )
@@ -205,11 +237,11 @@ def _submitted(engine) -> list:
     specs = []
     while True:
         try:
-            command = engine.commands.get_nowait()
+            command = engine.handle.commands.get_nowait()
         except queue.Empty:
             return specs
-        if command[0] == "submit":
-            specs.extend(command[1])
+        if isinstance(command, Submit):
+            specs.extend(command.specs)
 
 
 def _returned(spec, version: int) -> Sample:
@@ -220,15 +252,15 @@ def _returned(spec, version: int) -> Sample:
 
 def _serve_one_push(pool, fakes, index, pushes):
     """The restarted engine's side of a push: the command, the buckets, the ack."""
-    engine = pool._engines[index]
+    handle = pool._engines[index].handle
 
     def run():
-        command = engine.commands.get(timeout=30)
-        assert command[0] == "push"
-        while engine.weights.get(timeout=30) is not None:
+        command = handle.commands.get(timeout=30)
+        assert isinstance(command, Push)
+        while handle.weights.get(timeout=30) is not None:
             pass
-        pushes.append(command[1])
-        fakes.writers[index].put(("pushed", index, command[1], 0.0, 1, 16, None))
+        pushes.append(command.version)
+        fakes.writers[index].put(Pushed(index, command.version, 0.0, 1, 16, None))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -247,8 +279,8 @@ def test_a_dead_engines_requests_are_resubmitted_exactly_once_each(fake_pool):
     survivor = 1 - victim
     lost = by_engine[victim]
     # one sample comes back whole; the next is half written when the process is killed
-    fakes.writers[victim].put(("samples", victim, [_returned(lost[0], 4)], 4))
-    fakes.kill(pool, victim, half=("samples", victim, [_returned(lost[1], 4)], 4))
+    fakes.writers[victim].put(SamplesDone(victim, [_returned(lost[0], 4)], 4))
+    fakes.kill(pool, victim, half=SamplesDone(victim, [_returned(lost[1], 4)], 4))
     got = pool.poll(timeout=2)
     assert [(s.prompt_index, s.sample_index) for s in got] == [
         (lost[0].prompt_index, lost[0].sample_index)
@@ -269,7 +301,7 @@ def test_a_dead_engines_requests_are_resubmitted_exactly_once_each(fake_pool):
     assert _submitted(pool._engines[survivor]) == []  # the reweigh went to the restarted only
     # everything comes back once: the survivor returns its own and the resubmitted requests
     todo = by_engine[survivor] + resubmitted
-    fakes.writers[survivor].put(("samples", survivor, [_returned(s, 4) for s in todo], 4))
+    fakes.writers[survivor].put(SamplesDone(survivor, [_returned(s, 4) for s in todo], 4))
     got += pool.poll(timeout=2)
     want = {(i, j) for i in indices for j in range(2)}
     assert sorted((s.prompt_index, s.sample_index) for s in got) == sorted(want)
@@ -306,14 +338,33 @@ def test_one_death_too_many_fails_with_the_engine_and_its_log(fake_pool):
     assert "engine 1 incarnation 2\nboom" in text
 
 
+@dataclasses.dataclass(frozen=True)
+class Gossip:  # an event type the pool does not know (an engine of another version)
+    engine: int
+
+
+def test_an_unknown_event_fails_the_pool_naming_its_type(fake_pool):
+    pool, fakes = fake_pool
+    fakes.writers[1].put(Gossip(1))
+    fakes.writers[1].flush()
+    with pytest.raises(TypeError, match=r"generator pool: unknown message .*Gossip\(engine=1\)"):
+        pool.poll(timeout=2)
+    assert pool._closed
+
+
 def test_in_process_engines_are_not_restarted():
+    from megatron_rl.rollout.handles import ThreadLauncher
+    from megatron_rl.rollout.senders import transport_for
+
     pool = pool_module.GeneratorPool.__new__(pool_module.GeneratorPool)
-    pool.config = RolloutConfig(placement="in_process")
-    pool._closed, pool._events = False, queue.Queue()
+    pool.config = RolloutConfig(placement="in_process", weight_transport="host")
+    pool._transport = transport_for(pool.config)
+    pool._launcher = ThreadLauncher("unused", pool.config, None)
+    pool._closed, pool._events = False, pool._launcher.events
     pool._restarts = RestartBudget(3, 60.0)
-    dead = FakeProcess()
+    dead = FakeHandle(0, EventChannels())
     dead.alive = False
-    pool._engines = [pool_module._Engine(0, queue.Queue(), queue.Queue(), dead)]
+    pool._engines = [pool_module._Engine(0, dead)]
     with pytest.raises(RuntimeError, match="vLLM engine 0 exited unexpectedly.*in_process"):
         pool._check_alive()
 

@@ -22,7 +22,16 @@ from megatron_rl.rollout.interruption import (
     count_subsequence,
     find_subsequence,
 )
-from megatron_rl.rollout.runner import EngineRunner, RequestSpec, RunnerSettings
+from megatron_rl.rollout.messages import (
+    Push,
+    Pushed,
+    RequestSpec,
+    RunnerSettings,
+    SamplesDone,
+    Stop,
+    Submit,
+)
+from megatron_rl.rollout.runner import EngineRunner
 
 TEXT = (90, 91, 92)  # interruption text
 CLOSE = (70, 71)  # think-close marker (two tokens: it can straddle a step boundary)
@@ -106,8 +115,8 @@ def run_to_end(runner, engine, events):
     samples = []
     while not events.empty():
         event = events.get()
-        if event[0] == "samples":
-            samples += event[2]
+        if isinstance(event, SamplesDone):
+            samples += event.samples
     return samples
 
 
@@ -194,7 +203,7 @@ def test_tokens_after_a_push_carry_the_new_version():
     runner.push(1, "keep", buckets.popleft)
     assert engine.loaded == [{"names": ["w"]}]
     pushed = events.get()
-    assert pushed[0] == "pushed" and pushed[2] == 1 and pushed[6] == 0  # oldest still 0
+    assert isinstance(pushed, Pushed) and pushed.version == 1 and pushed.oldest == 0
     (sample,) = run_to_end(runner, engine, events)
     assert sample.versions == [0] * 4 + [1] * 6
     assert runner.oldest_version() is None
@@ -205,8 +214,8 @@ def test_an_engine_generates_until_the_pushs_first_bucket_arrives():
     weights until the first bucket is in its weights queue, then loads and goes on."""
     runner, engine, events = make_runner(counting)
     commands, weights = queue.Queue(), queue.Queue()
-    commands.put(("submit", [spec([1, 2, 3], budget=None, max_tokens=12)]))
-    commands.put(("push", 1, "keep"))
+    commands.put(Submit((spec([1, 2, 3], budget=None, max_tokens=12),)))
+    commands.put(Push(1, "keep"))
     step, steps = engine.step, []
 
     def step_and_deliver():
@@ -222,10 +231,11 @@ def test_an_engine_generates_until_the_pushs_first_bucket_arrives():
     try:
         kinds = [events.get(timeout=30) for _ in range(2)]
     finally:
-        commands.put(("stop",))
+        commands.put(Stop())
         serving.join(10)
-    pushed, (_, _, (sample,), _) = kinds
-    assert pushed[:3] == ("pushed", 0, 1) and engine.loaded == [{"names": ["w"]}]
+    pushed, done = kinds
+    assert (pushed.engine, pushed.version) == (0, 1) and engine.loaded == [{"names": ["w"]}]
+    (sample,) = done.samples
     assert sample.versions == [0] * 5 + [1] * 7
 
 
@@ -235,7 +245,10 @@ def test_fanout_feeds_every_engine_while_one_engine_takes_nothing():
     from megatron_rl.rollout.fanout import Fanout
 
     stuck, free = queue.Queue(maxsize=2), queue.Queue()
-    engines = [SimpleNamespace(index=0, weights=stuck), SimpleNamespace(index=1, weights=free)]
+    engines = [
+        SimpleNamespace(index=0, put_weights=stuck.put),
+        SimpleNamespace(index=1, put_weights=free.put),
+    ]
     items, waited = [object() for _ in range(4)], []
     with Fanout(engines, waited.append) as lanes:
         for item in items:  # engine 0: two in its queue, one being delivered, one in the lane
@@ -252,15 +265,16 @@ def test_fanout_raises_a_lanes_failure_on_the_callers_thread():
         def put(self, item, timeout=None):
             raise ConnectionError("generator engine 1: connection lost")
 
+    live = queue.Queue()
     engines = [
-        SimpleNamespace(index=0, weights=queue.Queue()),
-        SimpleNamespace(index=1, weights=Gone()),
+        SimpleNamespace(index=0, put_weights=live.put),
+        SimpleNamespace(index=1, put_weights=Gone().put),
     ]
     with Fanout(engines, lambda index: None) as lanes:
         lanes.put("bucket")
         with pytest.raises(ConnectionError, match="engine 1: connection lost"):
             lanes.finish()
-    assert engines[0].weights.get(timeout=5) == "bucket"
+    assert live.get(timeout=5) == "bucket"
 
 
 def test_interrupted_sample_routing_is_the_thinking_requests_up_to_the_cut_then_the_answers():
@@ -430,3 +444,29 @@ def test_pushes_do_not_print_the_rotary_embeddings_expected_reload_warning():
     finally:
         layerwise.logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["ParallelLMHead: Failed to load weights"]
+
+
+def test_rollout_never_imports_launch():
+    """``launch`` builds on ``rollout``, never the reverse (issue 13): every import under
+    megatron_rl/rollout, lazy ones inside functions included."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "megatron_rl" / "rollout"
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                parts = [node.module] if node.module else []
+                if node.level:  # relative to this file's package
+                    package = ["megatron_rl", "rollout", *path.relative_to(root).parts[:-1]]
+                    parts = package[: len(package) - node.level + 1] + parts
+                base = ".".join(parts)
+                names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            if any(n == "megatron_rl.launch" or n.startswith("megatron_rl.launch.") for n in names):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, offenders

@@ -109,6 +109,7 @@ def test_an_nccl_push_packs_each_header_once_and_vllms_consumers_decode_the_broa
     from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_NUM_BUFFERS
 
     from megatron_rl.platform import get_platform
+    from megatron_rl.rollout.messages import Pushed
     from megatron_rl.rollout.nccl import NcclSender
     from megatron_rl.rollout.pool import GeneratorPool, _Engine
 
@@ -140,11 +141,11 @@ def test_an_nccl_push_packs_each_header_once_and_vllms_consumers_decode_the_broa
         worker.packed_num_buffers = DEFAULT_PACKED_NUM_BUFFERS
         headers, loaded = received.setdefault(index, ([], []))
         worker.model = SimpleNamespace(load_weights=lambda ws: loaded.extend(ws))
-        _, version, _ = commands.get(timeout=30)
+        version = commands.get(timeout=30).version  # the Push command
         while (header := weights.get(timeout=30)) is not None:
             headers.append(header)
             worker.receive_weights(worker.parse_update_info(header))  # vLLM's validation
-        events.put(("pushed", index, version, 0.0, len(loaded), 0, None))
+        events.put(Pushed(index, version, 0.0, len(loaded), 0, None))
         finished.wait(60)
 
     pool = GeneratorPool.__new__(GeneratorPool)
@@ -156,7 +157,10 @@ def test_an_nccl_push_packs_each_header_once_and_vllms_consumers_decode_the_broa
         args = (index, commands, weights, pool._events)
         worker = threading.Thread(target=engine, args=args, daemon=True)
         worker.start()
-        pool._engines.append(_Engine(index, commands, weights, worker, ready=True))
+        handle = SimpleNamespace(
+            index=index, send=commands.put, put_weights=weights.put, is_alive=worker.is_alive
+        )
+        pool._engines.append(_Engine(index, handle, ready=True))
     pool._sender = NcclSender("127.0.0.1", 1, 3, chunk_bytes, device=torch.device("cpu"))
     pool._sender.group = Wire()
     try:
@@ -260,12 +264,12 @@ def test_an_engine_killed_mid_push_is_restarted_and_reweighed(engine_process, ti
     from safetensors.torch import load_file
 
     pool = engine_process
-    pid = pool._engines[0].worker.pid
+    pid = pool._engines[0].handle.pid
     start = time.monotonic()
     stats = pool.push_weights(_buckets_then(lambda: os.kill(pid, signal.SIGKILL)))
     assert time.monotonic() - start < 30
     assert stats.version == pool.version == 1 and pool.restarts == 1
-    assert pool._engines[0].worker.pid != pid
+    assert pool._engines[0].handle.pid != pid
     deadline = time.monotonic() + 180
     while not pool.needs_weights():  # the new engine process starts
         assert time.monotonic() < deadline, "the restarted engine never became ready"

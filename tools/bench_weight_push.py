@@ -148,8 +148,8 @@ def cpu_seconds(pool) -> tuple[float, float]:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     engines = 0.0
     for engine in pool._engines:  # a tool's look inside: the engine processes' ids
-        pid = getattr(engine.worker, "pid", None)
-        if pid is not None:
+        pid = engine.handle.pid
+        if pid is not None and pid != os.getpid():
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             engines += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return usage.ru_utime + usage.ru_stime, engines

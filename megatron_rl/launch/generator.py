@@ -4,9 +4,15 @@
 
 Run by the sbatch script of ``megatron-rl launch`` (one task per engine, ``--engine`` =
 ``SLURM_PROCID``); the address and the key come from ``$MEGATRON_RL_GENERATOR_ADDR`` and
-``$MEGATRON_RL_GENERATOR_KEY``. The task connects to the trainer (retrying until it listens),
+``$MEGATRON_RL_GENERATOR_KEY``. The task supervises one engine process (the same command
+with ``--no-supervise``), which connects to the trainer (retrying until it listens),
 receives the model directory and the rollout settings, and runs the same engine loop as the
 pool's other placements until the trainer sends ``stop`` (exit 0) or goes away (exit 3).
+An engine process that dies otherwise (killed by a signal: SIGKILL, the OOM killer, a
+crash) is started again on the same devices and reconnects; the trainer's pool treats that
+as a restart (its requests are resubmitted, it gets the current weights,
+``rollout.engine_max_restarts`` applies). Exits 1 (its engine failed: the trainer has the
+traceback), 2 (bad environment, no trainer) and 4 (rejected) end the task with that status.
 
 SIGTERM and SIGUSR1 are logged and otherwise ignored: at preemption or the pre-timeout
 signal the trainer still needs its engines to finish the step it checkpoints at; the trainer
@@ -19,6 +25,7 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -62,6 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"seconds to wait for the trainer (default: ${bridge.CONNECT_TIMEOUT_ENV} or "
         f"{bridge.DEFAULT_CONNECT_TIMEOUT:.0f})",
     )
+    parser.add_argument(
+        "--no-supervise",
+        action="store_true",
+        help="serve the engine in this process (the supervised engine process does)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -72,6 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.pop(name, None)
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, _note_signal)
+    if not args.no_supervise:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return supervise(args.engine, [*argv, "--engine", str(args.engine), "--no-supervise"])
+    from megatron_rl.platform import exit_with_parent
+
+    exit_with_parent()  # a supervisor killed with SIGKILL takes its engine process along
     try:
         address = args.connect or bridge.address_from_env()
         authkey = bridge.authkey_from_env()
@@ -89,6 +107,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         link.close()
     logger.info("engine %d: exiting with status %d", args.engine, status)
     return status
+
+
+def supervise(engine: int, child_args: list[str]) -> int:
+    """Run the engine process (``python -m megatron_rl.launch.generator CHILD_ARGS``) until
+    it exits with a status; start it again each time a signal kills it. Returns its status."""
+    command = [sys.executable, "-m", "megatron_rl.launch.generator", *child_args]
+    starts = 0
+    while True:
+        # Its own process group: what it leaves behind (vLLM workers) goes with it.
+        child = subprocess.Popen(command, process_group=0)
+        starts += 1
+        logger.info(
+            "engine %d: engine process pid %d started (start %d)", engine, child.pid, starts
+        )
+        status = child.wait()
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if status >= 0:
+            return status
+        logger.warning(
+            "engine %d: engine process pid %d was killed by %s: starting it again on the same "
+            "devices (the trainer decides whether it may: rollout.engine_max_restarts)",
+            engine,
+            child.pid,
+            signal.Signals(-status).name,
+        )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
 - Receive buffers of a weight push: vLLM's packed NCCL consumer
   (``weight_transfer/packed_tensor.py``) keeps ``packed_num_buffers`` = 2 buffers, each at
   least the bucket size and overshooting it by at most one tensor; the host path queues 2
-  buckets per engine (``rollout.pool._WEIGHT_QUEUE_DEPTH``). Counted as 2 x (bucket +
+  buckets per engine (``rollout.handles.WEIGHT_QUEUE_DEPTH``). Counted as 2 x (bucket +
   largest pushed tensor).
 - Forward workspace (estimate): vLLM's profile run at ``max_num_batched_tokens`` (16384 on
   GPUs with >= 70 GB, vllm/engine/arg_utils.py) and fp32 sampler logits for

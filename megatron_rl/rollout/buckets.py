@@ -3,7 +3,7 @@
 The trainer side of :mod:`megatron_rl.rollout.transport` (this module does not import vLLM):
 a bucket is handed over as the tensors themselves (engine in the same process), copied into
 one flat shared-memory buffer (engine in another process), or flattened into raw byte chunks
-for a byte stream (remote engine: :mod:`megatron_rl.launch.bridge`). Each form is made once
+for a byte stream (remote engine: :mod:`megatron_rl.rollout.remote`). Each form is made once
 per bucket and handed to every engine (:class:`HostSender`).
 """
 
@@ -18,6 +18,7 @@ from megatron_rl.conversion.weight_stream import WeightBucket
 from megatron_rl.rollout.experts import ExpertPlacement, expert_parallel_update, split_bucket
 
 ALIGN = 64  # byte alignment of tensors inside a flat buffer
+CPU_BACKEND = "megatron_rl_cpu"  # the vLLM weight-transfer backend of the host transport
 
 
 class WeightSender(Protocol):

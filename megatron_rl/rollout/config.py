@@ -67,7 +67,7 @@ class RolloutConfig:
             have one rank, and dense and MoE engines cannot mix), "subprocess" (one
             process per engine; on GPU each engine owns ``tensor_parallel`` GPUs) or "remote"
             (engines are tasks of their own, e.g. on other nodes of a Slurm job, that connect
-            to the pool: ``megatron_rl.launch.bridge``).
+            to the pool: ``megatron_rl.rollout.remote``).
         temperature / top_p: sampling settings.
         samples_per_prompt: n samples drawn for every prompt.
         max_tokens: response length cap (with interruptions: for samples that close their
@@ -113,10 +113,11 @@ class RolloutConfig:
             for the main rank to start the engines (Scout loads for many minutes).
         push_timeout_seconds: a weight push that an engine does not acknowledge in this time
             (the engine hangs while loading) raises an error naming the engine.
-        engine_max_restarts: ``placement: subprocess``: an engine process that dies (killed,
-            crashed without a Python error) is restarted on its devices, gets the current
-            weights and its requests in flight again; at most this many times per engine
-            within ``engine_restart_window_minutes``. One more death fails the run with the
+        engine_max_restarts: ``placement: subprocess`` or ``remote`` (weight transport
+            host): an engine process that dies (killed, crashed without a Python error) is
+            restarted on its devices (a remote engine by its generator task, which then
+            reconnects), gets the current weights and its requests in flight again; at most
+            this many times per engine within ``engine_restart_window_minutes``. One more death fails the run with the
             engine's last log lines. 0: the first death fails the run. An engine that
             reports an error (a Python exception) always fails the run: such failures repeat.
         engine_restart_window_minutes: the window of ``engine_max_restarts``.

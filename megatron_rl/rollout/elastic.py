@@ -29,8 +29,12 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-_HEADER = struct.Struct("!Q")  # frame: payload length, then the pickled event
+if TYPE_CHECKING:
+    from megatron_rl.rollout.messages import Event
+
+_HEADER = struct.Struct("!Q")  # frame: payload length, then the pickled event (messages.py)
 _READ_BYTES = 1 << 20
 _CLOSE = object()
 
@@ -51,7 +55,7 @@ class EventWriter:
         self._thread = threading.Thread(target=self._run, name="engine-events", daemon=True)
         self._thread.start()
 
-    def put(self, event: tuple) -> None:
+    def put(self, event: Event) -> None:
         self._items.put(event)
 
     def flush(self) -> None:
@@ -84,7 +88,7 @@ class EventChannels:
     def __init__(self) -> None:
         self._conns: dict[int, Connection] = {}
         self._buffers: dict[int, bytearray] = {}
-        self._ready: collections.deque[tuple[int, tuple]] = collections.deque()
+        self._ready: collections.deque[tuple[int, Event]] = collections.deque()
 
     def add(self, index: int, conn: Connection) -> None:
         """Read engine ``index``'s events from ``conn`` (replaces a previous channel)."""
@@ -92,7 +96,7 @@ class EventChannels:
         self._conns[index] = conn
         self._buffers[index] = bytearray()
 
-    def get(self, timeout: float | None = None) -> tuple:
+    def get(self, timeout: float | None = None) -> Event:
         if not self._ready:
             open_conns = [c for c in self._conns.values() if not c.closed]
             for conn in wait(open_conns, timeout) if open_conns else []:
@@ -104,10 +108,10 @@ class EventChannels:
             raise queue.Empty
         return self._ready.popleft()[1]
 
-    def get_nowait(self) -> tuple:
+    def get_nowait(self) -> Event:
         return self.get(0)
 
-    def drain(self, index: int) -> list[tuple]:
+    def drain(self, index: int) -> list[Event]:
         """The complete events engine ``index`` sent and nobody read yet, after its end (a
         dead process): whatever it had half written is dropped; the channel is closed."""
         if index in self._conns:

@@ -23,6 +23,7 @@ import torch
 
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.experts import routed_expert_count
+from megatron_rl.rollout.senders import transport_for
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +133,11 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
     from vllm import EngineArgs
 
     from megatron_rl.platform import get_platform
-    from megatron_rl.rollout.nccl import engine_backend
-    from megatron_rl.rollout.transport import BACKEND
 
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     text = getattr(hf_config, "text_config", hf_config)
+    resolved = config.resolved()
+    transport = transport_for(resolved)
     kwargs: dict[str, Any] = {}
     if get_platform().is_gpu:
         kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gb * 2**30)
@@ -180,11 +181,7 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         logprobs_mode=config.logprobs_mode,
         hf_overrides={"head_dtype": "float32"} if config.fp32_head else None,
         override_generation_config=overrides,
-        weight_transfer_config={
-            "backend": BACKEND
-            if config.weight_transport == "host"
-            else engine_backend(config.expert_parallel)
-        },
+        weight_transfer_config={"backend": transport.backend(resolved)},
         # One scheduled batch at a time: a weight load between two steps then separates the
         # tokens of the old weights from those of the new ones exactly.
         async_scheduling=False,
@@ -268,7 +265,7 @@ class VLLMEngine:
             with _cpu_workers_bound(config):
                 self.engine = LLMEngine.from_engine_args(engine_args(hf_dir, config, index))
             _live_engines += 1
-            if config.weight_transport == "host":  # nccl: init_transport joins the group
+            if transport_for(config).joins_at_build:  # else JoinTransport: init_transport
                 self.init_transport({})
             if config.return_routed_experts:
                 self.engine.collective_rpc("start_routing_capture")

@@ -2,8 +2,9 @@
 
 The pool packs a bucket once (:class:`~megatron_rl.rollout.buckets.WeightSender`) and hands
 that one object to a lane per engine: a thread that moves the lane's items, in order, into
-the engine's weights queue (a bounded queue for in-process and subprocess engines; for a
-remote engine a TCP connection, whose ``put`` returns once the bytes are sent). Engines thus
+the engine's weights queue (``EngineHandle.put_weights``: a bounded queue for in-process and
+subprocess engines; for a remote engine a TCP connection, which returns once the bytes are
+sent). Engines thus
 receive in parallel, and a slow engine holds up the push only once its lane is full. Memory:
 a lane holds at most one item besides the one it is delivering (the engine's queue has its
 own bound), and all lanes share each bucket.
@@ -21,8 +22,9 @@ _DONE = object()  # a lane's last item
 
 
 class Fanout:
-    """Lanes to the ``weights`` queues of ``engines`` (objects with ``index`` and ``weights``,
-    whose ``put(item, timeout=...)`` raises ``queue.Full`` on timeout or blocks until sent).
+    """Lanes to the weights queues of ``engines`` (objects with ``index`` and
+    ``put_weights(item, timeout=...)``, which raises ``queue.Full`` on timeout or blocks until
+    sent: :class:`~megatron_rl.rollout.handles.EngineHandle`).
 
     ``wait(index)`` runs on the caller's thread whenever it waits for engine ``index``'s lane;
     it is where the caller notices a failed engine or a deadline (by raising). Use as a
@@ -31,7 +33,7 @@ class Fanout:
     def __init__(self, engines: Sequence[Any], wait: Callable[[int], None]) -> None:
         self._wait = wait
         self._stopped = threading.Event()
-        self._lanes = [_Lane(e.index, e.weights, self._stopped) for e in engines]
+        self._lanes = [_Lane(e.index, e.put_weights, self._stopped) for e in engines]
 
     def put(self, item: Any) -> None:
         """Hand ``item`` to every engine's lane, in order after the previous items."""
@@ -75,7 +77,7 @@ class Fanout:
 class _Lane:
     """One engine's sending thread (see :class:`Fanout`)."""
 
-    def __init__(self, index: int, target: Any, stopped: threading.Event) -> None:
+    def __init__(self, index: int, target: Callable[..., None], stopped: threading.Event) -> None:
         self.index = index
         self.items: queue.Queue = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
@@ -106,7 +108,7 @@ class _Lane:
     def _deliver(self, item: Any) -> None:
         while not (self._stopped.is_set() or self.dropped.is_set()):
             try:
-                self._target.put(item, timeout=_POLL_SECONDS)
+                self._target(item, timeout=_POLL_SECONDS)
                 return
             except queue.Full:
                 continue

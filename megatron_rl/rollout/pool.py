@@ -10,8 +10,11 @@ Typical use (PipelineRL)::
 
 ``generate(prompts)`` is the blocking form. The pool is driven from one thread; the engines
 run on their own threads (``placement: in_process``), processes (``subprocess``) or tasks
-that connect over TCP (``remote``, see ``megatron_rl.launch.bridge``); all of them run
-:func:`megatron_rl.rollout.runner.run_engine` behind the same three queues.
+that connect over TCP (``remote``, see :mod:`megatron_rl.rollout.remote`); all of them run
+:func:`megatron_rl.rollout.runner.run_engine`, and the pool reaches each through an
+:class:`~megatron_rl.rollout.handles.EngineHandle` (commands and events:
+:mod:`megatron_rl.rollout.messages`; weights: the transport's
+:class:`~megatron_rl.rollout.buckets.WeightSender`, chosen once: :mod:`.senders`).
 
 Elastic engines (``subprocess``): the pool knows every request it handed to each engine
 (its :class:`RequestSpec`, with its seed). An engine process that dies is restarted on its
@@ -26,12 +29,8 @@ only; the pool keeps no copy of them). Every token thus still carries a known ve
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import random
-import shutil
-import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -39,44 +38,49 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl.conversion.weight_stream import WeightBucket
-from megatron_rl.rollout.buckets import HostSender, WeightSender
+from megatron_rl.rollout.buckets import WeightSender
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.elastic import (
-    EventChannels,
-    RestartBudget,
-    WeightsNeeded,
-    refusal_message,
-)
-from megatron_rl.rollout.experts import engine_placement
+from megatron_rl.rollout.elastic import RestartBudget, WeightsNeeded, refusal_message
 from megatron_rl.rollout.fanout import Fanout
+from megatron_rl.rollout.handles import EngineHandle, engine_launcher
 from megatron_rl.rollout.interruption import InterruptionPolicy
-from megatron_rl.rollout.runner import (
+from megatron_rl.rollout.messages import (
+    AskStatus,
+    Event,
+    Failed,
+    Push,
+    Pushed,
+    Ready,
     RequestSpec,
     RunnerSettings,
-    engine_devices,
-    run_engine,
-    subprocess_main,
+    SamplesDone,
+    StatusReport,
+    Stop,
+    Stopped,
+    Submit,
+    TransportJoined,
+    unknown_message,
 )
+from megatron_rl.rollout.runner import engine_devices
 from megatron_rl.rollout.samples import PushStats, Sample
+from megatron_rl.rollout.senders import transport_for
 
 logger = logging.getLogger(__name__)
 
-_WEIGHT_QUEUE_DEPTH = 2  # buckets queued per engine: bounds the push's extra memory
 _POLL_SECONDS = 1.0
 _STOP_SECONDS = 30.0  # engines that have not stopped by then are terminated
 
 
 @dataclass
 class _Engine:
+    """The pool's bookkeeping of one engine, around its handle (replaced on a restart)."""
+
     index: int
-    commands: Any
-    weights: Any
-    worker: Any  # threading.Thread or a process
+    handle: EngineHandle
     oldest: int | None = None  # oldest version in flight, as last reported
     max_model_len: int = 0
     ready: bool = False  # built, answering commands
     current: bool = True  # runs the pool's policy version: may take requests
-    log_path: str | None = None
     # (prompt index, sample index) -> the request, submitted and not yet returned
     specs: dict[tuple[int, int], RequestSpec] = field(default_factory=dict)
 
@@ -106,6 +110,7 @@ class GeneratorPool:
         config.validate()
         config = config.resolved()  # weight_transport "auto": decided once, here
         self.config = config
+        self._transport = transport_for(config)
         self.hf_dir = str(hf_dir)
         # A resumed trainer continues its numbering: the next push is initial_version + 1.
         self.version = initial_version
@@ -117,7 +122,7 @@ class GeneratorPool:
             )
         self._next_prompt = 0
         self._done: list[Sample] = []
-        self._acks: dict[int, list[tuple]] = {}
+        self._acks: dict[int, list[Pushed]] = {}
         self._status: dict[int, dict[str, Any]] = {}
         self._finished_tokens: dict[int, int] = {}  # engine -> response tokens returned
         self._closed = False
@@ -127,9 +132,9 @@ class GeneratorPool:
         self._pushed = False  # a push happened: the HF directory's weights are not current
         window = config.engine_restart_window_minutes * 60
         self._restarts = RestartBudget(config.engine_max_restarts, window)
-        self._log_dir: str | None = None
-        self._runner_settings = self._settings()
-        self._engines = self._start_engines(self._runner_settings)
+        self._launcher = engine_launcher(self.hf_dir, config, self._settings())
+        self._events = self._launcher.events
+        self._engines = self._start_engines()
         if wait:
             self._wait_ready()
 
@@ -145,7 +150,7 @@ class GeneratorPool:
             tuple(stop), self.policy.text_ids, self.policy.close_ids, self.policy.answer_budget
         )
 
-    def _start_engines(self, settings: RunnerSettings) -> list[_Engine]:
+    def _start_engines(self) -> list[_Engine]:
         from megatron_rl.platform import get_platform
         from megatron_rl.rollout.engine import cpu_worker_binding
 
@@ -154,49 +159,7 @@ class GeneratorPool:
             raise ValueError("rollout.gpu_ids need GPUs; this machine has none")
         if not get_platform().is_gpu and config.placement != "remote":
             cpu_worker_binding(config.tensor_parallel)  # a CPU core per engine worker
-        if config.placement == "remote":  # engine tasks connect to us (megatron_rl.launch)
-            from megatron_rl.launch.bridge import accept_engines
-
-            self._events = queue.Queue()
-            handles = accept_engines(config.engines, self.hf_dir, config, settings, self._events)
-            return [_Engine(h.index, h.commands, h.weights, h.worker) for h in handles]
-        if config.placement == "subprocess":
-            import torch.multiprocessing as mp
-
-            self._ctx = mp.get_context("spawn")
-            self._events = EventChannels()
-            self._log_dir = tempfile.mkdtemp(prefix="megatron_rl_engines_")
-            return [self._spawn(index, settings) for index in range(config.engines)]
-        _check_one_rank_world()
-        self._events = queue.Queue()
-        engines = []
-        for index in range(config.engines):
-            commands, weights = queue.Queue(), queue.Queue(_WEIGHT_QUEUE_DEPTH)
-            worker = threading.Thread(
-                target=run_engine,
-                args=(index, self.hf_dir, config, settings, commands, weights.get, self._events),
-                name=f"vllm-engine-{index}",
-                daemon=True,
-            )
-            worker.start()
-            engines.append(_Engine(index, commands, weights, worker))
-        return engines
-
-    def _spawn(self, index: int, settings: RunnerSettings) -> _Engine:
-        """Start engine process ``index`` with an event pipe and a log of its own."""
-        commands, weights = self._ctx.Queue(), self._ctx.Queue(_WEIGHT_QUEUE_DEPTH)
-        reader, writer = self._ctx.Pipe(duplex=False)
-        log_path = os.path.join(self._log_dir, f"engine-{index}.log")
-        worker = self._ctx.Process(
-            target=subprocess_main,
-            args=(index, self.hf_dir, self.config, settings, commands, weights, writer, log_path),
-            name=f"vllm-engine-{index}",
-            daemon=True,
-        )
-        worker.start()
-        writer.close()  # the engine holds the only write end: its death ends the pipe
-        self._events.add(index, reader)
-        return _Engine(index, commands, weights, worker, log_path=log_path)
+        return [_Engine(h.index, h) for h in self._launcher.start(config.engines)]
 
     def _wait_ready(self) -> None:
         if self._sender is not None:
@@ -209,39 +172,14 @@ class GeneratorPool:
             self.config.placement,
             self.config.weight_transport,
         )
-        if self.config.weight_transport == "nccl":
-            self._sender = self._connect_nccl()
-        else:
-            experts = engine_placement(self.config, self._hf)  # rollout.expert_parallel
-            self._sender = HostSender(self.config.placement, experts)
-
-    def _connect_nccl(self) -> WeightSender:
-        """Form the NCCL weight-transfer group: every engine's workers, then this sender."""
-        import socket
-
-        from megatron_rl.platform import free_port, get_platform
-        from megatron_rl.rollout.nccl import NcclSender, group_layout, worker_payloads
-
-        if not get_platform().is_gpu:
-            raise ValueError("rollout.weight_transport 'nccl' needs GPUs; this machine has none")
-        config = self.config
-        address = config.nccl_address or socket.gethostname()
-        port = free_port()
-        experts = engine_placement(config, self._hf)  # rollout.expert_parallel: EP groups
-        expert_ports = [free_port() for _ in range(experts.ep_size if experts else 0)]
-        engines, tp, bucket = len(self._engines), config.tensor_parallel, config.weight_bucket_bytes
-        for engine, payload in zip(
-            self._engines, worker_payloads(address, port, expert_ports, engines, tp, bucket)
-        ):
-            engine.commands.put(("transport", payload))
-        world, _ = group_layout(engines, tp)
-        sender = NcclSender(
-            address, port, world, bucket, experts=experts, expert_ports=expert_ports
+        self._sender = self._transport.open(
+            self.config, self._hf, [e.handle for e in self._engines], self._wait_joined
         )
-        sender.connect()  # returns when every worker has joined
+
+    def _wait_joined(self) -> None:
+        """Wait until every engine has joined the weight transport (``TransportJoined``)."""
         while len(self._transport_acks) < len(self._engines):
             self._pump(_POLL_SECONDS)
-        return sender
 
     # -- generation -------------------------------------------------------------------------
     def submit(
@@ -294,7 +232,7 @@ class GeneratorPool:
             self._pending.extend(specs)
             return
         engine = min(usable, key=lambda e: e.outstanding)
-        engine.commands.put(("submit", specs))
+        engine.handle.send(Submit(tuple(specs)))
         engine.specs.update(((s.prompt_index, s.sample_index), s) for s in specs)
         if engine.oldest is None:
             engine.oldest = self.version
@@ -364,7 +302,7 @@ class GeneratorPool:
         self._status = {}
         asked = [e for e in self._engines if e.ready]
         for engine in asked:
-            engine.commands.put(("status",))
+            engine.handle.send(AskStatus())
         # an engine that dies meanwhile (restarted: another object) answers no more
         while any(e.index not in self._status and self._engines[e.index] is e for e in asked):
             self._pump(_POLL_SECONDS)
@@ -450,9 +388,9 @@ class GeneratorPool:
             self._check_deadline(deadline, f"engine {index} taking a weight bucket")
 
         for engine in targets:
-            engine.commands.put(("push", version, kv_on_push))
+            engine.handle.send(Push(version, kv_on_push))
         tensors = nbytes = count = 0
-        lanes = Fanout(targets, wait)  # before any call of wait
+        lanes = Fanout([e.handle for e in targets], wait)  # before any call of wait
         with lanes:
             try:
                 for bucket in buckets:
@@ -483,17 +421,19 @@ class GeneratorPool:
             bytes=nbytes,
             buckets=count,
             seconds=time.perf_counter() - start,
-            load_seconds=max((a[3] for a in acks.values()), default=0.0),
+            load_seconds=max((a.seconds for a in acks.values()), default=0.0),
         )
 
     def _same(self, targets: list[_Engine], index: int) -> bool:
         """Whether engine ``index`` of ``targets`` is still the same process (not restarted)."""
         return any(e is self._engines[index] for e in targets if e.index == index)
 
-    def _wait_acks(self, version: int, targets: list[_Engine], deadline: float) -> dict:
-        """The ``pushed`` events of ``targets`` by engine index (not of those restarted)."""
+    def _wait_acks(
+        self, version: int, targets: list[_Engine], deadline: float
+    ) -> dict[int, Pushed]:
+        """The ``Pushed`` events of ``targets`` by engine index (not of those restarted)."""
         while True:
-            acked = {a[1]: a for a in self._acks.get(version, [])}
+            acked = {a.engine: a for a in self._acks.get(version, [])}
             waiting = [
                 e.index for e in targets if e.index not in acked and self._same(targets, e.index)
             ]
@@ -533,7 +473,7 @@ class GeneratorPool:
             )
 
     # -- events -----------------------------------------------------------------------------
-    def _next_event(self) -> tuple:
+    def _next_event(self) -> Event:
         """Block until the next event; raises if an engine failed or died."""
         while True:
             try:
@@ -557,76 +497,82 @@ class GeneratorPool:
             self._handle(event)
             block = False
 
-    def _raise_on_error(self, event: tuple) -> None:
-        if event[0] == "error":
+    def _raise_on_error(self, event: Event) -> None:
+        if isinstance(event, Failed):
             self.close()
-            raise RuntimeError(f"vLLM engine {event[1]} failed:\n{event[2]}")
+            raise RuntimeError(f"vLLM engine {event.engine} failed:\n{event.traceback}")
 
-    def _handle(self, event: tuple) -> None:
-        kind, index = event[0], event[1]
+    def _handle(self, event: Event) -> None:
+        if isinstance(event, SamplesDone):
+            self._take_samples(event)
+        elif isinstance(event, Pushed):
+            self._engines[event.engine].oldest = event.oldest
+            self._acks.setdefault(event.version, []).append(event)
+        elif isinstance(event, StatusReport):
+            # the engine's samples sent before it are counted: consistent
+            finished = self._finished_tokens.get(event.engine, 0)
+            self._status[event.engine] = {**event.status, "finished_tokens": finished}
+        elif isinstance(event, Ready):
+            engine = self._engines[event.engine]
+            engine.max_model_len, engine.ready = event.max_model_len, True
+        elif isinstance(event, TransportJoined):
+            self._transport_acks.add(event.engine)
+        elif not isinstance(event, Stopped):
+            self.close()
+            raise unknown_message(event, "generator pool")
+
+    def _take_samples(self, event: SamplesDone) -> None:
+        index = event.engine
         engine = self._engines[index]
-        if kind == "samples":
-            samples, engine.oldest = [], event[3]
-            for sample in event[2]:
-                if engine.specs.pop((sample.prompt_index, sample.sample_index), None) is None:
-                    # never expected: every request is returned by one engine, once
-                    logger.warning("engine %d returned a sample it was not given: dropped", index)
-                    continue
-                samples.append(sample)
-            self._done.extend(samples)
-            tokens = sum(len(s) for s in samples)
-            self._finished_tokens[index] = self._finished_tokens.get(index, 0) + tokens
-        elif kind == "pushed":
-            engine.oldest = event[6]
-            self._acks.setdefault(event[2], []).append(event)
-        elif kind == "status":  # the engine's samples sent before it are counted: consistent
-            finished = self._finished_tokens.get(index, 0)
-            self._status[index] = {**event[2], "finished_tokens": finished}
-        elif kind == "ready":
-            engine.max_model_len = event[2]["max_model_len"]
-            engine.ready = True
-        elif kind == "transport":
-            self._transport_acks.add(index)
+        samples, engine.oldest = [], event.oldest
+        for sample in event.samples:
+            if engine.specs.pop((sample.prompt_index, sample.sample_index), None) is None:
+                # never expected: every request is returned by one engine, once
+                logger.warning("engine %d returned a sample it was not given: dropped", index)
+                continue
+            samples.append(sample)
+        self._done.extend(samples)
+        tokens = sum(len(s) for s in samples)
+        self._finished_tokens[index] = self._finished_tokens.get(index, 0) + tokens
 
     def _check_alive(self) -> None:
         for engine in list(self._engines):
-            if not self._closed and not engine.worker.is_alive():
+            if not self._closed and not engine.handle.is_alive():
                 self._replace(engine)
 
     def _replace(self, engine: _Engine) -> None:
         """Engine ``engine`` died: handle what it sent, restart it (or raise when its
         restarts are spent, or its placement cannot restart), resubmit its requests."""
         config, index = self.config, engine.index
-        elastic = config.placement == "subprocess" and config.weight_transport == "host"
-        if isinstance(self._events, EventChannels):
-            for event in self._events.drain(index):  # its complete messages, in order
-                self._raise_on_error(event)
-                self._handle(event)
+        elastic = self._launcher.restartable and self._transport.restartable
+        for event in engine.handle.leftover_events():  # its complete messages, in order
+            self._raise_on_error(event)
+            self._handle(event)
         if not (elastic and self._restarts.take(index)):
             devices = engine_devices(config, index)
             devices = "cpu" if devices is None else f"GPUs {devices}"
             if elastic:
                 message = refusal_message(
-                    index, config.placement, devices, self._restarts, engine.log_path
+                    index, config.placement, devices, self._restarts, engine.handle.log_path
                 )
-            else:  # remote tasks and NCCL groups are not re-formed yet (issue 13)
+            else:  # in-process engines cannot be, and NCCL groups are not re-formed (issue 13)
                 message = (
                     f"vLLM engine {index} exited unexpectedly (placement {config.placement}, "
-                    f"devices {devices}; restarts need placement subprocess and "
-                    "weight_transport host)"
+                    f"devices {devices}; restarts need placement subprocess or "
+                    "remote and weight_transport host)"
                 )
             self.close()
             raise RuntimeError(message)
-        _bury(engine)
+        engine.handle.discard()
         specs = list(engine.specs.values())
-        new = self._spawn(index, self._runner_settings)
-        new.max_model_len, new.current = engine.max_model_len, not self._pushed
+        new = _Engine(index, self._launcher.restart(index), max_model_len=engine.max_model_len)
+        new.current = not self._pushed
         self._engines[index] = new
         logger.warning(
             "vLLM engine %d exited unexpectedly (exit code %s): restarted (%d time(s) in the "
             "last %g min); %d request(s) resubmitted",
             index,
-            engine.worker.exitcode,
+            engine.handle.exitcode,
             self._restarts.recent(index),
             config.engine_restart_window_minutes,
             len(specs),
@@ -666,24 +612,21 @@ class GeneratorPool:
         self._closed = True
         for engine in engines:
             try:
-                engine.commands.put(("stop",))
-            except (ValueError, OSError):  # queue already closed
+                engine.handle.send(Stop())
+            except (ValueError, OSError):  # queue or connection already closed
                 pass
         deadline = time.monotonic() + _STOP_SECONDS
         for engine in engines:
-            while engine.worker.is_alive() and time.monotonic() < deadline:
-                engine.worker.join(timeout=_POLL_SECONDS / 4)
+            while engine.handle.is_alive() and time.monotonic() < deadline:
+                engine.handle.join(timeout=_POLL_SECONDS / 4)
                 self._discard_events()  # an engine process flushes its events as it stops
-            if hasattr(engine.worker, "terminate") and engine.worker.is_alive():
-                engine.worker.terminate()
+            if engine.handle.is_alive():
+                engine.handle.terminate()
         if getattr(self, "_sender", None) is not None:  # e.g. the NCCL group's sender end
             self._sender.close()
             self._sender = None
-        if isinstance(getattr(self, "_events", None), EventChannels):
-            self._events.close()
-        if getattr(self, "_log_dir", None) is not None:
-            shutil.rmtree(self._log_dir, ignore_errors=True)
-            self._log_dir = None
+        if getattr(self, "_launcher", None) is not None:
+            self._launcher.close()  # event pipes, engine logs
 
     def _discard_events(self) -> None:
         events = getattr(self, "_events", None)
@@ -698,29 +641,6 @@ class GeneratorPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_one_rank_world() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError(
-            "rollout.placement 'in_process' runs vLLM inside this process, which needs a "
-            f"one-rank torch.distributed world (this one has {dist.get_world_size()}); "
-            "use placement: subprocess"
-        )
-
-
-def _bury(engine: _Engine) -> None:
-    """End what is left of a dead engine process's group (e.g. vLLM workers holding its
-    GPUs), so that its restart finds the devices free; drop its queues."""
-    try:
-        os.killpg(engine.worker.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    engine.worker.join(timeout=5)
-    for channel in (engine.commands, engine.weights):
-        channel.cancel_join_thread()  # nobody reads them any more: exit without flushing
 
 
 def _text_config(hf_dir: str):

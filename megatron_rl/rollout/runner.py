@@ -7,15 +7,13 @@ in flight wait in vLLM's scheduler, then generation goes on with the new weights
 it. It runs on a thread of the trainer's process or as the main loop of an engine process;
 both talk to the pool through queues:
 
-- ``commands``: ``("submit", [RequestSpec])``, ``("push", version, kv_on_push)``,
-  ``("status",)``, ``("transport", init_info)``, ``("stop",)``;
+- ``commands``: the commands of :mod:`megatron_rl.rollout.messages` (``Submit``, ``Push``,
+  ``AskStatus``, ``JoinTransport``, ``Stop``);
 - ``weights``: a push's bucket update infos, then ``None`` (``get`` takes ``block=False``);
-- ``events`` (one queue shared by in-process and remote engines; an engine process writes
-  to a pipe of its own, :mod:`megatron_rl.rollout.elastic`): ``("ready", i, info)``, ``("samples", i, [Sample],
-  oldest)``, ``("pushed", i, version, paused_seconds, tensors, bytes, oldest)``,
-  ``("status", i, dict)``, ``("transport", i)``, ``("error", i, traceback)``,
-  ``("stopped", i)``. ``oldest`` is the oldest policy version
-  still in flight on engine i (None when it is idle).
+- ``events``: the events of :mod:`megatron_rl.rollout.messages` (``Ready``, ``SamplesDone``,
+  ``Pushed``, ``StatusReport``, ``TransportJoined``, ``Failed``, ``Stopped``); one queue
+  shared by in-process and remote engines, a pipe of its own for an engine process
+  (:mod:`megatron_rl.rollout.elastic`).
 """
 
 from __future__ import annotations
@@ -31,35 +29,28 @@ from typing import Any
 
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.interruption import find_subsequence
+from megatron_rl.rollout.messages import (
+    AskStatus,
+    Failed,
+    JoinTransport,
+    Push,
+    Pushed,
+    Ready,
+    RequestSpec,
+    RunnerSettings,
+    SamplesDone,
+    StatusReport,
+    Stop,
+    Stopped,
+    Submit,
+    TransportJoined,
+    unknown_message,
+)
 from megatron_rl.rollout.samples import Sample
 
 logger = logging.getLogger(__name__)
 
 _NOTHING = object()  # no weights item waiting
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """One sample to generate; ``budget``: its thinking budget (None: no interruption)."""
-
-    prompt_index: int
-    sample_index: int
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    budget: int | None = None
-    seed: int | None = None  # sampling seed: the same request draws the same tokens anywhere
-
-
-@dataclass(frozen=True)
-class RunnerSettings:
-    """What every request of an engine shares."""
-
-    stop_token_ids: tuple[int, ...]
-    text_ids: tuple[int, ...] = ()  # interruption text
-    close_ids: tuple[int, ...] = ()  # think-close marker
-    answer_budget: int = 0
 
 
 @dataclass
@@ -86,7 +77,7 @@ class EngineRunner:
 
     # -- commands ---------------------------------------------------------------------------
     def serve(self, commands, weights_get: Callable[..., Any]) -> None:
-        """Handle commands between engine steps until ``("stop",)``.
+        """Handle commands between engine steps until ``Stop``.
 
         A push does not pause generation when it is announced: the engine goes on stepping
         until the push's first bucket is in its weights queue (``weights_get(block=False)``
@@ -95,20 +86,20 @@ class EngineRunner:
         while True:
             idle = not self.engine.has_work()
             for command in _commands(commands, block=idle and pending is None):
-                if command[0] == "stop":
+                if isinstance(command, Stop):
                     return
-                if command[0] == "submit":
-                    for spec in command[1]:
+                if isinstance(command, Submit):
+                    for spec in command.specs:
                         self.submit(spec)
-                elif command[0] == "push":
-                    pending = (command[1], command[2])
-                elif command[0] == "status":
-                    self.events.put(("status", self.index, self.status()))
-                elif command[0] == "transport":  # join the NCCL weight-transfer group
-                    self.engine.init_transport(command[1])
-                    self.events.put(("transport", self.index))
+                elif isinstance(command, Push):
+                    pending = (command.version, command.kv_on_push)
+                elif isinstance(command, AskStatus):
+                    self.events.put(StatusReport(self.index, self.status()))
+                elif isinstance(command, JoinTransport):  # join the NCCL weight-transfer group
+                    self.engine.init_transport(command.init_info)
+                    self.events.put(TransportJoined(self.index))
                 else:
-                    raise ValueError(f"unknown runner command {command[0]!r}")
+                    raise unknown_message(command, f"engine {self.index}")
             if pending is not None:
                 # idle: wait for the first bucket; busy: take it only if it is there
                 first = _next_bucket(weights_get, block=not self.engine.has_work())
@@ -169,14 +160,14 @@ class EngineRunner:
         except BaseException:
             # Report first: the pusher may be blocked until every engine has taken the bucket
             # (an NCCL broadcast), and then never sends the end of the push we would wait for.
-            self.events.put(("error", self.index, traceback.format_exc()))
+            self.events.put(Failed(self.index, traceback.format_exc()))
             for _ in () if ended else _until_none(weights_get):  # let the pusher finish
                 pass
             raise
         self.version = version
         seconds = time.perf_counter() - start
         self.events.put(
-            ("pushed", self.index, version, seconds, tensors, nbytes, self.oldest_version())
+            Pushed(self.index, version, seconds, tensors, nbytes, self.oldest_version())
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -253,7 +244,7 @@ class EngineRunner:
 
     def _flush(self) -> None:
         if self._finished:
-            self.events.put(("samples", self.index, self._finished, self.oldest_version()))
+            self.events.put(SamplesDone(self.index, self._finished, self.oldest_version()))
             self._finished = []
 
 
@@ -295,19 +286,19 @@ def run_engine(
     weights_get: Callable[[], Any],
     events,
 ) -> None:
-    """Build engine ``index`` and serve until stopped; failures become ``error`` events."""
+    """Build engine ``index`` and serve until stopped; failures become ``Failed`` events."""
     engine = None
     try:
         from megatron_rl.rollout.engine import VLLMEngine
 
         engine = VLLMEngine(hf_dir, config, index)
         runner = EngineRunner(index, engine, settings, events)
-        events.put(("ready", index, {"max_model_len": engine.max_model_len, "pid": os.getpid()}))
+        events.put(Ready(index, engine.max_model_len, os.getpid()))
         runner.serve(commands, weights_get)
         engine.close()
-        events.put(("stopped", index))
+        events.put(Stopped(index))
     except BaseException:  # reported to the pool, which raises it in the trainer
-        events.put(("error", index, traceback.format_exc()))
+        events.put(Failed(index, traceback.format_exc()))
         if engine is not None:
             engine.close()
 

@@ -36,12 +36,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megatron_rl.rollout.buckets import unpack_views
+from megatron_rl.rollout.buckets import CPU_BACKEND, unpack_views
 from megatron_rl.rollout.experts import fix_cpu_moe_expert_map, own_part
 
 logger = logging.getLogger(__name__)
 
-BACKEND = "megatron_rl_cpu"
+BACKEND = CPU_BACKEND
 NCCL_EP_BACKEND = "megatron_rl_nccl_ep"  # GPU, expert-parallel engines: megatron_rl.rollout.nccl
 
 

@@ -1,0 +1,278 @@
+"""The pool's handle on one engine, whatever runs it (``rollout.placement``).
+
+The pool (:class:`~megatron_rl.rollout.pool.GeneratorPool`) talks to its engines only through
+:class:`EngineHandle`; an :class:`EngineLauncher` per placement starts them, restarts them
+where it can, and owns the one event source the pool reads all their events from:
+
+- ``in_process``: :class:`ThreadEngine`, a thread of this process (events: one queue);
+- ``subprocess``: :class:`ProcessEngine`, a spawned process with an event pipe of its own
+  (:mod:`megatron_rl.rollout.elastic`), restartable;
+- ``remote``: :class:`~megatron_rl.rollout.remote.RemoteEngine`, an engine task connected
+  over TCP (:mod:`megatron_rl.rollout.remote`).
+
+Every engine runs :func:`megatron_rl.rollout.runner.run_engine`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.elastic import EventChannels
+from megatron_rl.rollout.messages import Command, Event, RunnerSettings
+from megatron_rl.rollout.runner import run_engine, subprocess_main
+
+WEIGHT_QUEUE_DEPTH = 2  # buckets queued per engine: bounds the push's extra memory
+
+
+class EngineHandle(Protocol):
+    """One engine as the pool sees it."""
+
+    index: int
+    log_path: str | None  # a copy of its output (the tail names the cause of a death)
+
+    def send(self, command: Command) -> None:
+        """Queue a command (:mod:`megatron_rl.rollout.messages`); never waits on the engine."""
+
+    def put_weights(self, item: Any, timeout: float | None = None) -> None:
+        """Hand over a packed bucket (None: the push's end); raises ``queue.Full`` when the
+        engine's bounded queue stays full for ``timeout`` s."""
+
+    def is_alive(self) -> bool: ...
+
+    @property
+    def pid(self) -> int | None:
+        """The engine's process id (None when unknown)."""
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def leftover_events(self) -> list[Event]:
+        """After its death: the complete events it sent that the pool did not read yet
+        (those of a shared event queue are read there, in order: none here)."""
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def terminate(self) -> None:
+        """End it now (a stop that did not end it in time)."""
+
+    def discard(self) -> None:
+        """After its death: free what is left of it (child processes, queues)."""
+
+
+class EngineLauncher(Protocol):
+    """Starts the engines of one placement; ``events``: all their events as one queue
+    (``get(timeout)`` / ``get_nowait()``, raising ``queue.Empty``)."""
+
+    events: Any
+    restartable: bool  # a dead engine can be started again on its devices
+
+    def start(self, count: int) -> list[EngineHandle]: ...
+
+    def restart(self, index: int) -> EngineHandle: ...
+
+    def close(self) -> None: ...
+
+
+class ThreadEngine:
+    """An engine on a thread of this process (``placement: in_process``)."""
+
+    log_path = None
+
+    def __init__(
+        self, index: int, hf_dir: str, config: RolloutConfig, settings: RunnerSettings, events
+    ) -> None:
+        self.index = index
+        self.commands: queue.Queue = queue.Queue()
+        self.weights: queue.Queue = queue.Queue(WEIGHT_QUEUE_DEPTH)
+        self.thread = threading.Thread(
+            target=run_engine,
+            args=(index, hf_dir, config, settings, self.commands, self.weights.get, events),
+            name=f"vllm-engine-{index}",
+            daemon=True,
+        )
+        self.thread.start()
+
+    def send(self, command: Command) -> None:
+        self.commands.put(command)
+
+    def put_weights(self, item: Any, timeout: float | None = None) -> None:
+        self.weights.put(item, timeout=timeout)
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    @property
+    def exitcode(self) -> None:
+        return None
+
+    def leftover_events(self) -> list[Event]:
+        return []
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+    def terminate(self) -> None:
+        pass  # a thread cannot be ended from outside; it is a daemon
+
+    def discard(self) -> None:
+        pass
+
+
+class ProcessEngine:
+    """An engine process (``placement: subprocess``), with an event pipe and a log file of
+    its own; its death ends the pipe (the pool reads it up to its last whole event)."""
+
+    def __init__(
+        self,
+        index: int,
+        ctx: Any,
+        hf_dir: str,
+        config: RolloutConfig,
+        settings: RunnerSettings,
+        channels: EventChannels,
+        log_dir: str,
+    ) -> None:
+        self.index = index
+        self._channels = channels
+        self.commands, self.weights = ctx.Queue(), ctx.Queue(WEIGHT_QUEUE_DEPTH)
+        reader, writer = ctx.Pipe(duplex=False)
+        self.log_path = os.path.join(log_dir, f"engine-{index}.log")
+        args = (index, hf_dir, config, settings, self.commands, self.weights)
+        self.process = ctx.Process(
+            target=subprocess_main,
+            args=(*args, writer, self.log_path),
+            name=f"vllm-engine-{index}",
+            daemon=True,
+        )
+        self.process.start()
+        writer.close()  # the engine holds the only write end: its death ends the pipe
+        channels.add(index, reader)
+
+    def send(self, command: Command) -> None:
+        self.commands.put(command)
+
+    def put_weights(self, item: Any, timeout: float | None = None) -> None:
+        self.weights.put(item, timeout=timeout)
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def leftover_events(self) -> list[Event]:
+        return self._channels.drain(self.index)
+
+    def join(self, timeout: float | None = None) -> None:
+        self.process.join(timeout)
+
+    def terminate(self) -> None:
+        self.process.terminate()
+
+    def discard(self) -> None:
+        """End what is left of the dead process's group (e.g. vLLM workers holding its
+        GPUs), so that its restart finds the devices free; drop its queues."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.join(timeout=5)
+        for channel in (self.commands, self.weights):
+            channel.cancel_join_thread()  # nobody reads them any more: exit without flushing
+
+
+class ThreadLauncher:
+    """``placement: in_process``: engines on threads, their events in one queue."""
+
+    restartable = False
+
+    def __init__(self, hf_dir: str, config: RolloutConfig, settings: RunnerSettings) -> None:
+        self.hf_dir, self.config, self.settings = hf_dir, config, settings
+        self.events: queue.Queue = queue.Queue()
+
+    def start(self, count: int) -> list[EngineHandle]:
+        _check_one_rank_world()
+        return [self._engine(index) for index in range(count)]
+
+    def restart(self, index: int) -> EngineHandle:
+        raise NotImplementedError("in-process engines are not restarted")
+
+    def _engine(self, index: int) -> ThreadEngine:
+        return ThreadEngine(index, self.hf_dir, self.config, self.settings, self.events)
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessLauncher:
+    """``placement: subprocess``: spawned engine processes, each with its event pipe and log
+    (in a temporary directory that ``close`` removes)."""
+
+    restartable = True
+
+    def __init__(self, hf_dir: str, config: RolloutConfig, settings: RunnerSettings) -> None:
+        import torch.multiprocessing as mp
+
+        self.hf_dir, self.config, self.settings = hf_dir, config, settings
+        self._ctx = mp.get_context("spawn")
+        self.events = EventChannels()
+        self.log_dir = tempfile.mkdtemp(prefix="megatron_rl_engines_")
+
+    def start(self, count: int) -> list[EngineHandle]:
+        return [self.restart(index) for index in range(count)]
+
+    def restart(self, index: int) -> EngineHandle:
+        """Start engine process ``index`` (again: its previous pipe is replaced)."""
+        return ProcessEngine(
+            index, self._ctx, self.hf_dir, self.config, self.settings, self.events, self.log_dir
+        )
+
+    def close(self) -> None:
+        self.events.close()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def _remote_launcher(hf_dir: str, config: RolloutConfig, settings: RunnerSettings):
+    from megatron_rl.rollout.remote import RemoteLauncher
+
+    return RemoteLauncher(hf_dir, config, settings)
+
+
+LAUNCHERS: dict[str, Callable[[str, RolloutConfig, RunnerSettings], EngineLauncher]] = {
+    "in_process": ThreadLauncher,
+    "subprocess": ProcessLauncher,
+    "remote": _remote_launcher,
+}
+
+
+def engine_launcher(hf_dir: str, config: RolloutConfig, settings: RunnerSettings):
+    """The launcher of ``config.placement`` (validated by ``RolloutConfig.validate``)."""
+    return LAUNCHERS[config.placement](hf_dir, config, settings)
+
+
+def _check_one_rank_world() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "rollout.placement 'in_process' runs vLLM inside this process, which needs a "
+            f"one-rank torch.distributed world (this one has {dist.get_world_size()}); "
+            "use placement: subprocess"
+        )

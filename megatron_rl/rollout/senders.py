@@ -1,0 +1,82 @@
+"""The weight transports (``rollout.weight_transport``), chosen once per pool.
+
+A :class:`Transport` says what both ends of one transport need: the vLLM weight-transfer
+backend the engines build, whether they join it when built or when the pool says so, whether
+a restarted engine can receive weights again, and how the pool opens its sender end (a
+:class:`~megatron_rl.rollout.buckets.WeightSender`). ``TRANSPORTS`` holds the two: ``host``
+(buckets through host memory, :class:`~megatron_rl.rollout.buckets.HostSender`) and ``nccl``
+(one broadcast from the trainer, :class:`~megatron_rl.rollout.nccl.NcclSender`).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rl.rollout.buckets import CPU_BACKEND, HostSender, WeightSender
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.experts import engine_placement
+from megatron_rl.rollout.messages import JoinTransport
+from megatron_rl.rollout.nccl import engine_backend
+
+# open(config, hf text config, engines (EngineHandle), wait_joined) -> the sender end;
+# ``wait_joined()`` returns once every engine has answered JoinTransport (TransportJoined).
+Opener = Callable[[RolloutConfig, Any, Sequence[Any], Callable[[], None]], WeightSender]
+
+
+@dataclass(frozen=True)
+class Transport:
+    name: str
+    backend: Callable[[RolloutConfig], str]  # the vLLM weight-transfer backend of the engines
+    joins_at_build: bool  # the engine joins when built (else on the pool's JoinTransport)
+    restartable: bool  # a restarted engine can join again and receive weights
+    open: Opener
+
+
+def _open_host(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> WeightSender:
+    experts = engine_placement(config, hf_config)  # rollout.expert_parallel
+    return HostSender(config.placement, experts)
+
+
+def _open_nccl(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> WeightSender:
+    """Form the NCCL weight-transfer group: every engine's workers, then this sender."""
+    from megatron_rl.platform import free_port, get_platform
+    from megatron_rl.rollout.nccl import NcclSender, group_layout, worker_payloads
+
+    if not get_platform().is_gpu:
+        raise ValueError("rollout.weight_transport 'nccl' needs GPUs; this machine has none")
+    address = config.nccl_address or socket.gethostname()
+    port = free_port()
+    experts = engine_placement(config, hf_config)  # rollout.expert_parallel: EP groups
+    expert_ports = [free_port() for _ in range(experts.ep_size if experts else 0)]
+    tp, bucket = config.tensor_parallel, config.weight_bucket_bytes
+    payloads = worker_payloads(address, port, expert_ports, len(engines), tp, bucket)
+    for engine, payload in zip(engines, payloads):
+        engine.send(JoinTransport(payload))
+    world, _ = group_layout(len(engines), tp)
+    sender = NcclSender(address, port, world, bucket, experts=experts, expert_ports=expert_ports)
+    sender.connect()  # returns when every worker has joined
+    wait_joined()
+    return sender
+
+
+# An NCCL group has a fixed set of ranks: a restarted engine cannot join it (issue 13).
+TRANSPORTS: dict[str, Transport] = {
+    "host": Transport("host", lambda config: CPU_BACKEND, True, True, _open_host),
+    "nccl": Transport(
+        "nccl", lambda config: engine_backend(config.expert_parallel), False, False, _open_nccl
+    ),
+}
+
+
+def transport_for(config: RolloutConfig) -> Transport:
+    """The transport of a resolved config (``RolloutConfig.resolved``: no "auto" left)."""
+    try:
+        return TRANSPORTS[config.weight_transport]
+    except KeyError:
+        raise ValueError(
+            f"rollout.weight_transport {config.weight_transport!r}: expected one of "
+            f"{sorted(TRANSPORTS)} (resolve 'auto' with RolloutConfig.resolved first)"
+        ) from None
