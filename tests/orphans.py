@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from megatron_rl.platform import LAUNCHER_VARS
 
 
 def running(pid: int) -> bool:
@@ -30,7 +30,7 @@ def assert_helper_exits_with_parent(
     waits), SIGKILL it, and fail unless the helper is gone within ``within`` seconds."""
     path = workdir / "parent.py"
     path.write_text(script)
-    environ = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     parent = subprocess.Popen(
         [sys.executable, str(path), *args],
         stdout=subprocess.PIPE,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import load_run_config
+from megatron_rl.platform import LAUNCHER_VARS
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
@@ -43,12 +44,9 @@ def train_cmd(run_dir: Path, *overrides: str) -> list[str]:
     ]
 
 
-DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def train_env() -> dict[str, str]:
     """This process's environment for a fresh single-process trainer."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     return {**env, "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 

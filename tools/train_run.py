@@ -14,14 +14,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_rl.platform import LAUNCHER_VARS
+
 ROOT = Path(__file__).resolve().parents[1]
-DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def train(recipe: str | Path, overrides: Sequence[str], run_dir: Path, **env: str) -> list[dict]:
     """Run ``megatron-rl train recipe overrides --run-dir run_dir`` (``env``: extra
     environment variables, set where not already set); its ``metrics.jsonl`` records."""
-    environ = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     for key, value in env.items():
         environ.setdefault(key, value)
     recipe, run_dir = Path(recipe).resolve(), Path(run_dir).resolve()  # the caller's cwd

@@ -30,6 +30,7 @@ import sys
 from collections.abc import Sequence
 
 from megatron_rl.launch import bridge
+from megatron_rl.platform.config import LAUNCHER_VARS
 
 logger = logging.getLogger("megatron_rl.launch.generator")
 
@@ -80,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # The engine forms its own one-process world: the trainer's rendezvous variables, which
     # the job exports to every task, would only confuse it.
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in LAUNCHER_VARS:
         os.environ.pop(name, None)
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, _note_signal)

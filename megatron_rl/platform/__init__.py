@@ -11,6 +11,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "LAUNCHER_VARS": "megatron_rl.platform.config",
     "ParallelConfig": "megatron_rl.platform.config",
     "Platform": "megatron_rl.platform.device",
     "get_platform": "megatron_rl.platform.device",

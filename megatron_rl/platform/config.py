@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# torchrun's rendezvous variables: a process that forms a world of its own (an engine, a
+# benchmark's `megatron-rl train`) must not inherit its launcher's.
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
 
 @dataclass
 class ParallelConfig:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl.platform.config import LAUNCHER_VARS
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.interruption import find_subsequence
 from megatron_rl.rollout.messages import (
@@ -324,7 +325,7 @@ def subprocess_main(
         tee_output(log_path)
     # The engine forms its own one-process world; the trainer's launcher variables would
     # only confuse it.
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in LAUNCHER_VARS:
         os.environ.pop(name, None)
     if config.gpu_ids is not None:  # before anything initialises CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine_devices(config, index))
