@@ -342,6 +342,67 @@ def test_nccl_init_infos_and_headers_of_ep_engines_are_accepted_by_vllm():
         NcclSender("10.0.0.1", 29500, 5, 2**20, torch.device("cpu"), placement, [1])
 
 
+def test_the_nccl_transport_opens_an_ep_group_per_rank_up_to_the_rendezvous(
+    tiny_hf_dirs, monkeypatch
+):
+    """The pool's NCCL opening for expert-parallel engines (``senders.TRANSPORTS``), run on
+    CPU as on a GPU machine up to the NCCL rendezvous: every engine gets one JoinTransport
+    whose init infos vLLM's engines parse, with a group per EP rank on a port of its own; the
+    sender splits by vLLM's placement over those ports, and the pool waits for every join."""
+    import transformers
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    import megatron_rl.platform.device as device
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.messages import JoinTransport
+    from megatron_rl.rollout.nccl import ExpertParallelNcclEngine, NcclSender
+    from megatron_rl.rollout.senders import transport_for
+
+    monkeypatch.setattr(device, "get_platform", lambda: device.Platform("cuda", "nccl", False))
+    monkeypatch.setattr(device.Platform, "torch_device", lambda self: torch.device("cpu"))
+    monkeypatch.setattr(NcclSender, "connect", lambda self: None)  # the NCCL rendezvous
+    hf = transformers.AutoConfig.from_pretrained(tiny_hf_dirs["tiny-llama4"])
+    hf = getattr(hf, "text_config", hf)
+    config = RolloutConfig(
+        engines=3,
+        tensor_parallel=2,
+        expert_parallel=True,
+        placement="subprocess",
+        weight_transport="nccl",
+        nccl_address="10.0.0.1",
+    )
+
+    class Engine:
+        def __init__(self) -> None:
+            self.sent = []
+
+        def send(self, command) -> None:
+            self.sent.append(command)
+
+    engines, joined = [Engine() for _ in range(3)], []
+    transport = transport_for(config)
+    assert transport.backend(config) == "megatron_rl_nccl_ep" and not transport.restartable
+    sender = transport.open(config, hf, engines, lambda: joined.append(True))
+    assert joined == [True]
+    ours = ExpertParallelNcclEngine.__new__(ExpertParallelNcclEngine)
+    vllm_engine = NCCLWeightTransferEngine.__new__(NCCLWeightTransferEngine)
+    ports = set()
+    for i, engine in enumerate(engines):
+        (command,) = engine.sent
+        assert isinstance(command, JoinTransport)
+        info = ours.parse_init_info(command.init_info)
+        assert (info.master_address, info.rank_offset, info.world_size) == (
+            "10.0.0.1",
+            1 + 2 * i,
+            7,
+        )
+        groups = [vllm_engine.parse_init_info(g) for g in info.ep_groups]
+        assert [(g.rank_offset, g.world_size) for g in groups] == [(1 + i, 4)] * 2
+        ports |= {info.master_port, *(g.master_port for g in groups)}
+    assert len(ports) == 3  # the group of all workers and one per EP rank, ports apart
+    assert sender.experts == ExpertPlacement.from_vllm(hf.num_local_experts, 2)
+
+
 @pytest.mark.parametrize("experts,ep", [(8, 2), (6, 4)])
 def test_nccl_ep_push_sends_each_expert_only_to_its_ranks_group(monkeypatch, experts, ep):
     """Two EP engines on the NCCL path, on CPU up to the NCCL calls: the sender broadcasts
