@@ -17,7 +17,8 @@ fp32, the zero-variance filter off; no warm start, validation or checkpoints.
 
 Both skip the first ``--skip`` steps (start-up, first compilation). Needs TRL, which only
 this benchmark uses: ``.venv/bin/pip install -e '.[bench]'``. On a shared machine the numbers
-mean little: run it on a quiet one.
+mean little: run it on a quiet one. One run on the project's 2-core machine (with ``TUNED``):
+megatron_rl 127.8 vs TRL 76.5 generated tokens/s = 1.67x.
 
     .venv/bin/python tools/bench_vs_trl.py [--steps 8] [--skip 2] [--only ours|trl]
 """
