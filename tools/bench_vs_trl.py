@@ -8,8 +8,9 @@ fp32, the zero-variance filter off; no warm start, validation or checkpoints.
 
 - megatron_rl: ``megatron-rl train`` with the recipe's defaults otherwise (PipelineRL-8, an
   in-process vLLM engine, megatron-core update) but for ``TUNED`` (vLLM compiled, 1k-token
-  micro-batches); interruptions off, so that both sides generate up to 64 tokens. Tokens: the trained samples' response tokens; time: the loop's
-  ``step_seconds`` (generation wait + update + push).
+  micro-batches); interruptions off, so that both sides generate up to 64 tokens. Tokens:
+  the trained samples' response tokens; time: the loop's ``step_seconds`` (generation wait +
+  update + push).
 - TRL: ``GRPOTrainer`` (transformers ``generate``, its defaults: beta 0, one iteration per
   generation), the same prompts and the same math verifier (``RewardPool``). Tokens:
   ``completions/mean_length`` x 64 per step; time: wall time of each step (it generates,
@@ -21,6 +22,7 @@ mean little: run it on a quiet one. One run on the project's 2-core machine (wit
 megatron_rl 127.8 vs TRL 76.5 generated tokens/s = 1.67x.
 
     .venv/bin/python tools/bench_vs_trl.py [--steps 8] [--skip 2] [--only ours|trl]
+        [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from train_run import ROOT, step_records, train
@@ -64,7 +68,7 @@ OVERRIDES = [
 # megatron_rl's settings for this model (a user's tuning, not the setup): vLLM's compiled CPU
 # path (torch.compile with inductor, traced once; the recipe's default is eager, for a fast
 # start of the tiny model) and ~1k-token micro-batches (length-sorted: little padding, and
-# activations that stay in cache). Measured on the quiet 2-core machine, steps 3-8: 22.8 s a
+# activations that stay in cache). Measured on the quiet 2-core machine, steps 3-8: 22.9 s a
 # step with neither, 19.8 s with both; the samples were the same token for token.
 TUNED = ["rollout.enforce_eager=false", "batch.micro_batch_tokens=1024"]
 
@@ -81,11 +85,16 @@ def make_model(out_dir: Path) -> Path:
 
 
 def ours(
-    hf_dir: Path, steps: int, skip: int, run_dir: Path, extra: list[str] = ()
+    hf_dir: Path, steps: int, skip: int, run_dir: Path, extra: Sequence[str] = ()
 ) -> tuple[float, float]:
     """(tokens, seconds) of megatron_rl's steps after ``skip``; ``extra``: more overrides."""
-    overrides = [*OVERRIDES, *TUNED, f"model.hf_path={hf_dir}", f"training.max_steps={steps}"]
-    overrides += extra
+    overrides = [
+        *OVERRIDES,
+        *TUNED,
+        f"model.hf_path={hf_dir}",
+        f"training.max_steps={steps}",
+        *extra,
+    ]
     records = step_records(train(RECIPE, overrides, run_dir), skip)
     tokens = sum(r["gen_tokens_per_s"] * r["step_seconds"] for r in records)
     return tokens, sum(r["step_seconds"] for r in records)
@@ -180,12 +189,11 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = make_model(Path(tmp))
-        runs = {"ours": ("megatron_rl", ours), "trl": ("TRL", trl)}
+        runs = {"ours": ("megatron_rl", partial(ours, extra=args.set)), "trl": ("TRL", trl)}
         for key, (name, fn) in runs.items():
             if args.only not in (None, key):
                 continue
-            extra = (args.set,) if key == "ours" else ()
-            tokens, seconds = fn(hf_dir, args.steps, args.skip, Path(tmp) / name, *extra)
+            tokens, seconds = fn(hf_dir, args.steps, args.skip, Path(tmp) / name)
             results[name] = tokens / seconds
             print(
                 f"{name:>12}: {results[name]:7.1f} generated tokens/s "
