@@ -337,7 +337,10 @@ class GeneratorPool:
 
     # -- weights ----------------------------------------------------------------------------
     def push_weights(
-        self, buckets: Iterable[WeightBucket], kv_on_push: str | None = None
+        self,
+        buckets: Iterable[WeightBucket],
+        kv_on_push: str | None = None,
+        between: Callable[[], None] | None = None,
     ) -> PushStats:
         """Load HF-named full tensors into every engine (in flight: requests are kept) and
         advance the policy version. Returns when every engine runs the new weights.
@@ -347,13 +350,20 @@ class GeneratorPool:
         go on generating until it arrives. A few buckets are held at a time (two per
         engine queue, one per sending lane). ``kv_on_push``: "keep" or "recompute" (see
         RolloutConfig); default: the config's.
+
+        ``between``: called on this thread after each bucket and whenever the push waits (for
+        a lane, a broadcast, the engines' loads), e.g. the rollout source's ``feed``: it may
+        ``poll`` and ``submit`` (commands and weights travel apart; an engine takes requests
+        sent during a push after its load, or before it if it has not begun loading). Until
+        this returns, ``version`` is the old one: requests submitted meanwhile are recorded
+        as of the old version, a lower bound of the versions that generate them.
         """
         self._check_open()
         kv_on_push = kv_on_push or self.config.kv_on_push
         if kv_on_push not in ("keep", "recompute"):
             raise ValueError(f"kv_on_push must be 'keep' or 'recompute', got {kv_on_push!r}")
         targets = [e for e in self._engines if e.ready]  # restarted ones: once they are up
-        return self._push(self.version + 1, buckets, targets, kv_on_push)
+        return self._push(self.version + 1, buckets, targets, kv_on_push, between)
 
     def reweigh(self, buckets: Iterable[WeightBucket]) -> PushStats:
         """Load the current weights (``buckets``: the trainer's, as for :meth:`push_weights`)
@@ -370,10 +380,13 @@ class GeneratorPool:
         buckets: Iterable[WeightBucket],
         targets: list[_Engine],
         kv_on_push: str,
+        between: Callable[[], None] | None = None,
     ) -> PushStats:
         """Load ``buckets`` into ``targets`` as policy ``version``. An engine that dies
-        meanwhile is restarted (it gets the weights later) and drops out of the push."""
+        meanwhile is restarted (it gets the weights later) and drops out of the push.
+        ``between``: see :meth:`push_weights`."""
         sender = self._sender
+        between = between or (lambda: None)
         start = time.perf_counter()
         # No engine may keep the trainer waiting forever: one that failed raises at once (its
         # event), one that died is restarted or raises, one that hangs when the deadline passes.
@@ -386,6 +399,7 @@ class GeneratorPool:
             if not self._same(targets, index):
                 lanes.drop(index)
             self._check_deadline(deadline, f"engine {index} taking a weight bucket")
+            between()
 
         for engine in targets:
             engine.handle.send(Push(version, kv_on_push))
@@ -396,9 +410,12 @@ class GeneratorPool:
                 for bucket in buckets:
                     lanes.put(sender.pack(bucket))
                     if sender.blocking:  # e.g. the NCCL broadcast, received by every engine
-                        self._watched(lambda b=bucket: sender.send(b), deadline, "weight broadcast")
+                        self._watched(
+                            lambda b=bucket: sender.send(b), deadline, "weight broadcast", between
+                        )
                     else:
                         sender.send(bucket)
+                    between()
                     count += 1
                     tensors += len(bucket)
                     nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -406,7 +423,7 @@ class GeneratorPool:
                 if not self._closed:  # a failed engine closed the pool: nobody to tell
                     lanes.put(None)
                     lanes.finish()
-        acks = self._wait_acks(version, targets, deadline)
+        acks = self._wait_acks(version, targets, deadline, between)
         if count == 0:
             raise ValueError("push_weights got no buckets: this rank is not the stream's sender")
         self.version = version
@@ -429,9 +446,14 @@ class GeneratorPool:
         return any(e is self._engines[index] for e in targets if e.index == index)
 
     def _wait_acks(
-        self, version: int, targets: list[_Engine], deadline: float
+        self,
+        version: int,
+        targets: list[_Engine],
+        deadline: float,
+        between: Callable[[], None] = lambda: None,
     ) -> dict[int, Pushed]:
-        """The ``Pushed`` events of ``targets`` by engine index (not of those restarted)."""
+        """The ``Pushed`` events of ``targets`` by engine index (not of those restarted);
+        ``between()`` after each wait."""
         while True:
             acked = {a.engine: a for a in self._acks.get(version, [])}
             waiting = [
@@ -442,10 +464,18 @@ class GeneratorPool:
                 return acked
             self._pump(_POLL_SECONDS)
             self._check_deadline(deadline, f"engine(s) {waiting} loading the weights")
+            between()
 
-    def _watched(self, fn: Callable[[], None], deadline: float, what: str) -> None:
+    def _watched(
+        self,
+        fn: Callable[[], None],
+        deadline: float,
+        what: str,
+        between: Callable[[], None] = lambda: None,
+    ) -> None:
         """Run ``fn`` (a blocking collective with the engines) on a helper thread while this
-        one watches the engines: an engine error or exit, or the deadline, raises here."""
+        one watches the engines: an engine error or exit, or the deadline, raises here;
+        ``between()`` after each look."""
         failure: list[BaseException] = []
 
         def target() -> None:
@@ -461,6 +491,7 @@ class GeneratorPool:
             if worker.is_alive():
                 self._pump(0.0)  # raises if an engine failed or died
                 self._check_deadline(deadline, what)
+                between()
         if failure:
             raise RuntimeError(f"weight push: {what} failed") from failure[0]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megatron_rl.conversion.weight_stream import DEFAULT_BUCKET_BYTES, iter_hf_weights
@@ -14,6 +16,7 @@ def push_megatron_weights(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
     reweigh: bool = False,
+    between: Callable[[], None] | None = None,
 ) -> PushStats | None:
     """Stream ``model``'s weights (HF names, full tensors) into ``pool``; ``reweigh``: only
     into the restarted engines that wait for them, as the current version
@@ -22,6 +25,7 @@ def push_megatron_weights(
     Every rank of the trainer calls this (the TP / EP / PP gathers are collectives); the rank
     that holds the pool (the stream's sender: TP / EP / DP rank 0 of the first pipeline stage)
     passes it, the others pass None. Returns the push statistics on the sender, else None.
+    ``between``: see ``GeneratorPool.push_weights`` (not used by a reweigh).
     """
     buckets = iter_hf_weights(model, bucket_bytes=bucket_bytes, dtype=dtype)
     if pool is None:
@@ -31,4 +35,4 @@ def push_megatron_weights(
                 "create the pool on the stream's sender rank"
             )
         return None
-    return pool.reweigh(buckets) if reweigh else pool.push_weights(buckets)
+    return pool.reweigh(buckets) if reweigh else pool.push_weights(buckets, between=between)

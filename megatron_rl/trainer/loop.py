@@ -117,7 +117,9 @@ def train(config: RunConfig, run_dir: Path) -> int:
             run.optim.scheduler.step(increment=1)
             step = run.step = step + 1
             t2 = time.perf_counter()
-            push = push_weights(run, pool) if wants_push else None
+            # ... and during the push (requests in flight keep decoding; see push_weights)
+            feed = source.feed if main else None
+            push = push_weights(run, pool, between=feed) if wants_push else None
             probed = probe.after_push(
                 run.ddp, pool, step, wants_push, lambda make: on_every_rank(run, pool, main, make)
             )
@@ -450,15 +452,19 @@ def start_generators(run: Run, step: int):
     return pool
 
 
-def push_weights(run: Run, pool, reweigh: bool = False):
+def push_weights(run: Run, pool, reweigh: bool = False, between=None):
     """Stream the trainer's weights (HF names, full tensors, bounded buckets) into the pool
     (``reweigh``: into restarted engines only, see ``GeneratorPool.reweigh``). Every rank
-    calls this (the gathers are collectives); ``pool`` is None off the main rank."""
+    calls this (the gathers are collectives); ``pool`` is None off the main rank.
+    ``between``: called by the pool whenever the push waits or a bucket went out (the
+    rollout source's ``feed``: the pool stays topped up through the push)."""
     from megatron_rl.rollout.push import push_megatron_weights
 
     bucket_bytes = run.config.rollout.weight_bucket_bytes
     with torch.no_grad():
-        return push_megatron_weights(pool, run.model, bucket_bytes, reweigh=reweigh)
+        return push_megatron_weights(
+            pool, run.model, bucket_bytes, reweigh=reweigh, between=between
+        )
 
 
 def save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:

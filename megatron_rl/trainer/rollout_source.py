@@ -41,11 +41,14 @@ cannot poll meanwhile, and the update is most of a step. The pool is driven from
 a time: every pool call of the source holds the source's lock, and the feeder runs only inside
 ``feeding()``, so the pool's own work (``push_weights``, validation's ``generate``) and the
 checkpoint (``in_flight_prompt_ids``, the sampler's state) always happen with the feeder
-stopped. The push itself is not fed: requests in flight keep decoding through it (the engines
-pause only to load), the feeder filled the pool up to the moment the push began, and
-``next_batch`` tops it up right after; the push is a small part of a step. Scoring callbacks
-of dynamic sampling run on the feeder thread (the reward pool is thread-safe; the sampler and
-the pass-rate tracker are not used by the update).
+stopped. During the push the pool itself calls ``feed`` on the trainer's thread
+(``GeneratorPool.push_weights(between=source.feed)``), after each bucket and whenever it
+waits: requests in flight keep decoding through the push (an engine pauses only to load), and
+what finishes meanwhile is collected and replaced. The pool's version is the old one until
+the push returns, so prompts submitted during it are recorded as of the old version (a lower
+bound of the versions that generate them) and the room is the old version's: the lag bound
+holds as it is. Scoring callbacks of dynamic sampling run on the thread that feeds (the
+reward pool is thread-safe; the sampler and the pass-rate tracker are not used by the update).
 
 Elastic engines: when a generator engine dies, the pool restarts it and resubmits its
 requests itself (same prompt index, same seeds); the source's groups and counts do not
@@ -60,8 +63,7 @@ step record), the time average of the sequences in flight divided by the capacit
 (``pool_occupancy``) and the fraction of the time with none in flight
 (``generator_idle_fraction``). "In flight" is the source's own count (submitted, not yet
 collected), a step function that changes when the source submits or collects (every poll:
-1 s waits in ``next_batch``, ``FEED_SECONDS`` while feeding); completions during the push are
-seen after it, so the push counts at the amount it started with.
+1 s waits in ``next_batch``, ``FEED_SECONDS`` while feeding, every wait of the push).
 
 Dynamic sampling (DAPO, Yu et al. 2025, arXiv 2503.14476, section 3.2; ``data.dynamic_sampling``)
 works the same way in both modes: each group is scored as soon as it completes; a group whose
