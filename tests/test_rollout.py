@@ -220,6 +220,40 @@ def test_a_push_feeds_the_pool_while_it_waits(dense):
     assert delta.mean() < 1e-5 and delta.max() < 1e-4, (delta.mean(), delta.max())
 
 
+def test_engine_idle_fractions_bracket_the_time_each_engine_held_a_request(dense):
+    """Each engine's idle fraction is of its own requests: with one request on one of the two
+    engines, the other is idle all the time and this one except while the pool had the
+    request out (from within ``submit`` to within the ``poll`` that returned it)."""
+    pool = dense.pool
+    assert not pool.in_flight
+    before_reset = time.monotonic()
+    pool.reset_engine_load()
+    after_reset = time.monotonic()
+    time.sleep(0.5)
+    submitting = time.monotonic()
+    pool.submit(prompts(1, seed=9), samples_per_prompt=1, max_tokens=24)
+    submitted = polling = time.monotonic()
+    done = []
+    while not done:
+        polling = time.monotonic()
+        done = pool.poll(timeout=0.05)
+    returned = time.monotonic()
+    time.sleep(0.5)
+    before_read = time.monotonic()
+    fractions = pool.engine_idle_fractions()
+    after_read = time.monotonic()
+    busy, other = done[0].engine, 1 - done[0].engine
+    assert fractions[other] == 1.0
+    # busy from [submitting, submitted] to [polling, returned], over a window of the pool's
+    longest = (returned - submitting) / (before_read - after_reset)
+    shortest = max(polling - submitted, 0.0) / (after_read - before_reset)
+    assert 1 - longest <= fractions[busy] <= 1 - shortest, (fractions, longest, shortest)
+    assert fractions[busy] < 1.0
+    pool.reset_engine_load()  # a new window: nothing in flight, idle throughout
+    time.sleep(0.05)
+    assert pool.engine_idle_fractions() == [1.0, 1.0]
+
+
 def test_bad_requests_are_refused_with_clear_errors(dense):
     pool, version = dense.pool, dense.pool.version
     with pytest.raises(ValueError, match="empty prompt"):

@@ -204,7 +204,11 @@ def test_a_killed_remote_engine_process_is_restarted_and_every_prompt_trains_onc
     import signal
 
     run_dir = tmp_path / "run"
-    job = launch(run_dir, "training.max_steps=3", "validation.enabled=false")
+    # k + 3 steps: the last batch (trained at version k + 2, lag <= k) is submitted after the
+    # kill (at version 1): the engine's death is seen before the run can end without it
+    job = launch(
+        run_dir, "training.max_steps=4", "off_policy.max_lag=1", "validation.enabled=false"
+    )
     wait_for(lambda: any("reward_mean" in r for r in records(run_dir)), "the first step", run_dir)
     started = re.findall(
         r"engine 0: engine process pid (\d+) started", log(run_dir, job, "generator")
@@ -219,8 +223,8 @@ def test_a_killed_remote_engine_process_is_restarted_and_every_prompt_trains_onc
     assert len(re.findall(r"engine 0: engine process pid (\d+) started", generator)) == 2
     assert "generator engine 0 reconnected" in trainer
     steps = [r for r in records(run_dir) if "reward_mean" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert steps[0]["engine_restarts"] == 0 and steps[-1]["engine_restarts"] == 1
     trained = [pid for r in steps for pid in r["prompt_ids"]]
-    assert len(trained) == len(set(trained)) >= 12  # B = 4 a step, never a prompt twice
+    assert len(trained) == len(set(trained)) >= 16  # B = 4 a step, never a prompt twice
     assert all(r["samples"] == 4 * len(r["prompt_ids"]) for r in steps)  # whole groups

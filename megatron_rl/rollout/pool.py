@@ -44,6 +44,7 @@ from megatron_rl.rollout.elastic import RestartBudget, WeightsNeeded, refusal_me
 from megatron_rl.rollout.fanout import Fanout
 from megatron_rl.rollout.handles import EngineHandle, engine_launcher
 from megatron_rl.rollout.interruption import InterruptionPolicy
+from megatron_rl.rollout.load import InFlightClock
 from megatron_rl.rollout.messages import (
     AskStatus,
     Event,
@@ -134,6 +135,8 @@ class GeneratorPool:
         self._restarts = RestartBudget(config.engine_max_restarts, window)
         self._launcher = engine_launcher(self.hf_dir, config, self._settings())
         self._events = self._launcher.events
+        # per engine: requests in flight over time, as the pool sees them (engine_idle_fractions)
+        self._busy = [InFlightClock() for _ in range(config.engines)]
         self._engines = self._start_engines()
         if wait:
             self._wait_ready()
@@ -234,6 +237,7 @@ class GeneratorPool:
         engine = min(usable, key=lambda e: e.outstanding)
         engine.handle.send(Submit(tuple(specs)))
         engine.specs.update(((s.prompt_index, s.sample_index), s) for s in specs)
+        self._busy[engine.index].observe(engine.outstanding)
         if engine.oldest is None:
             engine.oldest = self.version
 
@@ -294,6 +298,22 @@ class GeneratorPool:
         self._pump(0.0)
         versions = [e.oldest for e in self._engines if e.outstanding and e.oldest is not None]
         return min(versions, default=None)
+
+    def reset_engine_load(self) -> None:
+        """Start a new window for :meth:`engine_idle_fractions`."""
+        for clock, engine in zip(self._busy, self._engines):
+            clock.reset(engine.outstanding)
+
+    def engine_idle_fractions(self) -> list[float]:
+        """Per engine, the fraction of the time since :meth:`reset_engine_load` (or the
+        start) that it had no request of the pool in flight. As the pool sees it: requests
+        count from their submission until their samples are handled (any pool call), so an
+        engine that finished a request counts as busy until the pool's next call."""
+        fractions = []
+        for clock, engine in zip(self._busy, self._engines):
+            clock.observe(engine.outstanding)
+            fractions.append(clock.averages()[1])
+        return fractions
 
     def engine_status(self) -> list[dict[str, Any]]:
         """Each engine's state, asked now (answered between two engine steps): policy
@@ -562,6 +582,7 @@ class GeneratorPool:
                 logger.warning("engine %d returned a sample it was not given: dropped", index)
                 continue
             samples.append(sample)
+        self._busy[index].observe(engine.outstanding)
         self._done.extend(samples)
         tokens = sum(len(s) for s in samples)
         self._finished_tokens[index] = self._finished_tokens.get(index, 0) + tokens
@@ -599,6 +620,7 @@ class GeneratorPool:
         new = _Engine(index, self._launcher.restart(index), max_model_len=engine.max_model_len)
         new.current = not self._pushed
         self._engines[index] = new
+        self._busy[index].observe(0)
         logger.warning(
             "vLLM engine %d exited unexpectedly (exit code %s): restarted (%d time(s) in the "
             "last %g min); %d request(s) resubmitted",

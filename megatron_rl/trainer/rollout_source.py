@@ -63,7 +63,10 @@ step record), the time average of the sequences in flight divided by the capacit
 (``pool_occupancy``) and the fraction of the time with none in flight
 (``generator_idle_fraction``). "In flight" is the source's own count (submitted, not yet
 collected), a step function that changes when the source submits or collects (every poll:
-1 s waits in ``next_batch``, ``FEED_SECONDS`` while feeding, every wait of the push).
+1 s waits in ``next_batch``, ``FEED_SECONDS`` while feeding, every wait of the push). With
+many engines the pool's idle fraction hides a starved engine (one sequence in flight keeps it
+at 0): ``engine_idle_fraction_mean`` / ``_max`` are each engine's own, as the pool assigns
+and collects requests.
 
 Dynamic sampling (DAPO, Yu et al. 2025, arXiv 2503.14476, section 3.2; ``data.dynamic_sampling``)
 works the same way in both modes: each group is scored as soon as it completes; a group whose
@@ -96,6 +99,7 @@ from dataclasses import dataclass, field
 
 from megatron_rl.data.sampler import has_reward_variance
 from megatron_rl.rollout.elastic import WeightsNeeded
+from megatron_rl.rollout.load import InFlightClock
 from megatron_rl.rollout.samples import Sample
 
 logger = logging.getLogger(__name__)
@@ -143,33 +147,6 @@ class DynamicSampling:
     score: Callable[[list[Group]], None]
     discard: Callable[[list[Group]], None]
     max_rounds: int
-
-
-class _InFlightClock:
-    """Time integral of the sequences in flight (a step function observed by the source)."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        self.reset(0)
-
-    def reset(self, in_flight: int) -> None:
-        self.start = self.last = self.clock()
-        self.value = in_flight
-        self.area = self.idle = 0.0
-
-    def observe(self, in_flight: int) -> None:
-        now = self.clock()
-        dt = max(now - self.last, 0.0)
-        self.area += self.value * dt
-        self.idle += dt if self.value == 0 else 0.0
-        self.last, self.value = now, in_flight
-
-    def averages(self) -> tuple[float, float]:
-        """(mean sequences in flight, idle fraction) since the last ``reset``."""
-        span = self.last - self.start
-        if span <= 0:
-            return float(self.value), float(self.value == 0)
-        return self.area / span, self.idle / span
 
 
 class RolloutSource:
@@ -228,12 +205,14 @@ class RolloutSource:
         self.counts: dict[str, int] = self._window
         self._cut_version: int | None = None  # policy version of the last batch cut
         self._in_flight = 0  # sequences submitted and not yet collected
-        self._load = _InFlightClock(clock)
+        self._load = InFlightClock(clock)
         self._lock = threading.RLock()  # one thread drives the pool at a time
         self._feeder: threading.Thread | None = None
         self._ppo_generating = False  # PPO: the k x B prompts of a generation are submitted
         # pools without restartable engines (emulators, fakes) need not say
         self._needs_weights = getattr(pool, "needs_weights", lambda: False)
+        self._engine_idle = getattr(pool, "engine_idle_fractions", list)
+        self._reset_engine_load = getattr(pool, "reset_engine_load", lambda: None)
 
     def _draw(self, n: int) -> list[int]:
         if self.exhausted or n <= 0:
@@ -377,12 +356,18 @@ class RolloutSource:
 
     def generator_load(self) -> dict[str, float]:
         """Since the last ``next_batch`` began: ``pool_occupancy`` (time-averaged sequences in
-        flight / capacity; without a capacity ``sequences_in_flight``, the mean) and
-        ``generator_idle_fraction`` (of the time with no sequence in flight)."""
+        flight / capacity; without a capacity ``sequences_in_flight``, the mean),
+        ``generator_idle_fraction`` (of the time with no sequence in flight) and, where the
+        pool keeps them (``GeneratorPool.engine_idle_fractions``), the mean and the largest
+        idle fraction of one engine (``engine_idle_fraction_mean`` / ``_max``)."""
         with self._lock:
             self._load.observe(self._in_flight)
             mean, idle = self._load.averages()
+            per_engine = self._engine_idle()
         load = {"generator_idle_fraction": idle}
+        if per_engine:
+            load["engine_idle_fraction_mean"] = sum(per_engine) / len(per_engine)
+            load["engine_idle_fraction_max"] = max(per_engine)
         if self.capacity is None:
             return {"sequences_in_flight": mean, **load}
         return {"pool_occupancy": mean / self.capacity, **load}
@@ -393,6 +378,7 @@ class RolloutSource:
         assert self._feeder is None, "next_batch() inside feeding()"
         with self._lock:
             self._load.reset(self._in_flight)
+            self._reset_engine_load()
             if self.mode == "ppo":
                 if not self._ppo_generating:  # else: called again after WeightsNeeded
                     self._begin(batches=0 if self._ppo_queue else self.k)
