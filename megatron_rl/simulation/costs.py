@@ -14,7 +14,9 @@ Times, in seconds, of:
   (peak_flops * PREFILL_MFU);
 - a train step on a batch (all trainer GPUs): 6 * active_params * tokens (8 x with full
   activation recompute: one more forward) plus causal attention, 3 (4) x sum over sequences
-  and layers of 2 * d_attn * S * min(S, chunk), over (trainer_gpus * peak_flops * TRAIN_MFU);
+  and layers of 2 * d_attn * S * min(S, chunk), over (trainer_gpus * peak_flops * TRAIN_MFU),
+  on every sequence of the batch: the simulator has no rewards, while the trainer skips the
+  groups of zero reward variance (``trainer.step.policy_update``), so this is an upper bound;
 - a weight push: pushed bytes / link bandwidth (LINK_EFFICIENCY of it), once per push for a
   pipelined broadcast (NCCL), engines x for a serial push to one engine after another (the
   host transport before fan-out). The engines pause for the whole push (a conservative
