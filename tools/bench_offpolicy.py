@@ -24,10 +24,14 @@ groups, about half of each batch; the push is fed):
       24       1.44x       2.01x      1.67x
       24       1.57x       1.66x      1.58x
       48       1.21x       1.84x      1.60x   (PipelineRL 2.80 s vs PPO 4.48 s per 768)
+      48       1.61x       1.88x      1.86x   (PipelineRL 2.39 s vs PPO 4.43 s per 768)
 
 Before those two changes: in_process 1.30x, subprocess 1.28x. In process, the PipelineRL
-update varies most from run to run (0.36-0.52 s a step against PPO's 0.30 s): the engine's
-thread and the trainer share the GIL.
+update varies most from run to run (0.33-0.52 s a step against PPO's 0.30 s): the engine's
+thread and the trainer share the GIL (a shorter ``sys.setswitchinterval``, 0.5 ms, did not
+help). The update's cost follows the fraction of groups trained on, which each mode's
+learning sets: PipelineRL kept 50-57% of its groups, PPO 54-57% (in the last run 50% and
+55% against 57%: about 12% and 4% less update work for PipelineRL).
 
     .venv/bin/python tools/bench_offpolicy.py [--steps 24] [--recipe recipes/tiny_cpu.yaml]
         [--placements in_process subprocess]
