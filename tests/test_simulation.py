@@ -105,6 +105,26 @@ def test_every_prompt_trained_once_and_lag_bounded(mode, k):
     assert 0 < result.generator_busy <= 1 and 0 < result.trainer_busy <= 1
 
 
+def test_trained_fraction_scales_the_update_and_never_slows_a_step():
+    """PPO-off-policy-1 generates the same batches whatever the update costs (seeded
+    lengths, nothing overlaps): half the groups trained on is exactly half the update time."""
+    full = simulate(tiny_costs(), TINY_LENGTHS, tiny_settings("ppo", 1, warmup=0))
+    half = simulate(
+        tiny_costs(), TINY_LENGTHS, tiny_settings("ppo", 1, warmup=0, trained_fraction=0.5)
+    )
+    assert half.trained_prompts == full.trained_prompts
+    update = lambda r: r.trainer_busy * r.seconds  # noqa: E731
+    assert update(half) == pytest.approx(update(full) / 2, rel=1e-9)
+    assert half.seconds == pytest.approx(full.seconds - update(full) / 2, rel=1e-9)
+    pipeline = [
+        simulate(tiny_costs(), TINY_LENGTHS, tiny_settings("pipeline_rl", 4, trained_fraction=f))
+        for f in (1.0, 0.5)
+    ]
+    assert pipeline[1].seconds_per_step <= pipeline[0].seconds_per_step * 1.01
+    with pytest.raises(ValueError, match="trained_fraction"):
+        tiny_settings("ppo", 1, trained_fraction=0.0)
+
+
 def test_kv_cache_overflow_preempts_and_still_finishes_everything():
     costs = tiny_costs(kv_capacity_tokens=1500)  # a few sequences' worth
     result = simulate(costs, TINY_LENGTHS, tiny_settings("pipeline_rl", 2))

@@ -49,6 +49,13 @@ def main() -> int:
         default="broadcast",
         help="weight push: one pipelined broadcast, or engine after engine",
     )
+    parser.add_argument(
+        "--trained-fraction",
+        type=float,
+        default=1.0,
+        help="fraction of groups with reward variance (a run's effective_batch_fraction): "
+        "the update skips the rest; 1.0 (default) trains on every group",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", help="PNG of utilisation vs k")
     args = parser.parse_args()
@@ -71,7 +78,13 @@ def main() -> int:
                 else:
                     steps, warmup = args.steps, args.warmup
                 settings = settings_from_config(
-                    config, mode, k, steps=steps, warmup=warmup, seed=args.seed
+                    config,
+                    mode,
+                    k,
+                    steps=steps,
+                    warmup=warmup,
+                    seed=args.seed,
+                    trained_fraction=args.trained_fraction,
                 )
                 results.append(simulate(costs, lengths, settings))
         runs[Path(recipe).stem] = results

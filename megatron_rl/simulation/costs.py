@@ -15,8 +15,9 @@ Times, in seconds, of:
 - a train step on a batch (all trainer GPUs): 6 * active_params * tokens (8 x with full
   activation recompute: one more forward) plus causal attention, 3 (4) x sum over sequences
   and layers of 2 * d_attn * S * min(S, chunk), over (trainer_gpus * peak_flops * TRAIN_MFU),
-  on every sequence of the batch: the simulator has no rewards, while the trainer skips the
-  groups of zero reward variance (``trainer.step.policy_update``), so this is an upper bound;
+  on every sequence of the batch, times ``SimSettings.trained_fraction`` (the trainer skips
+  the groups of zero reward variance, ``trainer.step.policy_update``; the simulator has no
+  rewards: the fraction is an input, 1.0 by default, an upper bound of the update's cost);
 - a weight push: pushed bytes / link bandwidth (LINK_EFFICIENCY of it), once per push for a
   pipelined broadcast (NCCL), engines x for a serial push to one engine after another (the
   host transport before fan-out). The engines pause for the whole push (a conservative

@@ -42,6 +42,14 @@ class SimSettings:
     warmup: int = 5
     seed: int = 0
     fill: float = 1.0  # off_policy.pool_fill
+    # The fraction of groups with reward variance (the step records' effective_batch_fraction):
+    # the update skips the others, so a step costs this fraction of a whole batch's update
+    # (in expectation over which groups they are). 1.0: every group is trained on.
+    trained_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.trained_fraction <= 1:
+            raise ValueError(f"trained_fraction must be in (0, 1], got {self.trained_fraction}")
 
 
 @dataclass
@@ -149,7 +157,7 @@ def simulate(costs: CostModel, lengths: LengthModel, settings: SimSettings) -> S
                     max_lag = max(max_lag, lag)
                     if step >= s.warmup:
                         lag_tokens[lag] = lag_tokens.get(lag, 0) + n
-        seconds = costs.train_step(sequence_lengths)
+        seconds = costs.train_step(sequence_lengths) * s.trained_fraction
         update(pool, source, seconds)  # the engines keep generating, topped up, meanwhile
         version += 1
         if step >= s.warmup:
