@@ -76,7 +76,7 @@ def seconds_per_768(
     return seconds, parts
 
 
-def overlap_bound(ppo: dict[str, float]) -> float:
+def longer_part_ratio(ppo: dict[str, float]) -> float:
     """PPO's step over its longer part: generation (PPO's wait), or the update and the push
     (what hiding the shorter part entirely gives at PPO's update speed; see the docstring)."""
     return ppo["step"] / max(ppo["wait"], ppo["update"] + ppo["push"])
@@ -105,7 +105,7 @@ def main() -> int:
                     flush=True,
                 )
             ratio = results["PPO-off-policy-1", placement] / results["PipelineRL-8", placement]
-            bound = overlap_bound(parts["PPO-off-policy-1"])
+            bound = longer_part_ratio(parts["PPO-off-policy-1"])
             print(
                 f"PPO-off-policy-1 / PipelineRL-8 wall-time ratio, {placement}: {ratio:.2f} "
                 f"(PPO's step over its longer part: {bound:.2f})"
