@@ -254,6 +254,28 @@ def test_engine_idle_fractions_bracket_the_time_each_engine_held_a_request(dense
     assert pool.engine_idle_fractions() == [1.0, 1.0]
 
 
+def test_an_engine_joins_its_weight_transport_again_and_still_loads_pushes(dense):
+    """A group transport (nccl) is formed anew after a death: every engine first leaves its
+    group through vLLM's ``shutdown_weight_transfer_engine``, then joins the new one. On
+    the real CPU workers (whose backend has no group): both calls run, and a push after the
+    second join still lands in both engines."""
+    from megatron_rl.rollout.messages import JoinTransport
+
+    model, pool = dense.model, dense.pool
+    pool._transport_acks = set()
+    for engine in pool._engines:
+        engine.handle.send(JoinTransport({}))
+    pool._wait_joined()
+    assert pool._transport_acks == {0, 1}
+    perturb_(model, seed=3, noise=0.5)
+    assert logprob_deltas(model, pool.generate(prompts(4))).mean() > 0.05
+    push_megatron_weights(pool, model, bucket_bytes=BUCKET)
+    after = pool.generate(prompts(4))
+    assert {s.engine for s in after} == {0, 1}
+    delta = logprob_deltas(model, after)
+    assert delta.mean() < 1e-5 and delta.max() < 1e-4, (delta.mean(), delta.max())
+
+
 def test_bad_requests_are_refused_with_clear_errors(dense):
     pool, version = dense.pool, dense.pool.version
     with pytest.raises(ValueError, match="empty prompt"):

@@ -28,6 +28,7 @@ from megatron_rl.rollout.elastic import (
 from megatron_rl.rollout.fanout import Fanout
 from megatron_rl.rollout.messages import (
     Event,
+    JoinTransport,
     Push,
     Pushed,
     Ready,
@@ -35,6 +36,7 @@ from megatron_rl.rollout.messages import (
     StatusReport,
     Stop,
     Submit,
+    TransportJoined,
 )
 from megatron_rl.rollout.samples import Sample
 
@@ -361,7 +363,7 @@ def test_in_process_engines_are_not_restarted():
     pool._transport = transport_for(pool.config)
     pool._launcher = ThreadLauncher("unused", pool.config, None)
     pool._closed, pool._events = False, pool._launcher.events
-    pool._restarts = RestartBudget(3, 60.0)
+    pool._restarts, pool._group_busy = RestartBudget(3, 60.0), None
     dead = FakeHandle(0, EventChannels())
     dead.alive = False
     pool._engines = [pool_module._Engine(0, dead)]
@@ -388,3 +390,165 @@ def test_an_engine_process_output_goes_to_its_console_and_its_log(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "from python\n" and proc.stderr == "raw stderr\n"
     assert sorted(log.read_text().splitlines()) == ["from python", "raw stderr"]
+
+
+# -- a group transport (nccl) re-formed around a death, on fake engines ---------------------
+
+
+class GroupEngines(FakeEngines):
+    """Fake engines that serve a group transport's side: each incarnation answers
+    ``JoinTransport`` (counting its joins) and takes a push's buckets, then acks it.
+    ``hold_ready``: a restarted engine reports Ready only when the test says so."""
+
+    def __init__(self, tmp_path):
+        super().__init__(tmp_path)
+        self.hold_ready = False
+        self.joins: dict[int, int] = {}  # id(handle) -> JoinTransport taken
+        self.loaded: list[tuple[int, int, int]] = []  # (engine, version, buckets)
+        self._held: dict[int, EventWriter] = {}
+
+    def restart(self, index):
+        self.spawned.append(index)
+        writer = self.writers[index] = _channel(self.events, index)
+        handle = FakeHandle(index, self.events)
+        if self.hold_ready and self.spawned.count(index) > 1:
+            self._held[index] = writer
+        else:
+            writer.put(Ready(index, 64))
+        threading.Thread(target=self._serve, args=(handle, writer), daemon=True).start()
+        return handle
+
+    def make_ready(self, index):
+        self._held.pop(index).put(Ready(index, 64))
+
+    def _serve(self, handle, writer):
+        while handle.alive:
+            try:
+                command = handle.commands.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(command, JoinTransport):
+                self.joins[id(handle)] = self.joins.get(id(handle), 0) + 1
+                writer.put(TransportJoined(handle.index))
+            elif isinstance(command, Push):
+                count = 0
+                while handle.weights.get(timeout=30) is not None:
+                    count += 1
+                self.loaded.append((handle.index, command.version, count))
+                writer.put(Pushed(handle.index, command.version, 0.0, count, 16, None))
+
+
+class GroupSender:
+    """The sender end of one formation: it takes buckets until closed (then it must not)."""
+
+    blocking = False
+
+    def __init__(self, members):
+        self.members, self.closed, self.sent = members, False, 0
+
+    def pack(self, bucket):
+        assert not self.closed, "a closed group's sender was used"
+        return bucket
+
+    def send(self, bucket):
+        assert not self.closed, "a closed group's sender was used"
+        self.sent += 1
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def group_pool(tmp_path, monkeypatch):
+    """The real pool over fake engines, with a group transport (joins on the pool's
+    ``JoinTransport``, as ``nccl`` does) whose opener records each formation."""
+    from megatron_rl.rollout.senders import Transport
+
+    fakes = GroupEngines(tmp_path)
+    senders: list[GroupSender] = []
+
+    def open_group(config, hf_config, engines, wait_joined):
+        for engine in engines:  # as _open_nccl does, with each engine's rank payload
+            engine.send(JoinTransport({"rank_offset": 1 + engines.index(engine)}))
+        wait_joined()
+        senders.append(GroupSender([e.index for e in engines]))
+        return senders[-1]
+
+    group = Transport("group", lambda config: "megatron_rl_cpu", False, open_group)
+    monkeypatch.setattr(pool_module, "transport_for", lambda config: group)
+    monkeypatch.setattr(pool_module, "_text_config", lambda hf_dir: SimpleNamespace(vocab_size=100))
+    monkeypatch.setattr(pool_module, "engine_launcher", lambda hf_dir, config, settings: fakes)
+    config = RolloutConfig(
+        engines=2, placement="subprocess", samples_per_prompt=2, push_timeout_seconds=20
+    )
+    pool = pool_module.GeneratorPool("unused", config)
+    yield pool, fakes, senders
+    pool.close()
+
+
+def _bucket():
+    import torch
+
+    return [("w", torch.zeros(4))]
+
+
+def test_a_group_is_formed_anew_of_the_survivors_then_with_the_restarted_engine(group_pool):
+    pool, fakes, senders = group_pool
+    first = [e.handle for e in pool._engines]
+    assert [s.members for s in senders] == [[0, 1]]  # formed once the engines were up
+    pool.push_weights(iter([_bucket(), _bucket()]))
+    assert [s.members for s in senders] == [[0, 1]] and senders[0].sent == 2  # same group
+    fakes.hold_ready = True
+    fakes.kill(pool, 1)
+    pool.poll(timeout=0.5)  # engine 1 restarted, not up yet: the group is not touched
+    assert pool.restarts == 1 and len(senders) == 1 and not senders[0].closed
+    pool.push_weights(iter([_bucket()]))
+    # of the survivor alone, before the push: the old group closed, engine 0 joined again
+    assert [s.members for s in senders] == [[0, 1], [0]] and senders[0].closed
+    assert fakes.joins[id(first[0])] == 2 and senders[1].sent == 1
+    assert pool.version == 2 and pool._engines[0].current
+    fakes.make_ready(1)
+    pool.poll(timeout=0.5)
+    assert pool.needs_weights()
+    pool.reweigh(iter([_bucket()]))  # a group of the restarted engine alone
+    restarted = pool._engines[1].handle
+    assert [s.members for s in senders][2:] == [[1]] and senders[1].closed
+    assert fakes.joins[id(restarted)] == 1 and not pool.needs_weights()
+    pool.push_weights(iter([_bucket()]))  # everyone again
+    assert [s.members for s in senders][3:] == [[0, 1]] and senders[2].closed
+    assert fakes.joins == {id(first[0]): 3, id(first[1]): 1, id(restarted): 2}
+    pool.push_weights(iter([_bucket()]))  # no change: no new group
+    assert len(senders) == 4 and senders[3].sent == 2
+    # every engine loaded exactly the pushes that went to it, each bucket once
+    assert sorted(fakes.loaded) == [  # (engine, version, buckets), in any order of engines
+        (0, 1, 2), (0, 2, 1), (0, 3, 1), (0, 4, 1), (1, 1, 2), (1, 2, 1), (1, 3, 1), (1, 4, 1)
+    ]  # fmt: skip
+
+
+def test_a_death_during_a_group_broadcast_fails_at_once_naming_why(group_pool):
+    """The survivors' workers would wait in the broadcast for ever (no abort in vLLM 0.32's
+    PyNccl): the pool must stop the run with that reason, not restart or hang."""
+    import time
+
+    pool, fakes, senders = group_pool
+    released = threading.Event()
+
+    class Broadcast(GroupSender):  # blocks until every member received: one never will
+        blocking = True
+
+        def send(self, bucket):
+            fakes.kill(pool, 1)
+            released.wait(60)
+
+        def close(self):
+            released.set()
+
+    pool._sender = Broadcast([0, 1])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        pool.push_weights(iter([_bucket()]))
+    assert time.monotonic() - start < 10 and released.is_set() and pool._closed
+    text = str(err.value)
+    assert "vLLM engine 1 (placement subprocess, devices cpu) exited while a weight push" in text
+    assert "cannot abort" in text and "resume it from its last checkpoint" in text
+    assert pool.restarts == 0

@@ -112,6 +112,7 @@ def test_an_nccl_push_packs_each_header_once_and_vllms_consumers_decode_the_broa
     from megatron_rl.rollout.messages import Pushed
     from megatron_rl.rollout.nccl import NcclSender
     from megatron_rl.rollout.pool import GeneratorPool, _Engine
+    from megatron_rl.rollout.senders import TRANSPORTS
 
     get_platform()  # on CPU: the torch.cuda stream stand-ins every run has
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
@@ -163,6 +164,8 @@ def test_an_nccl_push_packs_each_header_once_and_vllms_consumers_decode_the_broa
         pool._engines.append(_Engine(index, handle, ready=True))
     pool._sender = NcclSender("127.0.0.1", 1, 3, chunk_bytes, device=torch.device("cpu"))
     pool._sender.group = Wire()
+    # the group those two engines formed (GeneratorPool._form): this push re-forms nothing
+    pool._transport, pool._members = TRANSPORTS["nccl"], list(pool._engines)
     try:
         stats = pool.push_weights(iter([MIXED_BUCKET[:2], MIXED_BUCKET[2:]]))
     finally:

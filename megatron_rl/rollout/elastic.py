@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.rollout.messages import Event
 
 _HEADER = struct.Struct("!Q")  # frame: payload length, then the pickled event (messages.py)
@@ -230,7 +231,22 @@ def refusal_message(
         f"rollout.engine_max_restarts is {budget.max_restarts} per "
         f"rollout.engine_restart_window_minutes {minutes:g}"
     )
+    return text + _with_log(log_path)
+
+
+def broken_group_message(
+    index: int, config: RolloutConfig, devices: str, doing: str, log_path: str | None
+) -> str:
+    """The error when engine ``index``, a member of a group transport (``nccl``), dies while
+    the group is ``doing`` something (forming, a push): its peers cannot be freed."""
+    return (
+        f"vLLM engine {index} (placement {config.placement}, devices {devices}) exited while "
+        f"{doing} (rollout.weight_transport {config.weight_transport}) was under way: the "
+        "other members' workers wait in a collective that vLLM 0.32's PyNccl cannot abort, "
+        "so the run stops here; resume it from its last checkpoint" + _with_log(log_path)
+    )
+
+
+def _with_log(log_path: str | None) -> str:
     tail = log_tail(log_path)
-    if tail:
-        text += f"\nlast lines of its log ({log_path}):\n{tail}"
-    return text
+    return f"\nlast lines of its log ({log_path}):\n{tail}" if tail else ""

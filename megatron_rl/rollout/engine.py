@@ -255,6 +255,7 @@ class VLLMEngine:
         config = config.resolved()  # a pool's config is already: this engine's platform else
         self.config = config
         self.index = index
+        self._joined = False  # init_transport ran
         global _live_engines
         with _ENGINE_LOCK, _preserve_process_state():
             _check_process_layout(hf_dir)
@@ -274,8 +275,15 @@ class VLLMEngine:
         self.max_model_len = self.engine.model_config.max_model_len
 
     def init_transport(self, init_info: dict[str, Any]) -> None:
-        """vLLM's ``init_weight_transfer_engine`` on every worker (nccl: joins the group)."""
-        self.engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+        """vLLM's ``init_weight_transfer_engine`` on every worker (nccl: joins the group).
+        Joined before (the pool forms its group anew after a death), every worker first
+        leaves that group: vLLM's ``shutdown_weight_transfer_engine`` (nccl: aborts the
+        communicator, which does not wait for a dead peer)."""
+        rpc = self.engine.collective_rpc
+        if self._joined:
+            rpc("shutdown_weight_transfer_engine")
+        rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+        self._joined = True
 
     def close(self) -> None:
         """Shut the engine down, leaving the process's torch.distributed world alone.

@@ -24,6 +24,16 @@ that run the current weights (or wait for one: ``_pending``), exactly as submitt
 restarted engine takes requests once it runs the current policy version: at the next
 ``push_weights``, or earlier by ``reweigh`` (the trainer re-sends its weights to that engine
 only; the pool keeps no copy of them). Every token thus still carries a known version.
+
+A group transport (``nccl``: ``Transport.joins_at_build`` false) has fixed members, and a
+dead rank would block every later broadcast. Its group is therefore formed of exactly the
+engines a push goes to: when they differ from the members (an engine died, or a restarted
+one is ready), the pool closes its sender end and forms the group anew first (each member
+leaves its old group; :meth:`_form`). After a death that is twice: of the survivors at the
+next push, then with the restarted engine once it is up (``reweigh``: of it alone). A death
+while a group push is under way (its broadcasts, until every target has loaded) cannot be
+survived: the peers' workers wait in a collective that vLLM 0.32's PyNccl cannot abort; the
+run fails with a message that says so.
 """
 
 from __future__ import annotations
@@ -40,7 +50,12 @@ from typing import Any
 from megatron_rl.conversion.weight_stream import WeightBucket
 from megatron_rl.rollout.buckets import WeightSender
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.elastic import RestartBudget, WeightsNeeded, refusal_message
+from megatron_rl.rollout.elastic import (
+    RestartBudget,
+    WeightsNeeded,
+    broken_group_message,
+    refusal_message,
+)
 from megatron_rl.rollout.fanout import Fanout
 from megatron_rl.rollout.handles import EngineHandle, engine_launcher
 from megatron_rl.rollout.interruption import InterruptionPolicy
@@ -129,6 +144,8 @@ class GeneratorPool:
         self._closed = False
         self._sender: WeightSender | None = None  # the trainer end of weight_transport
         self._transport_acks: set[int] = set()
+        self._members: list[_Engine] | None = None  # of the sender's group; None: not formed
+        self._group_busy: str | None = None  # what a group transport is doing (no death then)
         self._pending: list[RequestSpec] = []  # requests of a dead engine, waiting for one
         self._pushed = False  # a push happened: the HF directory's weights are not current
         window = config.engine_restart_window_minutes * 60
@@ -165,7 +182,7 @@ class GeneratorPool:
         return [_Engine(h.index, h) for h in self._launcher.start(config.engines)]
 
     def _wait_ready(self) -> None:
-        if self._sender is not None:
+        if self._members is not None:
             return
         while not all(e.ready for e in self._engines):
             self._handle(self._next_event())
@@ -175,13 +192,26 @@ class GeneratorPool:
             self.config.placement,
             self.config.weight_transport,
         )
-        self._sender = self._transport.open(
-            self.config, self._hf, [e.handle for e in self._engines], self._wait_joined
-        )
+        self._form(list(self._engines))
+
+    def _form(self, members: list[_Engine]) -> None:
+        """Open the transport's sender end for ``members`` (the engines of a group transport
+        join it now: the previous group, if any, is closed and each member leaves it)."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+        self._members, self._transport_acks = members, set()
+        if members:
+            self._group_busy = "forming the weight-transfer group"
+            self._sender = self._transport.open(
+                self.config, self._hf, [e.handle for e in members], self._wait_joined
+            )
+            self._group_busy = None
+            logger.debug("weight transport: formed of engines %s", [e.index for e in members])
 
     def _wait_joined(self) -> None:
-        """Wait until every engine has joined the weight transport (``TransportJoined``)."""
-        while len(self._transport_acks) < len(self._engines):
+        """Wait until every member has joined the weight transport (``TransportJoined``)."""
+        while not {e.index for e in self._members} <= self._transport_acks:
             self._pump(_POLL_SECONDS)
 
     # -- generation -------------------------------------------------------------------------
@@ -405,7 +435,9 @@ class GeneratorPool:
         """Load ``buckets`` into ``targets`` as policy ``version``. An engine that dies
         meanwhile is restarted (it gets the weights later) and drops out of the push.
         ``between``: see :meth:`push_weights`."""
-        sender = self._sender
+        group = not self._transport.joins_at_build
+        if group and [id(e) for e in targets] != [id(e) for e in self._members]:
+            self._form(targets)  # a death, or a restarted engine: the group is the targets
         between = between or (lambda: None)
         start = time.perf_counter()
         # No engine may keep the trainer waiting forever: one that failed raises at once (its
@@ -413,6 +445,26 @@ class GeneratorPool:
         deadline = time.monotonic() + self.config.push_timeout_seconds
         self._acks = {}
         self._pushed = True  # an engine restarted from now on needs weights from the trainer
+        for engine in targets:
+            engine.handle.send(Push(version, kv_on_push))
+        if group and targets:
+            self._group_busy = "a weight push over the group"
+        try:
+            return self._send_buckets(version, buckets, targets, deadline, between, start)
+        finally:
+            self._group_busy = None
+
+    def _send_buckets(
+        self,
+        version: int,
+        buckets: Iterable[WeightBucket],
+        targets: list[_Engine],
+        deadline: float,
+        between: Callable[[], None],
+        start: float,
+    ) -> PushStats:
+        """The part of :meth:`_push` after the ``Push`` commands: the buckets, the acks."""
+        sender = self._sender
 
         def wait(index: int) -> None:
             self._pump(0.0)  # raises if an engine failed, or died past its restarts
@@ -421,20 +473,22 @@ class GeneratorPool:
             self._check_deadline(deadline, f"engine {index} taking a weight bucket")
             between()
 
-        for engine in targets:
-            engine.handle.send(Push(version, kv_on_push))
         tensors = nbytes = count = 0
         lanes = Fanout([e.handle for e in targets], wait)  # before any call of wait
         with lanes:
             try:
                 for bucket in buckets:
-                    lanes.put(sender.pack(bucket))
-                    if sender.blocking:  # e.g. the NCCL broadcast, received by every engine
-                        self._watched(
-                            lambda b=bucket: sender.send(b), deadline, "weight broadcast", between
-                        )
-                    else:
-                        sender.send(bucket)
+                    if targets:  # with none, consumed all the same (the stream is collective)
+                        lanes.put(sender.pack(bucket))
+                        if sender.blocking:  # the NCCL broadcast, received by every engine
+                            self._watched(
+                                lambda b=bucket: sender.send(b),
+                                deadline,
+                                "weight broadcast",
+                                between,
+                            )
+                        else:
+                            sender.send(bucket)
                     between()
                     count += 1
                     tensors += len(bucket)
@@ -596,22 +650,28 @@ class GeneratorPool:
         """Engine ``engine`` died: handle what it sent, restart it (or raise when its
         restarts are spent, or its placement cannot restart), resubmit its requests."""
         config, index = self.config, engine.index
-        elastic = self._launcher.restartable and self._transport.restartable
+        elastic = self._launcher.restartable
         for event in engine.handle.leftover_events():  # its complete messages, in order
             self._raise_on_error(event)
             self._handle(event)
+        devices = engine_devices(config, index)
+        devices = "cpu" if devices is None else f"GPUs {devices}"
+        if self._group_busy is not None and any(e is engine for e in self._members or ()):
+            self.close()
+            raise RuntimeError(
+                broken_group_message(
+                    index, config, devices, self._group_busy, engine.handle.log_path
+                )
+            )
         if not (elastic and self._restarts.take(index)):
-            devices = engine_devices(config, index)
-            devices = "cpu" if devices is None else f"GPUs {devices}"
             if elastic:
                 message = refusal_message(
                     index, config.placement, devices, self._restarts, engine.handle.log_path
                 )
-            else:  # in-process engines cannot be, and NCCL groups are not re-formed (issue 13)
+            else:  # in-process engines share the trainer's process
                 message = (
                     f"vLLM engine {index} exited unexpectedly (placement {config.placement}, "
-                    f"devices {devices}; restarts need placement subprocess or "
-                    "remote and weight_transport host)"
+                    f"devices {devices}; restarts need placement subprocess or remote)"
                 )
             self.close()
             raise RuntimeError(message)

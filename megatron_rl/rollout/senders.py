@@ -1,8 +1,9 @@
 """The weight transports (``rollout.weight_transport``), chosen once per pool.
 
 A :class:`Transport` says what both ends of one transport need: the vLLM weight-transfer
-backend the engines build, whether they join it when built or when the pool says so, whether
-a restarted engine can receive weights again, and how the pool opens its sender end (a
+backend the engines build, whether they join it when built or when the pool says so (a group
+of fixed members, which the pool forms anew when they change: ``GeneratorPool._form``), and
+how the pool opens its sender end (a
 :class:`~megatron_rl.rollout.buckets.WeightSender`). ``TRANSPORTS`` holds the two: ``host``
 (buckets through host memory, :class:`~megatron_rl.rollout.buckets.HostSender`) and ``nccl``
 (one broadcast from the trainer, :class:`~megatron_rl.rollout.nccl.NcclSender`).
@@ -30,8 +31,9 @@ Opener = Callable[[RolloutConfig, Any, Sequence[Any], Callable[[], None]], Weigh
 class Transport:
     name: str
     backend: Callable[[RolloutConfig], str]  # the vLLM weight-transfer backend of the engines
-    joins_at_build: bool  # the engine joins when built (else on the pool's JoinTransport)
-    restartable: bool  # a restarted engine can join again and receive weights
+    # the engine joins when built; else on the pool's JoinTransport, as a member of a group
+    # that the pool forms of the engines a push goes to (after a death, of them anew)
+    joins_at_build: bool
     open: Opener
 
 
@@ -41,7 +43,9 @@ def _open_host(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> W
 
 
 def _open_nccl(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> WeightSender:
-    """Form the NCCL weight-transfer group: every engine's workers, then this sender."""
+    """Form an NCCL weight-transfer group of ``engines`` (all of the pool's, or those a push
+    goes to after a death): their workers (each leaves its previous group first:
+    ``VLLMEngine.init_transport``), then this sender, on fresh ports."""
     from megatron_rl.platform import free_port, get_platform
     from megatron_rl.rollout.nccl import NcclSender, group_layout, worker_payloads
 
@@ -62,11 +66,11 @@ def _open_nccl(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> W
     return sender
 
 
-# An NCCL group has a fixed set of ranks: a restarted engine cannot join it (issue 13).
 TRANSPORTS: dict[str, Transport] = {
-    "host": Transport("host", lambda config: CPU_BACKEND, True, True, _open_host),
+    "host": Transport("host", lambda config: CPU_BACKEND, True, _open_host),
+    # an NCCL group has a fixed set of ranks: a dead one blocks every later broadcast
     "nccl": Transport(
-        "nccl", lambda config: engine_backend(config.expert_parallel), False, False, _open_nccl
+        "nccl", lambda config: engine_backend(config.expert_parallel), False, _open_nccl
     ),
 }
 
