@@ -67,12 +67,12 @@ def slurm(*cmd: str) -> str:
     return proc.stdout
 
 
-def launch(run_dir: Path, *overrides: str) -> str:
-    """Submit the tiny recipe; returns the job id."""
+def launch(run_dir: Path, *overrides: str, **env: str) -> str:
+    """Submit the tiny recipe (``env``: more variables for the job); returns the job id."""
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_rl.cli", "launch", TINY, *SMALL, *overrides]
         + ["--device", "cpu", "--run-dir", str(run_dir)],
-        env=SLURM_ENV,
+        env={**SLURM_ENV, **env},
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -174,13 +174,15 @@ def test_pre_timeout_signal_checkpoints_requeues_and_resumes_with_every_step_onc
 
 def test_a_killed_generator_task_ends_the_job_with_the_failure_in_the_logs(tmp_path):
     run_dir = tmp_path / "run"
-    job = launch(run_dir, "training.max_steps=500", "validation.enabled=false")
+    # the pool waits $MEGATRON_RL_GENERATOR_RECONNECT_TIMEOUT (60 s by default) for the task
+    # to return; sbatch passes the submitting environment on to the job
+    wait = {"MEGATRON_RL_GENERATOR_RECONNECT_TIMEOUT": "20"}
+    job = launch(run_dir, "training.max_steps=500", "validation.enabled=false", **wait)
     wait_for(lambda: any("reward_mean" in r for r in records(run_dir)), "the first step", run_dir)
     steps = slurm("squeue", "--steps", "--noheader", f"--jobs={job}", "--format=%i %j")
     generator_step = re.search(r"^\s*(\S+) generator$", steps, re.M).group(1)
     slurm("scancel", "--signal=KILL", generator_step)  # the engine dies without a word
 
-    # the pool waits $MEGATRON_RL_GENERATOR_RECONNECT_TIMEOUT (60 s) for the task to return
     fields = wait_for(lambda: finished(job), f"job {job} to end", run_dir, timeout=240)
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0"
     batch, trainer = log(run_dir, job, "batch"), log(run_dir, job, "trainer")
@@ -189,7 +191,7 @@ def test_a_killed_generator_task_ends_the_job_with_the_failure_in_the_logs(tmp_p
     # the whole task is gone (not only its engine process): nothing reconnects
     assert re.search(
         r"RuntimeError: vLLM engine 0 failed:\n.*generator engine 0 lost its connection and "
-        r"its task did not reconnect within 60 s",  # lines prefixed "0: [rank0]: "
+        r"its task did not reconnect within 20 s",  # lines prefixed "0: [rank0]: "
         trainer,
     )
     assert "generator engine 0" in trainer and "connection lost" in trainer
