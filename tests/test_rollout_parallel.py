@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from megatron_rl.platform import LAUNCHER_VARS
 from megatron_rl.rollout import parity
 
 
@@ -42,7 +43,7 @@ def test_check_parity_tp2_tied_embeddings_json_only_on_stdout(tiny_hf_dirs):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_rl.cli", "check-parity", tiny_hf_dirs["tiny-llama-tied"]]
         + ["--tp", "2", "--json", "--prompts", "4"],

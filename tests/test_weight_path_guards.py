@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rl.platform import LAUNCHER_VARS
 from megatron_rl.rollout.config import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -423,7 +424,7 @@ def test_gpu_check_smoke_mode_prints_every_section():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--smoke"],
         capture_output=True,
