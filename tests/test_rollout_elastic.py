@@ -373,7 +373,9 @@ def test_in_process_engines_are_not_restarted():
 
 def test_an_engine_process_output_goes_to_its_console_and_its_log(tmp_path):
     """``tee_output`` in a fresh process (it rewires file descriptors 1 and 2): Python
-    prints and raw writes reach both the process's own stdout / stderr and the log."""
+    prints and raw writes reach both the process's own stdout / stderr and the log, where
+    a line of one stream is never cut by the other's (stdout's line is half written when
+    stderr's comes)."""
     import subprocess
     import sys
 
@@ -383,13 +385,19 @@ def test_an_engine_process_output_goes_to_its_console_and_its_log(tmp_path):
         "from megatron_rl.rollout.elastic import tee_output\n"
         f"tee_output({str(log)!r})\n"
         "print('from python', flush=True)\n"
+        "os.write(1, b'half ')\n"
+        "time.sleep(0.2)\n"
         "os.write(2, b'raw stderr\\n')\n"
+        "time.sleep(0.2)\n"
+        "os.write(1, b'a line\\n')\n"
         "time.sleep(0.5)\n"  # the copying threads are daemons
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "from python\n" and proc.stderr == "raw stderr\n"
-    assert sorted(log.read_text().splitlines()) == ["from python", "raw stderr"]
+    assert proc.stdout == "from python\nhalf a line\n" and proc.stderr == "raw stderr\n"
+    lines = log.read_text().splitlines()
+    assert sorted(lines) == ["from python", "half a line", "raw stderr"]
+    assert lines.index("from python") < lines.index("half a line")
 
 
 # -- a group transport (nccl) re-formed around a death, on fake engines ---------------------
@@ -403,6 +411,7 @@ class GroupEngines(FakeEngines):
     def __init__(self, tmp_path):
         super().__init__(tmp_path)
         self.hold_ready = False
+        self.rendezvous = None  # the sender's side of the next formation, if any
         self.joins: dict[int, int] = {}  # id(handle) -> JoinTransport taken
         self.loaded: list[tuple[int, int, int]] = []  # (engine, version, buckets)
         self._held: dict[int, EventWriter] = {}
@@ -419,7 +428,9 @@ class GroupEngines(FakeEngines):
         return handle
 
     def make_ready(self, index):
-        self._held.pop(index).put(Ready(index, 64))
+        writer = self._held.pop(index)
+        writer.put(Ready(index, 64))
+        writer.flush()  # in the pipe: the pool's next look sees it
 
     def _serve(self, handle, writer):
         while handle.alive:
@@ -470,7 +481,7 @@ def group_pool(tmp_path, monkeypatch):
     def open_group(config, hf_config, engines, wait_joined):
         for engine in engines:  # as _open_nccl does, with each engine's rank payload
             engine.send(JoinTransport({"rank_offset": 1 + engines.index(engine)}))
-        wait_joined()
+        wait_joined(fakes.rendezvous)  # the sender's side (NcclSender.connect), if any
         senders.append(GroupSender([e.index for e in engines]))
         return senders[-1]
 
@@ -552,3 +563,33 @@ def test_a_death_during_a_group_broadcast_fails_at_once_naming_why(group_pool):
     assert "vLLM engine 1 (placement subprocess, devices cpu) exited while a weight push" in text
     assert "cannot abort" in text and "resume it from its last checkpoint" in text
     assert pool.restarts == 0
+
+
+def test_a_death_during_a_groups_rendezvous_fails_at_once_naming_why(group_pool):
+    """Forming the group anew (a restarted engine is up): a member dies while the sender
+    waits in the rendezvous for every rank; the pool watches the engines meanwhile."""
+    import time
+
+    pool, fakes, senders = group_pool
+    fakes.hold_ready = True
+    fakes.kill(pool, 1)
+    pool.poll(timeout=0.5)
+    fakes.make_ready(1)
+    pool.poll(timeout=0.5)
+    released = threading.Event()
+
+    def rendezvous():  # engine 0 dies before it joins: the rendezvous would wait for ever
+        fakes.kill(pool, 0)
+        released.wait(60)
+
+    fakes.rendezvous = rendezvous
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        pool.push_weights(iter([_bucket()]))
+    released.set()
+    assert time.monotonic() - start < 10 and pool._closed
+    assert (
+        "vLLM engine 0 (placement subprocess, devices cpu) exited while forming the "
+        "weight-transfer group" in str(err.value)
+    )
+    assert [s.members for s in senders] == [[0, 1]] and senders[0].closed  # none formed

@@ -382,8 +382,8 @@ def test_the_nccl_transport_opens_an_ep_group_per_rank_up_to_the_rendezvous(
     engines, joined = [Engine() for _ in range(3)], []
     transport = transport_for(config)
     assert transport.backend(config) == "megatron_rl_nccl_ep" and not transport.joins_at_build
-    sender = transport.open(config, hf, engines, lambda: joined.append(True))
-    assert joined == [True]
+    sender = transport.open(config, hf, engines, joined.append)
+    assert joined == [sender.connect]  # the rendezvous, run by the pool under watch
     ours = ExpertParallelNcclEngine.__new__(ExpertParallelNcclEngine)
     vllm_engine = NCCLWeightTransferEngine.__new__(NCCLWeightTransferEngine)
     ports = set()

@@ -154,8 +154,10 @@ class EventChannels:
 
 def tee_output(log_path: str) -> None:
     """Copy everything this process writes to stdout and stderr (file descriptors 1 and 2:
-    Python, vLLM and C++ alike) into ``log_path`` too. Threads copy; what a killed process
-    wrote up to its last read is in the file."""
+    Python, vLLM and C++ alike) into ``log_path`` too. Threads copy; the log gets whole
+    lines (ended by a newline or a carriage return: progress bars), so that the two streams
+    never splice inside a line; what a killed process wrote up to its last line end is in
+    the file."""
     log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the process
     lock = threading.Lock()
     for fd in (1, 2):
@@ -165,10 +167,18 @@ def tee_output(log_path: str) -> None:
         os.close(write_end)
 
         def copy(read_end: int = read_end, original: int = original) -> None:
+            partial = b""
             while data := os.read(read_end, 65536):
                 os.write(original, data)
+                partial += data
+                end = max(partial.rfind(b"\n"), partial.rfind(b"\r")) + 1
+                if end or len(partial) > _READ_BYTES:  # no line end for that long: as is
+                    with lock:
+                        log.write(partial[:end])
+                    partial = partial[end or len(partial) :]
+            if partial:
                 with lock:
-                    log.write(data)
+                    log.write(partial)
 
         threading.Thread(target=copy, name=f"tee-{fd}", daemon=True).start()
 

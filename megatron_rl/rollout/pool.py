@@ -209,10 +209,18 @@ class GeneratorPool:
             self._group_busy = None
             logger.debug("weight transport: formed of engines %s", [e.index for e in members])
 
-    def _wait_joined(self) -> None:
-        """Wait until every member has joined the weight transport (``TransportJoined``)."""
+    def _wait_joined(self, connect: Callable[[], None] | None = None) -> None:
+        """Run ``connect`` (the sender's side of the group's rendezvous) while watching the
+        engines, then wait until every member has joined (``TransportJoined``). A member
+        that dies meanwhile fails the run (``_replace``); no progress within
+        ``rollout.push_timeout_seconds`` raises."""
+        deadline = time.monotonic() + self.config.push_timeout_seconds
+        what = "the engines joining the weight-transfer group"
+        if connect is not None:
+            self._watched(connect, deadline, what)
         while not {e.index for e in self._members} <= self._transport_acks:
             self._pump(_POLL_SECONDS)
+            self._check_deadline(deadline, what)
 
     # -- generation -------------------------------------------------------------------------
     def submit(

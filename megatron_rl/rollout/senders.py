@@ -23,8 +23,11 @@ from megatron_rl.rollout.messages import JoinTransport
 from megatron_rl.rollout.nccl import engine_backend
 
 # open(config, hf text config, engines (EngineHandle), wait_joined) -> the sender end;
-# ``wait_joined()`` returns once every engine has answered JoinTransport (TransportJoined).
-Opener = Callable[[RolloutConfig, Any, Sequence[Any], Callable[[], None]], WeightSender]
+# ``wait_joined(connect)`` runs ``connect`` (the sender's side of a group's rendezvous, which
+# blocks until every member joined) while the pool watches the engines, then returns once
+# every engine has answered JoinTransport (TransportJoined).
+WaitJoined = Callable[[Callable[[], None] | None], None]
+Opener = Callable[[RolloutConfig, Any, Sequence[Any], WaitJoined], WeightSender]
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,7 @@ def _open_nccl(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> W
         engine.send(JoinTransport(payload))
     world, _ = group_layout(len(engines), tp)
     sender = NcclSender(address, port, world, bucket, experts=experts, expert_ports=expert_ports)
-    sender.connect()  # returns when every worker has joined
-    wait_joined()
+    wait_joined(sender.connect)  # connect returns when every worker has joined
     return sender
 
 
