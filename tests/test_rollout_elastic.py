@@ -413,6 +413,7 @@ class GroupEngines(FakeEngines):
         self.hold_ready = False
         self.rendezvous = None  # the sender's side of the next formation, if any
         self.joins: dict[int, int] = {}  # id(handle) -> JoinTransport taken
+        self.join_infos: list[tuple[int, dict]] = []  # (engine, its JoinTransport init_info)
         self.loaded: list[tuple[int, int, int]] = []  # (engine, version, buckets)
         self._held: dict[int, EventWriter] = {}
 
@@ -440,6 +441,7 @@ class GroupEngines(FakeEngines):
                 continue
             if isinstance(command, JoinTransport):
                 self.joins[id(handle)] = self.joins.get(id(handle), 0) + 1
+                self.join_infos.append((handle.index, command.init_info))
                 writer.put(TransportJoined(handle.index))
             elif isinstance(command, Push):
                 count = 0
@@ -593,3 +595,78 @@ def test_a_death_during_a_groups_rendezvous_fails_at_once_naming_why(group_pool)
         "weight-transfer group" in str(err.value)
     )
     assert [s.members for s in senders] == [[0, 1]] and senders[0].closed  # none formed
+
+
+def test_the_nccl_group_is_formed_anew_with_the_ranks_vllm_expects(tmp_path, monkeypatch):
+    """The real ``nccl`` transport (``senders._open_nccl``, ``NcclSender``, vLLM's packed
+    producer) on CPU up to the NCCL calls, over three fake engines: engine 1 dies, the next
+    push forms a group of engines 0 and 2 (ranks 1 and 2 of 3, vLLM's worker init info, a
+    fresh port; the old communicator destroyed), and once engine 1 is back a group of all
+    three again. Stand-ins: the communicators and the CUDA device index."""
+    import torch
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    import megatron_rl.platform.device as device
+    from megatron_rl.platform import get_platform
+    from megatron_rl.rollout.nccl import NcclSender
+
+    get_platform()  # on CPU: the torch.cuda stream stand-ins every run has
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(device, "get_platform", lambda: device.Platform("cuda", "nccl", False))
+    monkeypatch.setattr(device.Platform, "torch_device", lambda self: torch.device("cpu"))
+    communicators = []
+
+    class Communicator:  # rank 0's end of one group
+        destroyed = False
+
+        def broadcast(self, tensor, src):
+            pass
+
+        def destroy(self):
+            self.destroyed = True
+
+    def connect(sender):  # the rendezvous: every worker has joined
+        sender.group = Communicator()
+        communicators.append((sender.world_size, sender.port, sender.group))
+
+    monkeypatch.setattr(NcclSender, "connect", connect)
+    fakes = GroupEngines(tmp_path)
+    monkeypatch.setattr(pool_module, "_text_config", lambda hf_dir: SimpleNamespace(vocab_size=100))
+    monkeypatch.setattr(pool_module, "engine_launcher", lambda hf_dir, config, settings: fakes)
+    config = RolloutConfig(
+        engines=3,
+        placement="subprocess",
+        weight_transport="nccl",
+        nccl_address="127.0.0.1",
+        push_timeout_seconds=20,
+    )
+    pool = pool_module.GeneratorPool("unused", config)
+    try:
+        vllm = NCCLWeightTransferEngine.__new__(NCCLWeightTransferEngine)
+
+        def formation() -> dict[int, tuple[int, int, int]]:
+            """engine -> (rank offset, world size, port) of the joins since the last call"""
+            infos = [(i, vllm.parse_init_info(info)) for i, info in fakes.join_infos]
+            fakes.join_infos.clear()
+            return {i: (f.rank_offset, f.world_size, f.master_port) for i, f in infos}
+
+        first = formation()
+        assert {i: f[:2] for i, f in first.items()} == {0: (1, 4), 1: (2, 4), 2: (3, 4)}
+        fakes.hold_ready = True
+        fakes.kill(pool, 1)
+        pool.poll(timeout=0.5)
+        pool.push_weights(iter([_bucket()]))
+        survivors = formation()
+        assert {i: f[:2] for i, f in survivors.items()} == {0: (1, 3), 2: (2, 3)}
+        assert survivors[0][2] != first[0][2] and communicators[0][2].destroyed
+        assert [(w, p) for w, p, _ in communicators][1] == (3, survivors[0][2])
+        fakes.make_ready(1)
+        pool.poll(timeout=0.5)
+        pool.push_weights(iter([_bucket()]))  # the restarted engine is up: all three again
+        again = formation()
+        assert {i: f[:2] for i, f in again.items()} == {0: (1, 4), 1: (2, 4), 2: (3, 4)}
+        assert communicators[1][2].destroyed and not communicators[2][2].destroyed
+        assert sorted(fakes.loaded) == [(0, 1, 1), (0, 2, 1), (1, 2, 1), (2, 1, 1), (2, 2, 1)]
+        assert not pool.needs_weights() and pool.version == 2
+    finally:
+        pool.close()

@@ -203,10 +203,12 @@ class GeneratorPool:
         self._members, self._transport_acks = members, set()
         if members:
             self._group_busy = "forming the weight-transfer group"
-            self._sender = self._transport.open(
-                self.config, self._hf, [e.handle for e in members], self._wait_joined
-            )
-            self._group_busy = None
+            try:
+                self._sender = self._transport.open(
+                    self.config, self._hf, [e.handle for e in members], self._wait_joined
+                )
+            finally:
+                self._group_busy = None
             logger.debug("weight transport: formed of engines %s", [e.index for e in members])
 
     def _wait_joined(self, connect: Callable[[], None] | None = None) -> None:
