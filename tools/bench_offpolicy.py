@@ -25,6 +25,11 @@ groups, about half of each batch; the push is fed):
       24       1.57x       1.66x      1.58x
       48       1.21x       1.84x      1.60x   (PipelineRL 2.80 s vs PPO 4.48 s per 768)
       48       1.61x       1.88x      1.86x   (PipelineRL 2.39 s vs PPO 4.43 s per 768)
+      24       1.32x       2.15x      1.77x   (PipelineRL 2.36 s vs PPO 4.18 s per 768)
+
+and in process alone, five more runs of 24 steps: 1.56x, 1.34x, 1.33x, 1.41x, 1.31x.
+(``OMP_WAIT_POLICY=PASSIVE`` sped both modes up by 0-17% in three of four paired runs, and
+left the ratio where it was: 1.23x, 1.35x, 1.31x.)
 
 Before those two changes: in_process 1.30x, subprocess 1.28x. In process, the PipelineRL
 update varies most from run to run (0.33-0.52 s a step against PPO's 0.30 s): the engine's
