@@ -172,10 +172,12 @@ def tee_output(log_path: str) -> None:
                 os.write(original, data)
                 partial += data
                 end = max(partial.rfind(b"\n"), partial.rfind(b"\r")) + 1
-                if end or len(partial) > _READ_BYTES:  # no line end for that long: as is
+                if not end and len(partial) > _READ_BYTES:  # no line end for that long
+                    end = len(partial)
+                if end:
                     with lock:
                         log.write(partial[:end])
-                    partial = partial[end or len(partial) :]
+                    partial = partial[end:]
             if partial:
                 with lock:
                     log.write(partial)
