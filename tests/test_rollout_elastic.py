@@ -390,13 +390,15 @@ def test_an_engine_process_output_goes_to_its_console_and_its_log(tmp_path):
         "os.write(2, b'raw stderr\\n')\n"
         "time.sleep(0.2)\n"
         "os.write(1, b'a line\\n')\n"
+        "os.write(1, b'x' * 1_500_000 + b'\\n')\n"  # longer than the copier holds back
         "time.sleep(0.5)\n"  # the copying threads are daemons
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "from python\nhalf a line\n" and proc.stderr == "raw stderr\n"
+    long = "x" * 1_500_000
+    assert proc.stdout == f"from python\nhalf a line\n{long}\n" and proc.stderr == "raw stderr\n"
     lines = log.read_text().splitlines()
-    assert sorted(lines) == ["from python", "half a line", "raw stderr"]
+    assert sorted(lines) == ["from python", "half a line", "raw stderr", long]
     assert lines.index("from python") < lines.index("half a line")
 
 
