@@ -258,30 +258,38 @@ class FakePool:
         return self.tokens
 
 
-def test_validation_logs_each_domain_to_metrics_tensorboard_and_the_plot(joint, tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+def _validation_run(joint, tmp_path):
+    """(run, the validation prompt ids): what ``loop.validate`` reads of a run."""
     from megatron_rl.config.sections import ValidationConfig
     from megatron_rl.trainer.compute import ComputeClock
-    from megatron_rl.trainer.loop import validate
-    from megatron_rl.trainer.metrics import MetricsLogger, plot_reward_curve, read_records
+    from megatron_rl.trainer.metrics import MetricsLogger
 
     data, rewards = joint
-    tok = TextTokenizer()
     cfg = ValidationConfig(samples_per_prompt=2, num_prompts=5)
     ids = [i for v in data.val_by_domain().values() for i in v[:5]]
-    metrics = MetricsLogger(tmp_path, tensorboard=True)
     run = SimpleNamespace(
         config=SimpleNamespace(validation=cfg, seed=0),
         data=data,
-        tokenizer=tok,
+        tokenizer=TextTokenizer(),
         rewards=rewards,
         clock=ComputeClock(1),
-        metrics=metrics,
+        metrics=MetricsLogger(tmp_path, tensorboard=True),
         forecast=None,
         encode=lambda i: [i],
     )
-    rate = validate(run, FakePool(data, tok, ids), step=3)
+    return run, ids
+
+
+def test_validation_logs_each_domain_to_metrics_tensorboard_and_the_plot(joint, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.metrics import plot_reward_curve, read_records
+
+    data, _ = joint
+    run, ids = _validation_run(joint, tmp_path)
+    metrics = run.metrics
+    rate = validate(run, FakePool(data, run.tokenizer, ids), step=3)
     metrics.close()
     (record,) = read_records(metrics.path)
     assert record["val_samples"] == 20  # 5 prompts of each domain x 2 samples
@@ -294,6 +302,41 @@ def test_validation_logs_each_domain_to_metrics_tensorboard_and_the_plot(joint, 
     )
     png = plot_reward_curve(metrics.path, tmp_path / "reward_curve.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_validation_with_every_engine_restarted_reweighs_and_validates_once(
+    joint, tmp_path, monkeypatch
+):
+    """Every engine died and was restarted mid-validation: ``generate`` raises
+    ``WeightsNeeded`` (withdrawing its requests); validation has the weights re-sent (a
+    collective of every rank, as in training) and asks again with the same seeds."""
+    from megatron_rl.rollout.elastic import WeightsNeeded
+    from megatron_rl.trainer import loop
+    from megatron_rl.trainer.metrics import read_records
+
+    data, _ = joint
+    run, ids = _validation_run(joint, tmp_path)
+    events = []
+
+    class RestartedPool(FakePool):
+        version = 7
+
+        def generate(self, prompts, seeds, samples_per_prompt, temperature):
+            events.append(("generate", list(seeds)))
+            if len(events) == 1:
+                raise WeightsNeeded("every engine waits for the current weights")
+            return super().generate(prompts, seeds, samples_per_prompt, temperature)
+
+    pool = RestartedPool(data, run.tokenizer, ids)
+    monkeypatch.setattr(
+        loop, "push_weights", lambda run_, pool_, reweigh=False: events.append(("reweigh", reweigh))
+    )
+    assert loop.validate(run, pool, step=3) == 0.5  # math right, code wrong (as above)
+    run.metrics.close()
+    seeds = events[0][1]
+    assert events == [("generate", seeds), ("reweigh", True), ("generate", seeds)]
+    (record,) = read_records(run.metrics.path)
+    assert record["val_samples"] == 20 and record["step"] == 3
 
 
 def test_plot_keys_add_one_line_per_domain():

@@ -80,8 +80,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
     # The monitor above sees only the first PipelineRL batch: probe pushes as well.
     probe = LogprobProbe.from_run(run, step, multiple)
     stop = _StopFlag(config.checkpoint.on_signals)
-    if main and step == 0 and config.validation.enabled and config.validation.at_start:
-        validate(run, pool, step)
+    if step == 0 and config.validation.enabled and config.validation.at_start:
+        validate(run, pool, step, main)
     run.clock.begin("train")  # the x axis: from here on, but for validation and checkpoints
     finished = False
     bar = tqdm(
@@ -135,8 +135,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
                 bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
                 if run.forecast is not None:
                     run.forecast.poll({"step": step, **run.clock.summary()})
-                if config.validation.enabled and step % config.validation.every_steps == 0:
-                    validate(run, pool, step)
+            if config.validation.enabled and step % config.validation.every_steps == 0:
+                validate(run, pool, step, main)
             # only some ranks may have got the signal
             signalled = collectives.any_rank(stop.requested is not None)
             if _due(step, config.checkpoint.every_steps) or signalled:
@@ -146,8 +146,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
                 logger.info("stopping on %s after checkpointing step %d", signal_name, step)
                 return 0
         validated_at_end = config.validation.enabled and step % config.validation.every_steps != 0
-        if main and validated_at_end:
-            validate(run, pool, step)
+        if validated_at_end:
+            validate(run, pool, step, main)
         # The loop's own checkpoint of this step holds everything unless validation ran since.
         saved = step > 0 and _due(step, config.checkpoint.every_steps) and not validated_at_end
         if config.checkpoint.save_at_end and not saved:
@@ -170,15 +170,18 @@ def train(config: RunConfig, run_dir: Path) -> int:
 REWEIGH = "reweigh"  # the main rank's answer instead of a value: restarted engines wait
 
 
-def on_every_rank(run: Run, pool, main: bool, make: Callable[[], Any]) -> Any:
-    """``make()`` on the main rank (it drives the pool), broadcast to every rank. While the
-    main rank waits on the pool, restarted engines may wait for the current weights (elastic
-    engines, ``WeightsNeeded``): then every rank streams the weights again into those
-    engines (a collective, like a push), and ``make`` is called again (it resumes)."""
+def on_every_rank(run: Run, pool, main: bool, make: Callable[[], Any], share: bool = True) -> Any:
+    """``make()`` on the main rank (it drives the pool), broadcast to every rank (``share``;
+    else it stays on the main rank and the others get None). While the main rank waits on
+    the pool, restarted engines may wait for the current weights (elastic engines,
+    ``WeightsNeeded``): then every rank streams the weights again into those engines (a
+    collective, like a push), and ``make`` is called again (it resumes)."""
     while True:
-        value = collectives.broadcast_object(_or_reweigh(make, pool) if main else None)
-        if not (isinstance(value, str) and value == REWEIGH):
-            return value
+        value = _or_reweigh(make, pool) if main else None
+        reweigh = isinstance(value, str) and value == REWEIGH
+        sent = collectives.broadcast_object(value if share else (REWEIGH if reweigh else None))
+        if not (isinstance(sent, str) and sent == REWEIGH):
+            return value if main else sent
         push_weights(run, pool, reweigh=True)
 
 
@@ -306,27 +309,38 @@ def _by_domain(key: str, domains: list[str], rewards: list[float], mean: bool) -
     return out
 
 
-def validate(run: Run, pool, step: int) -> float:
+def validate(run: Run, pool, step: int, main: bool = True) -> float:
     """mean@G pass rate on the held-out split with the current weights; logged overall
     (``val_pass_rate``) and, for a mixture of sources, per domain
-    (``val_pass_rate/<domain>``)."""
+    (``val_pass_rate/<domain>``). Every rank calls it: the main rank generates and scores;
+    the others take part when restarted engines wait for the weights (``on_every_rank``:
+    a death with every engine down mid-validation), and return NaN."""
+    if not main:
+        on_every_rank(run, pool, False, lambda: None, share=False)
+        return float("nan")
     cfg = run.config.validation
     # ``num_prompts`` counts per domain, so a cap never leaves a domain out.
     ids = [i for ids in run.data.val_by_domain().values() for i in ids[: cfg.num_prompts]]
-    if not ids:
-        return float("nan")
     t0 = time.perf_counter()
     hours = run.clock.summary()  # the policy being measured cost this much
-    # Blocking validation, accounted apart; the training requests that PipelineRL generators
-    # keep decoding meanwhile are training compute (their token share of the window).
-    with run.clock.window("validation") as window:
-        tokens_before = pool.generated_tokens()
-        samples = pool.generate(
+
+    def generate() -> list:  # asked again after a reweigh: the same seeds, the same samples
+        if not ids:
+            return []
+        return pool.generate(
             [run.encode(i) for i in ids],
             seeds=[_sampling_seed(run.config.seed, -1 - i, step) for i in ids],
             samples_per_prompt=cfg.samples_per_prompt,
             temperature=cfg.temperature,
         )
+
+    # Blocking validation, accounted apart; the training requests that PipelineRL generators
+    # keep decoding meanwhile are training compute (their token share of the window).
+    with run.clock.window("validation") as window:
+        tokens_before = pool.generated_tokens()
+        samples = on_every_rank(run, pool, True, generate, share=False)
+        if not samples:
+            return float("nan")
         texts = [run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         refs = [run.data.get(ids[s.prompt_index - samples[0].prompt_index]) for s in samples]
         kinds = [p.kind for p in refs]
