@@ -304,10 +304,14 @@ def test_an_engine_failing_during_an_nccl_push_raises_instead_of_hanging(engine_
 
     # the engine gets NCCL headers (NcclSender.pack) that its CPU backend cannot load
     pool._sender = StuckSender("127.0.0.1", 1, 2, 2**20, device=torch.device("meta"))
+    handle = pool._engines[0].handle
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="vLLM engine 0 failed"):
         pool.push_weights(iter([MIXED_BUCKET]))
     assert time.monotonic() - start < 60
+    # the closing pool ended the push the failed engine waited in: it stopped by itself
+    # (it used to wait until the pool gave up on it after 30 s and terminated it)
+    assert not handle.is_alive() and handle.exitcode == 0, handle.exitcode
 
 
 def test_a_push_that_makes_no_progress_times_out(monkeypatch):

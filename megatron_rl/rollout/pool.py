@@ -146,6 +146,7 @@ class GeneratorPool:
         self._transport_acks: set[int] = set()
         self._members: list[_Engine] | None = None  # of the sender's group; None: not formed
         self._group_busy: str | None = None  # what a group transport is doing (no death then)
+        self._pushing = False  # between a push's Push commands and its end
         self._pending: list[RequestSpec] = []  # requests of a dead engine, waiting for one
         self._pushed = False  # a push happened: the HF directory's weights are not current
         window = config.engine_restart_window_minutes * 60
@@ -459,10 +460,11 @@ class GeneratorPool:
             engine.handle.send(Push(version, kv_on_push))
         if group and targets:
             self._group_busy = "a weight push over the group"
+        self._pushing = True
         try:
             return self._send_buckets(version, buckets, targets, deadline, between, start)
         finally:
-            self._group_busy = None
+            self._group_busy, self._pushing = None, False
 
     def _send_buckets(
         self,
@@ -733,7 +735,13 @@ class GeneratorPool:
         """Stop the engines (requests in flight are dropped). Idempotent."""
         engines, self._engines = getattr(self, "_engines", []), []
         self._closed = True
+        pushing = getattr(self, "_pushing", False)
         for engine in engines:
+            try:
+                if pushing:  # end the push: an engine that failed in it waits for its end
+                    engine.handle.put_weights(None, timeout=1.0)
+            except (ValueError, OSError, queue.Full):  # closed, or the engine takes none
+                pass
             try:
                 engine.handle.send(Stop())
             except (ValueError, OSError):  # queue or connection already closed
