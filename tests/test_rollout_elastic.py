@@ -209,8 +209,13 @@ class FakeEngines:
         self.writers[index] = _channel(self.events, index)
         log = self.tmp_path / f"engine-{index}.log"
         log.write_text(f"engine {index} incarnation {self.spawned.count(index)}\nboom\n")
-        self.writers[index].put(Ready(index, 64))
-        return FakeHandle(index, self.events, str(log))
+        handle = FakeHandle(index, self.events, str(log))
+        self._started(handle, self.writers[index])
+        return handle
+
+    def _started(self, handle, writer):
+        """The new process is up: it says so."""
+        writer.put(Ready(handle.index, 64))
 
     def close(self):
         self.events.close()
@@ -419,16 +424,12 @@ class GroupEngines(FakeEngines):
         self.loaded: list[tuple[int, int, int]] = []  # (engine, version, buckets)
         self._held: dict[int, EventWriter] = {}
 
-    def restart(self, index):
-        self.spawned.append(index)
-        writer = self.writers[index] = _channel(self.events, index)
-        handle = FakeHandle(index, self.events)
-        if self.hold_ready and self.spawned.count(index) > 1:
-            self._held[index] = writer
+    def _started(self, handle, writer):
+        if self.hold_ready and self.spawned.count(handle.index) > 1:
+            self._held[handle.index] = writer
         else:
-            writer.put(Ready(index, 64))
+            super()._started(handle, writer)
         threading.Thread(target=self._serve, args=(handle, writer), daemon=True).start()
-        return handle
 
     def make_ready(self, index):
         writer = self._held.pop(index)

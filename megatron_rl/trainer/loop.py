@@ -178,11 +178,14 @@ def on_every_rank(run: Run, pool, main: bool, make: Callable[[], Any], share: bo
     collective, like a push), and ``make`` is called again (it resumes)."""
     while True:
         value = _or_reweigh(make, pool) if main else None
-        reweigh = isinstance(value, str) and value == REWEIGH
-        sent = collectives.broadcast_object(value if share else (REWEIGH if reweigh else None))
-        if not (isinstance(sent, str) and sent == REWEIGH):
+        sent = collectives.broadcast_object(value if share or _is_reweigh(value) else None)
+        if not _is_reweigh(sent):
             return value if main else sent
         push_weights(run, pool, reweigh=True)
+
+
+def _is_reweigh(value: Any) -> bool:
+    return isinstance(value, str) and value == REWEIGH
 
 
 def _or_reweigh(make: Callable[[], Any], pool) -> Any:
