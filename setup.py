@@ -41,7 +41,7 @@ EXTRAS = {
     # the Transformer Engine range megatron-core 0.16.1 declares for itself. Installing vLLM
     # into an NGC container replaces the container's torch (see README).
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.9.0a0,<2.12.0", MODELOPT],
-    "dev": ["pytest", "pytest-timeout", "ruff"],
+    "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff"],
     # tools/bench_vs_trl.py only: TRL's GRPOTrainer, the comparison (adds accelerate).
     "bench": ["trl==1.16.0"],
 }

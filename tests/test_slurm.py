@@ -56,6 +56,7 @@ SLURM_ENV = _slurm_env()
 pytestmark = [
     pytest.mark.slurm,
     pytest.mark.slow,
+    pytest.mark.xdist_group("slurm"),  # one Slurm node: its jobs run one at a time
     pytest.mark.timeout(2 * JOB_SECONDS),
     pytest.mark.skipif(SLURM_ENV is None, reason="no Slurm cluster (tools/local_slurm.sh start)"),
 ]
