@@ -17,9 +17,14 @@ fp32, the zero-variance filter off; no warm start, validation or checkpoints.
   scores and updates).
 
 Both skip the first ``--skip`` steps (start-up, first compilation). Needs TRL, which only
-this benchmark uses: ``.venv/bin/pip install -e '.[bench]'``. On a shared machine the numbers
-mean little: run it on a quiet one. One run on the project's 2-core machine (with ``TUNED``):
-megatron_rl 127.8 vs TRL 76.5 generated tokens/s = 1.67x.
+this benchmark uses: ``.venv/bin/pip install -e '.[bench]'``, or, leaving the project's
+environment as it is, a venv of its own that adds it (``python3.11 -m venv trlenv``; a
+``.pth`` file in its site-packages with ``import site;
+site.addsitedir('<repo>/.venv/lib/python3.11/site-packages')``; ``trlenv/bin/pip install
+--no-deps trl==1.16.0 accelerate``; run this with ``trlenv/bin/python``). On a shared machine
+the numbers mean little: run it on a quiet one. Runs on the project's 2-core machine (with
+``TUNED``), one each: megatron_rl 127.8 vs TRL 76.5 generated tokens/s = 1.67x (before
+continuous generation); 232.7 vs 136.4 = 1.71x (with it, and elastic engines).
 
     .venv/bin/python tools/bench_vs_trl.py [--steps 8] [--skip 2] [--only ours|trl]
         [--set KEY=VALUE ...]
