@@ -12,6 +12,30 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 set_omp_defaults()  # what `megatron-rl` sets: before this process imports torch
 
 
+# Tests that share an expensive module-scoped fixture run on one xdist worker (``--dist
+# loadgroup``), which builds it once: ppo_full_run is a 30 s training run, dense a vLLM engine
+# and a megatron model (each was built on both workers: ~40 s of a 2-core machine's time).
+SHARED_FIXTURES = ("ppo_full_run", "dense")
+
+
+def pytest_itemcollected(item):
+    """Marks as collected, before any ``pytest_collection_modifyitems`` (xdist's reads them)."""
+    for name in SHARED_FIXTURES:
+        if name in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
+
+
+def pytest_configure(config):
+    """``--dist loadgroup`` needs pytest < 9.2 (setup.py): with 9.2, pytest-xdist 3.8.0 drops
+    the groups silently (pytest-xdist issue 1386)."""
+    version = tuple(int(p) for p in pytest.__version__.split(".")[:2])
+    if config.getoption("dist", "no") == "loadgroup" and version >= (9, 2):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__}: pytest-xdist's --dist loadgroup would not group the "
+            "tests (pytest-xdist issue 1386); install pytest < 9.2 (setup.py's dev extra)"
+        )
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
