@@ -26,6 +26,8 @@ groups, about half of each batch; the push is fed):
       48       1.21x       1.84x      1.60x   (PipelineRL 2.80 s vs PPO 4.48 s per 768)
       48       1.61x       1.88x      1.86x   (PipelineRL 2.39 s vs PPO 4.43 s per 768)
       24       1.32x       2.15x      1.77x   (PipelineRL 2.36 s vs PPO 4.18 s per 768)
+      24       1.30x       1.64x      1.64x   (PipelineRL 3.23 s vs PPO 5.29 s per 768; a
+                                               slower day: PPO in process 5.72 s, not 4.18)
 
 and in process alone, five more runs of 24 steps: 1.56x, 1.34x, 1.33x, 1.41x, 1.31x.
 (``OMP_WAIT_POLICY=PASSIVE`` sped both modes up by 0-17% in three of four paired runs, and
