@@ -28,8 +28,10 @@ def pytest_itemcollected(item):
 def pytest_configure(config):
     """``--dist loadgroup`` needs pytest < 9.2 (setup.py): with 9.2, pytest-xdist 3.8.0 drops
     the groups silently (pytest-xdist issue 1386)."""
-    version = tuple(int(p) for p in pytest.__version__.split(".")[:2])
-    if config.getoption("dist", "no") == "loadgroup" and version >= (9, 2):
+    from packaging.version import Version  # a dependency of pytest
+
+    release = Version(pytest.__version__).release  # 9.2.0.dev340 and 9.2.0rc1 too: (9, 2, 0)
+    if config.getoption("dist", "no") == "loadgroup" and release[:2] >= (9, 2):
         raise pytest.UsageError(
             f"pytest {pytest.__version__}: pytest-xdist's --dist loadgroup would not group the "
             "tests (pytest-xdist issue 1386); install pytest < 9.2 (setup.py's dev extra)"
