@@ -470,3 +470,40 @@ def test_rollout_never_imports_launch():
             if any(n == "megatron_rl.launch" or n.startswith("megatron_rl.launch.") for n in names):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert not offenders, offenders
+
+
+@pytest.mark.timeout(300)  # ~20 s here
+def test_an_in_process_engine_starts_after_the_trainers_process_group_is_made_anew(tiny_hf_dirs):
+    """vLLM 0.32 keeps its world group, made over the default process group, after its last
+    engine closes. A training run ends by destroying that group (``destroy_distributed``); the
+    next in-process engine then failed at start-up ("not initialized in the world group map",
+    CI on two workers, where test order differs). It must start, and generate as before."""
+    import torch.distributed as dist
+
+    from megatron_rl.platform import ParallelConfig, init_distributed
+    from megatron_rl.platform.parallel import destroy_distributed
+    from megatron_rl.rollout.engine import VLLMEngine
+
+    hf_dir = tiny_hf_dirs["tiny-llama"]
+    config = RolloutConfig(max_tokens=6, dtype="float32", stop_token_ids=[])
+
+    def greedy_tokens() -> list[int]:
+        engine = VLLMEngine(hf_dir, config)
+        try:
+            engine.add("r", [5, 6, 7, 8], 6, temperature=0.0, top_p=1.0, stop_token_ids=[])
+            tokens, done = [], False
+            while not done:
+                for delta in engine.step():
+                    tokens += delta.token_ids
+                    done = delta.finished
+        finally:
+            engine.close()
+        return tokens
+
+    first = greedy_tokens()
+    init_distributed(ParallelConfig())
+    destroy_distributed()  # a run ends
+    init_distributed(ParallelConfig())  # the next one begins
+    assert greedy_tokens() == first
+    assert len(first) == 6
+    assert dist.is_initialized()  # closing the engine kept the trainer's group

@@ -214,6 +214,28 @@ def _check_process_layout(hf_dir: str) -> None:
             ) from None
 
 
+def _release_vllm_groups() -> None:
+    """Destroy vLLM's process-wide groups, its world group included, but not the default
+    process group, which in-process is the trainer's.
+
+    vLLM 0.32's ``destroy_model_parallel`` keeps its world group (``_WORLD``), made over the
+    default process group of its day. Once that group is torn down and made anew (a training
+    run or an in-process conversion ends with ``destroy_distributed``), the next engine of
+    the process reused the stale world group and failed at start-up: "Process group ... is not
+    initialized in the world group map"."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    world = parallel_state._WORLD
+    if world is not None:
+        with contextlib.suppress(ValueError):  # its groups went with an old default group
+            if dist.is_initialized():
+                world.destroy()
+        parallel_state._WORLD = None
+        parallel_state._NODE_COUNT = None
+
+
 class _ExpectedReloadWarnings(logging.Filter):
     """vLLM 0.32's layerwise reload warns "<layer>: Failed to load weights" for every layer
     that has loadable tensors but got none in the update. Rotary embeddings hold only their
@@ -258,6 +280,8 @@ class VLLMEngine:
         self._joined = False  # init_transport ran
         global _live_engines
         with _ENGINE_LOCK, _preserve_process_state():
+            if _live_engines == 0:  # what an engine left unclosed, e.g. after a failed start
+                _release_vllm_groups()
             _check_process_layout(hf_dir)
             # vLLM caches its environment variables once an engine has started
             # (``enable_envs_cache``): a later engine of this process would read the first
@@ -290,13 +314,12 @@ class VLLMEngine:
 
         vLLM's in-process engine core tears down *all* distributed state on shutdown,
         including the default process group, which in-process is the trainer's. We keep it
-        and destroy only vLLM's own model-parallel groups, once the process's last engine is
-        gone: they are process-wide and fixed by the first engine's model (a dense model's
-        layout has no expert-parallel group, so a later MoE engine would fail).
+        and destroy only vLLM's own groups (:func:`_release_vllm_groups`), once the process's
+        last engine is gone: they are process-wide and fixed by the first engine's model (a
+        dense model's layout has no expert-parallel group, so a later MoE engine would fail).
         """
         global _live_engines
         import vllm.v1.engine.core as engine_core
-        from vllm.distributed import parallel_state
 
         with _ENGINE_LOCK:
             if getattr(self, "engine", None) is None:
@@ -307,7 +330,7 @@ class VLLMEngine:
             def cleanup(*args, **kwargs) -> None:
                 gc.unfreeze()
                 if last:
-                    parallel_state.destroy_model_parallel()
+                    _release_vllm_groups()
 
             original = engine_core.cleanup_dist_env_and_memory
             engine_core.cleanup_dist_env_and_memory = cleanup
