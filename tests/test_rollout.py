@@ -290,6 +290,9 @@ def test_bad_requests_are_refused_with_clear_errors(dense):
     with pytest.raises(ValueError, match="no buckets"):
         pool.push_weights([])
     assert pool.version == version and pool.in_flight == 0
+    # refused before any engine was told: each still runs the pool's version (it ran the next
+    # one, ahead of the pool, and tagged tokens with it)
+    assert [s["version"] for s in pool.engine_status()] == [version, version]
 
 
 def test_moe_engine_next_to_a_dense_one_is_refused_clearly(dense, tiny_hf_dirs):

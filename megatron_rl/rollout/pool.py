@@ -38,6 +38,7 @@ run fails with a message that says so.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import random
@@ -446,11 +447,18 @@ class GeneratorPool:
         """Load ``buckets`` into ``targets`` as policy ``version``. An engine that dies
         meanwhile is restarted (it gets the weights later) and drops out of the push.
         ``between``: see :meth:`push_weights`."""
+        start = time.perf_counter()
+        # Refused before any engine is told: one told of an empty push would run the next
+        # version, ahead of the pool, and tag its tokens with it.
+        buckets = iter(buckets)
+        first = next(buckets, None)
+        if first is None:
+            raise ValueError("push_weights got no buckets: this rank is not the stream's sender")
+        buckets = itertools.chain([first], buckets)
         group = not self._transport.joins_at_build
         if group and [id(e) for e in targets] != [id(e) for e in self._members]:
             self._form(targets)  # a death, or a restarted engine: the group is the targets
         between = between or (lambda: None)
-        start = time.perf_counter()
         # No engine may keep the trainer waiting forever: one that failed raises at once (its
         # event), one that died is restarted or raises, one that hangs when the deadline passes.
         deadline = time.monotonic() + self.config.push_timeout_seconds
@@ -510,8 +518,6 @@ class GeneratorPool:
                     lanes.put(None)
                     lanes.finish()
         acks = self._wait_acks(version, targets, deadline, between)
-        if count == 0:
-            raise ValueError("push_weights got no buckets: this rank is not the stream's sender")
         self.version = version
         for engine in targets:
             if engine.index in acks and self._same(targets, engine.index):
