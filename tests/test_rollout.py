@@ -290,8 +290,8 @@ def test_bad_requests_are_refused_with_clear_errors(dense):
     with pytest.raises(ValueError, match="no buckets"):
         pool.push_weights([])
     assert pool.version == version and pool.in_flight == 0
-    # refused before any engine was told: each still runs the pool's version (it ran the next
-    # one, ahead of the pool, and tagged tokens with it)
+    # refused before any engine was told: each still runs the pool's version (when the refusal
+    # came after the Push commands, each ran the next one, ahead of the pool)
     assert [s["version"] for s in pool.engine_status()] == [version, version]
 
 
