@@ -18,6 +18,9 @@ _MAX_BOX_TRIES = 8
 _MAX_BOXES = 32
 # Between boxes that form one answer (Math-Verify's VALID_SEPARATOR_PATTERN).
 _SEPARATOR_RE = re.compile(r"\b(?:and|or)\b|,|;")
+# Longer contents are left wrapped: far over any answer length limit, they score incorrect
+# anyway, and each unwrapping step reads all of them.
+_MAX_UNWRAP_CHARS = 10_000
 # Characters that make a parenthesised answer a tuple or an interval ("(1,2)", "(1;2)").
 _TUPLE_MARKS = ",;"
 
@@ -94,6 +97,8 @@ def unwrap_answer(content: str) -> str:
     """``content`` without the markup that wraps all of it: boxes (``\\boxed{\\boxed{x}}``),
     bold (``\\textbf{(073)}``) and a parenthesised bare answer (``(B)``); a wrapper around
     only part of the content stays (``\\boxed{a}+b``, ``(1,2)``, ``(x+1)(x-1)``)."""
+    if len(content) > _MAX_UNWRAP_CHARS:
+        return content.strip()
     for _ in range(_MAX_BOX_TRIES):
         inner = content.strip()
         for unwrap in (
