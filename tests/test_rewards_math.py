@@ -125,6 +125,150 @@ def test_stated_final_answers_are_read_without_a_box():
     assert extract_math_answer(late, RewardConfig(stated_answer=False)) == "255"
 
 
+def _extract(text: str, **overrides) -> str | None:
+    return extract_math_answer("<think>x</think>" + text, RewardConfig(**overrides))
+
+
+def test_prose_after_the_box_does_not_override_it():
+    # A "final answer" sentence that states no math is no answer (issue 28, Math 1).
+    boxed = {
+        "the area is $\\boxed{12\\sqrt{3}}$ square units. The final answer is given in simplest "
+        "radical form.": "12\\sqrt{3}",
+        "Therefore $x = \\boxed{-4}$. This final answer is consistent with the check above.": "-4",
+        "The probability is \\boxed{\\frac{5}{36}}. I double-checked, and the final answer is "
+        "reduced to lowest terms.": "\\frac{5}{36}",
+        "So \\boxed{9}. The final answer is above.": "9",
+    }
+    # Without a box, a clause is skipped for an earlier anchor that states math, and a
+    # clause after a comma is not part of the answer.
+    stated = {
+        "The answer is $42$. I believe this answer is correct and complete.": "42",
+        "The answer is 3/8, and the final answer is exact.": "3/8",
+        "The answer is 250 meters. Note that the answer is rounded to the nearest meter.": "250 meters",
+        "The answer is yes.": "yes",  # a single word, when nothing states math
+    }
+    for text, answer in {**boxed, **stated}.items():
+        assert _extract(text) == answer, text
+    # A later "final answer" that states math still wins over the box (Math-Verify's rule).
+    assert _extract("\\boxed{5}. Wait, the final answer is $6$.") == "6"
+    assert _extract("The answer is correct to the nearest tenth.") is None
+
+
+def test_an_empty_box_is_an_instruction_not_part_of_the_answer():
+    # Issue 28, Math 2: "\boxed{}: $\boxed{144}$" was read as the set ",144".
+    cases = {
+        "As asked, I put the result in \\boxed{}: $\\boxed{27}$.": "27",
+        "The final answer (format: \\boxed{ }) is \\boxed{x^2-1}": "x^2-1",
+        "\\boxed{}\\boxed{0.5}": "0.5",
+        "\\fbox{} \\boxed{\\frac{2}{3}}": "\\frac{2}{3}",
+        "Remember to write \\boxed{} around it. The answer is 8.": "8",
+    }
+    for text, answer in cases.items():
+        assert _extract(text) == answer, text
+    assert final_boxed("$\\boxed{1}$ and $\\boxed{}$ and $\\boxed{-2}$") == "1,-2"
+
+
+def test_markdown_emphasis_around_a_stated_answer_is_taken_off():
+    # Issue 28, Math 3: "**33**", "9**" and "*x* = 2" reached the verifier with the marks.
+    cases = {
+        "**Answer:** **-7**": "-7",
+        "The final answer is ***12***.": "12",
+        "**Final Answer: 0.125**": "0.125",
+        "Final Answer: *n* = 15": "15",
+        "The answer is __0.25__": "0.25",
+        "The answer is `17`.": "17",
+        "Final Answer: the total is **64**.": "64",
+        "The answer is *$\\sqrt{5}$*": "\\sqrt{5}",
+    }
+    for text, answer in cases.items():
+        assert _extract(text) == answer, text
+    # Stars that are not emphasis stay: a product, and equations with more than one "=".
+    assert _extract("The answer is 2*3*4.") == "2*3*4"
+    assert _extract("The answer is x = 1, y = 2") == "x = 1, y = 2"
+
+
+def test_answer_tags_hold_the_answer():
+    # Issue 28, Math 4: R1-Zero's "<answer>28</answer>" was read as ">".
+    cases = {
+        "<answer>28</answer>": "28",
+        " <answer>\n$\\frac{7}{2}$\n</answer>": "\\frac{7}{2}",
+        "<answer>The answer is 5</answer>": "5",
+        "<answer>\\boxed{5}</answer>": "5",
+        "<answer>x = -3</answer>": "-3",
+        "<answer>The number of ways is 120.</answer>": "120",
+        "<answer>3</answer> wait, no: <answer>4</answer>": "4",  # the last tag
+        "I think \\boxed{3}. <answer>4</answer>": "4",  # the tag holds the answer
+        "<answer>11": "11",  # cut off before the closing tag
+    }
+    for text, answer in cases.items():
+        assert _extract(text) == answer, text
+    # Without the tag the response is read as before; another tag name; no tag at all:
+    # the word "answer" in a tag is no anchor of a stated answer.
+    assert _extract("So \\boxed{12}.") == "12"
+    assert _extract("<final>12</final>", answer_tag="final") == "12"
+    assert _extract("<answer>28</answer>", answer_tag="") is None
+    for bad in ("<answer>", "an swer", 7):
+        with pytest.raises(ValueError, match="answer_tag"):
+            RewardConfig(answer_tag=bad).validate()
+
+
+def test_answer_tag_responses_score_plus_one(pool):
+    responses = [
+        "<think>7 * 4</think> <answer>28</answer>",
+        "<think>7 * 4</think> <answer>The answer is $\\frac{56}{2}$</answer>",
+        "<think>7 * 4</think> <answer>27</answer>",
+    ]
+    assert pool.score_batch(responses, ["28"] * 3) == [1.0, 1.0, -1.0]
+
+
+def test_bold_and_parenthesised_choices_are_unwrapped():
+    # Issue 28, Math 5: "\boxed{\textbf{(073)}}" did not match "073".
+    cases = {
+        "\\boxed{\\textbf{(073)}}": "073",
+        "\\boxed{\\mathbf{(C)}}": "C",
+        "\\boxed{(204)}": "204",
+        "\\boxed{\\textbf{E}}": "E",
+        "\\boxed{\\textbf{(A) }}": "A",
+        "The answer is $\\textbf{(D)}$.": "D",
+        # Tuples, intervals and products stay as they are.
+        "\\boxed{(1,2)}": "(1,2)",
+        "\\boxed{(0;5)}": "(0;5)",
+        "\\boxed{(x+1)(x-1)}": "(x+1)(x-1)",
+        "\\boxed{(-\\infty, 3)}": "(-\\infty, 3)",
+    }
+    for text, answer in cases.items():
+        assert _extract(text) == answer, text
+    assert math_reward.reference_answer("$\\boxed{\\textbf{(B)}}$") == "B"
+
+
+def test_bold_choices_score_against_plain_references(pool):
+    responses = [respond("\\textbf{(073)}"), respond("\\mathbf{(072)}"), respond("\\textbf{(1,2)}")]
+    assert pool.score_batch(responses, ["073", "073", "(1,2)"]) == [1.0, -1.0, 1.0]
+
+
+def test_extraction_stays_linear_on_hostile_text():
+    # Many boxes took 12-15 s (quadratic: each box searched the rest of the text for the
+    # absent "\\fbox"); the other texts aim at the tag, markdown and unwrapping reads.
+    config = RewardConfig()
+    hostile = [
+        "</think>" + "\\boxed{1}" * 29_000,
+        "</think>" + "\\boxed{}" * 30_000,
+        "</think>" + "<answer>" * 30_000,
+        "</think>" + "<answer>The answer is " * 5_000 + "</answer>" * 5_000,
+        "</think>The answer is " + "*" * 200_000,
+        "</think>The answer is " + "*a" * 100_000,
+        "</think>The answer is " + ", and the" * 20_000,
+        "</think>\\boxed{" + "\\textbf{(" * 20_000 + "1" + ")}" * 20_000 + "}",
+        "</think>\\boxed{" + "(" * 100_000 + "1" + ")" * 100_000 + "}",
+        "</think>" + "final answer is x = " * 10_000,
+    ]
+    for text in hostile:
+        assert len(text) <= config.max_response_chars
+        started = time.monotonic()
+        extract_math_answer(text, config)
+        assert time.monotonic() - started < 3.0, text[:40]
+
+
 def test_minerva_response_scores_plus_one(pool):
     minerva = (
         "<think>work</think>Final Answer: The final answer is $\\frac{2}{4}$. I hope it is correct."

@@ -4,7 +4,8 @@ Scores every case of ``tests/data/math_verify_suite.jsonl`` (Math-Verify's publi
 cases as realistic responses, built by ``tools/build_math_verify_suite.py``) with
 ``RewardPool`` and compares ``reward > 0`` with the case's expected verdict. Prints the
 agreement overall and on responses that carry a ``\\boxed{}`` answer or a stated final
-answer (the subset a reasoning model's reward is held to), and each disagreement with -v.
+answer (the subset a reasoning model's reward is held to), the false positives (rewarded
+where Math-Verify says wrong), and each disagreement with -v.
 
 Usage: python tools/bench_math_agreement.py [--suite PATH] [--workers N] [-v]
 """
@@ -68,6 +69,8 @@ def main() -> int:
         if key in counts:
             agree, total = counts[key]
             print(f"{label:<28} {agree:>4}/{total:<4} {agree / total:6.1%}")
+    false_positives = sum(r > 0 and not c["expected"] for c, r in zip(cases, rewards))
+    print(f"false positives (rewarded, Math-Verify says wrong): {false_positives}")
     print(f"{len(cases)} cases in {elapsed:.1f}s with {args.workers} workers; stats {stats}")
     if args.verbose:
         for case, reward in zip(cases, rewards):

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 
 REWARD_KINDS: tuple[str, ...] = ("math", "code")
+# An answer tag's name: "answer" for <answer>...</answer>; empty for none.
+_TAG_NAME_RE = re.compile(r"(?:[A-Za-z][A-Za-z0-9_-]{0,31})?")
 
 
 @dataclass
@@ -32,7 +34,13 @@ class RewardConfig:
         stated_answer: without a ``\\boxed{}`` (or an ``answer_pattern`` match), read the
             answer stated after the word "answer" ("The final answer is $X$. I hope it is
             correct.", "Answer: 42", "**Final Answer:** $\\frac12$"); see
-            ``extraction.stated_answer``.
+            ``stated.stated_answer``.
+        answer_tag: name of an answer tag (R1-Zero's template: ``<answer>...</answer>``).
+            When the text after the thinking has a ``<answer_tag>``, only the content of the
+            last one is read (to its end when it never closes), by the same steps (box,
+            pattern, stated answer), else all of it is the answer. Responses without the
+            tag are read as before, so the default works for boxed and tagged outputs alike.
+            Empty: no tag.
         num_workers: verifier processes (math) / concurrent sandboxes (code).
         timeout_s: hard CPU-time limit of one math verification (the worker is killed), so
             that load on the machine does not turn correct answers into timeouts.
@@ -69,6 +77,7 @@ class RewardConfig:
     think_end_tag: str = "</think>"
     answer_pattern: str = ""
     stated_answer: bool = True
+    answer_tag: str = "answer"
     num_workers: int = 2
     timeout_s: float = 5.0
     wall_timeout_s: float = 30.0
@@ -111,6 +120,11 @@ class RewardConfig:
                 f"think_end_tag must be a non-empty string, got {self.think_end_tag!r}"
             )
         self._validate_pattern()
+        if not isinstance(self.answer_tag, str) or not _TAG_NAME_RE.fullmatch(self.answer_tag):
+            raise ValueError(
+                "answer_tag must be empty or a tag name (a letter, then up to 31 letters, "
+                f"digits, '_' or '-'), got {self.answer_tag!r}"
+            )
         for name in ("timeout_s", "wall_timeout_s", "code_test_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value <= 3600:

@@ -36,8 +36,8 @@ from megatron_rl.rewards.extraction import (
     final_answer,
     integer_answer,
     unsafe_reason,
-    unwrap_math,
 )
+from megatron_rl.rewards.stated import unwrap_math
 
 logger = logging.getLogger(__name__)
 
