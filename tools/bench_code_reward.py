@@ -21,10 +21,14 @@ import argparse
 import dataclasses
 import logging
 import os
+import statistics
+import subprocess
 import time
 
 from megatron_rl.rewards import RewardConfig, RewardPool
-from megatron_rl.rewards.sandbox import capabilities
+from megatron_rl.rewards.code import score_code
+from megatron_rl.rewards.isolation import BOX_DIR, as_user, box_for, source_fd
+from megatron_rl.rewards.sandbox import capabilities, run_program
 
 # A typical competitive-programming solution: parse input, a little work, print.
 PROGRAM = """\
@@ -76,6 +80,68 @@ def measure(
     return best, user / (runs * repeats), system / (runs * repeats)
 
 
+def _ms(fn, repeats: int) -> float:
+    """Median wall-clock milliseconds of ``fn()`` over ``repeats`` calls."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def latency(config: RewardConfig, texts: list[str], references: list) -> tuple[float, float]:
+    """Median milliseconds per test, one response at a time: (sandboxed ``score_code``,
+    plain ``python3 -I -c program`` per test with no box, no limits and no harness)."""
+    python = box_for(config).python
+    boxed, plain = [], []
+    for text, cases in zip(texts, references):
+        start = time.perf_counter()
+        if score_code(text, cases, config) != config.correct_reward:
+            raise RuntimeError("the benchmark program failed its tests in the sandbox")
+        boxed.append(1000 * (time.perf_counter() - start) / len(cases))
+        start = time.perf_counter()
+        for case in cases:
+            subprocess.run(
+                [python, "-I", "-c", PROGRAM],
+                input=case["input"].encode(),
+                capture_output=True,
+                check=True,
+            )
+        plain.append(1000 * (time.perf_counter() - start) / len(cases))
+    return statistics.median(boxed), statistics.median(plain)
+
+
+def breakdown(config: RewardConfig, repeats: int) -> dict[str, float]:
+    """Median milliseconds of each layer of one sandboxed start: the interpreter alone,
+    the launcher (``setpriv``, a root trainer only), the bubblewrap box around the
+    interpreter, and one whole ``run_program`` of an empty program (harness, limits, audit
+    hook, files)."""
+    box = box_for(config)
+    env = {"PATH": "/usr/bin:/bin", "HOME": BOX_DIR, "LANG": "C.UTF-8"}
+    bare = [box.python, "-I", "-c", "pass"]
+    out: dict[str, float] = {"python -I -c pass": _ms(lambda: subprocess.run(bare), repeats)}
+    if box.run_as is not None:
+        launcher, user = as_user(["/bin/true"], box.run_as)
+        out["setpriv (launcher)"] = _ms(lambda: subprocess.run(launcher, **user), repeats) - _ms(
+            lambda: subprocess.run(["/bin/true"]), repeats
+        )
+    if box.isolated:
+
+        def boxed() -> None:
+            main = source_fd("")
+            try:
+                command = box.command(bare, env, main, 1 << 20)
+                command, user = as_user(command, box.run_as)
+                subprocess.run(command, pass_fds=(main,), cwd="/", **user)
+            finally:
+                os.close(main)
+
+        out["bwrap box (+ launcher) around it"] = _ms(boxed, repeats) - out["python -I -c pass"]
+    out["run_program('pass') in all"] = _ms(lambda: run_program("pass\n", "", config), repeats)
+    return out
+
+
 def ballast(megabytes: int) -> bytearray:
     """``megabytes`` of touched memory: this process then has a trainer's page tables."""
     block = bytearray(megabytes << 20)
@@ -90,6 +156,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--unsafe", action="store_true", help="also time the unsafe mode")
+    parser.add_argument(
+        "--latency-responses", type=int, default=12, help="responses timed one at a time"
+    )
     parser.add_argument("--parent-mb", type=int, default=0, help="grow this process first")
     parser.add_argument(
         "--timeout", type=float, default=30.0, help="per test (s): a loaded machine is slow"
@@ -112,6 +181,14 @@ def main() -> None:
             f"{mode}: python {report['python']}, uid {report['run_as_uid']}, "
             f"{args.responses} responses x {args.tests} tests per batch, parent "
             f"{args.parent_mb} MB larger"
+        )
+        for layer, ms in breakdown(base, 2 * args.latency_responses).items():
+            print(f"  start-up breakdown: {layer:34s} {ms:6.1f} ms")
+        count = args.latency_responses
+        boxed, plain = latency(base, texts[:count], references[:count])
+        print(
+            f"  per test, one response at a time: sandbox {boxed:6.1f} ms, plain python "
+            f"{plain:6.1f} ms, ratio {boxed / plain:4.2f}x (overhead {boxed - plain:+.1f} ms)"
         )
         for workers in args.workers:
             config = dataclasses.replace(base, num_workers=workers)
