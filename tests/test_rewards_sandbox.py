@@ -588,3 +588,63 @@ def test_unsafe_mode_is_a_recipe_key():
         load_run_config(TINY_RECIPE, ["reward.code_allow_unsafe_sandbox=maybe"])
     with pytest.raises(ConfigError, match="reward.code_sandbox_uid"):
         load_run_config(TINY_RECIPE, ["reward.code_sandbox_uid=0"])
+
+
+@pytest.mark.timeout(60)
+def test_one_box_runs_every_test_of_a_program_each_from_a_clean_start():
+    _box_or_skip()
+    from megatron_rl.rewards.sandbox import ProgramSession
+
+    program = (
+        "import sys\nseen = []\nseen.append(sys.stdin.read())\n"
+        "print(len(seen), seen[0].strip(), end='')\nsys.stderr.write('err ' + seen[0])\n"
+        "def f(x):\n    seen.append(x)\n    return (len(seen), x)\n"
+    )
+    with ProgramSession(program, CONFIG, max_tests=4) as session:
+        first, second = session.run("a\n"), session.run("b\n")
+        call = session.run("[(1, 2)]", "f")
+        exited = session.run("c\n")
+        assert session.boxes_started == 1
+    # Fresh module state, stdin, stdout and stderr per test.
+    assert (first.stdout, first.stderr) == ("1 a", "err a\n")
+    assert (second.stdout, second.stderr) == ("1 b", "err b\n")
+    assert call.status == "ok" and call.result == (2, (1, 2))
+    assert exited.stdout == "1 c"
+
+
+@pytest.mark.timeout(60)
+def test_a_test_that_times_out_or_exits_ends_its_box_and_the_next_test_gets_a_new_one():
+    _box_or_skip()
+    from megatron_rl.rewards.sandbox import ProgramSession
+
+    program = (
+        "import os, sys\nline = sys.stdin.read().strip()\nprint(line, flush=True)\n"
+        "if line == 'hang':\n    while True:\n        pass\n"
+        "if line == 'exit':\n    os._exit(0)\n"
+        "if line == 'fail':\n    raise SystemExit(3)\n"
+    )
+    with ProgramSession(program, CONFIG, max_tests=5) as session:
+        results = [session.run(x, timeout_s=2.0) for x in ("ok", "hang", "ok", "exit", "fail")]
+        assert session.boxes_started == 3  # a new box after the timeout and after the exit
+    assert [r.status for r in results] == ["ok", "timeout", "ok", "ok", "failed"]
+    assert [r.stdout.strip() for r in results] == ["ok", "hang", "ok", "exit", "fail"]
+    assert results[1].elapsed_s < 2.0 + SLACK_S and results[4].returncode == 3
+
+
+@pytest.mark.timeout(60)
+def test_a_program_cannot_forge_the_report_of_its_test():
+    _box_or_skip()
+    # The harness's report pipe is named on its command line; a report the program writes
+    # there lacks the nonce the parent drew for the test.
+    forge = (
+        "import os\nfd = int(open('/proc/self/cmdline', 'rb').read().split(b'\\0')[9])\n"
+        "os.write(fd, b'0123456789abcdef 0 0\\n')\n"
+    )
+    for hook_on in (True, False):
+        original = sandbox._AUDIT_HOOK
+        sandbox._AUDIT_HOOK = hook_on
+        try:
+            result = run_program(forge, "", CONFIG)
+        finally:
+            sandbox._AUDIT_HOOK = original
+        assert result.status == "failed", result

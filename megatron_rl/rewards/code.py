@@ -328,6 +328,8 @@ def needs_special_judge(tests: Any) -> bool:
     """Whether test data declares a special judge (``special_judge`` true or a ``checker``),
     in the wrapper or in the tests dict; False for data that cannot be read."""
     if isinstance(tests, str):
+        if '"special_judge"' not in tests and '"checker"' not in tests:
+            return False  # the common case, without parsing a large test file
         try:
             tests = json.loads(tests)
         except ValueError:

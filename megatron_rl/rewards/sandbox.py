@@ -322,7 +322,7 @@ class ProgramSession:
             self._stop()
             return SandboxResult("timeout", None, *self._outputs(), elapsed)
         if frame is None:  # the interpreter or the box ended: no report
-            returncode = self._stop()
+            returncode = self._stop(grace_s=max(0.0, started + timeout - time.monotonic()))
             stdout, stderr = self._outputs()
             status = "ok" if returncode == 0 else "failed"
             if self.box.isolated and stderr.startswith("bwrap:"):
@@ -411,11 +411,17 @@ class ProgramSession:
                 os.chown(path, self.box.run_as, self.box.run_as)
         return cwd
 
-    def _stop(self) -> int | None:
-        """End the box (SIGKILL to its process group); its exit status."""
+    def _stop(self, grace_s: float = 0.0) -> int | None:
+        """End the box (SIGKILL to its process group, after ``grace_s`` to exit by itself);
+        its exit status."""
         if self._proc is None:
             return None
         proc, self._proc = self._proc, None
+        if grace_s > 0:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
         _kill_group(proc.pid)
         returncode = proc.wait()
         _kill_group(proc.pid)
