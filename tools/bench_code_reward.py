@@ -1,18 +1,30 @@
-"""Code-reward throughput: sandboxed test runs per second with 1, 2 and 4 workers.
+"""Code-reward cost: sandbox against plain python per test, where it goes, and throughput.
 
-Each response is a correct stdin/stdout program (so every one of its tests runs), scored by
-``RewardPool.score_batch`` as in training; a test run is one sandboxed program start.
+Each response is a correct stdin/stdout program (so every one of its tests runs), scored as
+in training. All tests of a response run in one box (``sandbox.ProgramSession``).
+
+Printed per mode:
+- a start-up breakdown (medians): the interpreter alone (``python -I -c pass``), the
+  ``setpriv`` launcher (a root trainer only), what the bubblewrap box adds around the
+  interpreter, and one whole ``run_program`` of an empty program (box, interpreter,
+  harness, limits, audit hook, files);
+- per-test latency, one response at a time, with 1 and ``--tests`` tests per response:
+  the sandboxed ``score_code`` against ``python3 -I -c program`` per test (no box, no
+  limits, no harness), and their ratio;
+- tests/s through ``RewardPool.score_batch`` with 1, 2 and 4 workers, with the CPU time per
+  test of this process and its direct children.
 
 Usage: python tools/bench_code_reward.py [--responses 24] [--tests 4] [--workers 1 2 4]
+       [--latency-responses 12]
        [--unsafe]   (also time the unsafe mode, no bubblewrap box, to show the box's cost)
        [--parent-mb 2000]   (make this process as large as a trainer first: the cost of
                              starting a program can grow with the size of its parent)
 
-Besides tests/s it prints the CPU time per test (user and system) of this process and of the
-bubblewrap processes it starts, which is where the cost of starting a program from a large
-parent lands (page-table copies and teardown). The programs inside the box are not in it:
-the box's own init reaps them, out of this process's accounting; ``perf stat -e task-clock``
-around the whole benchmark counts everything.
+The CPU times are of this process and of the bubblewrap processes it starts, which is where
+the cost of starting a program from a large parent lands (page-table copies and teardown).
+The programs inside the box are not in it: the box's own init reaps them, out of this
+process's accounting; ``perf stat -e task-clock`` around the whole benchmark counts
+everything.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import os
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 
 from megatron_rl.rewards import RewardConfig, RewardPool
 from megatron_rl.rewards.code import score_code
@@ -80,14 +93,16 @@ def measure(
     return best, user / (runs * repeats), system / (runs * repeats)
 
 
-def _ms(fn, repeats: int) -> float:
-    """Median wall-clock milliseconds of ``fn()`` over ``repeats`` calls."""
-    times = []
+def _interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall-clock milliseconds of each ``fns[name]()``, called in turn ``repeats``
+    times (interleaved, so that load changes on a shared machine hit all of them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(1000 * (time.perf_counter() - start))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def latency(config: RewardConfig, texts: list[str], references: list) -> tuple[float, float]:
@@ -120,25 +135,33 @@ def breakdown(config: RewardConfig, repeats: int) -> dict[str, float]:
     box = box_for(config)
     env = {"PATH": "/usr/bin:/bin", "HOME": BOX_DIR, "LANG": "C.UTF-8"}
     bare = [box.python, "-I", "-c", "pass"]
-    out: dict[str, float] = {"python -I -c pass": _ms(lambda: subprocess.run(bare), repeats)}
+    fns: dict[str, Callable[[], object]] = {
+        "true": lambda: subprocess.run(["/bin/true"]),
+        "python": lambda: subprocess.run(bare),
+        "run_program": lambda: run_program("pass\n", "", config),
+    }
     if box.run_as is not None:
         launcher, user = as_user(["/bin/true"], box.run_as)
-        out["setpriv (launcher)"] = _ms(lambda: subprocess.run(launcher, **user), repeats) - _ms(
-            lambda: subprocess.run(["/bin/true"]), repeats
-        )
+        fns["setpriv"] = lambda: subprocess.run(launcher, **user)
     if box.isolated:
 
         def boxed() -> None:
             main = source_fd("")
             try:
-                command = box.command(bare, env, main, 1 << 20)
-                command, user = as_user(command, box.run_as)
+                command, user = as_user(box.command(bare, env, main, 1 << 20), box.run_as)
                 subprocess.run(command, pass_fds=(main,), cwd="/", **user)
             finally:
                 os.close(main)
 
-        out["bwrap box (+ launcher) around it"] = _ms(boxed, repeats) - out["python -I -c pass"]
-    out["run_program('pass') in all"] = _ms(lambda: run_program("pass\n", "", config), repeats)
+        fns["boxed"] = boxed
+    ms = _interleaved_ms(fns, repeats)
+    out = {"python -I -c pass": ms["python"]}
+    if "setpriv" in ms:
+        out["setpriv (launcher)"] = ms["setpriv"] - ms["true"]
+    if "boxed" in ms:
+        out["bwrap box (+ launcher) around it"] = ms["boxed"] - ms["python"]
+    out["harness, limits, hook, files"] = ms["run_program"] - ms.get("boxed", ms["python"])
+    out["run_program('pass') in all"] = ms["run_program"]
     return out
 
 
@@ -184,12 +207,12 @@ def main() -> None:
         )
         for layer, ms in breakdown(base, 2 * args.latency_responses).items():
             print(f"  start-up breakdown: {layer:34s} {ms:6.1f} ms")
-        count = args.latency_responses
-        boxed, plain = latency(base, texts[:count], references[:count])
-        print(
-            f"  per test, one response at a time: sandbox {boxed:6.1f} ms, plain python "
-            f"{plain:6.1f} ms, ratio {boxed / plain:4.2f}x (overhead {boxed - plain:+.1f} ms)"
-        )
+        for tests in sorted({1, args.tests}):
+            boxed, plain = latency(base, *make_batch(args.latency_responses, tests))
+            print(
+                f"  per test, {tests} test(s) per response, one response at a time: sandbox "
+                f"{boxed:6.1f} ms, plain python {plain:6.1f} ms, ratio {boxed / plain:4.2f}x"
+            )
         for workers in args.workers:
             config = dataclasses.replace(base, num_workers=workers)
             rate, user, system = measure(config, texts, references, args.repeats)
