@@ -648,3 +648,17 @@ def test_a_program_cannot_forge_the_report_of_its_test():
         finally:
             sandbox._AUDIT_HOOK = original
         assert result.status == "failed", result
+
+
+@pytest.mark.timeout(60)
+def test_functional_results_large_and_too_large():
+    _box_or_skip()
+    small = dataclasses.replace(CONFIG, code_max_output_bytes=1 << 16, code_test_timeout_s=20.0)
+    program = "def f(n):\n    return list(range(n))\ndef g(n):\n    return [(i,) for i in range(n)]\n"
+    fits = run_program(program, "[5000]", small, fn_name="f")
+    assert fits.status == "ok" and fits.result == list(range(5000))
+    tuples = run_program(program, "[3000]", small, fn_name="g")
+    assert tuples.status == "ok" and tuples.result == [(i,) for i in range(3000)]
+    # Over the output limit: wrong at once, not after the harness blocks until the timeout.
+    big = run_program(program, "[100000]", small, fn_name="f")
+    assert big.status == "failed" and big.elapsed_s < 10.0, big

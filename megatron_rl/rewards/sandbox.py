@@ -39,6 +39,7 @@ Functional tests pass their arguments and results as Python literals
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import secrets
@@ -321,6 +322,10 @@ class ProgramSession:
         if frame == "timeout":
             self._stop()
             return SandboxResult("timeout", None, *self._outputs(), elapsed)
+        if frame == "too large":
+            self._stop()
+            stdout = self._outputs()[0]
+            return SandboxResult("failed", None, stdout, "result too large\n", elapsed)
         if frame is None:  # the interpreter or the box ended: no report
             returncode = self._stop(grace_s=max(0.0, started + timeout - time.monotonic()))
             stdout, stderr = self._outputs()
@@ -443,8 +448,8 @@ class ProgramSession:
 
 
 def _read_frame(fd: int, deadline: float, max_bytes: int) -> tuple[list[str], bytes] | str | None:
-    """One report of the harness: (header fields, body); "timeout" at ``deadline``; None
-    when the harness ended first (end of file, or a report larger than ``max_bytes``)."""
+    """One report of the harness: (header fields, body); "timeout" at ``deadline``; "too
+    large" for a result over ``max_bytes``; None when the harness ended first."""
     data = b""
     want: int | None = None
     header: list[str] = []
@@ -467,15 +472,30 @@ def _read_frame(fd: int, deadline: float, max_bytes: int) -> tuple[list[str], by
                 return header, b""
             want = int(header[2])
             if want > max_bytes + 16:
-                return None
+                return "too large"
     return header, data[:want]
+
+
+# Literal text beyond this is not parsed in the trainer (``ast`` holds ~50x the text size
+# while it parses): the result scores wrong. JSON-compatible text (lists of numbers...) is
+# read by ``json`` at any size up to the output limit.
+_MAX_LITERAL_CHARS = 1 << 20
 
 
 def _decode_result(body: bytes) -> object:
     text = body.decode("utf-8", errors="replace")
     if text.startswith("L"):
+        literal = text[1:]
         try:
-            return literals.decode(text[1:])
+            # Where a literal's text is also JSON it means the same value (the encoder writes
+            # no JSON-only spellings), and json reads it far faster and leaner.
+            return json.loads(literal)
         except ValueError:
             pass
+        if len(literal) <= _MAX_LITERAL_CHARS:
+            try:
+                return literals.decode(literal)
+            except ValueError:
+                pass
+        return Unrepresentable(literal[:1000])
     return Unrepresentable(text[1:])
