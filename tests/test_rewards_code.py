@@ -147,6 +147,11 @@ FORMATS: dict[str, tuple[object, list | None, str]] = {
         [[[1, 2], [3]]],
         ADD,
     ),
+    "canonical functional, one argument per line (no testtype)": (
+        [{"input": "[1, 2]\n[3]", "output": "[1, 2, 3]", "fn_name": "add"}],
+        [[[1, 2], [3]]],
+        ADD,
+    ),
     "canonical python literals": (
         [
             {

@@ -206,6 +206,13 @@ def _canonical(test: dict[str, Any], name: str) -> CodeTest:
     raw_in, raw_out = test["input"], test["output"]
     if encoding == "json":
         args = raw_in if isinstance(raw_in, str) else json.dumps(raw_in)
+        if isinstance(raw_in, str) and "\n" in raw_in.strip():
+            try:
+                json.loads(raw_in)
+            except ValueError:
+                # Not one JSON value: LiveCodeBench's one argument per line, without its
+                # "testtype" (no single-value reading of the text exists to confuse it with).
+                args = _json_args(raw_in)
         case = CodeTest(args, _json_value(raw_out), name, "json")
     else:
         if not isinstance(raw_in, str) or not isinstance(raw_out, str):
