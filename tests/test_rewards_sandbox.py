@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -654,7 +655,9 @@ def test_a_program_cannot_forge_the_report_of_its_test():
 def test_functional_results_large_and_too_large():
     _box_or_skip()
     small = dataclasses.replace(CONFIG, code_max_output_bytes=1 << 16, code_test_timeout_s=20.0)
-    program = "def f(n):\n    return list(range(n))\ndef g(n):\n    return [(i,) for i in range(n)]\n"
+    program = (
+        "def f(n):\n    return list(range(n))\ndef g(n):\n    return [(i,) for i in range(n)]\n"
+    )
     fits = run_program(program, "[5000]", small, fn_name="f")
     assert fits.status == "ok" and fits.result == list(range(5000))
     tuples = run_program(program, "[3000]", small, fn_name="g")
@@ -662,3 +665,23 @@ def test_functional_results_large_and_too_large():
     # Over the output limit: wrong at once, not after the harness blocks until the timeout.
     big = run_program(program, "[100000]", small, fn_name="f")
     assert big.status == "failed" and big.elapsed_s < 10.0, big
+
+
+@pytest.mark.timeout(60)
+def test_a_harness_killed_between_tests_fails_the_next_test_not_the_scorer():
+    _box_or_skip()
+    from megatron_rl.rewards.sandbox import ProgramSession
+
+    # The first run arms a timer whose default action kills the harness after its report.
+    program = "import signal\nsignal.setitimer(signal.ITIMER_REAL, 0.2)\nprint(1)\n"
+    with ProgramSession(program, CONFIG, max_tests=3) as session:
+        first = session.run("")
+        time.sleep(1.0)  # the harness is dead before the next test is sent
+        second, third = session.run(""), session.run("")
+    assert first.status == "ok" and first.stdout == "1\n"
+    # Killed by SIGALRM (bwrap reports it as 128 + the signal).
+    assert second.status == "failed" and second.returncode in (
+        -signal.SIGALRM,
+        128 + signal.SIGALRM,
+    )
+    assert third.status == "ok"  # a new box
