@@ -25,7 +25,7 @@ Accepted test formats (``parse_problem`` / ``parse_tests``):
 - PrimeIntellect / DeepCoder: lists of ``{"input", "output", "type": "function_call" |
   "stdin_stdout", "fn_name"}`` (functional ``input``: a JSON array of the arguments);
 - TACO / APPS columns ``{"inputs": [...], "outputs": [...], "fn_name"?}``;
-- MBPP: a list of assert lines, ``assert f(1, (2, 3)) == {4: 5}``,
+- MBPP (``megatron_rl.rewards.mbpp``): a list of assert lines, ``assert f(1, (2, 3)) == {4: 5}``,
   ``assert math.isclose(f(2.0), 12.56, rel_tol=0.001)``, ``assert f(x)`` / ``assert not
   f(x)`` (literal arguments and expectations only; "python" encoding);
 - JSON strings of any of these.
@@ -37,7 +37,6 @@ mark right answers wrong. The data loaders drop them with a count.
 
 from __future__ import annotations
 
-import ast
 import json
 import logging
 import math
@@ -47,6 +46,7 @@ from typing import Any
 from megatron_rl.rewards import literals
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rewards.extraction import extract_code
+from megatron_rl.rewards.mbpp import assert_tolerance, parse_asserts
 from megatron_rl.rewards.sandbox import ProgramSession
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ def _canonical(test: dict[str, Any], name: str) -> CodeTest:
 
 def _from_list(tests: list[Any], fn_name: str | None) -> list[CodeTest]:
     if tests and all(isinstance(t, str) for t in tests):
-        return _from_asserts(tests)
+        return [CodeTest(args, out, name, "python") for name, args, out in parse_asserts(tests)]
     cases = []
     for i, test in enumerate(tests):
         if not isinstance(test, dict) or "input" not in test or "output" not in test:
@@ -256,79 +256,6 @@ def _from_columns(tests: dict[str, Any], fn_name: str | None) -> list[CodeTest]:
     if name:
         return [CodeTest(_json_args(i), _json_value(o), str(name)) for i, o in zip(inputs, outputs)]
     return [CodeTest(_as_text(i), _as_text(o)) for i, o in zip(inputs, outputs)]
-
-
-def _literal(node: ast.expr, line: str) -> str:
-    try:
-        return literals.encode(ast.literal_eval(node))
-    except (ValueError, TypeError, SyntaxError, RecursionError) as exc:
-        raise ValueError(f"not a literal in {line!r:.200}: {ast.unparse(node)[:100]}") from exc
-
-
-def _call(node: ast.expr, line: str) -> CodeTest | None:
-    """``name(literal, ...)`` as a test without its expectation (None: not such a call)."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords):
-        return None
-    args = _literal(ast.List(elts=node.args, ctx=ast.Load()), line)
-    return CodeTest(args, "", node.func.id, "python")
-
-
-def _from_asserts(lines: list[str]) -> list[CodeTest]:
-    """MBPP assert lines as functional tests (the float tolerance of ``math.isclose`` lines
-    is collected by ``_assert_tolerance``)."""
-    cases = []
-    for line in lines:
-        try:
-            statement = ast.parse(line.strip()).body
-        except SyntaxError as exc:
-            raise ValueError(f"not an assert line: {line!r:.200}") from exc
-        if len(statement) != 1 or not isinstance(statement[0], ast.Assert):
-            raise ValueError(f"not an assert line: {line!r:.200}")
-        test = statement[0].test
-        case, expected = None, "True"
-        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            case, expected = _call(test.operand, line), "False"
-        elif isinstance(test, ast.Compare) and len(test.ops) == 1:
-            left, right = test.left, test.comparators[0]
-            if isinstance(test.ops[0], (ast.Eq, ast.Is)):
-                case = _call(left, line)
-                if case is not None:
-                    expected = _literal(right, line)
-                else:
-                    case, expected = _call(right, line), _literal(left, line)
-        elif _isclose(test):
-            case, expected = _call(test.args[0], line), _literal(test.args[1], line)
-        else:
-            case = _call(test, line)
-        if case is None:
-            raise ValueError(f"unsupported assert (want f(literals) == literal): {line!r:.200}")
-        cases.append(CodeTest(case.input, expected, case.fn_name, "python"))
-    return cases
-
-
-def _isclose(node: ast.expr) -> bool:
-    return (
-        isinstance(node, ast.Call)
-        and ast.unparse(node.func) in ("math.isclose", "isclose")
-        and len(node.args) == 2
-    )
-
-
-def _assert_tolerance(lines: list[str]) -> dict[str, float]:
-    """The loosest ``rel_tol`` / ``abs_tol`` of the ``math.isclose`` asserts (the problem's
-    float tolerance; ``math.isclose``'s own defaults are rel 1e-9, abs 0)."""
-    tolerance: dict[str, float] = {}
-    for line in lines:
-        test = ast.parse(line.strip()).body[0].test  # type: ignore[attr-defined]
-        if _isclose(test):
-            found = {"float_rel_tol": 1e-9, "float_abs_tol": 0.0}
-            for keyword in test.keywords:
-                key = {"rel_tol": "float_rel_tol", "abs_tol": "float_abs_tol"}.get(keyword.arg)
-                if key:
-                    found[key] = float(ast.literal_eval(keyword.value))
-            for key, value in found.items():
-                tolerance[key] = max(tolerance.get(key, 0.0), value)
-    return tolerance
 
 
 def needs_special_judge(tests: Any) -> bool:
@@ -375,7 +302,7 @@ def _parse(tests: Any, fn_name: str | None, compare: Any) -> CodeProblem:
     elif isinstance(tests, list):
         cases = _from_list(tests, fn_name)
         if cases and all(isinstance(t, str) for t in tests):
-            compare = {**_assert_tolerance(tests), **(compare or {})}
+            compare = {**assert_tolerance(tests), **(compare or {})}
     else:
         raise ValueError(f"unknown test format: {type(tests).__name__} {str(tests)[:200]!r}")
     if not cases:
