@@ -242,3 +242,22 @@ def test_has_reward_variance():
         and not has_reward_variance([1])
         and not (has_reward_variance([]))
     )
+
+
+def test_special_judge_code_problems_are_dropped_with_a_count(tmp_path, caplog):
+    import logging
+
+    plain = json.dumps([{"input": "1\n", "output": "2\n", "testtype": "stdin"}])
+    spj = json.dumps({"inputs": ["4\n"], "outputs": ["1 3\n"], "special_judge": True})
+    rows = [
+        {"problem": "Double it.", "tests": plain, "metadata": "{}"},
+        {"problem": "Any pair summing to n.", "tests": spj, "metadata": "{}"},
+        {"problem": "Any order.", "tests": plain, "metadata": "{}", "special_judge": True},
+        {"problem": "Triple it.", "tests": plain, "metadata": "{}"},
+    ]
+    path = write_jsonl(tmp_path / "deepcoder.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.data.prompts"):
+        data = load_prompt_data(DataConfig(source=str(path), format="deepcoder", val_size=0))
+    assert [p.problem for p in data.prompts] == ["Double it.", "Triple it."]
+    assert [p.prompt_id for p in data.prompts] == [0, 1]
+    assert any("dropped 2 code problems" in r.getMessage() for r in caplog.records)

@@ -118,3 +118,326 @@ def test_reward_pool_scores_code_in_parallel():
         )
     assert rewards == [1.0, -1.0, -1.0]
     assert mixed == [1.0, 1.0]
+
+
+# --- Issue 28, code items 6-8: round trip of every format, literals, comparison options. ---
+
+# One problem per format the loaders accept, written as the public datasets store them,
+# with the calls each functional test must make (written out by hand) and a gold program.
+TWO_SUM = (
+    "class Solution:\n    def twoSum(self, nums, target):\n        seen = {}\n"
+    "        for i, x in enumerate(nums):\n            if target - x in seen:\n"
+    "                return [seen[target - x], i]\n            seen[x] = i\n"
+)
+SUM_STDIN = "n = int(input())\nprint(sum(map(int, input().split()[:n])))\n"
+DIGITAL_ROOT = (
+    "def digital_root(n):\n    return n if n < 10 else digital_root(sum(map(int, str(n))))\n"
+)
+ADD = "def add(a, b):\n    return a + b\n"
+# name -> (tests as stored, the argument lists of its functional tests or None, gold program)
+FORMATS: dict[str, tuple[object, list | None, str]] = {
+    "canonical stdin": ([{"input": "3\n1 2 3\n", "output": "6\n"}], None, SUM_STDIN),
+    "canonical functional (issue example)": (
+        [{"input": "[1, 2]", "output": "3", "fn_name": "add"}],
+        [[1, 2]],
+        ADD,
+    ),
+    "canonical functional, one list argument": (
+        [{"input": "[[1, 2], [3]]", "output": "[1, 2, 3]", "fn_name": "add"}],
+        [[[1, 2], [3]]],
+        ADD,
+    ),
+    "canonical functional, one argument per line (no testtype)": (
+        [{"input": "[1, 2]\n[3]", "output": "[1, 2, 3]", "fn_name": "add"}],
+        [[[1, 2], [3]]],
+        ADD,
+    ),
+    "canonical python literals": (
+        [
+            {
+                "input": "[(1, 2), (3,)]",
+                "output": "(1, 2, 3)",
+                "fn_name": "add",
+                "encoding": "python",
+            }
+        ],
+        [[(1, 2), (3,)]],
+        ADD,
+    ),
+    "LiveCodeBench functional": (
+        json.dumps(
+            [
+                {
+                    "input": "[2, 7, 11, 15]\n9",
+                    "output": "[0, 1]",
+                    "testtype": "functional",
+                    "metadata": {"func_name": "twoSum"},
+                },
+                {
+                    "input": "[3, 2, 4]\n6",
+                    "output": "[1, 2]",
+                    "testtype": "functional",
+                    "metadata": {"func_name": "twoSum"},
+                },
+            ]
+        ),
+        [[[2, 7, 11, 15], 9], [[3, 2, 4], 6]],
+        TWO_SUM,
+    ),
+    "LiveCodeBench stdin": (
+        [{"input": "2\n5 6\n", "output": "11\n", "testtype": "stdin", "metadata": {}}],
+        None,
+        SUM_STDIN,
+    ),
+    "PrimeIntellect function_call": (
+        [{"type": "function_call", "fn_name": "add", "input": [[1], [2]], "output": [[1, 2]]}],
+        [[[1], [2]]],
+        ADD,
+    ),
+    "PrimeIntellect stdin_stdout": (
+        [{"type": "stdin_stdout", "input": "1\n41\n", "output": "41\n"}],
+        None,
+        SUM_STDIN,
+    ),
+    "TACO call_based": (
+        json.dumps({"fn_name": "digital_root", "inputs": [[16], [942]], "outputs": [[7], [6]]}),
+        [[16], [942]],
+        DIGITAL_ROOT,
+    ),
+    "APPS stdin columns": (
+        {"inputs": ["2\n1 1\n", ["3", "1 2 3"]], "outputs": ["2\n", ["6"]]},
+        None,
+        SUM_STDIN,
+    ),
+    "loader wrapper (DeepCoder row, fn_name from metadata)": (
+        {
+            "tests": json.dumps(
+                [{"input": "[4]\n[5]", "output": "[4, 5]", "testtype": "functional"}]
+            ),
+            "fn_name": "add",
+        },
+        [[[4], [5]]],
+        ADD,
+    ),
+    "MBPP asserts": (
+        ["assert add((1, 2), (3,)) == (1, 2, 3)", "assert add('a', 'b') == 'ab'"],
+        [[(1, 2), (3,)], ["a", "b"]],
+        ADD,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_every_format_round_trips_to_the_same_calls(name):
+    stored, calls, _ = FORMATS[name]
+    cases = parse_tests(stored)
+    again = parse_tests([case.to_dict() for case in cases])
+    assert again == cases
+    assert parse_tests(json.dumps([case.to_dict() for case in cases])) == cases
+    if calls is None:
+        assert all(case.fn_name is None for case in cases)
+    else:
+        assert [case.arguments() for case in again] == calls
+        assert [type(a) for case in again for a in case.arguments()] == [
+            type(a) for call in calls for a in call
+        ]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_gold_programs_pass_before_and_after_the_round_trip(name):
+    stored, _, gold = FORMATS[name]
+    problem = code_reward.parse_problem(stored)
+    canonical = problem.to_dict()
+    assert code_reward.parse_problem(canonical) == problem
+    for tests in (stored, canonical, json.dumps(canonical)):
+        assert code_reward.score_code(respond(gold), tests, CONFIG) == 1.0
+    wrong = gold.replace("return", "return None and", 1) if "return" in gold else "print(0)\n"
+    assert code_reward.score_code(respond(wrong), canonical, CONFIG) == -1.0
+
+
+# MBPP-style problems of our own, in MBPP's public row format (the reward reads test_list).
+MBPP_ROWS = [
+    {
+        "task_id": 9001,
+        "text": "Write a function to return the minimum and maximum of a list as a tuple.",
+        "code": "def min_max(xs):\n    return (min(xs), max(xs))",
+        "test_list": [
+            "assert min_max([3, 1, 2]) == (1, 3)",
+            "assert min_max([5]) == (5, 5)",
+            "assert min_max([-2, 7, 0]) == (-2, 7)",
+        ],
+        "wrong": "def min_max(xs):\n    return [min(xs), max(xs)]",
+    },
+    {
+        "task_id": 9002,
+        "text": "Write a function to count unordered pairs, keyed by the sorted pair.",
+        "code": "def pair_counts(pairs):\n    counts = {}\n    for p in pairs:\n"
+        "        key = tuple(sorted(p))\n        counts[key] = counts.get(key, 0) + 1\n"
+        "    return counts",
+        "test_list": [
+            "assert pair_counts([(1, 2), (2, 1), (3, 4)]) == {(1, 2): 2, (3, 4): 1}",
+            "assert pair_counts([]) == {}",
+        ],
+        "wrong": "def pair_counts(pairs):\n    return {str(p): 1 for p in pairs}",
+    },
+    {
+        "task_id": 9003,
+        "text": "Write a function to find the area of a circle.",
+        "code": "def circle_area(r):\n    return 3.1416 * r * r",
+        "test_list": [
+            "assert math.isclose(circle_area(10), 314.15926535897933, rel_tol=0.001)",
+            "assert math.isclose(circle_area(1), 3.141592653589793, rel_tol=0.001)",
+        ],
+        "wrong": "def circle_area(r):\n    return 3.2 * r * r",
+    },
+    {
+        "task_id": 9004,
+        "text": "Write a function to check whether a value is a tuple of integers.",
+        "code": "def is_int_tuple(x):\n    return isinstance(x, tuple) and all(isinstance(v, int) for v in x)",
+        "test_list": [
+            "assert is_int_tuple((1, 2)) == True",
+            "assert not is_int_tuple([1, 2])",
+            "assert is_int_tuple(()) is True",
+            "assert is_int_tuple((1, 'a')) == False",
+        ],
+        "wrong": "def is_int_tuple(x):\n    return all(isinstance(v, int) for v in x)",
+    },
+    {
+        "task_id": 9005,
+        "text": "Write a function to find the common elements of two lists as a set.",
+        "code": "def common(a, b):\n    return set(a) & set(b)",
+        "test_list": [
+            "assert common([1, 2, 3], [2, 3, 4]) == {2, 3}",
+            "assert common([1], [2]) == set()",
+        ],
+        "wrong": "def common(a, b):\n    return sorted(set(a) & set(b))",
+    },
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("row", MBPP_ROWS, ids=lambda r: str(r["task_id"]))
+def test_mbpp_gold_programs_pass_and_wrong_ones_fail(row):
+    gold, wrong = respond(row["code"] + "\n"), respond(row["wrong"] + "\n")
+    assert code_reward.score_code(gold, row["test_list"], CONFIG) == 1.0
+    assert code_reward.score_code(wrong, row["test_list"], CONFIG) == -1.0
+    canonical = code_reward.parse_problem(row["test_list"]).to_dict()
+    assert code_reward.score_code(gold, json.dumps(canonical), CONFIG) == 1.0
+
+
+def test_mbpp_asserts_that_are_not_literal_calls_are_refused_by_line():
+    with pytest.raises(ValueError, match="unsupported assert"):
+        parse_tests(["assert common([1], [1]) < 2"])
+    with pytest.raises(ValueError, match="not a literal in 'assert set"):
+        parse_tests(["assert set(common([1], [1])) == set([1])"])
+    with pytest.raises(ValueError, match="not a literal"):
+        parse_tests(["assert f(__import__('os').getcwd()) == 1"])
+    with pytest.raises(ValueError, match="not an assert"):
+        parse_tests(["print(f(1))"])
+    tolerance = code_reward.parse_problem(MBPP_ROWS[2]["test_list"]).compare
+    assert tolerance.float_rel_tol == 0.001 and tolerance.float_abs_tol == 0.0
+
+
+def test_python_literals_carry_tuples_sets_and_keys_both_ways_without_eval():
+    from megatron_rl.rewards import literals
+
+    for value in [
+        (1,),
+        {(1, 2): frozenset({3})},
+        [b"x", 1j, None, True, -0.5, float("inf"), -float("inf")],
+        {"a": {1: (2, [3])}},
+        set(),
+        2**200,
+    ]:
+        text = literals.encode(value)
+        assert literals.decode(text) == value and type(literals.decode(text)) is type(value)
+    assert literals.decode(literals.encode(frozenset({1}))) == {1}
+    with pytest.raises(ValueError):
+        literals.encode(float("nan"))
+    with pytest.raises(ValueError):
+        literals.encode(object())
+    with pytest.raises(ValueError):
+        literals.decode("__import__('os').system('true')")
+    with pytest.raises(ValueError):
+        literals.decode("[" * 5000 + "]" * 5000)
+
+
+@pytest.mark.timeout(60)
+def test_functional_results_keep_their_python_types():
+    def problem(expected: str) -> list[dict]:
+        return [{"input": "[(1, 2)]", "output": expected, "fn_name": "f", "encoding": "python"}]
+
+    returns_arg = respond("def f(x):\n    return {x: isinstance(x, tuple)}\n")
+    # The tuple argument arrives as a tuple; the tuple-keyed dict comes back intact.
+    assert code_reward.score_code(returns_arg, problem("{(1, 2): True}"), CONFIG) == 1.0
+    assert code_reward.score_code(returns_arg, problem("{(1, 2): False}"), CONFIG) == -1.0
+    returns_list = respond("def f(x):\n    return list(x)\n")
+    assert code_reward.score_code(returns_list, problem("(1, 2)"), CONFIG) == -1.0
+    assert code_reward.score_code(returns_list, problem("[1, 2]"), CONFIG) == 1.0
+    # JSON test data keeps its old meaning: a returned tuple matches an expected array, and a
+    # value with no JSON form fails (it used to crash the harness) instead of erroring.
+    json_tests = {"inputs": [[[1, 2]]], "outputs": [[1, 2]], "fn_name": "f"}
+    assert (
+        code_reward.score_code(respond("def f(x):\n    return tuple(x)\n"), json_tests, CONFIG)
+        == 1.0
+    )
+    assert code_reward.score_code(returns_arg, json_tests, CONFIG) == -1.0
+    # A value with no literal (an object of the program's own class) is a wrong answer.
+    own = respond("class P:\n    pass\ndef f(x):\n    return P()\n")
+    assert code_reward.score_code(own, problem("None"), CONFIG) == -1.0
+
+
+def test_comparison_options():
+    from megatron_rl.rewards.code import CompareOptions
+
+    default = CompareOptions()
+    icpc = CompareOptions(case_sensitive=False)
+    assert not outputs_match("Possible\n", "possible\n", default)
+    assert outputs_match("Possible\n", "possible\n", icpc)
+    assert outputs_match("1 2\n3\n", "1\n2 3", default)  # tokens: any whitespace
+    assert not outputs_match("1 2\n3\n", "1\n2 3", CompareOptions(whitespace="lines"))
+    assert outputs_match("1  2 \n3\n\n", "1 2\n3", CompareOptions(whitespace="lines"))
+    assert not outputs_match("1 2 \n", "1 2\n", CompareOptions(whitespace="exact"))
+    assert outputs_match("1 2\n", "1 2", CompareOptions(whitespace="exact"))
+    # Float tolerance: 314.16 vs pi * 100 is 2.3e-6 off (relative).
+    assert not outputs_match("314.16", "314.159265", default)
+    assert outputs_match("314.16", "314.159265", CompareOptions(float_rel_tol=1e-3))
+    assert outputs_match(
+        "314.16", "314.159265", CompareOptions(float_abs_tol=1e-3, float_rel_tol=0)
+    )
+    assert not outputs_match("1.0001", "1", CompareOptions(float_abs_tol=0, float_rel_tol=0))
+    assert values_match(314.16, 314.159265, CompareOptions(float_rel_tol=1e-3))
+    assert not values_match(314.16, 314.159265, default)
+    with pytest.raises(ValueError, match="unknown keys \\['case'\\]"):
+        CompareOptions.from_dict({"case": False})
+    with pytest.raises(ValueError, match="compare.whitespace"):
+        CompareOptions.from_dict({"whitespace": "any"})
+    with pytest.raises(ValueError, match="compare.float_rel_tol"):
+        CompareOptions.from_dict({"float_rel_tol": -1})
+
+
+@pytest.mark.timeout(60)
+def test_per_problem_options_in_the_test_data():
+    program = respond("print('Possible')\n")
+    tests = [{"input": "", "output": "possible"}]
+    assert code_reward.score_code(program, tests, CONFIG) == -1.0
+    icpc = {"tests": tests, "compare": {"case_sensitive": False}}
+    assert code_reward.score_code(program, icpc, CONFIG) == 1.0
+    assert code_reward.score_code(program, json.dumps(icpc), CONFIG) == 1.0
+    # The loaders' wrapper around a tests dict that carries the options.
+    wrapped = {"tests": json.dumps(icpc), "fn_name": None}
+    assert code_reward.score_code(program, wrapped, CONFIG) == 1.0
+
+
+def test_special_judge_problems_are_refused_not_scored_wrong():
+    from megatron_rl.rewards.code import SpecialJudgeError, needs_special_judge
+
+    spj = {"inputs": ["4\n"], "outputs": ["1 3\n"], "special_judge": True}
+    loader = {"tests": json.dumps(spj), "fn_name": None}
+    assert needs_special_judge(loader) and needs_special_judge(json.dumps(spj))
+    assert not needs_special_judge({"tests": json.dumps(ADD_TESTS), "fn_name": None})
+    with pytest.raises(SpecialJudgeError):
+        code_reward.score_code(respond("print(3, 1)\n"), loader, CONFIG)
+    with pytest.raises(SpecialJudgeError):
+        parse_tests({"tests": [{"input": "", "output": "1"}], "checker": "checker.py"})

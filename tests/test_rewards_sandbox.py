@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -588,3 +589,100 @@ def test_unsafe_mode_is_a_recipe_key():
         load_run_config(TINY_RECIPE, ["reward.code_allow_unsafe_sandbox=maybe"])
     with pytest.raises(ConfigError, match="reward.code_sandbox_uid"):
         load_run_config(TINY_RECIPE, ["reward.code_sandbox_uid=0"])
+
+
+@pytest.mark.timeout(60)
+def test_one_box_runs_every_test_of_a_program_each_from_a_clean_start():
+    _box_or_skip()
+    from megatron_rl.rewards.sandbox import ProgramSession
+
+    program = (
+        "import sys\nseen = []\nseen.append(sys.stdin.read())\n"
+        "print(len(seen), seen[0].strip(), end='')\nsys.stderr.write('err ' + seen[0])\n"
+        "def f(x):\n    seen.append(x)\n    return (len(seen), x)\n"
+    )
+    with ProgramSession(program, CONFIG, max_tests=4) as session:
+        first, second = session.run("a\n"), session.run("b\n")
+        call = session.run("[(1, 2)]", "f")
+        exited = session.run("c\n")
+        assert session.boxes_started == 1
+    # Fresh module state, stdin, stdout and stderr per test.
+    assert (first.stdout, first.stderr) == ("1 a", "err a\n")
+    assert (second.stdout, second.stderr) == ("1 b", "err b\n")
+    assert call.status == "ok" and call.result == (2, (1, 2))
+    assert exited.stdout == "1 c"
+
+
+@pytest.mark.timeout(60)
+def test_a_test_that_times_out_or_exits_ends_its_box_and_the_next_test_gets_a_new_one():
+    _box_or_skip()
+    from megatron_rl.rewards.sandbox import ProgramSession
+
+    program = (
+        "import os, sys\nline = sys.stdin.read().strip()\nprint(line, flush=True)\n"
+        "if line == 'hang':\n    while True:\n        pass\n"
+        "if line == 'exit':\n    os._exit(0)\n"
+        "if line == 'fail':\n    raise SystemExit(3)\n"
+    )
+    with ProgramSession(program, CONFIG, max_tests=5) as session:
+        results = [session.run(x, timeout_s=2.0) for x in ("ok", "hang", "ok", "exit", "fail")]
+        assert session.boxes_started == 3  # a new box after the timeout and after the exit
+    assert [r.status for r in results] == ["ok", "timeout", "ok", "ok", "failed"]
+    assert [r.stdout.strip() for r in results] == ["ok", "hang", "ok", "exit", "fail"]
+    assert results[1].elapsed_s < 2.0 + SLACK_S and results[4].returncode == 3
+
+
+@pytest.mark.timeout(60)
+def test_a_program_cannot_forge_the_report_of_its_test():
+    _box_or_skip()
+    # The harness's report pipe is named on its command line; a report the program writes
+    # there lacks the nonce the parent drew for the test.
+    forge = (
+        "import os\nfd = int(open('/proc/self/cmdline', 'rb').read().split(b'\\0')[9])\n"
+        "os.write(fd, b'0123456789abcdef 0 0\\n')\n"
+    )
+    for hook_on in (True, False):
+        original = sandbox._AUDIT_HOOK
+        sandbox._AUDIT_HOOK = hook_on
+        try:
+            result = run_program(forge, "", CONFIG)
+        finally:
+            sandbox._AUDIT_HOOK = original
+        assert result.status == "failed", result
+
+
+@pytest.mark.timeout(60)
+def test_functional_results_large_and_too_large():
+    _box_or_skip()
+    small = dataclasses.replace(CONFIG, code_max_output_bytes=1 << 16, code_test_timeout_s=20.0)
+    program = (
+        "def f(n):\n    return list(range(n))\ndef g(n):\n    return [(i,) for i in range(n)]\n"
+    )
+    fits = run_program(program, "[5000]", small, fn_name="f")
+    assert fits.status == "ok" and fits.result == list(range(5000))
+    tuples = run_program(program, "[3000]", small, fn_name="g")
+    assert tuples.status == "ok" and tuples.result == [(i,) for i in range(3000)]
+    # Over the output limit: wrong at once, not after the harness blocks until the timeout.
+    started = time.monotonic()
+    big = run_program(program, "[100000]", small, fn_name="f")
+    assert big.status == "failed" and time.monotonic() - started < 10.0, big
+
+
+@pytest.mark.timeout(60)
+def test_a_harness_killed_between_tests_fails_the_next_test_not_the_scorer():
+    _box_or_skip()
+    from megatron_rl.rewards.sandbox import ProgramSession
+
+    # The first run arms a timer whose default action kills the harness after its report.
+    program = "import signal\nsignal.setitimer(signal.ITIMER_REAL, 0.2)\nprint(1)\n"
+    with ProgramSession(program, CONFIG, max_tests=3) as session:
+        first = session.run("")
+        time.sleep(1.0)  # the harness is dead before the next test is sent
+        second, third = session.run(""), session.run("")
+    assert first.status == "ok" and first.stdout == "1\n"
+    # Killed by SIGALRM (bwrap reports it as 128 + the signal).
+    assert second.status == "failed" and second.returncode in (
+        -signal.SIGALRM,
+        128 + signal.SIGALRM,
+    )
+    assert third.status == "ok"  # a new box

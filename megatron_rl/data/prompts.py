@@ -214,16 +214,20 @@ def build_prompts(
     if domain == "math" and not answer_field:
         raise ValueError(f"source {config.source!r} has domain 'math' but no answer field")
     prompts = []
-    for i, row in enumerate(rows):
+    special_judge = 0
+    for row in rows:
         if domain == "code":
             reference = {"tests": row[tests_field], "fn_name": _fn_name(row)}
+            if _needs_special_judge(row, reference):
+                special_judge += 1  # several valid outputs: comparison would score them wrong
+                continue
             answer, tests = None, reference
         else:
             answer, tests = str(row[answer_field]), None
         solution = row.get(config.solution_field) if config.solution_field else None
         prompts.append(
             Prompt(
-                prompt_id=first_id + i,
+                prompt_id=first_id + len(prompts),
                 problem=_problem_text(row, problem_field, config),
                 answer=answer,
                 tests=tests,
@@ -232,7 +236,20 @@ def build_prompts(
                 source=source,
             )
         )
+    if special_judge:
+        logger.warning(
+            "source %r: dropped %d code problems that need a special judge (their tests "
+            "cannot be scored by comparing outputs)",
+            config.source,
+            special_judge,
+        )
     return prompts
+
+
+def _needs_special_judge(row: dict[str, Any], reference: dict[str, Any]) -> bool:
+    from megatron_rl.rewards.code import needs_special_judge
+
+    return bool(row.get("special_judge")) or needs_special_judge(reference)
 
 
 def _normalise(text: str) -> str:

@@ -1,15 +1,38 @@
 """Code reward (DeepCoder-style): the response's program must pass every test.
 
-The program is the last fenced Python block after the thinking. Each test runs in its own
-sandboxed subprocess (``megatron_rl.rewards.sandbox``); the first failure, crash or timeout
-ends the evaluation. Two test kinds: stdin/stdout (output compared line by line, then token
-by token with a float tolerance) and functional (``fn_name`` called with JSON arguments,
-as a method of ``Solution`` when that class defines it, else as a function).
+The program is the last fenced Python block after the thinking. All tests of a program run
+in one sandbox (``megatron_rl.rewards.sandbox.ProgramSession``), each with its own time
+limit; the first failure, crash or timeout ends the evaluation. Two test kinds:
+stdin/stdout (compared under the problem's ``CompareOptions``) and functional (``fn_name``
+called with the test's arguments, as a method of ``Solution`` when that class defines it,
+else as a function).
 
-Accepted test formats (``parse_tests``): the data loaders' ``{"tests": ..., "fn_name": ...}``
-wrapper around any of the others; the canonical list of ``{"input", "output", "fn_name"}``; LiveCodeBench / DeepCoder lists of ``{"input", "output", "testtype",
-"metadata"}``; TACO / APPS dicts ``{"inputs": [...], "outputs": [...], "fn_name"?}``; and
-JSON strings of any of these.
+Functional values are carried as text in one of two encodings (``CodeTest.encoding``):
+"json" (the datasets' JSON: a returned tuple matches an expected list, dict keys compare as
+strings, as JSON would store them) or "python" (``ast.literal_eval``-safe literals, exact
+types: tuples, sets, non-string keys; see ``megatron_rl.rewards.literals``). Nothing is
+ever ``eval``-ed.
+
+Accepted test formats (``parse_problem`` / ``parse_tests``):
+
+- the data loaders' wrapper ``{"tests": <any format>, "fn_name": name, "compare": {...},
+  "special_judge": bool}`` (only "tests" is required);
+- canonical (``CodeTest.to_dict``, what ``CodeProblem.to_dict`` stores): a list of
+  ``{"input", "output", "fn_name", "encoding"}``; for a functional test ``input`` is the
+  whole argument list (one literal, or a JSON array) and ``output`` the returned value;
+- LiveCodeBench / DeepCoder: lists of ``{"input", "output", "testtype", "metadata"}``
+  (functional ``input``: one JSON value per line, one line per argument);
+- PrimeIntellect / DeepCoder: lists of ``{"input", "output", "type": "function_call" |
+  "stdin_stdout", "fn_name"}`` (functional ``input``: a JSON array of the arguments);
+- TACO / APPS columns ``{"inputs": [...], "outputs": [...], "fn_name"?}``;
+- MBPP (``megatron_rl.rewards.mbpp``): a list of assert lines, ``assert f(1, (2, 3)) == {4: 5}``,
+  ``assert math.isclose(f(2.0), 12.56, rel_tol=0.001)``, ``assert f(x)`` / ``assert not
+  f(x)`` (literal arguments and expectations only; "python" encoding);
+- JSON strings of any of these.
+
+Special-judge problems (several valid outputs, ``"special_judge": true`` or a
+``"checker"``) are refused with ``SpecialJudgeError``: scoring them by comparison would
+mark right answers wrong. The data loaders drop them with a count.
 """
 
 from __future__ import annotations
@@ -17,29 +40,126 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from megatron_rl.rewards import literals
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rewards.extraction import extract_code
-from megatron_rl.rewards.sandbox import run_program
+from megatron_rl.rewards.mbpp import assert_tolerance, parse_asserts
+from megatron_rl.rewards.sandbox import ProgramSession
 
 logger = logging.getLogger(__name__)
 
 _FUNCTIONAL_TYPES = ("functional", "function_call", "call_based")
+_ENCODINGS = ("json", "python")
+_WHITESPACE = ("tokens", "lines", "exact")
+
+
+class SpecialJudgeError(ValueError):
+    """The problem needs its own checker (several valid outputs): not scorable by comparison."""
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    """How outputs are compared (per problem, ``"compare"`` in the test data).
+
+    Defaults follow the default checkers of Codeforces (testlib ``wcmp``) and AtCoder:
+    whitespace-insensitive tokens, case-sensitive. ICPC-style problem packages (Kattis,
+    DOMjudge) compare case-insensitively by default: their data sets
+    ``case_sensitive: false``.
+
+    Attributes:
+        float_abs_tol / float_rel_tol: two numeric tokens (or returned numbers) match when
+            either error is within its tolerance (``math.isclose``); 0 / 0: exact.
+        case_sensitive: letters must match in case (stdin/stdout tests).
+        whitespace: "tokens" (any whitespace between tokens), "lines" (the same lines,
+            tokens within each line; trailing spaces and blank lines at the end ignored) or
+            "exact" (the same text up to a final newline).
+    """
+
+    float_abs_tol: float = 1e-6
+    float_rel_tol: float = 1e-6
+    case_sensitive: bool = True
+    whitespace: str = "tokens"
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> CompareOptions:
+        """Options from test data; ValueError naming the bad key."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict):
+            raise ValueError(f"compare must be a dict, got {type(raw).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"compare has unknown keys {unknown} (known: {sorted(known)})")
+        options = cls(**raw)
+        for name in ("float_abs_tol", "float_rel_tol"):
+            value = getattr(options, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"compare.{name} must be a number >= 0, got {value!r}")
+        if not isinstance(options.case_sensitive, bool):
+            raise ValueError(
+                f"compare.case_sensitive must be a bool, got {options.case_sensitive!r}"
+            )
+        if options.whitespace not in _WHITESPACE:
+            raise ValueError(
+                f"compare.whitespace must be one of {_WHITESPACE}, got {options.whitespace!r}"
+            )
+        return options
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
 class CodeTest:
-    """One test. Functional tests (``fn_name`` set) hold JSON: ``input`` a list of args."""
+    """One test. Functional tests (``fn_name`` set) hold text in ``encoding``: ``input`` the
+    argument list, ``output`` the returned value."""
 
     input: str
     output: str
     fn_name: str | None = None
+    encoding: str = "json"
 
     def to_dict(self) -> dict[str, Any]:
-        """Canonical JSON-able form (what the data loaders store as the reference)."""
+        """Canonical JSON-able form; ``parse_tests`` reads it back to an equal test."""
         return asdict(self)
+
+    def arguments(self) -> list[Any]:
+        """The functional test's positional arguments."""
+        args = _decode(self.input, self.encoding)
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(
+                f"functional test input must be a list of arguments: {self.input!r:.200}"
+            )
+        return list(args)
+
+    def expected(self) -> Any:
+        """The functional test's expected return value."""
+        return _decode(self.output, self.encoding)
+
+
+@dataclass(frozen=True)
+class CodeProblem:
+    """The tests of one problem and how to compare outputs."""
+
+    tests: list[CodeTest]
+    compare: CompareOptions = field(default_factory=CompareOptions)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical wrapper form (``parse_problem`` reads it back to an equal problem)."""
+        return {"tests": [t.to_dict() for t in self.tests], "compare": self.compare.to_dict()}
+
+
+def _decode(text: str, encoding: str) -> Any:
+    if encoding == "json":
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass  # e.g. text written by a Python-literal source
+    return literals.decode(text)
 
 
 def _as_text(value: Any) -> str:
@@ -61,24 +181,50 @@ def _metadata_fn_name(test: dict[str, Any]) -> str | None:
     return str(name) if name else None
 
 
-def _functional_args(raw: Any) -> str:
+def _json_args(raw: Any) -> str:
     if isinstance(raw, list):
         return json.dumps(raw)
     # LiveCodeBench: one JSON value per line, one line per argument.
     return json.dumps([json.loads(line) for line in str(raw).split("\n") if line.strip()])
 
 
-def _functional_output(raw: Any) -> str:
+def _json_value(raw: Any) -> str:
     if isinstance(raw, str):
         try:
             json.loads(raw)
             return raw
         except ValueError:
-            return json.dumps(raw)
+            return json.dumps(raw)  # a bare string answer
     return json.dumps(raw)
 
 
+def _canonical(test: dict[str, Any], name: str) -> CodeTest:
+    """A canonical functional test: ``input`` is the whole argument list."""
+    encoding = test.get("encoding", "json")
+    if encoding not in _ENCODINGS:
+        raise ValueError(f"encoding must be one of {_ENCODINGS}, got {encoding!r}")
+    raw_in, raw_out = test["input"], test["output"]
+    if encoding == "json":
+        args = raw_in if isinstance(raw_in, str) else json.dumps(raw_in)
+        if isinstance(raw_in, str) and "\n" in raw_in.strip():
+            try:
+                json.loads(raw_in)
+            except ValueError:
+                # Not one JSON value: LiveCodeBench's one argument per line, without its
+                # "testtype" (no single-value reading of the text exists to confuse it with).
+                args = _json_args(raw_in)
+        case = CodeTest(args, _json_value(raw_out), name, "json")
+    else:
+        if not isinstance(raw_in, str) or not isinstance(raw_out, str):
+            raise ValueError("a 'python' test holds its input and output as literal text")
+        case = CodeTest(raw_in, raw_out, name, "python")
+    case.arguments()  # fails here, at parse time, on a malformed input
+    return case
+
+
 def _from_list(tests: list[Any], fn_name: str | None) -> list[CodeTest]:
+    if tests and all(isinstance(t, str) for t in tests):
+        return [CodeTest(args, out, name, "python") for name, args, out in parse_asserts(tests)]
     cases = []
     for i, test in enumerate(tests):
         if not isinstance(test, dict) or "input" not in test or "output" not in test:
@@ -87,13 +233,18 @@ def _from_list(tests: list[Any], fn_name: str | None) -> list[CodeTest]:
             )
         kind = str(test.get("testtype") or test.get("type") or "")
         name = _metadata_fn_name(test) or fn_name
-        if kind in _FUNCTIONAL_TYPES or (not kind and test.get("fn_name")):
-            if not name:
-                raise ValueError(f"functional test {i} has no function name")
-            args, output = _functional_args(test["input"]), _functional_output(test["output"])
-            cases.append(CodeTest(args, output, name))
-        else:
-            cases.append(CodeTest(_as_text(test["input"]), _as_text(test["output"])))
+        try:
+            if kind in _FUNCTIONAL_TYPES:
+                if not name:
+                    raise ValueError("no function name")
+                args, output = _json_args(test["input"]), _json_value(test["output"])
+                cases.append(CodeTest(args, output, name))
+            elif not kind and test.get("fn_name"):
+                cases.append(_canonical(test, str(test["fn_name"])))
+            else:
+                cases.append(CodeTest(_as_text(test["input"]), _as_text(test["output"])))
+        except ValueError as exc:
+            raise ValueError(f"test {i}: {exc}") from exc
     return cases
 
 
@@ -103,96 +254,193 @@ def _from_columns(tests: dict[str, Any], fn_name: str | None) -> list[CodeTest]:
         raise ValueError(f"tests have {len(inputs)} inputs but {len(outputs)} outputs")
     name = tests.get("fn_name") or fn_name
     if name:
-        return [
-            CodeTest(_functional_args(i), _functional_output(o), str(name))
-            for i, o in zip(inputs, outputs)
-        ]
+        return [CodeTest(_json_args(i), _json_value(o), str(name)) for i, o in zip(inputs, outputs)]
     return [CodeTest(_as_text(i), _as_text(o)) for i, o in zip(inputs, outputs)]
 
 
-def parse_tests(tests: Any, fn_name: str | None = None) -> list[CodeTest]:
-    """Normalise the test formats listed in the module docstring; ValueError when unknown."""
+def needs_special_judge(tests: Any) -> bool:
+    """Whether test data declares a special judge (``special_judge`` true or a ``checker``),
+    in the wrapper or in the tests dict; False for data that cannot be read."""
+    if isinstance(tests, str):
+        if '"special_judge"' not in tests and '"checker"' not in tests:
+            return False  # the common case, without parsing a large test file
+        try:
+            tests = json.loads(tests)
+        except ValueError:
+            return False
+    if not isinstance(tests, dict):
+        return False
+    if tests.get("special_judge") or tests.get("checker"):
+        return True
+    return "tests" in tests and needs_special_judge(tests["tests"])
+
+
+def parse_problem(tests: Any, fn_name: str | None = None) -> CodeProblem:
+    """Normalise the test formats listed in the module docstring; ValueError when unknown,
+    ``SpecialJudgeError`` when the problem needs its own checker."""
+    return _parse(tests, fn_name, None)
+
+
+def _parse(tests: Any, fn_name: str | None, compare: Any) -> CodeProblem:
     if isinstance(tests, str):
         try:
             tests = json.loads(tests)
         except ValueError as exc:
             raise ValueError(f"tests are not valid JSON: {exc}") from exc
+    if isinstance(tests, dict) and (tests.get("special_judge") or tests.get("checker")):
+        raise SpecialJudgeError(
+            "the problem needs a special judge (several valid outputs); it cannot be scored "
+            "by comparing outputs (the data loaders drop such problems)"
+        )
+    if isinstance(tests, dict) and "compare" in tests:
+        compare = tests["compare"]
     if isinstance(tests, dict) and "tests" in tests:
-        # The data loaders' reference: {"tests": raw tests, "fn_name": name or None}.
-        return parse_tests(tests["tests"], tests.get("fn_name") or fn_name)
+        # The data loaders' reference: {"tests": raw tests, "fn_name": name or None, ...}.
+        return _parse(tests["tests"], tests.get("fn_name") or fn_name, compare)
     if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
         cases = _from_columns(tests, fn_name)
     elif isinstance(tests, list):
         cases = _from_list(tests, fn_name)
+        if cases and all(isinstance(t, str) for t in tests):
+            compare = {**assert_tolerance(tests), **(compare or {})}
     else:
         raise ValueError(f"unknown test format: {type(tests).__name__} {str(tests)[:200]!r}")
     if not cases:
         raise ValueError("no tests")
-    return cases
+    for i, case in enumerate(cases):
+        if case.fn_name is not None:
+            try:
+                literals.encode(case.arguments())
+                case.expected()
+            except ValueError as exc:
+                raise ValueError(f"test {i}: {exc}") from exc
+    return CodeProblem(cases, CompareOptions.from_dict(compare))
 
 
-def _close(a: str, b: str) -> bool:
-    try:
-        x, y = float(a), float(b)
-    except ValueError:
+def parse_tests(tests: Any, fn_name: str | None = None) -> list[CodeTest]:
+    """The tests of ``parse_problem(tests, fn_name)``."""
+    return parse_problem(tests, fn_name).tests
+
+
+def _close(a: float, b: float, options: CompareOptions) -> bool:
+    return math.isclose(a, b, rel_tol=options.float_rel_tol, abs_tol=options.float_abs_tol)
+
+
+def _tokens_match(got: list[str], want: list[str], options: CompareOptions) -> bool:
+    if len(got) != len(want):
         return False
-    return math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-6)
-
-
-def outputs_match(actual: str, expected: str) -> bool:
-    """Stdout comparison: equal lines (trailing spaces and blank tail ignored), else equal
-    whitespace-separated tokens where numbers may differ by 1e-6."""
-    lines = [line.rstrip() for line in actual.strip().splitlines()]
-    if lines == [line.rstrip() for line in expected.strip().splitlines()]:
-        return True
-    got, want = actual.split(), expected.split()
-    return len(got) == len(want) and all(g == w or _close(g, w) for g, w in zip(got, want))
-
-
-def values_match(actual: Any, expected: Any) -> bool:
-    """Functional comparison (JSON values): equal, numbers within 1e-6, or the expected
-    value wrapped in a one-element list (APPS convention)."""
-    if _values_equal(actual, expected):
-        return True
-    return isinstance(expected, list) and len(expected) == 1 and _values_equal(actual, expected[0])
-
-
-def _values_equal(a: Any, b: Any) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-def run_tests(program: str, cases: list[CodeTest], config: RewardConfig) -> bool:
-    """True when ``program`` passes every test (stops at the first failure)."""
-    for case in cases:
-        result = run_program(program, case.input, config, fn_name=case.fn_name)
-        if result.status != "ok":
+    for g, w in zip(got, want):
+        if g == w or (not options.case_sensitive and g.lower() == w.lower()):
+            continue
+        try:
+            x, y = float(g), float(w)
+        except ValueError:
             return False
-        if case.fn_name is None:
-            passed = outputs_match(result.stdout, case.output)
-        else:
-            passed = values_match(result.result, json.loads(case.output))
-        if not passed:
+        if not _close(x, y, options):
             return False
     return True
 
 
+def outputs_match(actual: str, expected: str, options: CompareOptions | None = None) -> bool:
+    """Stdout comparison under ``options`` (default ``CompareOptions()``): tokens equal
+    (case as configured), or numbers within the float tolerance."""
+    options = options or CompareOptions()
+    if options.whitespace == "exact":
+        if not options.case_sensitive:
+            actual, expected = actual.lower(), expected.lower()
+        return actual.removesuffix("\n") == expected.removesuffix("\n")
+    if options.whitespace == "lines":
+        got = actual.rstrip().splitlines()
+        want = expected.rstrip().splitlines()
+        return len(got) == len(want) and all(
+            _tokens_match(g.split(), w.split(), options) for g, w in zip(got, want)
+        )
+    return _tokens_match(actual.split(), expected.split(), options)
+
+
+def values_match(
+    actual: Any, expected: Any, options: CompareOptions | None = None, encoding: str = "json"
+) -> bool:
+    """Functional comparison. "json": the returned value as JSON would store it (tuples as
+    lists, keys as strings) equals the expected one, numbers within the float tolerance, or
+    the expected value wrapped in a one-element list (APPS convention). "python": Python's
+    ``==`` with the float tolerance (a tuple never equals a list)."""
+    options = options or CompareOptions()
+    if encoding == "python":
+        return _equal(actual, expected, options, strict_bool=False)
+    try:
+        actual = json.loads(json.dumps(actual, default=_json_default))
+    except (TypeError, ValueError, RecursionError):
+        return False  # no JSON form (tuple keys): cannot equal a JSON expectation
+    if _equal(actual, expected, options, strict_bool=True):
+        return True
+    return (
+        isinstance(expected, list)
+        and len(expected) == 1
+        and _equal(actual, expected[0], options, strict_bool=True)
+    )
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    raise TypeError(f"{type(value).__name__} has no JSON form")
+
+
+def _equal(a: Any, b: Any, options: CompareOptions, strict_bool: bool) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        if strict_bool or not (isinstance(a, (int, float)) and isinstance(b, (int, float))):
+            return type(a) is type(b) and a == b
+        return a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b or _close(a, b, options)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        same = len(a) == len(b) and isinstance(a, tuple) == isinstance(b, tuple)
+        return same and all(_equal(x, y, options, strict_bool) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k], options, strict_bool) for k in a)
+    return a == b
+
+
+def run_tests(program: str, problem: CodeProblem | list[CodeTest], config: RewardConfig) -> bool:
+    """True when ``program`` passes every test (stops at the first failure)."""
+    if not isinstance(problem, CodeProblem):
+        problem = CodeProblem(list(problem))
+    with ProgramSession(program, config, max_tests=len(problem.tests)) as session:
+        for case in problem.tests:
+            if case.fn_name is None:
+                result = session.run(case.input)
+            else:
+                result = session.run(literals.encode(case.arguments()), case.fn_name)
+            if result.status != "ok":
+                return False
+            if case.fn_name is None:
+                passed = outputs_match(result.stdout, case.output, problem.compare)
+            else:
+                passed = values_match(
+                    result.result, case.expected(), problem.compare, case.encoding
+                )
+            if not passed:
+                return False
+    return True
+
+
 def score_code(response: str, tests: Any, config: RewardConfig) -> float:
-    """Reward of one code response: ``correct_reward`` when all tests pass."""
+    """Reward of one code response: ``correct_reward`` when all tests pass.
+
+    Raises ``SpecialJudgeError`` for a problem that needs its own checker (never scored
+    wrong silently: the data loaders drop them)."""
     program = extract_code(response, config)
     if program is None:
         return config.incorrect_reward
     try:
-        cases = parse_tests(tests)
+        problem = parse_problem(tests)
+    except SpecialJudgeError:
+        raise
     except ValueError as exc:
         logger.warning("unusable tests, scored incorrect: %s", exc)
         return config.incorrect_reward
-    return config.correct_reward if run_tests(program, cases, config) else config.incorrect_reward
+    return config.correct_reward if run_tests(program, problem, config) else config.incorrect_reward
 
 
 def score(response: str, tests: Any) -> float:

@@ -2,8 +2,8 @@
 
 Math: extraction and static checks in the caller's process, symbolic verification in a
 ``WorkerPool`` of spawned processes with a hard per-answer time limit (a stuck worker is
-killed and replaced). Code: every test in a sandboxed subprocess, ``num_workers``
-programs at a time; a pool that scores code checks first that the OS sandbox can be set up
+killed and replaced). Code: each program in one sandbox that runs its tests in turn
+(``sandbox.ProgramSession``), ``num_workers`` programs at a time; a pool that scores code checks first that the OS sandbox can be set up
 (``megatron_rl.rewards.isolation``) and refuses to start otherwise.
 """
 
@@ -69,7 +69,7 @@ class RewardPool:
     ) -> list[float]:
         """Rewards ``[S]`` of ``responses [S]`` against ``references [S]``.
 
-        References are answers (math) or tests (code, any format of ``code.parse_tests``).
+        References are answers (math) or tests (code, any format of ``code.parse_problem``).
         ``kinds [S]`` ("math" | "code") overrides ``config.kind`` per item (math+code runs).
         """
         if len(responses) != len(references):

@@ -1,4 +1,14 @@
-"""Run an untrusted Python program in a sandboxed subprocess.
+"""Run an untrusted Python program in a sandboxed subprocess, on one test or many.
+
+One box per program (``ProgramSession``): the box and the interpreter start once, and the
+harness inside runs the program once per test, each run in a fresh namespace with fresh
+stdin / stdout / stderr, its own CPU-time limit, and the parent's wall-clock limit. A test
+that times out or kills the interpreter ends that box; the next test gets a new one. The
+program's later tests therefore share an interpreter with its earlier ones (imported
+modules, ``sys`` settings): they are runs of the same program, and nothing of the expected
+outputs is ever on its side. Starting the box once instead of per test is what brought the
+sandbox's cost per test from 3x a plain ``python3`` start to about that of one
+(``tools/bench_code_reward.py``).
 
 Layers, from the outside in:
 
@@ -7,18 +17,23 @@ Layers, from the outside in:
    private size-limited tmpfs as cwd. The program never runs as root. Without a box (no
    bwrap, no user namespaces) code rewards refuse to run unless the recipe opts into the
    unsafe mode (``code_allow_unsafe_sandbox``), where layers 2-4 are all there is.
-2. Process: a fresh session / process group; on timeout the parent SIGKILLs the group, and
-   again after every run. Killing bwrap ends the box: its init has ``--die-with-parent``
-   and a pid namespace ends with its init. The wall-clock limit is the parent's; RLIMIT_CPU
-   backs it up.
+2. Process: a fresh session / process group; on a timeout the parent SIGKILLs the group,
+   and again when the session ends. Killing bwrap ends the box: its init has
+   ``--die-with-parent`` and a pid namespace ends with its init. The wall-clock limit of
+   each test is the parent's; RLIMIT_CPU (reset per test) backs it up.
 3. Resources: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE (output and file sizes; the box's
    tmpfs holds ``code_max_output_bytes`` in all), RLIMIT_NOFILE, RLIMIT_CORE=0 and
    RLIMIT_NPROC=1 (no fork, no threads; the kernel exempts only root from it).
-4. Files: stdin, stdout and stderr are anonymous files the parent opened; nothing of the
-   tests (expected outputs) is ever on the program's side.
+4. Files: stdin, stdout and stderr are anonymous files the parent opened and refills per
+   test; the harness reports each test on a pipe, tagged with a nonce the parent drew for
+   that test. Nothing of the tests (expected outputs) is ever on the program's side, and the
+   comparison happens in the parent.
 5. Audit hook (``megatron_rl.rewards.guard``): refuses process creation, signals, sockets,
    ctypes, and writes outside the cwd. A second line only: CPython audit hooks are not a
    security boundary against code written to defeat them.
+
+Functional tests pass their arguments and results as Python literals
+(``megatron_rl.rewards.literals``): tuples, sets and non-string keys survive both ways.
 """
 
 from __future__ import annotations
@@ -27,6 +42,8 @@ import functools
 import json
 import logging
 import os
+import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -34,66 +51,133 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
-from megatron_rl.rewards import guard
+from megatron_rl.rewards import guard, literals
 from megatron_rl.rewards.config import RewardConfig
-from megatron_rl.rewards.isolation import BOX_DIR, Box, as_user, box_for, source_fd
+from megatron_rl.rewards.isolation import BOX_DIR, as_user, box_for, source_fd
 
 logger = logging.getLogger(__name__)
 
 _MAX_STDERR_BYTES = 4096
-_RESULT_MARKER = "\x00mrl-result\x00"
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # Whether the harness installs the audit hook. Always on; tests switch it off to show that
 # the OS box alone contains hostile programs (audit hooks can be defeated).
 _AUDIT_HOOK = True
 
-# The harness: argv = memory_mb cpu_s fsize guard(0|1) fn_name(empty: script mode). It
-# imports json only in functional mode: json pulls in re and enum, a third of a script's
-# start-up time.
+# The harness: argv = memory_mb cpu_s fsize guard(0|1) control_in control_out max_tests.
+# Per test it reads "nonce fn_name\n" from control_in (fn_name empty: script mode; else the
+# arguments, a Python literal, are the test's stdin), runs the program and answers
+# "nonce exit_code length\n" + result ("L" literal | "R" repr of a value with no literal)
+# on control_out. An exception or a non-zero SystemExit is exit code 1 (or the exit code),
+# with the traceback on the test's stderr, as a fresh ``python3 main.py`` would do.
 _HARNESS_MAIN = r"""
 
 
-def _limit(memory_mb, cpu_s, fsize):
+def _limit(memory_mb, fsize, cpu_hard):
     import resource
 
     mem = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_hard, cpu_hard))
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))
     os.umask(0o077)
+    return resource
 
 
-def _result_json(json, value):
-    def default(obj):
-        return sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else repr(obj)
+def _cpu_limit(resource, cpu_s, cpu_hard):
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = min(int(usage.ru_utime + usage.ru_stime) + cpu_s, cpu_hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_hard))
 
-    return json.dumps(value, default=default)
+
+def _streams(saved):
+    # The parent refilled the files behind fds 0-2; fresh streams without stale buffers.
+    for fd, copy in enumerate(saved):
+        os.dup2(copy, fd)
+    sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
+    sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)
+    sys.stderr = sys.__stderr__ = open(2, "w", closefd=False, errors="backslashreplace")
+    sys.argv = ["main.py"]
+    return sys.stdout, sys.stderr
 
 
-def _sandbox_main():
-    memory_mb, cpu_s, fsize, hook, name = sys.argv[1:6]
-    _limit(int(memory_mb), int(cpu_s), int(fsize))
-    if hook == "1":
-        install_guard((os.getcwd(),))
-    with open("main.py") as f:
-        code = compile(f.read(), "main.py", "exec")
+def _exit_code(code, err):
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    err.write(str(code) + "\n")
+    return 1
+
+
+def _run_one(source, name):
+    namespace = {"__name__": "solution" if name else "__main__", "__builtins__": __builtins__}
+    code = compile(source, "main.py", "exec")
     if not name:
-        exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
-        return
-    import json
-
-    args = json.loads(sys.stdin.read())
-    namespace = {"__name__": "solution", "__builtins__": __builtins__}
+        exec(code, namespace)
+        return None
+    args = decode(sys.stdin.read())
     exec(code, namespace)
     owner = namespace.get("Solution")
     fn = getattr(owner(), name) if owner is not None and hasattr(owner, name) else namespace[name]
-    result = fn(*args)
-    sys.stdout.flush()
-    sys.stdout.write(MARKER + _result_json(json, result) + "\n")
+    return fn(*args)
+
+
+def _encode_result(value):
+    try:
+        return "L" + encode(value)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        return "R" + repr(value)[:1000]
+    except Exception:
+        return "R<unprintable>"
+
+
+def _sandbox_main():
+    memory_mb, cpu_s, fsize, hook, control_in, control_out, max_tests = map(int, sys.argv[1:8])
+    saved = [os.dup(fd) for fd in (0, 1, 2)]
+    cpu_hard = (cpu_s + 1) * max_tests + 1
+    resource = _limit(memory_mb, fsize, cpu_hard)
+    if hook == 1:
+        install_guard((os.getcwd(),))
+    with open("main.py") as f:
+        source = f.read()
+    control = open(control_in, "rb", buffering=0, closefd=False)
+    import gc
+
+    while True:
+        request = control.readline()
+        if not request:
+            return
+        nonce, _, name = request.decode().rstrip("\n").partition(" ")
+        _cpu_limit(resource, cpu_s, cpu_hard)
+        out, err = _streams(saved)
+        code, value = 0, None
+        try:
+            value = _run_one(source, name)
+        except SystemExit as exc:
+            code = _exit_code(exc.code, err)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc(file=err)
+            code = 1
+        for stream in {id(s): s for s in (sys.stdout, sys.stderr, out, err)}.values():
+            try:
+                stream.flush()
+            except BaseException:
+                code = code or 120  # as CPython when flushing stdout at exit fails
+        body = _encode_result(value).encode() if name and code == 0 else b""
+        value = None
+        gc.collect()
+        frame = ("%s %d %d\n" % (nonce, code, len(body))).encode() + body
+        while frame:
+            frame = frame[os.write(control_out, frame) :]
 
 
 _sandbox_main()
@@ -102,11 +186,12 @@ _sandbox_main()
 
 @functools.cache
 def _harness_source() -> str:
-    # Without guard.py's __future__ import (it costs an import; annotations work on 3.10+).
-    guard_source = (
-        Path(guard.__file__).read_text().replace("from __future__ import annotations\n", "")
-    )
-    return guard_source + f"\nMARKER = {_RESULT_MARKER!r}\n" + _HARNESS_MAIN
+    # Without the modules' __future__ imports (they cost an import; 3.10+ needs none).
+    parts = [
+        Path(module.__file__).read_text().replace("from __future__ import annotations\n", "")
+        for module in (guard, literals)
+    ]
+    return "\n".join(parts) + _HARNESS_MAIN
 
 
 @dataclass
@@ -118,7 +203,16 @@ class SandboxResult:
     stdout: str
     stderr: str
     elapsed_s: float
-    result: object = None  # functional mode: the returned value (JSON-decoded)
+    # Functional mode: the returned value, or ``Unrepresentable`` (no Python literal).
+    result: object = None
+
+
+@dataclass(frozen=True)
+class Unrepresentable:
+    """A returned value with no Python literal (an object of the program's own class, NaN):
+    equal to no expected value. ``text`` is its repr, for diagnostics."""
+
+    text: str
 
 
 def capabilities(config: RewardConfig) -> dict[str, object]:
@@ -163,98 +257,249 @@ def run_program(
     fn_name: str | None = None,
     timeout_s: float | None = None,
 ) -> SandboxResult:
-    """Run ``source`` as a script (stdin -> stdout), or call ``fn_name`` with JSON args.
+    """Run ``source`` once in its own box: as a script (stdin -> stdout), or call
+    ``fn_name`` with the arguments in ``stdin`` (a Python literal of their list; JSON
+    arrays of numbers and strings are such literals). See ``ProgramSession``."""
+    with ProgramSession(source, config) as session:
+        return session.run(stdin, fn_name, timeout_s)
 
-    In functional mode ``stdin`` is a JSON list of positional arguments and
-    ``SandboxResult.result`` the returned value. ``timeout_s`` defaults to
-    ``config.code_test_timeout_s``. Raises ``SandboxUnavailableError`` where no box can be
-    set up and the config does not allow the unsafe mode.
+
+class ProgramSession:
+    """One program in one box, run on any number of tests in turn (``run``).
+
+    Args:
+        source: the program.
+        config: limits (``code_test_timeout_s`` per test, memory, output size) and the box.
+        max_tests: how many tests it will run at most (bounds the box's total CPU time).
+
+    Use as a context manager or call ``close()``. Raises ``SandboxUnavailableError`` where
+    no box can be set up and the config does not allow the unsafe mode. Not thread-safe:
+    one session per program being scored.
     """
-    timeout = config.code_test_timeout_s if timeout_s is None else timeout_s
-    box = box_for(config)
-    limits = [config.code_memory_mb, int(timeout) + 1, config.code_max_output_bytes]
-    argv = [box.python, "-I", "-c", _harness_source(), *map(str, limits)]
-    argv += ["1" if _AUDIT_HOOK else "0", fn_name or ""]
-    # Single-threaded numeric libraries: thread creation counts against RLIMIT_NPROC.
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-    env.update({name: "1" for name in _THREAD_VARS})
-    if box.isolated:
-        env.update(HOME=BOX_DIR, TMPDIR=BOX_DIR)
-        main = source_fd(source)
-        try:
-            command = box.command(argv, env, main, config.code_max_output_bytes)
-            return _run(command, stdin, "/", {}, (main,), box, timeout, config, fn_name)
-        finally:
-            os.close(main)
-    work = tempfile.mkdtemp(prefix="mrl-sandbox-")
-    try:
-        cwd = os.path.join(work, "box")
-        os.mkdir(cwd, 0o700)
-        Path(cwd, "main.py").write_text(source)
-        if box.run_as is not None:
-            for path in (cwd, os.path.join(cwd, "main.py")):
-                os.chown(path, box.run_as, box.run_as)
-        env.update(HOME=cwd, TMPDIR=cwd)
-        return _run(argv, stdin, cwd, env, (), box, timeout, config, fn_name)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
+    def __init__(self, source: str, config: RewardConfig, max_tests: int = 1) -> None:
+        self.source = source
+        self.config = config
+        self.max_tests = max(1, max_tests)
+        self.box = box_for(config)
+        self.boxes_started = 0
+        self._proc: subprocess.Popen | None = None
+        self._files: list[IO[bytes]] = []
+        self._control: tuple[int, int] | None = None  # (to the harness, from the harness)
+        self._work: str | None = None
 
-def _run(
-    command: list[str],
-    stdin: str,
-    cwd: str,
-    env: dict[str, str],
-    pass_fds: tuple[int, ...],
-    box: Box,
-    timeout: float,
-    config: RewardConfig,
-    fn_name: str | None,
-) -> SandboxResult:
-    started = time.monotonic()
-    with (
-        tempfile.TemporaryFile() as fin,
-        tempfile.TemporaryFile() as fout,
-        tempfile.TemporaryFile() as ferr,
-    ):
-        fin.write(stdin.encode())
-        fin.seek(0)
-        command, user = as_user(command, box.run_as)
-        proc = subprocess.Popen(
-            command,
-            stdin=fin,
-            stdout=fout,
-            stderr=ferr,
-            cwd=cwd,
-            env=env,
-            start_new_session=True,
-            pass_fds=pass_fds,
-            **user,
-        )
-        status = "ok"
+    def __enter__(self) -> ProgramSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(
+        self, stdin: str, fn_name: str | None = None, timeout_s: float | None = None
+    ) -> SandboxResult:
+        """Run the program on one test. In functional mode (``fn_name``) ``stdin`` is the
+        argument list as a Python literal and ``SandboxResult.result`` the returned value.
+        ``timeout_s`` (default ``config.code_test_timeout_s``) includes starting the box
+        when this test needs a new one."""
+        timeout = self.config.code_test_timeout_s if timeout_s is None else timeout_s
+        started = time.monotonic()
+        if self._proc is None:
+            self._start(timeout)
+        assert self._proc is not None and self._control is not None
+        fin, fout, ferr = (f.fileno() for f in self._files)
+        data = stdin.encode()
+        os.ftruncate(fin, 0)
+        os.pwrite(fin, data, 0)
+        for fd in (fout, ferr):
+            os.ftruncate(fd, 0)
+        for fd in (fin, fout, ferr):
+            os.lseek(fd, 0, os.SEEK_SET)
+        nonce = secrets.token_hex(8)
+        to_box, from_box = self._control
         try:
-            returncode: int | None = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
-            returncode, status = proc.wait(), "timeout"
-        finally:
-            _kill_group(proc.pid)
+            os.write(to_box, f"{nonce} {fn_name or ''}\n".encode())
+        except OSError:  # the harness is gone (a signal the program's last test set up)
+            frame: tuple[list[str], bytes] | str | None = None
+        else:
+            frame = _read_frame(from_box, started + timeout, self.config.code_max_output_bytes)
         elapsed = time.monotonic() - started
-        fout.seek(0)
-        stdout = fout.read(config.code_max_output_bytes).decode("utf-8", errors="replace")
-        ferr.seek(0)
-        stderr = ferr.read(_MAX_STDERR_BYTES).decode("utf-8", errors="replace")
-    if status == "ok" and returncode != 0:
-        status = "failed"
-        if box.isolated and stderr.startswith("bwrap:"):
-            # The box itself failed (the program never ran): not the program's fault.
-            logger.warning("code sandbox: bwrap failed: %s", stderr.strip()[:500])
-            status = "error"
-    result = SandboxResult(status, returncode, stdout, stderr, elapsed)
-    if fn_name is not None and status == "ok":
-        result.stdout, _, payload = stdout.rpartition(_RESULT_MARKER)
+        if frame == "timeout":
+            self._stop()
+            return SandboxResult("timeout", None, *self._outputs(), elapsed)
+        if frame == "too large":
+            self._stop()
+            stdout = self._outputs()[0]
+            return SandboxResult("failed", None, stdout, "result too large\n", elapsed)
+        if frame is None:  # the interpreter or the box ended: no report
+            returncode = self._stop(grace_s=max(0.0, started + timeout - time.monotonic()))
+            stdout, stderr = self._outputs()
+            status = "ok" if returncode == 0 else "failed"
+            if self.box.isolated and stderr.startswith("bwrap:"):
+                # The box itself failed (the program never ran): not the program's fault.
+                logger.warning("code sandbox: bwrap failed: %s", stderr.strip()[:500])
+                status = "error"
+            if fn_name and status == "ok":
+                status = "failed"  # exited (os._exit) before returning a value
+            return SandboxResult(status, returncode, stdout, stderr, elapsed)
+        header, body = frame
+        got_nonce, code = header[0], int(header[1])
+        stdout, stderr = self._outputs()
+        if got_nonce != nonce:
+            # Only the program can have written it (into the harness's pipe).
+            self._stop()
+            return SandboxResult("failed", None, stdout, "forged test report\n", elapsed)
+        result = SandboxResult("ok" if code == 0 else "failed", code, stdout, stderr, elapsed)
+        if fn_name and code == 0:
+            result.result = _decode_result(body)
+        return result
+
+    def _outputs(self) -> tuple[str, str]:
+        fout, ferr = self._files[1].fileno(), self._files[2].fileno()
+        stdout = os.pread(fout, self.config.code_max_output_bytes, 0)
+        stderr = os.pread(ferr, _MAX_STDERR_BYTES, 0)
+        return (
+            stdout.decode("utf-8", errors="replace"),
+            stderr.decode("utf-8", errors="replace"),
+        )
+
+    def _start(self, timeout: float) -> None:
+        config, box = self.config, self.box
+        if not self._files:
+            self._files = [tempfile.TemporaryFile(buffering=0) for _ in range(3)]
+        to_box_read, to_box = os.pipe()
+        from_box, from_box_write = os.pipe()
+        limits = [config.code_memory_mb, int(timeout) + 1, config.code_max_output_bytes]
+        limits += [1 if _AUDIT_HOOK else 0, to_box_read, from_box_write, self.max_tests]
+        argv = [box.python, "-I", "-c", _harness_source(), *map(str, limits)]
+        # Single-threaded numeric libraries: thread creation counts against RLIMIT_NPROC.
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+        env.update({name: "1" for name in _THREAD_VARS})
+        main: int | None = None
         try:
-            result.result = json.loads(payload)
+            if box.isolated:
+                env.update(HOME=BOX_DIR, TMPDIR=BOX_DIR)
+                main = source_fd(self.source)
+                command = box.command(argv, env, main, config.code_max_output_bytes)
+                cwd, env, pass_fds = "/", {}, (main, to_box_read, from_box_write)
+            else:
+                cwd = self._unsafe_dir()
+                env.update(HOME=cwd, TMPDIR=cwd)
+                command, pass_fds = argv, (to_box_read, from_box_write)
+            command, user = as_user(command, box.run_as)
+            self._proc = subprocess.Popen(
+                command,
+                stdin=self._files[0],
+                stdout=self._files[1],
+                stderr=self._files[2],
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                pass_fds=pass_fds,
+                **user,
+            )
+        except BaseException:
+            os.close(to_box)
+            os.close(from_box)
+            raise
+        finally:
+            for fd in (to_box_read, from_box_write) + ((main,) if main is not None else ()):
+                os.close(fd)
+        self._control = (to_box, from_box)
+        self.boxes_started += 1
+
+    def _unsafe_dir(self) -> str:
+        # A fresh cwd per box: a program's files never reach its next box.
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+        self._work = tempfile.mkdtemp(prefix="mrl-sandbox-")
+        cwd = os.path.join(self._work, "box")
+        os.mkdir(cwd, 0o700)
+        Path(cwd, "main.py").write_text(self.source)
+        if self.box.run_as is not None:
+            for path in (cwd, os.path.join(cwd, "main.py")):
+                os.chown(path, self.box.run_as, self.box.run_as)
+        return cwd
+
+    def _stop(self, grace_s: float = 0.0) -> int | None:
+        """End the box (SIGKILL to its process group, after ``grace_s`` to exit by itself);
+        its exit status."""
+        if self._proc is None:
+            return None
+        proc, self._proc = self._proc, None
+        if grace_s > 0:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_group(proc.pid)
+        returncode = proc.wait()
+        _kill_group(proc.pid)
+        if self._control is not None:
+            for fd in self._control:
+                os.close(fd)
+            self._control = None
+        return returncode
+
+    def close(self) -> None:
+        """End the box and release its files."""
+        self._stop()
+        for f in self._files:
+            f.close()
+        self._files = []
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
+
+
+def _read_frame(fd: int, deadline: float, max_bytes: int) -> tuple[list[str], bytes] | str | None:
+    """One report of the harness: (header fields, body); "timeout" at ``deadline``; "too
+    large" for a result over ``max_bytes``; None when the harness ended first."""
+    data = b""
+    want: int | None = None
+    header: list[str] = []
+    while want is None or len(data) < want:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return "timeout"
+        readable, _, _ = select.select([fd], [], [], remaining)
+        if not readable:
+            return "timeout"
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return None
+        data += chunk
+        if want is None and b"\n" in data:
+            line, _, data = data.partition(b"\n")
+            header = line.decode("ascii", errors="replace").split()
+            if len(header) != 3 or not header[1].lstrip("-").isdigit() or not header[2].isdigit():
+                header = ["", "1", "0"]  # malformed (written by the program): a nonce mismatch
+                return header, b""
+            want = int(header[2])
+            if want > max_bytes + 16:
+                return "too large"
+    return header, data[:want]
+
+
+# Literal text beyond this is not parsed in the trainer (``ast`` holds ~50x the text size
+# while it parses): the result scores wrong. JSON-compatible text (lists of numbers...) is
+# read by ``json`` at any size up to the output limit.
+_MAX_LITERAL_CHARS = 1 << 20
+
+
+def _decode_result(body: bytes) -> object:
+    text = body.decode("utf-8", errors="replace")
+    if text.startswith("L"):
+        literal = text[1:]
+        try:
+            # Where a literal's text is also JSON it means the same value (the encoder writes
+            # no JSON-only spellings), and json reads it far faster and leaner.
+            return json.loads(literal)
         except ValueError:
-            result.status = "error"
-    return result
+            pass
+        if len(literal) <= _MAX_LITERAL_CHARS:
+            try:
+                return literals.decode(literal)
+            except ValueError:
+                pass
+        return Unrepresentable(literal[:1000])
+    return Unrepresentable(text[1:])

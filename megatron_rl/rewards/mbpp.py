@@ -1,0 +1,86 @@
+"""MBPP's tests: assert lines read as functional tests, never run.
+
+``assert f(1, (2, 3)) == {4: 5}`` (either side), ``assert f(x) is True``, ``assert f(x)`` /
+``assert not f(x)`` and ``assert math.isclose(f(x), 12.56, rel_tol=0.001)``, with literal
+arguments and expectations only (``ast.literal_eval``). Anything else (``set(f(x)) == ...``,
+non-literal arguments) is refused with the line in the error.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from megatron_rl.rewards import literals
+
+
+def _literal(node: ast.expr, line: str) -> str:
+    try:
+        return literals.encode(ast.literal_eval(node))
+    except (ValueError, TypeError, SyntaxError, RecursionError) as exc:
+        raise ValueError(f"not a literal in {line!r:.200}: {ast.unparse(node)[:100]}") from exc
+
+
+def _call(node: ast.expr, line: str) -> tuple[str, str] | None:
+    """``name(literal, ...)`` as (name, argument list literal); None: not such a call."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords):
+        return None
+    return node.func.id, _literal(ast.List(elts=node.args, ctx=ast.Load()), line)
+
+
+def parse_asserts(lines: list[str]) -> list[tuple[str, str, str]]:
+    """MBPP assert lines as functional tests ``(fn_name, arguments, expected)``, both
+    Python literals; ValueError naming the line it cannot read. The float tolerance of
+    ``math.isclose`` lines is ``assert_tolerance``'s."""
+    cases = []
+    for line in lines:
+        try:
+            statement = ast.parse(line.strip()).body
+        except SyntaxError as exc:
+            raise ValueError(f"not an assert line: {line!r:.200}") from exc
+        if len(statement) != 1 or not isinstance(statement[0], ast.Assert):
+            raise ValueError(f"not an assert line: {line!r:.200}")
+        test = statement[0].test
+        case, expected = None, "True"
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            case, expected = _call(test.operand, line), "False"
+        elif isinstance(test, ast.Compare) and len(test.ops) == 1:
+            left, right = test.left, test.comparators[0]
+            if isinstance(test.ops[0], (ast.Eq, ast.Is)):
+                case = _call(left, line)
+                if case is not None:
+                    expected = _literal(right, line)
+                else:
+                    case, expected = _call(right, line), _literal(left, line)
+        elif _isclose(test):
+            case, expected = _call(test.args[0], line), _literal(test.args[1], line)
+        else:
+            case = _call(test, line)
+        if case is None:
+            raise ValueError(f"unsupported assert (want f(literals) == literal): {line!r:.200}")
+        cases.append((case[0], case[1], expected))
+    return cases
+
+
+def _isclose(node: ast.expr) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and ast.unparse(node.func) in ("math.isclose", "isclose")
+        and len(node.args) == 2
+    )
+
+
+def assert_tolerance(lines: list[str]) -> dict[str, float]:
+    """The loosest ``rel_tol`` / ``abs_tol`` of the ``math.isclose`` asserts (the problem's
+    float tolerance; ``math.isclose``'s own defaults are rel 1e-9, abs 0)."""
+    tolerance: dict[str, float] = {}
+    for line in lines:
+        test = ast.parse(line.strip()).body[0].test  # type: ignore[attr-defined]
+        if _isclose(test):
+            found = {"float_rel_tol": 1e-9, "float_abs_tol": 0.0}
+            for keyword in test.keywords:
+                key = {"rel_tol": "float_rel_tol", "abs_tol": "float_abs_tol"}.get(keyword.arg)
+                if key:
+                    found[key] = float(ast.literal_eval(keyword.value))
+            for key, value in found.items():
+                tolerance[key] = max(tolerance.get(key, 0.0), value)
+    return tolerance
