@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,8 @@ class PromptData:
     train_ids: list[int]
     val_ids: list[int] = field(default_factory=list)
     sources: list[ResolvedSource] = field(default_factory=list)
+    # Rows left out, by "unusable/<source>" (no answer / tests) and "too_long/<source>".
+    dropped: dict[str, int] = field(default_factory=dict)
 
     def config_of(self, prompt_id: int) -> DataConfig:
         """The (single-source) data config of the prompt's source (rendering, SFT)."""
@@ -129,9 +132,55 @@ def _load_local(path: Path, split: str, cache_dir: str | None) -> Any:
         raise ValueError(
             f"cannot read {path}: expected files of one type among {sorted(_BUILDERS)}"
         )
+    for file in files:
+        check_data_file(file)
     return datasets.load_dataset(
         builders.pop(), data_files=[str(p) for p in files], split="train", cache_dir=cache_dir
     )
+
+
+def check_data_file(path: Path) -> None:
+    """Raise ValueError naming ``path`` (and the line) for an empty file, and for a text file
+    (jsonl / json / csv) that is not UTF-8 or holds a line that is not a JSON object: the
+    ``datasets`` library reports these as a bare ``StopIteration``, a decode error deep in
+    pyarrow at the first read of the row, or "An error occurred while generating the
+    dataset"."""
+    data = path.read_bytes()
+    if not data.strip():
+        raise ValueError(f"{path}: the file is empty (no rows)")
+    if path.suffix not in (".jsonl", ".json", ".csv"):
+        return
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ValueError(
+            f"{path} line {line}: not UTF-8 text (byte {data[err.start]:#04x} at offset "
+            f"{err.start}); re-encode the file as UTF-8"
+        ) from None
+    if path.suffix == ".csv":
+        return
+    if path.suffix == ".json" and text.lstrip().startswith("["):  # one JSON array of rows
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} line {err.lineno}: invalid JSON ({err.msg})") from None
+        bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+        if not rows or bad is not None:
+            what = "an empty array" if not rows else f"item {bad} is not an object"
+            raise ValueError(f"{path}: expected an array of JSON objects ({what})")
+        return
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} line {line_no}: invalid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"{path} line {line_no}: expected a JSON object per line, got {type(row).__name__}"
+            )
 
 
 def load_records(config: DataConfig) -> Any:
@@ -190,24 +239,53 @@ def _fn_name(row: dict[str, Any]) -> str | None:
 
 
 def _problem_text(row: dict[str, Any], field_name: str, config: DataConfig) -> str:
-    problem = str(row[field_name])
+    value = row.get(field_name)
+    problem = "" if _missing(value) else str(value)
     starter = row.get("starter_code") if config.format == "deepcoder" else None
-    if isinstance(starter, str) and starter.strip():
+    if problem.strip() and isinstance(starter, str) and starter.strip():
         problem += f"\n\nStart from this code:\n```python\n{starter.strip()}\n```"
     return problem
+
+
+# Text that a null value becomes on its way through str() or a CSV / pandas export.
+_NULL_TEXT = frozenset({"", "none", "null", "nan", "n/a"})
+# A source whose unusable rows exceed this fraction is refused, not filtered: a wrong field
+# mapping or a broken export, not a few bad rows (ScaleRL's Polaris-53K has none).
+MAX_UNUSABLE_FRACTION = 0.5
+_NAMED_ROWS = 5  # rows named in a warning or error
+
+
+def _missing(value: Any) -> bool:
+    """A null: None, NaN (a parquet / pandas null), or an empty container."""
+    if value is None:
+        return True
+    if isinstance(value, float) and math.isnan(value):
+        return True
+    return isinstance(value, (list, dict, tuple)) and not value
+
+
+def _answer_text(value: Any) -> str | None:
+    """The reference answer of a math row; None when the row has none."""
+    return None if _missing(value) else str(value)
 
 
 def build_prompts(
     rows: Any, config: DataConfig, first_id: int = 0, source: int = 0
 ) -> list[Prompt]:
     """``Prompt`` objects from raw rows (``datasets.Dataset`` or list of dicts), numbered
-    from ``first_id``, of source index ``source`` and domain ``config.effective_domain()``."""
+    from ``first_id``, of source index ``source`` and domain ``config.effective_domain()``.
+
+    Every row becomes a prompt (ids are row indices); a null or missing answer stays None
+    (never the text "None"). ``unusable_rows`` says which prompts must not be used."""
     problem_field, answer_field, tests_field = config.fields()
     columns = list(rows.column_names) if hasattr(rows, "column_names") else None
     if columns is not None:
         for name in (problem_field, answer_field, tests_field):
             if name and name not in columns:
-                raise ValueError(f"field {name!r} is not in the dataset (fields: {columns})")
+                raise ValueError(
+                    f"field {name!r} is not in the dataset {config.source!r} (fields: "
+                    f"{columns}); set data.format or the data.*_field keys"
+                )
     domain = config.effective_domain()
     if domain == "code" and not tests_field:
         raise ValueError(f"source {config.source!r} has domain 'code' but no tests field")
@@ -216,10 +294,10 @@ def build_prompts(
     prompts = []
     for i, row in enumerate(rows):
         if domain == "code":
-            reference = {"tests": row[tests_field], "fn_name": _fn_name(row)}
+            reference = {"tests": row.get(tests_field), "fn_name": _fn_name(row)}
             answer, tests = None, reference
         else:
-            answer, tests = str(row[answer_field]), None
+            answer, tests = _answer_text(row.get(answer_field)), None
         solution = row.get(config.solution_field) if config.solution_field else None
         prompts.append(
             Prompt(
@@ -227,12 +305,71 @@ def build_prompts(
                 problem=_problem_text(row, problem_field, config),
                 answer=answer,
                 tests=tests,
-                solution=str(solution) if solution is not None else None,
+                solution=None if _missing(solution) else str(solution),
                 domain=domain,
                 source=source,
             )
         )
     return prompts
+
+
+def _unusable(prompt: Prompt) -> str | None:
+    """Why ``prompt`` cannot be scored (None: it can)."""
+    if not prompt.problem.strip() or prompt.problem.strip().lower() in _NULL_TEXT:
+        return "no problem text"
+    if prompt.kind == "code":
+        from megatron_rl.rewards.code import parse_tests
+
+        raw = (prompt.tests or {}).get("tests")
+        if _missing(raw) or (isinstance(raw, str) and raw.strip().lower() in _NULL_TEXT):
+            return "no tests"
+        try:  # the verifier's own parser: tests it cannot read could never pass
+            parse_tests(prompt.tests)
+        except Exception as exc:  # noqa: BLE001 - any failure means unusable tests
+            return f"unusable tests ({type(exc).__name__}: {str(exc)[:80]})"
+        return None
+    if prompt.answer is None:
+        return "no answer (null or missing)"
+    if prompt.answer.strip().lower() in _NULL_TEXT:
+        return f"no answer ({prompt.answer!r})"
+    return None
+
+
+def unusable_rows(prompts: list[Prompt]) -> dict[int, str]:
+    """Prompt id -> why the row cannot be scored: no problem text; math: a null, missing,
+    empty or "None"-like answer (scored, ``\\boxed{None}`` would earn the full reward);
+    code: no tests, or tests the code verifier cannot parse."""
+    return {p.prompt_id: why for p in prompts if (why := _unusable(p)) is not None}
+
+
+def reject_unusable(prompts: list[Prompt], config: DataConfig) -> list[Prompt]:
+    """The usable prompts of one source. A few unusable rows are dropped with a warning
+    naming the first ones; more than ``MAX_UNUSABLE_FRACTION`` of the rows (a wrong field
+    or a broken file) is a ValueError naming the field and the source."""
+    bad = unusable_rows(prompts)
+    if not bad:
+        return prompts
+    first = prompts[0].prompt_id
+    named = ", ".join(f"row {i - first}: {why}" for i, why in list(bad.items())[:_NAMED_ROWS])
+    more = f", and {len(bad) - _NAMED_ROWS} more" if len(bad) > _NAMED_ROWS else ""
+    problem_field, answer_field, tests_field = config.fields()
+    field_name = tests_field if prompts[0].kind == "code" else answer_field
+    if len(bad) > MAX_UNUSABLE_FRACTION * len(prompts):
+        raise ValueError(
+            f"{config.source}: {len(bad)} of {len(prompts)} rows cannot be scored (field "
+            f"{field_name!r} / {problem_field!r}; rows counted from 0): {named}{more}; "
+            "check data.format and the data.*_field keys, or clean the file"
+        )
+    logger.warning(
+        "%s: dropped %d of %d rows that cannot be scored (field %r; rows counted from 0): %s%s",
+        config.source,
+        len(bad),
+        len(prompts),
+        field_name,
+        named,
+        more,
+    )
+    return [p for p in prompts if p.prompt_id not in bad]
 
 
 def _normalise(text: str) -> str:
@@ -260,19 +397,30 @@ def split_ids(prompts: list[Prompt], val_size: int, seed: int) -> tuple[list[int
     return train_ids, val_ids
 
 
-def load_prompt_data(config: DataConfig, tokenizer: Any = None) -> PromptData:
-    """Load, split and (with ``max_prompt_tokens`` and a tokenizer) length-filter the
-    prompts of every source; each source is split on its own."""
+def load_prompt_data(
+    config: DataConfig, tokenizer: Any = None, max_tokens: int | None = None
+) -> PromptData:
+    """Load, check, split and length-filter the prompts of every source; each source is
+    split on its own.
+
+    Rows that cannot be scored are dropped before the split (``reject_unusable``). With a
+    tokenizer, prompts longer than the tighter of ``config.max_prompt_tokens`` (0: none) and
+    ``max_tokens`` (what the run can take: ``megatron_rl.config.checks.prompt_token_limit``)
+    are dropped. ``PromptData.dropped`` counts both, by source."""
     config.validate()
     sources = config.resolve()
     prompts: list[Prompt] = []
     train_ids: list[int] = []
     val_ids: list[int] = []
+    dropped: dict[str, int] = {}
     for index, source in enumerate(sources):
         part = build_prompts(load_records(source.config), source.config, len(prompts), index)
         if not part:
             raise ValueError(f"dataset {source.config.source!r} is empty")
-        train, val = _load_split(part, source.config, tokenizer)
+        usable = reject_unusable(part, source.config)
+        train, val, too_long = _load_split(usable, source.config, tokenizer, max_tokens)
+        dropped[f"unusable/{source.name}"] = len(part) - len(usable)
+        dropped[f"too_long/{source.name}"] = too_long
         prompts += part
         train_ids += train
         val_ids += val
@@ -286,36 +434,40 @@ def load_prompt_data(config: DataConfig, tokenizer: Any = None) -> PromptData:
                 len(val),
             )
     logger.info("prompts: %d train, %d validation", len(train_ids), len(val_ids))
-    return PromptData(prompts, train_ids, val_ids, sources)
+    return PromptData(prompts, train_ids, val_ids, sources, dropped)
 
 
 def _load_split(
-    prompts: list[Prompt], config: DataConfig, tokenizer: Any
-) -> tuple[list[int], list[int]]:
-    """(train ids, validation ids) of one source's prompts, length-filtered."""
+    prompts: list[Prompt], config: DataConfig, tokenizer: Any, max_tokens: int | None
+) -> tuple[list[int], list[int], int]:
+    """(train ids, validation ids, prompts dropped as too long) of one source's prompts."""
     train_ids, val_ids = split_ids(prompts, config.val_size, config.split_seed)
+    limits = [n for n in (config.max_prompt_tokens, max_tokens) if n is not None and n > 0]
+    if max_tokens == 0:
+        limits.append(0)  # no room for any prompt: the error below says so
+    if not limits:
+        return train_ids, val_ids, 0
+    limit = min(limits)
+    if tokenizer is None:
+        raise ValueError("a prompt length limit (max_prompt_tokens) needs a tokenizer")
+    from megatron_rl.data.rendering import prompt_token_count
+
     by_id = {p.prompt_id: p for p in prompts}
-    if config.max_prompt_tokens:
-        if tokenizer is None:
-            raise ValueError("max_prompt_tokens needs a tokenizer")
-        from megatron_rl.data.rendering import prompt_token_count
-
-        def fits(i: int) -> bool:
-            return (
-                prompt_token_count(by_id[i].problem, config, tokenizer) <= config.max_prompt_tokens
-            )
-
-        kept_train, kept_val = [i for i in train_ids if fits(i)], [i for i in val_ids if fits(i)]
-        logger.info(
-            "max_prompt_tokens=%d dropped %d training and %d validation prompts",
-            config.max_prompt_tokens,
-            len(train_ids) - len(kept_train),
-            len(val_ids) - len(kept_val),
-        )
-        train_ids, val_ids = kept_train, kept_val
-        if not train_ids:
-            raise ValueError(
-                f"no training prompt of {config.source!r} fits "
-                f"max_prompt_tokens={config.max_prompt_tokens}"
-            )
-    return train_ids, val_ids
+    first = prompts[0].prompt_id
+    lengths = {
+        i: prompt_token_count(by_id[i].problem, config, tokenizer) for i in train_ids + val_ids
+    }
+    too_long = sorted(i for i, n in lengths.items() if n > limit)
+    if config.max_prompt_tokens and limit == config.max_prompt_tokens:
+        why, log = f"data.max_prompt_tokens={limit}", logger.info
+    else:  # the recipe cannot take them: an over-long row must not stop the run at its step
+        why, log = f"the run's limit of {limit} tokens (see prompt_token_limit)", logger.warning
+    if too_long:
+        named = ", ".join(f"row {i - first} ({lengths[i]} tokens)" for i in too_long[:5])
+        log("%s: dropped %d prompts longer than %s: %s", config.source, len(too_long), why, named)
+    dropped = set(too_long)
+    train_ids = [i for i in train_ids if i not in dropped]
+    val_ids = [i for i in val_ids if i not in dropped]
+    if not train_ids:
+        raise ValueError(f"no training prompt of {config.source!r} fits {why}")
+    return train_ids, val_ids, len(too_long)
