@@ -392,3 +392,33 @@ def test_over_long_prompts_are_dropped_whatever_max_prompt_tokens_says(tmp_path,
     config.data.max_prompt_tokens = 20  # "What is 19 + 19?" is 18 tokens with newline, BOS
     data = load_prompt_data(config.data, tokenizer, max_tokens=prompt_token_limit(config))
     assert 9 not in data.train_ids + data.val_ids and 0 in data.train_ids + data.val_ids
+
+
+def test_a_mixture_names_rows_within_each_source_and_counts_by_source(tmp_path, caplog):
+    from megatron_rl.data import DataSourceConfig
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(tmp_path / "tok")
+    first = write_jsonl(tmp_path / "a.jsonl", polaris_rows(10))
+    rows = polaris_rows(10)
+    rows[0]["answer"] = None
+    rows[4]["problem"] = "4" * 40  # 42 tokens with newline and BOS
+    second = write_jsonl(tmp_path / "b.jsonl", rows)
+    config = DataConfig(
+        val_size=2,
+        sources=[
+            DataSourceConfig(source=str(first), name="a"),
+            DataSourceConfig(source=str(second), name="b"),
+        ],
+    )
+    with caplog.at_level("WARNING"):
+        data = load_prompt_data(config, tokenizer, max_tokens=32)
+    assert data.dropped == {
+        "unusable/a": 0,
+        "too_long/a": 0,
+        "unusable/b": 1,
+        "too_long/b": 1,
+    }
+    assert set(data.train_ids) | set(data.val_ids) == set(range(20)) - {10, 14}
+    assert "b.jsonl: dropped 1 of 10 rows that cannot be scored" in caplog.text
+    assert "row 0: no answer" in caplog.text and "row 4 (42 tokens)" in caplog.text

@@ -418,7 +418,8 @@ def load_prompt_data(
         if not part:
             raise ValueError(f"dataset {source.config.source!r} is empty")
         usable = reject_unusable(part, source.config)
-        train, val, too_long = _load_split(usable, source.config, tokenizer, max_tokens)
+        first = part[0].prompt_id  # rows are named from the source's first row
+        train, val, too_long = _load_split(usable, source.config, tokenizer, max_tokens, first)
         dropped[f"unusable/{source.name}"] = len(part) - len(usable)
         dropped[f"too_long/{source.name}"] = too_long
         prompts += part
@@ -438,7 +439,11 @@ def load_prompt_data(
 
 
 def _load_split(
-    prompts: list[Prompt], config: DataConfig, tokenizer: Any, max_tokens: int | None
+    prompts: list[Prompt],
+    config: DataConfig,
+    tokenizer: Any,
+    max_tokens: int | None,
+    first: int,
 ) -> tuple[list[int], list[int], int]:
     """(train ids, validation ids, prompts dropped as too long) of one source's prompts."""
     train_ids, val_ids = split_ids(prompts, config.val_size, config.split_seed)
@@ -453,7 +458,6 @@ def _load_split(
     from megatron_rl.data.rendering import prompt_token_count
 
     by_id = {p.prompt_id: p for p in prompts}
-    first = prompts[0].prompt_id
     lengths = {
         i: prompt_token_count(by_id[i].problem, config, tokenizer) for i in train_ids + val_ids
     }
