@@ -325,6 +325,7 @@ def test_code_rows_without_usable_tests_are_dropped(tmp_path):
         ("empty.jsonl", b"", r"empty.jsonl: the file is empty"),
         ("blank.jsonl", b"\n  \n", r"blank.jsonl: the file is empty"),
         ("empty.parquet", b"", r"empty.parquet: the file is empty"),
+        ("junk.parquet", b"garbage", r"cannot read .*junk.parquet: ArrowInvalid"),
         (
             "latin1.jsonl",
             b'{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": "1"}\n'

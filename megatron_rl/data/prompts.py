@@ -134,9 +134,15 @@ def _load_local(path: Path, split: str, cache_dir: str | None) -> Any:
         )
     for file in files:
         check_data_file(file)
-    return datasets.load_dataset(
-        builders.pop(), data_files=[str(p) for p in files], split="train", cache_dir=cache_dir
-    )
+    try:
+        return datasets.load_dataset(
+            builders.pop(), data_files=[str(p) for p in files], split="train", cache_dir=cache_dir
+        )
+    except Exception as exc:  # datasets wraps the reader's error without naming the file
+        cause = exc
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise ValueError(f"cannot read {path}: {type(cause).__name__}: {cause}") from exc
 
 
 def check_data_file(path: Path) -> None:
@@ -145,11 +151,14 @@ def check_data_file(path: Path) -> None:
     ``datasets`` library reports these as a bare ``StopIteration``, a decode error deep in
     pyarrow at the first read of the row, or "An error occurred while generating the
     dataset"."""
+    text_format = path.suffix in (".jsonl", ".json", ".csv")
+    if not text_format:  # parquet / arrow: a damaged file fails in pyarrow (_load_local)
+        if path.stat().st_size == 0:
+            raise ValueError(f"{path}: the file is empty (no rows)")
+        return
     data = path.read_bytes()
     if not data.strip():
         raise ValueError(f"{path}: the file is empty (no rows)")
-    if path.suffix not in (".jsonl", ".json", ".csv"):
-        return
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
