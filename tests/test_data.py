@@ -423,3 +423,26 @@ def test_a_mixture_names_rows_within_each_source_and_counts_by_source(tmp_path, 
     assert set(data.train_ids) | set(data.val_ids) == set(range(20)) - {10, 14}
     assert "b.jsonl: dropped 1 of 10 rows that cannot be scored" in caplog.text
     assert "row 0: no answer" in caplog.text and "row 4 (42 tokens)" in caplog.text
+
+
+@pytest.mark.timeout(600)  # ~30 s on a quiet 2-core machine (model set-up before the data)
+def test_train_reports_a_bad_data_file_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = tmp_path / "polaris.jsonl"
+    data.write_bytes(b'{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", "answer": 4,}\n')
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_rl.cli",
+        "train",
+        str(root / "recipes" / "tiny_cpu.yaml"),
+    ]
+    cmd += [f"data.source={data}", "data.val_size=1", "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"megatron-rl train: error: {data} line 2: invalid JSON" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -43,6 +43,11 @@ _BUILDERS = {
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
+class DataError(ValueError):
+    """The prompt data cannot be used as given; the message names the file (and line, row or
+    field). ``megatron-rl train`` reports it in one line, without a traceback."""
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One prompt. Math prompts have ``answer``; code prompts have ``tests`` (the
@@ -121,17 +126,15 @@ def _load_local(path: Path, split: str, cache_dir: str | None) -> Any:
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise ValueError(f"{path} has splits {sorted(loaded)}, not hub_split={split!r}")
+                raise DataError(f"{path} has splits {sorted(loaded)}, not hub_split={split!r}")
             return loaded[split]
         return loaded
     files = sorted(p for p in path.iterdir() if p.suffix in _BUILDERS) if path.is_dir() else [path]
     if not files:
-        raise ValueError(f"no data files ({', '.join(sorted(_BUILDERS))}) in {path}")
+        raise DataError(f"no data files ({', '.join(sorted(_BUILDERS))}) in {path}")
     builders = {_BUILDERS.get(p.suffix) for p in files}
     if None in builders or len(builders) != 1:
-        raise ValueError(
-            f"cannot read {path}: expected files of one type among {sorted(_BUILDERS)}"
-        )
+        raise DataError(f"cannot read {path}: expected files of one type among {sorted(_BUILDERS)}")
     for file in files:
         check_data_file(file)
     try:
@@ -142,11 +145,11 @@ def _load_local(path: Path, split: str, cache_dir: str | None) -> Any:
         cause = exc
         while cause.__cause__ is not None:
             cause = cause.__cause__
-        raise ValueError(f"cannot read {path}: {type(cause).__name__}: {cause}") from exc
+        raise DataError(f"cannot read {path}: {type(cause).__name__}: {cause}") from exc
 
 
 def check_data_file(path: Path) -> None:
-    """Raise ValueError naming ``path`` (and the line) for an empty file, and for a text file
+    """Raise DataError naming ``path`` (and the line) for an empty file, and for a text file
     (jsonl / json / csv) that is not UTF-8 or holds a line that is not a JSON object: the
     ``datasets`` library reports these as a bare ``StopIteration``, a decode error deep in
     pyarrow at the first read of the row, or "An error occurred while generating the
@@ -154,16 +157,16 @@ def check_data_file(path: Path) -> None:
     text_format = path.suffix in (".jsonl", ".json", ".csv")
     if not text_format:  # parquet / arrow: a damaged file fails in pyarrow (_load_local)
         if path.stat().st_size == 0:
-            raise ValueError(f"{path}: the file is empty (no rows)")
+            raise DataError(f"{path}: the file is empty (no rows)")
         return
     data = path.read_bytes()
     if not data.strip():
-        raise ValueError(f"{path}: the file is empty (no rows)")
+        raise DataError(f"{path}: the file is empty (no rows)")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        raise ValueError(
+        raise DataError(
             f"{path} line {line}: not UTF-8 text (byte {data[err.start]:#04x} at offset "
             f"{err.start}); re-encode the file as UTF-8"
         ) from None
@@ -173,11 +176,11 @@ def check_data_file(path: Path) -> None:
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {err.lineno}: invalid JSON ({err.msg})") from None
+            raise DataError(f"{path} line {err.lineno}: invalid JSON ({err.msg})") from None
         bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
         if not rows or bad is not None:
             what = "an empty array" if not rows else f"item {bad} is not an object"
-            raise ValueError(f"{path}: expected an array of JSON objects ({what})")
+            raise DataError(f"{path}: expected an array of JSON objects ({what})")
         return
     for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -185,9 +188,9 @@ def check_data_file(path: Path) -> None:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {line_no}: invalid JSON ({err.msg})") from None
+            raise DataError(f"{path} line {line_no}: invalid JSON ({err.msg})") from None
         if not isinstance(row, dict):
-            raise ValueError(
+            raise DataError(
                 f"{path} line {line_no}: expected a JSON object per line, got {type(row).__name__}"
             )
 
@@ -221,7 +224,7 @@ def load_records(config: DataConfig) -> Any:
     if path.exists():
         return _load_local(path, config.hub_split, cache_dir)
     if config.source.startswith((".", "/", "~")) or path.suffix in _BUILDERS:
-        raise ValueError(f"source {config.source!r} looks like a path but does not exist")
+        raise DataError(f"source {config.source!r} looks like a path but does not exist")
     try:
         return datasets.load_dataset(
             config.source,
@@ -230,7 +233,7 @@ def load_records(config: DataConfig) -> Any:
             cache_dir=cache_dir,
         )
     except Exception as exc:
-        raise ValueError(
+        raise DataError(
             f"cannot load dataset {config.source!r} from the hub (offline? use a local file): {exc}"
         ) from exc
 
@@ -291,15 +294,15 @@ def build_prompts(
     if columns is not None:
         for name in (problem_field, answer_field, tests_field):
             if name and name not in columns:
-                raise ValueError(
+                raise DataError(
                     f"field {name!r} is not in the dataset {config.source!r} (fields: "
                     f"{columns}); set data.format or the data.*_field keys"
                 )
     domain = config.effective_domain()
     if domain == "code" and not tests_field:
-        raise ValueError(f"source {config.source!r} has domain 'code' but no tests field")
+        raise DataError(f"source {config.source!r} has domain 'code' but no tests field")
     if domain == "math" and not answer_field:
-        raise ValueError(f"source {config.source!r} has domain 'math' but no answer field")
+        raise DataError(f"source {config.source!r} has domain 'math' but no answer field")
     prompts = []
     for i, row in enumerate(rows):
         if domain == "code":
@@ -354,7 +357,7 @@ def unusable_rows(prompts: list[Prompt]) -> dict[int, str]:
 def reject_unusable(prompts: list[Prompt], config: DataConfig) -> list[Prompt]:
     """The usable prompts of one source. A few unusable rows are dropped with a warning
     naming the first ones; more than ``MAX_UNUSABLE_FRACTION`` of the rows (a wrong field
-    or a broken file) is a ValueError naming the field and the source."""
+    or a broken file) is a DataError naming the field and the source."""
     bad = unusable_rows(prompts)
     if not bad:
         return prompts
@@ -364,7 +367,7 @@ def reject_unusable(prompts: list[Prompt], config: DataConfig) -> list[Prompt]:
     problem_field, answer_field, tests_field = config.fields()
     field_name = tests_field if prompts[0].kind == "code" else answer_field
     if len(bad) > MAX_UNUSABLE_FRACTION * len(prompts):
-        raise ValueError(
+        raise DataError(
             f"{config.source}: {len(bad)} of {len(prompts)} rows cannot be scored (field "
             f"{field_name!r} / {problem_field!r}; rows counted from 0): {named}{more}; "
             "check data.format and the data.*_field keys, or clean the file"
@@ -389,7 +392,7 @@ def split_ids(prompts: list[Prompt], val_size: int, seed: int) -> tuple[list[int
     """(train ids, validation ids): ``val_size`` random prompts for validation (by
     ``seed``), and no training prompt whose problem text equals a validation one."""
     if val_size >= len(prompts) and val_size > 0:
-        raise ValueError(f"val_size={val_size} leaves no training prompts out of {len(prompts)}")
+        raise DataError(f"val_size={val_size} leaves no training prompts out of {len(prompts)}")
     ids = [p.prompt_id for p in prompts]
     by_id = {p.prompt_id: p for p in prompts}
     val_ids = sorted(random.Random(f"val-split-{seed}").sample(ids, val_size))
@@ -402,7 +405,7 @@ def split_ids(prompts: list[Prompt], val_size: int, seed: int) -> tuple[list[int
     if dropped:
         logger.info("removed %d training prompts that duplicate validation problems", dropped)
     if not train_ids:
-        raise ValueError("no training prompts left after the validation split")
+        raise DataError("no training prompts left after the validation split")
     return train_ids, val_ids
 
 
@@ -425,7 +428,7 @@ def load_prompt_data(
     for index, source in enumerate(sources):
         part = build_prompts(load_records(source.config), source.config, len(prompts), index)
         if not part:
-            raise ValueError(f"dataset {source.config.source!r} is empty")
+            raise DataError(f"dataset {source.config.source!r} is empty")
         usable = reject_unusable(part, source.config)
         first = part[0].prompt_id  # rows are named from the source's first row
         train, val, too_long = _load_split(usable, source.config, tokenizer, max_tokens, first)
@@ -482,5 +485,5 @@ def _load_split(
     train_ids = [i for i in train_ids if i not in dropped]
     val_ids = [i for i in val_ids if i not in dropped]
     if not train_ids:
-        raise ValueError(f"no training prompt of {config.source!r} fits {why}")
+        raise DataError(f"no training prompt of {config.source!r} fits {why}")
     return train_ids, val_ids, len(too_long)

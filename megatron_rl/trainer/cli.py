@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     save_run_config(config, run_dir / "config.yaml")
+    from megatron_rl.data import DataError
     from megatron_rl.trainer.loop import train
     from megatron_rl.trainer.step import LogprobGapError
 
@@ -59,3 +60,6 @@ def run(args: argparse.Namespace) -> int:
     except LogprobGapError as err:  # the run is stopped on purpose: say why, no traceback
         print(f"megatron-rl train: error: {err}", file=sys.stderr)
         return 3
+    except DataError as err:  # a bad data file or row: its message names it
+        print(f"megatron-rl train: error: {err}", file=sys.stderr)
+        return 2
