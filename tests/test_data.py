@@ -283,6 +283,14 @@ def test_rows_without_a_usable_answer_are_dropped_never_scored(tmp_path, caplog)
         assert score(f"<think>.</think>\\boxed{{{2 * i}}}", data.get(i).reference) == 1.0
 
 
+def test_jsonl_with_unicode_line_separators_inside_strings_loads(tmp_path):
+    rows = [{"problem": "Line\u2028separated\x1cproblem", "answer": "1"}] * 2
+    path = tmp_path / "u2028.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows))
+    data = load_prompt_data(DataConfig(source=str(path), val_size=0))
+    assert [p.problem for p in data.prompts] == [rows[0]["problem"]] * 2
+
+
 def test_a_row_missing_its_answer_key_in_jsonl_is_dropped(tmp_path):
     rows = polaris_rows(10)
     del rows[4]["answer"]  # DeepScaleR-style row without the key: null in the column

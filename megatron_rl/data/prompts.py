@@ -182,7 +182,9 @@ def check_data_file(path: Path) -> None:
             what = "an empty array" if not rows else f"item {bad} is not an object"
             raise DataError(f"{path}: expected an array of JSON objects ({what})")
         return
-    for line_no, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: str.splitlines() also splits at U+2028 and other separators
+    # that JSON allows unescaped inside a string.
+    for line_no, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
