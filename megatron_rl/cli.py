@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     sub = argparse.ArgumentParser(prog=f"megatron-rl {name}", description=help_text)
     module.add_arguments(sub)
-    args = sub.parse_args(argv[1:])
+    try:  # positionals (dotted overrides) may follow options: `train R --run-dir X a.b=1`
+        args = sub.parse_intermixed_args(argv[1:])
+    except TypeError:  # argparse cannot intermix a parser with sub-commands (convert)
+        args = sub.parse_args(argv[1:])
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -336,6 +336,42 @@ def test_recipe_file_errors_are_config_errors(tmp_path):
     assert "'optimizer': expected a mapping" in error_of(TINY, ["optimizer=3"])
 
 
+def test_a_non_utf8_recipe_is_a_config_error_naming_file_and_line(tmp_path, capsys):
+    from megatron_rl.cli import main
+
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(f"base: {TINY}\n# r\xe9glage\n".encode("latin-1"))
+    assert f"{path} line 2: not UTF-8" in error_of(path)
+    assert main(["train", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-rl train: error:") and "line 2: not UTF-8" in err
+
+
+def test_overrides_may_follow_options(tmp_path, capsys):
+    """`megatron-rl train RECIPE --run-dir X a.b=1`: argparse's parse_args stopped the
+    positionals at the first option and rejected the override as unrecognized."""
+    from megatron_rl.cli import main
+
+    run_dir = tmp_path / "run"
+    argv = ["train", str(TINY), "--run-dir", str(run_dir), "optimizer.lr=3e-4", "--dry-run"]
+    assert main([*argv, "batch.prompts_per_step=8"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["optimizer"]["lr"] == 3e-4 and printed["batch"]["prompts_per_step"] == 8
+    assert main(["plan", str(TINY), "--markdown", "parallel.tensor=1"]) == 0  # plan too
+
+
+def test_a_run_dir_that_is_a_file_is_refused_clearly(tmp_path, capsys):
+    from megatron_rl.cli import main
+
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("keep me")
+    for run_dir in (blocker, blocker / "run"):
+        assert main(["train", str(TINY), "--run-dir", str(run_dir)]) == 2
+        err = capsys.readouterr().err
+        assert f"{blocker} is a file, not a directory" in err and "Traceback" not in err
+    assert blocker.read_text() == "keep me"
+
+
 def test_loading_a_recipe_imports_no_torch():
     """The config schema (all sections, model-shape checks included) is torch-free."""
     import subprocess

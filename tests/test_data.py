@@ -258,6 +258,219 @@ def test_special_judge_code_problems_are_dropped_with_a_count(tmp_path, caplog):
     path = write_jsonl(tmp_path / "deepcoder.jsonl", rows)
     with caplog.at_level(logging.WARNING, logger="megatron_rl.data.prompts"):
         data = load_prompt_data(DataConfig(source=str(path), format="deepcoder", val_size=0))
-    assert [p.problem for p in data.prompts] == ["Double it.", "Triple it."]
-    assert [p.prompt_id for p in data.prompts] == [0, 1]
+    assert [data.prompts[i].problem for i in data.train_ids] == ["Double it.", "Triple it."]
+    assert data.train_ids == [0, 3]  # ids stay row indices
+    assert data.dropped["special_judge/" + data.sources[0].name] == 2
     assert any("dropped 2 code problems" in r.getMessage() for r in caplog.records)
+
+
+# --- Data checked at the door (issue 30, section 4, items 5, 8 and 10) ---------------------
+
+
+def test_rows_without_a_usable_answer_are_dropped_never_scored(tmp_path, caplog):
+    """A Polaris-layout parquet (nullable string answer column, as the hub exports it) with
+    a few bad rows: a null answer used to become the reference 'None', which the response
+    \\boxed{None} matched for the full reward."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megatron_rl.rewards.math import score
+
+    rows = polaris_rows(40)
+    bad = {3: None, 11: "None", 17: "", 29: "  null "}
+    for i, answer in bad.items():
+        rows[i]["answer"] = answer
+    table = pa.table(
+        {
+            "problem": [r["problem"] for r in rows],
+            "answer": pa.array([r["answer"] for r in rows], pa.string()),
+            "difficulty": [f"{r['difficulty']}/8" for r in rows],
+        }
+    )
+    pq.write_table(table, tmp_path / "polaris.parquet")
+    with caplog.at_level("WARNING"):
+        data = load_prompt_data(DataConfig(source=str(tmp_path / "polaris.parquet"), val_size=6))
+    used = set(data.train_ids) | set(data.val_ids)
+    assert used == set(range(40)) - set(bad)  # ids stay row indices; the bad rows are out
+    assert len(data.val_ids) == 6  # held out among the usable rows
+    assert data.dropped["unusable/math"] == 4
+    assert data.get(3).answer is None  # never the text 'None'
+    assert "row 3: no answer" in caplog.text and "row 29" in caplog.text
+    # Whatever is drawn is scored against a real answer: \boxed{None} earns nothing.
+    assert score("<think>.</think>\\boxed{None}", "None") == 1.0  # what a bad row used to be
+    for i in sorted(used)[:8]:
+        assert score("<think>.</think>\\boxed{None}", data.get(i).reference) < 1.0
+        assert score(f"<think>.</think>\\boxed{{{2 * i}}}", data.get(i).reference) == 1.0
+
+
+def test_jsonl_with_unicode_line_separators_inside_strings_loads(tmp_path):
+    rows = [{"problem": "Line\u2028separated\x1cproblem", "answer": "1"}] * 2
+    path = tmp_path / "u2028.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows))
+    data = load_prompt_data(DataConfig(source=str(path), val_size=0))
+    assert [p.problem for p in data.prompts] == [rows[0]["problem"]] * 2
+
+
+def test_a_row_missing_its_answer_key_in_jsonl_is_dropped(tmp_path):
+    rows = polaris_rows(10)
+    del rows[4]["answer"]  # DeepScaleR-style row without the key: null in the column
+    rows[7]["answer"] = float("nan")  # a pandas export's null
+    path = tmp_path / "deepscaler.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_prompt_data(DataConfig(source=str(path), val_size=0))
+    assert data.train_ids == [0, 1, 2, 3, 5, 6, 8, 9]
+    assert data.dropped == {"unusable/math": 2, "too_long/math": 0}
+
+
+def test_mostly_unusable_rows_or_a_missing_answer_field_is_an_error(tmp_path):
+    rows = polaris_rows(8)
+    for row in rows[:5]:
+        row["answer"] = None
+    path = write_jsonl(tmp_path / "broken.jsonl", rows)
+    with pytest.raises(ValueError, match=r"broken.jsonl: 5 of 8 rows .*'answer'.*row 0"):
+        load_prompt_data(DataConfig(source=str(path), val_size=0))
+    renamed = write_jsonl(
+        tmp_path / "renamed.jsonl",
+        [{"question": "1+1", "final": "2"}, {"question": "2", "final": "2"}],
+    )
+    with pytest.raises(ValueError, match=r"field 'problem' is not in the dataset .*renamed.jsonl"):
+        load_prompt_data(DataConfig(source=str(renamed), val_size=0))
+
+
+def test_code_rows_without_usable_tests_are_dropped(tmp_path):
+    good = json.dumps([{"input": "1\n", "output": "2\n", "testtype": "stdin"}])
+    tests = [good] * 7 + ["", "[]", None, "{not json"]
+    rows = [{"problem": f"Task {i}.", "tests": t, "metadata": "{}"} for i, t in enumerate(tests)]
+    path = write_jsonl(tmp_path / "deepcoder.jsonl", rows)
+    data = load_prompt_data(DataConfig(source=str(path), format="deepcoder", val_size=0))
+    assert data.train_ids == list(range(7))
+    assert data.dropped["unusable/code"] == 4
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("empty.jsonl", b"", r"empty.jsonl: the file is empty"),
+        ("blank.jsonl", b"\n  \n", r"blank.jsonl: the file is empty"),
+        ("empty.parquet", b"", r"empty.parquet: the file is empty"),
+        ("junk.parquet", b"garbage", r"cannot read .*junk.parquet: ArrowInvalid"),
+        (
+            "latin1.jsonl",
+            b'{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": "1"}\n'
+            b'{"problem": "caf\xe9", "answer": "1"}\n',
+            r"latin1.jsonl line 3: not UTF-8",
+        ),
+        (
+            "latin1.csv",
+            b"problem,answer\na,1\ncaf\xe9,2\n",
+            r"latin1.csv line 3: not UTF-8",
+        ),
+        (
+            "broken.jsonl",
+            b'{"problem": "a", "answer": "1"}\n{"problem": "b", answer: 1}\n',
+            r"broken.jsonl line 2: invalid JSON",
+        ),
+        (
+            "list.jsonl",
+            b'{"problem": "a", "answer": "1"}\n\n["b", "1"]\n',
+            r"list.jsonl line 3: expected a JSON object per line",
+        ),
+        ("array.json", b'[{"problem": "a",\n "answer": 1},\n]', r"array.json line 3: invalid JSON"),
+    ],
+)
+def test_unreadable_data_files_name_the_file_and_line(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        load_prompt_data(DataConfig(source=str(tmp_path / name), val_size=0))
+
+
+def test_over_long_prompts_are_dropped_whatever_max_prompt_tokens_says(tmp_path, caplog):
+    """tiny_cpu with data.max_prompt_tokens: 0 and one 20,000-character row: the row is
+    dropped and counted at load (it used to reach the warm start, a 327 GB allocation for a
+    real long row, or fail the RL step that drew it)."""
+    from pathlib import Path
+
+    from megatron_rl.config import load_run_config
+    from megatron_rl.config.checks import prompt_token_limit
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(tmp_path / "tok")
+    # tiny_cpu: max_model_len 80 (the tightest of 80, micro_batch_tokens 4096 and the 512
+    # positions of tiny-llama) less the longest response max(max_tokens 48, 36 + 8) = 32.
+    limit = 80 - 48
+    rows = polaris_rows(20)
+    rows[5]["problem"] = "7" * 20_000
+    rows[9]["problem"] = "8" * (limit - 2)  # + newline + BOS: exactly the limit
+    rows[12]["problem"] = "9" * (limit - 1)  # one token over
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml"
+    config = load_run_config(
+        recipe, [f"data.source={path}", "data.max_prompt_tokens=0", "data.val_size=4"]
+    )
+    assert prompt_token_limit(config) == limit
+    with caplog.at_level("WARNING"):
+        data = load_prompt_data(config.data, tokenizer, max_tokens=prompt_token_limit(config))
+    used = set(data.train_ids) | set(data.val_ids)
+    assert used == set(range(20)) - {5, 12}
+    assert data.dropped["too_long/math"] == 2
+    assert "row 5 (20002 tokens)" in caplog.text
+    # data.max_prompt_tokens still lowers the limit, never raises it.
+    config.data.max_prompt_tokens = 1000
+    data = load_prompt_data(config.data, tokenizer, max_tokens=prompt_token_limit(config))
+    assert {5, 12}.isdisjoint(data.train_ids + data.val_ids)
+    config.data.max_prompt_tokens = 20  # "What is 19 + 19?" is 18 tokens with newline, BOS
+    data = load_prompt_data(config.data, tokenizer, max_tokens=prompt_token_limit(config))
+    assert 9 not in data.train_ids + data.val_ids and 0 in data.train_ids + data.val_ids
+
+
+def test_a_mixture_names_rows_within_each_source_and_counts_by_source(tmp_path, caplog):
+    from megatron_rl.data import DataSourceConfig
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(tmp_path / "tok")
+    first = write_jsonl(tmp_path / "a.jsonl", polaris_rows(10))
+    rows = polaris_rows(10)
+    rows[0]["answer"] = None
+    rows[4]["problem"] = "4" * 40  # 42 tokens with newline and BOS
+    second = write_jsonl(tmp_path / "b.jsonl", rows)
+    config = DataConfig(
+        val_size=2,
+        sources=[
+            DataSourceConfig(source=str(first), name="a"),
+            DataSourceConfig(source=str(second), name="b"),
+        ],
+    )
+    with caplog.at_level("WARNING"):
+        data = load_prompt_data(config, tokenizer, max_tokens=32)
+    assert data.dropped == {
+        "unusable/a": 0,
+        "too_long/a": 0,
+        "unusable/b": 1,
+        "too_long/b": 1,
+    }
+    assert set(data.train_ids) | set(data.val_ids) == set(range(20)) - {10, 14}
+    assert "b.jsonl: dropped 1 of 10 rows that cannot be scored" in caplog.text
+    assert "row 0: no answer" in caplog.text and "row 4 (42 tokens)" in caplog.text
+
+
+@pytest.mark.timeout(600)  # ~30 s on a quiet 2-core machine (model set-up before the data)
+def test_train_reports_a_bad_data_file_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = tmp_path / "polaris.jsonl"
+    data.write_bytes(b'{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", "answer": 4,}\n')
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_rl.cli",
+        "train",
+        str(root / "recipes" / "tiny_cpu.yaml"),
+    ]
+    cmd += [f"data.source={data}", "data.val_size=1", "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"megatron-rl train: error: {data} line 2: invalid JSON" in proc.stderr
+    assert "Traceback" not in proc.stderr

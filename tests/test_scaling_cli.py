@@ -129,6 +129,10 @@ def bad_file(tmp_path: Path, kind: str) -> Path:
             {"gpu_hours": 1000.0, "val_pass_rate": 0.2},
         ],
         "too_few": [{"gpu_hours": float(x), "val_pass_rate": 0.3} for x in range(0, 3000, 500)],
+        "above_one": [  # a percentage where a fraction belongs
+            {"gpu_hours": 0.0, "val_pass_rate": 0.2},
+            {"gpu_hours": 2000.0, "val_pass_rate": 45.0},
+        ],
     }[kind]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -141,6 +145,7 @@ def bad_file(tmp_path: Path, kind: str) -> Path:
         ("nan", "val_pass_rate is NaN"),
         ("non_monotone", "gpu_hours is not monotone"),
         ("too_few", "too few points after filtering: 3 of 6"),
+        ("above_one", "line 2: val_pass_rate = 45 is not a pass rate in [0, 1]"),
     ],
 )
 def test_bad_input_exits_2_with_the_message(tmp_path, capsys, kind, message):

@@ -62,6 +62,11 @@ def test_csv_with_chosen_columns(tmp_path):
             "line 2: gpu_hours is not monotone (4.0 after 5.0 on line 1)",
         ),
         ([[1, 2]], "line 1: expected a JSON object"),
+        (
+            [{"gpu_hours": 0.0, "val_pass_rate": 0.1}, {"gpu_hours": 1.0, "val_pass_rate": 1.02}],
+            "line 2: val_pass_rate = 1.02 is not a pass rate in [0, 1]",
+        ),
+        ([{"gpu_hours": 0.0, "val_pass_rate": -0.5}], "line 1: val_pass_rate = -0.5 is not a"),
     ],
 )
 def test_jsonl_errors_name_file_line_and_field(tmp_path, records, message):
@@ -174,3 +179,18 @@ def test_default_config_is_the_papers_grid():
     assert config.a_range == (0.45, 0.80) and config.a_step == 0.005
     assert config.c_mid_range == (100.0, 40000.0) and config.c_mid_num == 100
     assert config.min_x == 1500.0 and config.a_tolerance == 0.02
+
+
+def test_only_pass_rate_fields_are_held_to_zero_one(tmp_path):
+    records = [
+        {"gpu_hours": 0.0, "reward_mean": -0.4, "val_pass_rate/math": 0.2},
+        {"gpu_hours": 1.0, "reward_mean": 1.5, "val_pass_rate/math": 1.5},
+    ]
+    path = write_jsonl(tmp_path / "metrics.jsonl", records)
+    assert list(load_run(path, y_field="reward_mean").y) == [-0.4, 1.5]  # not a rate
+    with pytest.raises(ValueError, match=r"line 2: val_pass_rate/math = 1.5 is not a pass rate"):
+        load_run(path, y_field="val_pass_rate/math")
+    csv_path = tmp_path / "percent.csv"
+    csv_path.write_text("gpu_hours,pass_rate\n0,20\n")
+    with pytest.raises(ValueError, match=r"percent.csv line 2: pass_rate = 20 is not a pass rate"):
+        load_run(csv_path, y_field="pass_rate")

@@ -415,3 +415,11 @@ def test_fp8_padding_leaves_loss_and_update_unchanged(model):
     assert res_padded.loss == pytest.approx(res_plain.loss, rel=1e-6)
     assert res_padded.num_tokens == res_plain.num_tokens
     assert torch.allclose(plain, padded, atol=1e-7)
+
+
+def test_warm_start_drops_examples_longer_than_the_model():
+    from megatron_rl.trainer.warm_start import fitting_examples
+
+    examples = [([1] * 10, [2] * 6), ([1] * 10, [2] * 7), ([1] * 20_000, [2]), ([1], [2] * 500)]
+    assert fitting_examples(examples, 16) == examples[:1]  # 10 + 6 fits 16 positions exactly
+    assert fitting_examples(examples, None) == examples

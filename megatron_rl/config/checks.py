@@ -125,3 +125,25 @@ def _check_routing_replay(config: RunConfig, moe: bool, source: str) -> None:
             f"{key}: not supported with model.recompute_activations under pipeline "
             "parallelism (parallel.pipeline > 1)"
         )
+
+
+def prompt_token_limit(config: RunConfig) -> int | None:
+    """Longest prompt (tokens, BOS included) the run can take: the tightest of
+    ``rollout.max_model_len``, ``model.max_sequence_length``, ``batch.micro_batch_tokens`` and
+    the model's position embeddings, less the longest response (the rule of
+    ``RunConfig._validate_lengths``); None when nothing bounds it.
+
+    The data loader drops longer prompts whatever ``data.max_prompt_tokens`` says (that key
+    may only lower the limit): with ``max_prompt_tokens: 0`` one over-long row otherwise
+    reached the warm start (a 327 GB allocation) or failed the RL step that drew it."""
+    positions = model_fields(config)[0].get("max_position_embeddings")
+    limits = [
+        config.rollout.max_model_len,
+        config.model.max_sequence_length,
+        config.batch.micro_batch_tokens,
+        positions if isinstance(positions, int) else None,
+    ]
+    known = [limit for limit in limits if limit is not None]
+    if not known:
+        return None
+    return max(0, min(known) - config.max_response_tokens())

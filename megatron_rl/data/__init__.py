@@ -10,7 +10,7 @@ from megatron_rl.data.config import (
     SyntheticCodeConfig,
     SyntheticConfig,
 )
-from megatron_rl.data.prompts import Prompt, PromptData, load_prompt_data
+from megatron_rl.data.prompts import DataError, Prompt, PromptData, load_prompt_data
 from megatron_rl.data.rendering import render_prompt, sft_example
 from megatron_rl.data.sampler import (
     MixedPromptSampler,
@@ -37,6 +37,7 @@ def build_sampler(data: PromptData, config: DataConfig, tracker=None):
 
 __all__ = [
     "DataConfig",
+    "DataError",
     "DataSourceConfig",
     "MixedPromptSampler",
     "Prompt",

@@ -49,7 +49,8 @@ def load_run(
     is a record in the making and is ignored.
 
     Raises ``ValueError`` naming the file (and line, field) for missing fields, non-numeric,
-    NaN or infinite values, negative or decreasing x, or a file with no usable record.
+    NaN or infinite values, negative or decreasing x, a pass rate outside [0, 1], or a file
+    with no usable record.
     """
     path = Path(path)
     if not path.is_file():
@@ -71,9 +72,21 @@ def load_run(
                 f"{line_prev}); a resumed run that appended repeated steps? keep one record "
                 "per evaluation"
             )
+    if is_rate(y_field):
+        for line, _, y in rows:
+            if not 0.0 <= y <= 1.0:
+                raise ValueError(
+                    f"{path} line {line}: {y_field} = {y:g} is not a pass rate in [0, 1]"
+                )
     x = np.array([r[1] for r in rows], dtype=np.float64)
     y = np.array([r[2] for r in rows], dtype=np.float64)
     return RunData(name or run_name(path), str(path), x_field, y_field, x, y)
+
+
+def is_rate(field: str) -> bool:
+    """Whether ``field`` holds a fraction in [0, 1]: ``val_pass_rate``, ``pass_rate``,
+    ``val_pass_rate/math``, ... (the sigmoid's asymptote of a pass rate is at most 1)."""
+    return field.split("/", 1)[0].endswith("pass_rate")
 
 
 def domain_fields(path: str | Path, y_field: str = "val_pass_rate") -> list[str]:

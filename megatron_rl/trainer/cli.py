@@ -40,7 +40,18 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(to_yaml(config))
         return 0
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config.name
+    not_a_dir = next(
+        (p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None
+    )
+    if not_a_dir is not None:
+        print(
+            f"megatron-rl train: error: run directory {run_dir}: {not_a_dir} is a file, "
+            "not a directory",
+            file=sys.stderr,
+        )
+        return 2
     save_run_config(config, run_dir / "config.yaml")
+    from megatron_rl.data import DataError
     from megatron_rl.trainer.loop import train
     from megatron_rl.trainer.step import LogprobGapError
 
@@ -49,3 +60,6 @@ def run(args: argparse.Namespace) -> int:
     except LogprobGapError as err:  # the run is stopped on purpose: say why, no traceback
         print(f"megatron-rl train: error: {err}", file=sys.stderr)
         return 3
+    except DataError as err:  # a bad data file or row: its message names it
+        print(f"megatron-rl train: error: {err}", file=sys.stderr)
+        return 2

@@ -416,7 +416,7 @@ def resume_or_warm_start(run: Run) -> tuple[int, list[int]]:
 def warm_start(run: Run) -> None:
     """Supervised warm start on the training prompts' worked solutions (``warm_start.steps``)."""
     from megatron_rl.data import sft_example
-    from megatron_rl.trainer.warm_start import supervised_warm_start
+    from megatron_rl.trainer.warm_start import fitting_examples, supervised_warm_start
 
     cfg = run.config.warm_start
     if cfg.steps <= 0:
@@ -428,8 +428,9 @@ def warm_start(run: Run) -> None:
             text, target = sft_example(prompt.problem, prompt.solution, config, tok)
             target_ids = tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             examples.append((tok(text)["input_ids"], target_ids))
+    examples = fitting_examples(examples, run.model.max_sequence_length)
     if not examples:
-        raise ValueError("warm_start.steps > 0 but no training prompt has a solution")
+        raise ValueError("warm_start.steps > 0 but no training prompt has a solution that fits")
     losses = supervised_warm_start(
         run.ddp,
         examples,

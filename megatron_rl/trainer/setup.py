@@ -94,6 +94,7 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
     import transformers
 
     from megatron_rl.algorithms import PassRateTracker
+    from megatron_rl.config.checks import prompt_token_limit
     from megatron_rl.conversion.hf import load_hf_weights
     from megatron_rl.data import build_sampler, load_prompt_data, render_prompt
     from megatron_rl.models.provider import DTYPES, build_model
@@ -125,7 +126,7 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
         routing_replay.enable(model)
     ddp = wrap_model(model, config.optimizer.distributed, config.optimizer.overlap_grad_reduce)
 
-    data = load_prompt_data(config.data, tokenizer)
+    data = load_prompt_data(config.data, tokenizer, max_tokens=prompt_token_limit(config))
     if any(source.domain == "code" for source in data.sources):
         from megatron_rl.rewards.isolation import box_for
 

@@ -83,3 +83,23 @@ def supervised_warm_start(
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     logger.info("warm start: %d steps, loss %.3f -> %.3f", steps, losses[0], losses[-1])
     return losses
+
+
+def fitting_examples(
+    examples: Sequence[tuple[list[int], list[int]]], max_tokens: int | None
+) -> list[tuple[list[int], list[int]]]:
+    """The examples whose prompt + target fit ``max_tokens`` (None: all); the others are
+    dropped with a warning. One over-long worked solution padded a whole SFT batch to its
+    length (a 20,000-token row: tens of GB of attention scores at batch 32)."""
+    examples = list(examples)
+    if max_tokens is None:
+        return examples
+    kept = [e for e in examples if len(e[0]) + len(e[1]) <= max_tokens]
+    if len(kept) < len(examples):
+        logger.warning(
+            "warm start: dropped %d of %d examples longer than the model's %d positions",
+            len(examples) - len(kept),
+            len(examples),
+            max_tokens,
+        )
+    return kept
