@@ -492,12 +492,11 @@ def start_generators(run: Run, step: int):
         rollout.dtype = run.config.model.dtype
     rollout.return_routed_experts |= run.config.algorithm.routing_replay
     if rollout.placement == "subprocess" and get_platform().is_gpu:
-        import os
-
+        from megatron_rl.platform import local_world_size
         from megatron_rl.rollout.config import engine_gpus
 
-        # Engines on GPUs of their own, after this node's trainer ranks (torchrun's count).
-        local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # Engines on GPUs of their own, after this node's trainer ranks (torchrun's or srun's).
+        local_trainers = local_world_size()
         rollout.gpu_ids = engine_gpus(rollout, local_trainers, run.config.cluster.gpus_per_node)
     pool = GeneratorPool(
         str(run.hf_dir),
