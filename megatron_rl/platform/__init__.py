@@ -24,6 +24,7 @@ _EXPORTS = {
     "local_world_size": "megatron_rl.platform.launcher",
     "run_local_ranks": "megatron_rl.platform.parallel",
     "set_seed": "megatron_rl.platform.parallel",
+    "set_thread_device": "megatron_rl.platform.device",
 }
 
 __all__ = sorted(_EXPORTS)
