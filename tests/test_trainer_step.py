@@ -389,12 +389,12 @@ def test_logprob_gap_above_the_limit_stops_before_the_update(model):
 
 
 def test_fp8_padding_rule():
-    assert token_multiple(False, 4, True) == 1
-    assert token_multiple(True, 1, False) == 16
-    assert token_multiple(True, 4, False) == 16
-    assert token_multiple(True, 4, True) == 64  # s / tp per rank must divide by 16
+    assert token_multiple(None, 4, True) == 1
+    assert token_multiple("delayed", 1, False) == 16
+    assert token_multiple("delayed", 4, False) == 16
+    assert token_multiple("delayed", 4, True) == 64  # s / tp per rank must divide by 16
     for tp, sp in ((1, False), (2, True), (4, True), (8, True)):
-        multiple = token_multiple(True, tp, sp)
+        multiple = token_multiple("delayed", tp, sp)
         for length in (2, 17, 63, 100):
             padded = -(-length // multiple) * multiple
             assert padded % (16 * (tp if sp else 1)) == 0 and padded >= length

@@ -77,7 +77,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
     synced = True
     gap_limit = config.training.logprob_gap_limit(config.model.dtype)
     multiple = token_multiple(
-        config.model.fp8 is not None, config.parallel.tensor, config.parallel.sequence_parallel
+        config.model.fp8_scaling, config.parallel.tensor, config.parallel.sequence_parallel
     )
     # The monitor above sees only the first PipelineRL batch: probe pushes as well.
     probe = LogprobProbe.from_run(run, step, multiple)
