@@ -52,6 +52,7 @@ class MicroBatch:
     prompt_ids: torch.Tensor  # [T]
     monitor_mask: torch.Tensor  # [T] bool: policy tokens of samples the trainer's weights made
     routing: torch.Tensor | None = None  # [b, s, layers, topk]: the generator's experts
+    padding: torch.Tensor | None = None  # [b, s] bool: right padding (True), for the routers
 
     def to(self, device) -> MicroBatch:
         moved = (getattr(self, f.name) for f in fields(self))
@@ -194,6 +195,7 @@ def make_micro_batches(
                 flat["pid"],
                 flat["monitor"],
                 _routing(chunk, tokens.shape[1]),
+                torch.arange(tokens.shape[1]) >= torch.tensor([lengths[i] for i in part])[:, None],
             )
         )
     return batches
