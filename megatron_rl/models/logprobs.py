@@ -15,7 +15,9 @@ def forward_logits(
     Positions are 0..s-1 and attention is causal (right padding needs no mask).
     ``padding [b, s]`` bool: the right-padding positions (True), which MoE routers leave out
     of their auxiliary / z losses (megatron-core's ``padding_mask``; experts still compute
-    them).
+    them). True means padding, as megatron-core 0.16.1's code reads it (``~padding_mask``
+    are the valid tokens in router.py and moe_utils.py; some of its docstrings say the
+    opposite).
     """
     b, s = tokens.shape
     tp = parallel_state.get_tensor_model_parallel_world_size()
