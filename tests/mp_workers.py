@@ -147,3 +147,91 @@ def startup_barrier_worker(sync_dir: str, world_timeout_s: float, late_s: float,
     if rank == 1:
         (sync / "rank1_done").touch()
     return outcomes
+
+
+def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float, wait_min: float):
+    """The other ranks' wait for rank 0's validation pass (loop.validate) on a world whose
+    own timeout is shorter than the pass: rank 0 generates for ``slow_s`` and scores for
+    ``slow_s``; then it never comes. Returns ``[(outcome, seconds)]`` on this rank."""
+    import datetime
+    import os
+    import time
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_rl.config.sections import ValidationConfig
+    from megatron_rl.platform import collectives
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.trainer import loop
+    from megatron_rl.trainer.compute import ComputeClock
+
+    rank = int(os.environ["RANK"])
+    sync = Path(sync_dir)
+    (sync / f"up{rank}").touch()  # both up before the world forms: its timeout is short
+    while not all((sync / f"up{r}").exists() for r in (0, 1)):
+        time.sleep(0.02)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=world_timeout_s))
+
+    class Sample(list):
+        prompt_index = 0
+        response_ids = [1, 2]
+
+    class Pool:
+        def generate(self, prompts, seeds, samples_per_prompt, temperature):
+            time.sleep(slow_s)
+            return [Sample([1, 2]) for _ in range(len(prompts) * samples_per_prompt)]
+
+        def generated_tokens(self) -> int:
+            return 0
+
+    def score_batch(texts, refs, kinds):
+        time.sleep(slow_s)
+        return [1.0] * len(texts)
+
+    config = SimpleNamespace(
+        seed=0,
+        validation=ValidationConfig(samples_per_prompt=2, timeout_minutes=wait_min),
+        rollout=RolloutConfig(startup_timeout_minutes=wait_min / 2, batch_timeout_minutes=wait_min),
+    )
+    run = SimpleNamespace(
+        config=config,
+        data=SimpleNamespace(
+            val_by_domain=lambda: {"math": [0]},
+            get=lambda i: SimpleNamespace(kind="math", reference="1"),
+            sources=["math"],
+        ),
+        tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "1"),
+        rewards=SimpleNamespace(score_batch=score_batch, last_counts={"timeout": 0}),
+        clock=ComputeClock(1),
+        metrics=SimpleNamespace(log=lambda record: None),
+        forecast=None,
+        encode=lambda i: [i],
+    )
+    # Before the fix the loop had no waits of its own: the world's group (the fallback).
+    if hasattr(loop, "rank_zero_waits"):
+        run.waits = loop.rank_zero_waits(config)
+    pool = Pool() if rank == 0 else None
+    outcomes = []
+    start = time.monotonic()
+    try:
+        rate = loop.validate(run, pool, step=0, main=rank == 0)
+        collectives.any_rank(False)  # the loop's next world collective: all in step again
+        outcomes.append(("passed", time.monotonic() - start, rate))
+    except Exception as err:  # noqa: BLE001 - the outcome is the test's finding
+        outcomes.append((f"{type(err).__name__}: {err}", time.monotonic() - start, None))
+    if rank == 1 and outcomes[0][0] == "passed":
+        start = time.monotonic()
+        try:  # rank 0 never starts this pass
+            loop.validate(run, None, step=1, main=False)
+            outcomes.append(("passed", time.monotonic() - start, None))
+        except Exception as err:  # noqa: BLE001
+            outcomes.append((f"{type(err).__name__}: {err}", time.monotonic() - start, None))
+    if rank == 1:
+        (sync / "rank1_done").touch()
+    else:
+        deadline = time.monotonic() + 120
+        while not (sync / "rank1_done").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return outcomes

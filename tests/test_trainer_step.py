@@ -318,8 +318,9 @@ def test_update_in_a_parallel_layout_equals_one_rank(preset, layout, tiny_hf_dir
 def routed_tokens(samples, layout: dict, micro_batch_size: int, world: int) -> float:
     """Tokens one MoE layer routes in a step, by hand: each data-parallel rank's groups with
     reward variance (zero-variance ones are not forwarded) in micro-batches (longest sequences
-    first) padded to their longest sequence (to a multiple of TP under sequence parallelism),
-    plus the 2-token empty micro-batches of ranks with fewer."""
+    first), their padding (to their longest sequence, and to a multiple of TP under sequence
+    parallelism) left out as megatron's padding_mask says, plus the 2-token empty
+    micro-batches of ranks with fewer (unmasked)."""
     tp = layout.get("tensor", 1)
     dp = world // (tp * layout.get("pipeline", 1))
     multiple = tp if layout.get("sequence_parallel") else 1
@@ -332,10 +333,9 @@ def routed_tokens(samples, layout: dict, micro_batch_size: int, world: int) -> f
         mine = [s for s in samples if s.group % dp == r and len(rewards[s.group]) > 1]
         mine.sort(key=lambda s: -(len(s.prompt_tokens) + len(s.response_tokens)))
         chunks = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
-        lengths = [
-            pad(max(len(s.prompt_tokens) + len(s.response_tokens) for s in c)) for c in chunks
-        ]
-        per_rank.append([len(c) * n for c, n in zip(chunks, lengths)])
+        per_rank.append(
+            [sum(len(s.prompt_tokens) + len(s.response_tokens) for s in c) for c in chunks]
+        )
     count = max(len(t) for t in per_rank)
     return float(sum(sum(t) + (count - len(t)) * pad(2) for t in per_rank))
 
@@ -389,12 +389,12 @@ def test_logprob_gap_above_the_limit_stops_before_the_update(model):
 
 
 def test_fp8_padding_rule():
-    assert token_multiple(False, 4, True) == 1
-    assert token_multiple(True, 1, False) == 16
-    assert token_multiple(True, 4, False) == 16
-    assert token_multiple(True, 4, True) == 64  # s / tp per rank must divide by 16
+    assert token_multiple(None, 4, True) == 1
+    assert token_multiple("delayed", 1, False) == 16
+    assert token_multiple("delayed", 4, False) == 16
+    assert token_multiple("delayed", 4, True) == 64  # s / tp per rank must divide by 16
     for tp, sp in ((1, False), (2, True), (4, True), (8, True)):
-        multiple = token_multiple(True, tp, sp)
+        multiple = token_multiple("delayed", tp, sp)
         for length in (2, 17, 63, 100):
             padded = -(-length // multiple) * multiple
             assert padded % (16 * (tp if sp else 1)) == 0 and padded >= length

@@ -439,3 +439,28 @@ def test_gpu_check_smoke_mode_prints_every_section():
     assert proc.returncode == 0, proc.stderr[-3000:]
     for section in ("[collectives]", "[train slice]", "[packing]", "[fp32 head]"):
         assert section in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_ranks_wait_for_a_validation_pass_beyond_the_worlds_timeout_then_fail_naming_the_key(
+    tmp_path,
+):
+    """Issue 27, 2.1: rank 0 validates (generation, then scoring) for longer than the
+    world's own timeout (here 1.5 s; parallel.timeout_minutes, 30, in a run) while the other
+    ranks wait for it. They used to wait in a broadcast on the world's group and failed at
+    its timeout, and left before the scoring; now they wait for the whole pass under
+    validation.timeout_minutes, and a rank 0 that never answers fails them naming it."""
+    from mp_workers import validation_wait_worker
+
+    from megatron_rl.platform import run_local_ranks
+
+    wait_min, slow = 0.1, 2.5  # 6 s; generation 2.5 s + scoring 2.5 s, each > 1.5 s
+    (rank0, rank1) = run_local_ranks(validation_wait_worker, 2, str(tmp_path), 1.5, slow, wait_min)
+    assert rank0 == [("passed", pytest.approx(2 * slow, abs=1.5), 1.0)], rank0
+    (outcome, seconds, rate), absent = rank1
+    assert outcome == "passed" and seconds > 2 * slow - 0.5, rank1  # the whole pass
+    assert rate != rate  # NaN off the main rank
+    message, seconds, _ = absent
+    assert message.startswith("TimeoutError: rank 1: no answer from rank 0 within ")
+    assert "validation.timeout_minutes (0.1 min)" in message, message
+    assert 5.0 < seconds < 30.0  # the validation timeout, not a hang

@@ -165,6 +165,10 @@ class ValidationConfig:
             all of them.
         temperature: sampling temperature; null: ``rollout.temperature`` (paper silent).
         at_start: evaluate once before the first update (the curve's point at C = 0).
+        timeout_minutes: how long the other trainer ranks wait for the main rank's
+            validation pass (generation and scoring; hours at paper scale, far beyond
+            ``parallel.timeout_minutes``); a pass that takes longer fails the run naming this
+            key. ``megatron-rl preflight`` measures a pass against it.
     """
 
     enabled: bool = True
@@ -173,9 +177,11 @@ class ValidationConfig:
     num_prompts: int | None = None
     temperature: float | None = None
     at_start: bool = True
+    timeout_minutes: float = 360.0
 
     def validate(self) -> None:
         _check_int(self, "every_steps", 1)
+        _check_positive(self, "timeout_minutes")
         _check_int(self, "samples_per_prompt", 1)
         if self.num_prompts is not None:
             _check_int(self, "num_prompts", 1)

@@ -119,9 +119,11 @@ def transformer_config(
     fp8: str | None = None,
     recompute: bool = False,
     moe: MoERouterConfig | None = None,
+    fp8_recipe: str = "delayed",
 ) -> TransformerConfig:
     """megatron-core TransformerConfig equivalent to the HF architecture, with the router
-    training settings ``moe`` (``model.moe``) on an MoE model."""
+    training settings ``moe`` (``model.moe``) on an MoE model. ``fp8``: the FP8 format
+    (``model.fp8``), with the scaling recipe ``fp8_recipe`` (``model.fp8_recipe``)."""
     check_divisibility(arch, parallel)
     moe = moe or MoERouterConfig()
     if not arch.is_llama4 and not moe.is_default():
@@ -164,7 +166,7 @@ def transformer_config(
         recompute_num_layers=1 if recompute else None,
     )
     if fp8 is not None:
-        kwargs.update(fp8=fp8, fp8_recipe="delayed")
+        kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe)
     if arch.is_llama4:
         layout = arch.layout
         kwargs.update(

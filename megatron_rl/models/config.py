@@ -7,6 +7,9 @@ from typing import Literal
 
 # megatron-core's load-balancing types that add an auxiliary loss (moe_router_load_balancing_type).
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+# megatron-core 0.16.1's TransformerConfig.fp8_recipe values but 'custom' (which needs a
+# quantizer factory of one's own).
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 
 
 @dataclass
@@ -71,8 +74,11 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     # ScaleRL: compute the LM head (logits, log-probs) in FP32 even in a BF16 model.
     fp32_head: bool = True
-    # GPU only: Transformer Engine FP8 recipe for the linear layers.
+    # GPU only: Transformer Engine FP8 format for the linear layers.
     fp8: Literal["e4m3", "hybrid"] | None = None
+    # With fp8: megatron-core's FP8 scaling recipe; null: delayed. Hopper: delayed, tensorwise
+    # or blockwise; Blackwell: mxfp8 (tokens then pad to multiples of 32, not 16).
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] | None = None
     # "auto": Transformer Engine specs on GPU (an error if TE does not import there), local
     # specs with torch SDPA on CPU; "local" on GPU runs without TE (no FP8).
     layer_spec: Literal["auto", "te", "local"] = "auto"
@@ -80,10 +86,21 @@ class ModelConfig:
     max_sequence_length: int | None = None  # default: the HF config's max_position_embeddings
     moe: MoERouterConfig = field(default_factory=MoERouterConfig)  # MoE models only
 
+    @property
+    def fp8_scaling(self) -> str | None:
+        """The FP8 recipe in force: None without FP8, else ``fp8_recipe`` (default delayed)."""
+        return None if self.fp8 is None else (self.fp8_recipe or "delayed")
+
     def validate(self) -> None:
         if self.preset is None and self.hf_path is None:
             raise ValueError("set either 'preset' or 'hf_path'")
         if self.fp8 is not None and self.dtype != "bfloat16":
             raise ValueError("fp8 needs dtype: bfloat16")
+        if self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(
+                f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}; got {self.fp8_recipe!r}"
+            )
+        if self.fp8_recipe is not None and self.fp8 is None:
+            raise ValueError(f"fp8_recipe {self.fp8_recipe!r} needs fp8 (e4m3 or hybrid)")
         if self.max_sequence_length is not None and self.max_sequence_length < 1:
             raise ValueError("max_sequence_length must be >= 1")

@@ -6,20 +6,40 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 
-def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+def forward_logits(
+    model, tokens: torch.Tensor, padding: torch.Tensor | None = None
+) -> torch.Tensor:
     """This rank's vocab shard of the logits ``[b, s, V/tp]`` for ``tokens [b, s]`` (on an
     earlier pipeline stage: the hidden states it passes on).
 
     Positions are 0..s-1 and attention is causal (right padding needs no mask).
+    ``padding [b, s]`` bool: the right-padding positions (True), which MoE routers leave out
+    of their auxiliary / z losses (megatron-core's ``padding_mask``; experts still compute
+    them). True means padding, as megatron-core 0.16.1's code reads it (``~padding_mask``
+    are the valid tokens in router.py and moe_utils.py; some of its docstrings say the
+    opposite).
     """
     b, s = tokens.shape
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    if model.config.sequence_parallel and s % tp:
+    sequence_parallel = model.config.sequence_parallel and tp > 1
+    if sequence_parallel and s % tp:
         # Sequence parallelism splits the sequence over TP ranks: right-pad to a multiple
         # (causal attention: the padding changes nothing before it) and cut the logits back.
         tokens = torch.nn.functional.pad(tokens, (0, tp - s % tp))
+        if padding is not None:
+            padding = torch.nn.functional.pad(padding, (0, tp - s % tp), value=True)
     position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand(b, -1)
-    output = model(tokens, position_ids, None)
+    extra = {}
+    if padding is not None:
+        if sequence_parallel and not parallel_state.is_pipeline_first_stage():
+            # megatron-core 0.16.1: GPTModel._preprocess cuts padding_mask to this rank's
+            # sequence-parallel chunk on the first pipeline stage only; a later stage would
+            # hand the routers the whole [b, s] mask for its [s / tp, b] tokens.
+            chunk = padding.shape[1] // tp
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            padding = padding[:, rank * chunk : (rank + 1) * chunk]
+        extra["padding_mask"] = padding.to(tokens.device)
+    output = model(tokens, position_ids, None, **extra)
     if parallel_state.is_pipeline_last_stage():
         return output[:, :s]
     return output  # an earlier pipeline stage's hidden states, for the next stage

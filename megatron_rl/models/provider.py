@@ -65,6 +65,7 @@ def build_model(
         fp8=model.fp8,
         recompute=model.recompute_activations,
         moe=model.moe,
+        fp8_recipe=model.fp8_scaling or "delayed",
     )
     if meta:
         config.perform_initialization = False

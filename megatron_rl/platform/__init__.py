@@ -20,8 +20,11 @@ _EXPORTS = {
     "free_port": "megatron_rl.platform.parallel",
     "init_distributed": "megatron_rl.platform.parallel",
     "local_device_count": "megatron_rl.platform.device",
+    "local_rank": "megatron_rl.platform.launcher",
+    "local_world_size": "megatron_rl.platform.launcher",
     "run_local_ranks": "megatron_rl.platform.parallel",
     "set_seed": "megatron_rl.platform.parallel",
+    "set_thread_device": "megatron_rl.platform.device",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -123,6 +123,36 @@ def timed_group(timeout_minutes: float):
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
+class RankZeroWait:
+    """The other ranks' wait for a value that rank 0 takes long to make (a batch generated
+    by the engines, a validation pass, a probe), bounded by a setting of its own.
+
+    The world's control group times out after ``parallel.timeout_minutes`` (30), shorter
+    than a validation pass at paper pace (hours): a broadcast from rank 0 on it failed the
+    other ranks while rank 0 was still working. This one runs on a :func:`timed_group` with
+    ``timeout_minutes``, so a rank 0 that is slow is waited for, and one that hangs still
+    fails the others, with an error naming ``timeout_key``. Every rank builds it, at the
+    same point, while all are still in step.
+    """
+
+    def __init__(self, timeout_minutes: float, timeout_key: str) -> None:
+        self.timeout_minutes = timeout_minutes
+        self.timeout_key = timeout_key
+        self.group = timed_group(timeout_minutes)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """``obj`` of rank 0 on every rank (see :func:`broadcast_object`)."""
+        if self.group is None:
+            return obj
+        try:
+            return broadcast_object(obj, src=0, group=self.group)
+        except RuntimeError as err:
+            raise TimeoutError(
+                f"rank {dist.get_rank()}: no answer from rank 0 within {self.timeout_key} "
+                f"({self.timeout_minutes:g} min), or rank 0 failed: {err}"
+            ) from err
+
+
 def send_object(obj: Any, dst: int, group) -> None:
     dist.send_object_list([obj], dst=dst, group=group)
 

@@ -62,6 +62,14 @@ def get_platform() -> Platform:
     return platform
 
 
+def set_thread_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current device. CUDA's current device belongs to
+    the thread: a helper thread starts on GPU 0 whatever the main thread chose, and NCCL
+    communicators (vLLM's PyNccl) are made on, and assert, the current device. No-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def local_device_count() -> int | None:
     """GPUs on this node, for tools that start one local rank per GPU; None on CPU, where
     local ranks share the cores and any number fits."""

@@ -30,7 +30,9 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
         if platform.is_gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            from megatron_rl.platform.launcher import local_rank
+
+            torch.cuda.set_device(local_rank())  # LOCAL_RANK, or SLURM_LOCALID under srun
         if "WORLD_SIZE" in os.environ:  # torchrun, srun wrappers, run_local_ranks: env://
             dist.init_process_group(backend=platform.backend, timeout=timeout)
         else:

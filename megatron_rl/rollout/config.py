@@ -111,6 +111,9 @@ class RolloutConfig:
             then needs ``gpu_memory`` left by the trainer); off: overlap is an error.
         startup_timeout_minutes: how long the other trainer ranks wait (on a gloo barrier)
             for the main rank to start the engines (Scout loads for many minutes).
+        batch_timeout_minutes: how long the other trainer ranks wait for the main rank's
+            next batch or probe (generation, an engine restart with its load, rewards); more
+            than ``startup_timeout_minutes``. Longer fails the run naming this key.
         push_timeout_seconds: a weight push that an engine does not acknowledge in this time
             (the engine hangs while loading) raises an error naming the engine.
         engine_max_restarts: ``placement: subprocess`` or ``remote`` (weight transport
@@ -154,6 +157,7 @@ class RolloutConfig:
     gpu_ids: list[int] | None = None
     colocate: bool = False
     startup_timeout_minutes: float = 120.0
+    batch_timeout_minutes: float = 180.0
     push_timeout_seconds: float = 300.0
     engine_max_restarts: int = 3
     engine_restart_window_minutes: float = 30.0
@@ -198,10 +202,16 @@ class RolloutConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.engine_max_restarts < 0:
             raise ValueError(f"engine_max_restarts must be >= 0, got {self.engine_max_restarts}")
-        timeouts = ("startup_timeout_minutes", "push_timeout_seconds")
+        timeouts = ("startup_timeout_minutes", "batch_timeout_minutes", "push_timeout_seconds")
         for name in (*timeouts, "engine_restart_window_minutes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.batch_timeout_minutes <= self.startup_timeout_minutes:
+            raise ValueError(
+                f"batch_timeout_minutes ({self.batch_timeout_minutes:g}) must exceed "
+                f"startup_timeout_minutes ({self.startup_timeout_minutes:g}): a batch can "
+                "wait for a restarted engine to load"
+            )
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_model_len is not None and self.max_model_len < 2:

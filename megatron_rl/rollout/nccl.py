@@ -251,8 +251,14 @@ class NcclSender:
         self.expert_groups: list[Any] = []
 
     def connect(self) -> None:
+        """Join the engines' groups. Runs on the pool's helper thread, like :meth:`send`."""
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
+        from megatron_rl import platform
+
+        # The pool calls this on a helper thread, whose current CUDA device is 0, not this
+        # rank's: the communicator would be made on GPU 0 (issue 27, 2.7).
+        platform.set_thread_device(self.device)
         self.group = trainer_init(
             {
                 "master_address": self.address,
@@ -295,7 +301,11 @@ class NcclSender:
         engine received them: the pool runs it under a watchdog."""
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
+        from megatron_rl import platform
+
         assert self.group is not None, "connect() first"
+        # On a helper thread too: PyNccl asserts the current device is the communicator's.
+        platform.set_thread_device(self.device)
         for group, tensors in self.groups(bucket):
             packed_nccl_broadcast_producer(
                 iterator=iter(tensors),

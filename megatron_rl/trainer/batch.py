@@ -52,6 +52,7 @@ class MicroBatch:
     prompt_ids: torch.Tensor  # [T]
     monitor_mask: torch.Tensor  # [T] bool: policy tokens of samples the trainer's weights made
     routing: torch.Tensor | None = None  # [b, s, layers, topk]: the generator's experts
+    padding: torch.Tensor | None = None  # [b, s] bool: right padding (True), for the routers
 
     def to(self, device) -> MicroBatch:
         moved = (getattr(self, f.name) for f in fields(self))
@@ -79,16 +80,21 @@ def padded_length(length: int, multiple: int = 1) -> int:
     return -(-length // multiple) * multiple
 
 
-def token_multiple(fp8: bool, tensor_parallel: int, sequence_parallel: bool) -> int:
-    """What a micro-batch's sequence length must be a multiple of.
+def token_multiple(fp8_recipe: str | None, tensor_parallel: int, sequence_parallel: bool) -> int:
+    """What a micro-batch's sequence length must be a multiple of (``fp8_recipe``: the FP8
+    recipe in force, ``ModelConfig.fp8_scaling``; None without FP8).
 
-    Transformer Engine's FP8 GEMMs assert that the token dimension divides by 16 (8 for some
-    shapes); with sequence parallelism each TP rank holds ``s / tp`` of every sequence, so
-    ``s`` must divide by ``16 x tp`` for every rank's ``b x s / tp`` tokens to divide by 16.
+    Transformer Engine's FP8 GEMMs assert that the token dimension divides by the recipe's
+    alignment (megatron-core's ``get_fp8_align_size``: 32 for MXFP8, 16 for the others); with
+    sequence parallelism each TP rank holds ``s / tp`` of every sequence, so ``s`` must
+    divide by that times ``tp`` for every rank's ``b x s / tp`` tokens to divide by it.
     """
-    if not fp8:
+    if fp8_recipe is None:
         return 1
-    return 16 * (tensor_parallel if sequence_parallel else 1)
+    from megatron.core.enums import Fp8Recipe
+    from megatron.core.fp8_utils import get_fp8_align_size
+
+    return get_fp8_align_size(Fp8Recipe(fp8_recipe)) * (tensor_parallel if sequence_parallel else 1)
 
 
 def is_on_policy(sample: TrainSample, version: int | None) -> bool:
@@ -189,6 +195,7 @@ def make_micro_batches(
                 flat["pid"],
                 flat["monitor"],
                 _routing(chunk, tokens.shape[1]),
+                torch.arange(tokens.shape[1]) >= torch.tensor([lengths[i] for i in part])[:, None],
             )
         )
     return batches

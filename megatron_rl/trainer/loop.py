@@ -7,6 +7,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
     startup = collectives.timed_group(wait)
     pool = start_generators(run, step) if main else None
     collectives.barrier(startup, wait, timeout_key="rollout.startup_timeout_minutes")
+    run.waits = rank_zero_waits(config)
     push_weights(run, pool)  # warm-started or resumed weights
     run.forecast = start_forecast(run) if main else None
     source = None
@@ -75,7 +77,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
     synced = True
     gap_limit = config.training.logprob_gap_limit(config.model.dtype)
     multiple = token_multiple(
-        config.model.fp8 is not None, config.parallel.tensor, config.parallel.sequence_parallel
+        config.model.fp8_scaling, config.parallel.tensor, config.parallel.sequence_parallel
     )
     # The monitor above sees only the first PipelineRL batch: probe pushes as well.
     probe = LogprobProbe.from_run(run, step, multiple)
@@ -170,15 +172,46 @@ def train(config: RunConfig, run_dir: Path) -> int:
 REWEIGH = "reweigh"  # the main rank's answer instead of a value: restarted engines wait
 
 
-def on_every_rank(run: Run, pool, main: bool, make: Callable[[], Any], share: bool = True) -> Any:
+@dataclass(frozen=True)
+class RankZeroWaits:
+    """The other ranks' waits on the main rank's long work, each on a gloo group bounded by
+    its own setting instead of ``parallel.timeout_minutes`` (which a validation pass at
+    paper scale outlasts by hours)."""
+
+    batch: collectives.RankZeroWait  # a batch or a probe: rollout.batch_timeout_minutes
+    validation: collectives.RankZeroWait  # a validation pass: validation.timeout_minutes
+
+
+def rank_zero_waits(config: RunConfig) -> RankZeroWaits:
+    """Every rank calls this at the same point (it makes gloo groups)."""
+    return RankZeroWaits(
+        collectives.RankZeroWait(
+            config.rollout.batch_timeout_minutes, "rollout.batch_timeout_minutes"
+        ),
+        collectives.RankZeroWait(config.validation.timeout_minutes, "validation.timeout_minutes"),
+    )
+
+
+def on_every_rank(
+    run: Run,
+    pool,
+    main: bool,
+    make: Callable[[], Any],
+    share: bool = True,
+    validation: bool = False,
+) -> Any:
     """``make()`` on the main rank (it drives the pool), broadcast to every rank (``share``;
     else it stays on the main rank and the others get None). While the main rank waits on
     the pool, restarted engines may wait for the current weights (elastic engines,
     ``WeightsNeeded``): then every rank streams the weights again into those engines (a
-    collective, like a push), and ``make`` is called again (it resumes)."""
+    collective, like a push), and ``make`` is called again (it resumes). The other ranks
+    wait under ``run.waits`` (``validation``: a validation pass's bound, else a batch's)."""
+    waits = getattr(run, "waits", None)
+    wait = (waits.validation if validation else waits.batch) if waits is not None else None
+    broadcast = wait.broadcast_object if wait is not None else collectives.broadcast_object
     while True:
         value = _or_reweigh(make, pool) if main else None
-        sent = collectives.broadcast_object(value if share or _is_reweigh(value) else None)
+        sent = broadcast(value if share or _is_reweigh(value) else None)
         if not _is_reweigh(sent):
             return value if main else sent
         push_weights(run, pool, reweigh=True)
@@ -318,8 +351,8 @@ def validate(run: Run, pool, step: int, main: bool = True) -> float:
     (``val_pass_rate/<domain>``). Every rank calls it: the main rank generates and scores;
     the others take part when restarted engines wait for the weights (``on_every_rank``:
     a death with every engine down mid-validation), and return NaN."""
-    if not main:
-        on_every_rank(run, pool, False, lambda: None, share=False)
+    if not main:  # waits for the whole pass, scoring included
+        on_every_rank(run, pool, False, lambda: None, share=False, validation=True)
         return float("nan")
     cfg = run.config.validation
     # ``num_prompts`` counts per domain, so a cap never leaves a domain out.
@@ -339,15 +372,21 @@ def validate(run: Run, pool, step: int, main: bool = True) -> float:
 
     # Blocking validation, accounted apart; the training requests that PipelineRL generators
     # keep decoding meanwhile are training compute (their token share of the window).
-    with run.clock.window("validation") as window:
-        tokens_before = pool.generated_tokens()
-        samples = on_every_rank(run, pool, True, generate, share=False)
+    def score() -> tuple[list, list[str], list[float]] | None:
+        samples = generate()  # scoring too: the other ranks wait until the pass is done
         if not samples:
-            return float("nan")
+            return None
         texts = [run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         refs = [run.data.get(ids[s.prompt_index - samples[0].prompt_index]) for s in samples]
         kinds = [p.kind for p in refs]
-        rewards = run.rewards.score_batch(texts, [p.reference for p in refs], kinds)
+        return samples, kinds, run.rewards.score_batch(texts, [p.reference for p in refs], kinds)
+
+    with run.clock.window("validation") as window:
+        tokens_before = pool.generated_tokens()
+        scored = on_every_rank(run, pool, True, score, share=False, validation=True)
+        if scored is None:
+            return float("nan")
+        samples, kinds, rewards = scored
         val_tokens = sum(len(s) for s in samples)
         train_tokens = pool.generated_tokens() - tokens_before - val_tokens
         window.train_fraction = generation_share(train_tokens, val_tokens)
@@ -454,12 +493,11 @@ def start_generators(run: Run, step: int):
         rollout.dtype = run.config.model.dtype
     rollout.return_routed_experts |= run.config.algorithm.routing_replay
     if rollout.placement == "subprocess" and get_platform().is_gpu:
-        import os
-
+        from megatron_rl.platform import local_world_size
         from megatron_rl.rollout.config import engine_gpus
 
-        # Engines on GPUs of their own, after this node's trainer ranks (torchrun's count).
-        local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # Engines on GPUs of their own, after this node's trainer ranks (torchrun's or srun's).
+        local_trainers = local_world_size()
         rollout.gpu_ids = engine_gpus(rollout, local_trainers, run.config.cluster.gpus_per_node)
     pool = GeneratorPool(
         str(run.hf_dir),

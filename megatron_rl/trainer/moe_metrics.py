@@ -12,8 +12,11 @@ without a host sync, one row per MoE layer of a ``[moe_layers, experts + COLUMNS
 - entropy: the sum over tokens of the entropy (nats) of the router's normalised scores,
   as megatron-core's aux loss sees them (``compute_routing_scores_for_aux_loss``: softmax,
   or sigmoid scores over their sum for Llama-4's sigmoid router);
-- tokens the router saw (micro-batch padding included: the experts compute it too) and
-  router calls (micro-batches).
+- tokens the router saw and router calls (micro-batches).
+
+Micro-batch padding (megatron's ``padding_mask``, which the step passes the model) counts
+nowhere, as megatron-core's aux and z losses leave it out: the numbers of a padded batch are
+those of the same batch unpadded (the experts still compute the padding).
 
 Only training forwards count: grad enabled, as megatron's own expert-bias counter, so a
 layer recomputed under full activation recompute counts once (its first, no-grad pass is
@@ -167,6 +170,10 @@ class ExpertLoadMonitor:
             routing_map = output[1]
             logits = router.gating(hidden).reshape(-1, self.num_experts)
             routed = self._routed_map(router, logits, routing_map)
+            padding = args[1] if len(args) > 1 else None  # [s, b] (MoELayer.route), True: pad
+            if padding is not None:
+                real = ~padding.reshape(-1)
+                logits, routed, routing_map = logits[real], routed[real], routing_map[real]
             _, scores = compute_routing_scores_for_aux_loss(
                 logits.float(), router.topk, router.score_function
             )

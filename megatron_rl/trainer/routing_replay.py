@@ -27,6 +27,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+UNROUTED = -1  # a position the generator did not route (see routing_tensor)
+
 
 def routers(model) -> list[tuple[int, object]]:
     """``(global layer index, TopKRouter)`` of every MoE router of this rank's ``model``."""
@@ -64,8 +66,9 @@ def routing_tensor(
     """``[b, length, layers, topk]`` int64 from each sequence's rows ``[P_i, layers, topk]``.
 
     Positions without a row (a sequence's last token, which the generator never processed,
-    and right padding) route to expert 0: nothing before them depends on them."""
-    out = torch.zeros((len(rows), length, *shape), dtype=torch.long)
+    and right padding) hold :data:`UNROUTED`; :func:`set_routing` spreads them over the
+    experts (nothing before them depends on them)."""
+    out = torch.full((len(rows), length, *shape), UNROUTED, dtype=torch.long)
     for i, r in enumerate(rows):
         if r is None:
             raise ValueError(
@@ -93,11 +96,21 @@ def local_indices(routing: torch.Tensor, layer: int, sequence_parallel: bool) ->
     if sequence_parallel and tp > 1:
         s = idx.shape[1]
         if s % tp:  # forward_logits pads the sequence the same way
-            idx = torch.nn.functional.pad(idx, (0, 0, 0, tp - s % tp))
+            idx = torch.nn.functional.pad(idx, (0, 0, 0, tp - s % tp), value=UNROUTED)
         chunk = idx.shape[1] // tp
         rank = parallel_state.get_tensor_model_parallel_rank()
         idx = idx[:, rank * chunk : (rank + 1) * chunk]
     return idx.transpose(0, 1).reshape(-1, idx.shape[-1])
+
+
+def spread_unrouted(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``indices [tokens, topk]`` with the :data:`UNROUTED` choices given experts in turn
+    (the i-th such choice of this rank: expert ``i % num_experts``), so the padding of a
+    micro-batch spreads evenly over the experts and their expert-parallel ranks instead of
+    landing on expert 0 in every layer; a token's top-k stay distinct (topk <= experts)."""
+    unrouted = indices == UNROUTED
+    slot = torch.cumsum(unrouted.reshape(-1), 0).reshape(indices.shape) - 1
+    return torch.where(unrouted, slot % num_experts, indices)
 
 
 def require_routing(samples: Sequence) -> None:
@@ -124,6 +137,7 @@ def set_routing(model, routing: torch.Tensor | None) -> None:
             replay.clear_router_replay_action()
             continue
         indices = local_indices(routing, layer, router.config.sequence_parallel)
+        indices = spread_unrouted(indices, router.config.num_moe_experts)
         replay.set_target_indices(indices.to(router.weight.device))
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 

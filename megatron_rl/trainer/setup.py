@@ -35,6 +35,7 @@ class Run:
     optim: Any = None  # trainer.optim.Optimizer, built after the warm start (or to resume)
     step: int = 0  # optimizer steps done
     forecast: Any = None  # trainer.live_forecast.LiveForecast on the main rank, if enabled
+    waits: Any = None  # trainer.loop.RankZeroWaits: the other ranks' waits on the main rank
 
 
 class NullMetrics:

@@ -289,7 +289,8 @@ def forward_backward(
         mb = None if mb is None else mb.to(device)
         if replay:  # the generator's experts (SFT and empty micro-batches route freely)
             routing_replay.set_routing(chunk, getattr(mb, "routing", None))
-        output = forward_logits(chunk, (empty if mb is None else mb.tokens).to(device))
+        padding = getattr(mb, "padding", None)  # routers leave it out of their losses
+        output = forward_logits(chunk, (empty if mb is None else mb.tokens).to(device), padding)
         if router_loss_batches is not None:
             output = scale_router_losses(output, router_loss_batches)
 
