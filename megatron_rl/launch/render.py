@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_rl.config.checks import start_weights_problem
 from megatron_rl.launch.layout import JobLayout, plan_job
 from megatron_rl.launch.template import (
     CPU_ENV,
     GPU_DIRECTIVES_NOTE,
     GPU_ENV,
+    HF_PATH_LINES,
     JOB_TEMPLATE,
     NVL72_GPUS,
 )
@@ -127,14 +129,22 @@ def render_job_script(
     layout = plan_job(config, options.device)
     t, g = layout.trainer, layout.generator
     gpu = options.device == "gpu"
-    train_args = [recipe, *overrides, PLACEMENT_OVERRIDE, "--run-dir", run_dir]
+    train_args = _quote_all([recipe, *overrides, PLACEMENT_OVERRIDE])
+    start_weights = ""
+    if start_weights_problem(config) is not None:
+        # A production preset without model.hf_path: the job takes the checkpoint from $HF_PATH
+        # at submission and ends at once without it (the trainer would refuse it anyway).
+        start_weights = HF_PATH_LINES.format(preset=config.model.preset)
+        train_args += ' "model.hf_path=$HF_PATH"'
+    train_args += " " + _quote_all(["--run-dir", run_dir])
     values = {
         "title": f"megatron_rl job: {recipe}" + (f" {' '.join(overrides)}" if overrides else ""),
         "summary": layout.summary(),
         "sbatch_directives": _directives(config, layout, run_dir, options),
         "run_dir": shlex.quote(run_dir),
         "python": shlex.quote(options.python),
-        "train_args": _quote_all(train_args),
+        "start_weights": start_weights,
+        "train_args": train_args,
         "max_steps": config.training.max_steps,
         "requeue": int(bool(config.cluster.requeue)),
         "cpus_per_task": options.cpus_per_task or "",

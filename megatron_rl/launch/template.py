@@ -33,7 +33,7 @@ set -uo pipefail
 # -- the run ------------------------------------------------------------------------------------
 RUN_DIR={{run_dir}}
 PYTHON=${PYTHON:-{{python}}}
-TRAIN_ARGS=({{train_args}})
+{{start_weights}}TRAIN_ARGS=({{train_args}})
 MAX_STEPS={{max_steps}}
 REQUEUE={{requeue}}  # 1: requeue the job after a checkpoint on the pre-timeout signal
 GRACE_SECONDS=120  # how long one role may outlive the other before its step is cancelled
@@ -237,4 +237,12 @@ GPU_DIRECTIVES_NOTE = (
     "# SITE-SPECIFIC (GB200 NVL72): {total} GPUs {fit} one 72-GPU NVLink domain. Keep the\n"
     "# trainer's nodes (the first ones of the allocation) in one rack, e.g. with topology/block\n"
     "# (Slurm >= 24.11) and --segment, or a --constraint / --nodelist naming one rack."
+)
+
+# A production preset without model.hf_path (the checked-in scripts): the checkpoint comes from
+# $HF_PATH at submission; without it the job ends here instead of the trainer writing a random
+# fp32 model of the preset (hundreds of GB) and training it with the character tokenizer.
+HF_PATH_LINES = (
+    'HF_PATH=${{HF_PATH:?"set HF_PATH to the HF checkpoint of {preset} to start from '
+    '(model.hf_path): export HF_PATH=/path/to/checkpoint, then sbatch this script"}}\n'
 )

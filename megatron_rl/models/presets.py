@@ -126,6 +126,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 PRESETS["tiny-llama-tied"] = {**PRESETS["tiny-llama"], "tie_word_embeddings": True}
 
+# Presets a run may initialise randomly on the host (the embedded default, tests). Any other
+# preset needs model.hf_path, or model.allow_random_init: true (config/checks.py).
+RANDOM_INIT_PRESETS = frozenset({"tiny-llama", "tiny-llama-tied", "tiny-llama4"})
+
 
 def preset_names() -> list[str]:
     return sorted(PRESETS)
