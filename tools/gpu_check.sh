@@ -31,8 +31,8 @@ step() {  # NAME TIMEOUT_S COMMAND...: run with a time limit, log to $OUT/NAME.l
     local name=$1 limit=$(( $2 * LIMIT_SCALE )) start rc
     shift 2
     start=$(date +%s)
-    timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
-    rc=$?
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
     echo "$name rc=$rc seconds=$(( $(date +%s) - start )) limit=$limit" | tee -a "$OUT/steps.txt"
     [ "$rc" = 0 ] || FAILED=1
 }
