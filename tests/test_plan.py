@@ -12,6 +12,7 @@ tiny CPU recipe's micro-batch shape.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -375,6 +376,55 @@ def test_engine_expert_parallel_weights_by_hand():
 def test_production_recipes_fit_with_headroom(recipe):
     plan = plan_run(load_run_config(ROOT / f"recipes/{recipe}.yaml"), search=False)
     assert plan.trainer.headroom >= 0.20, plan.trainer.total
+    assert plan.engine.headroom >= 0.20, plan.engine.bytes.parts  # Scout's was 6% (issue 27)
+
+
+def test_gpu_capacities_are_what_the_driver_reports_in_gib():
+    """nvidia-smi's memory.total on each GPU (public logs), not the datasheets' numbers read
+    as decimal GB: an H200's "141 GB" is 143771 MiB = 140.4 GiB, 7% more than 141e9 bytes."""
+    from megatron_rl.planning.gpus import GPUS
+    from megatron_rl.planning.report import gb, markdown
+
+    assert GPUS["gb200"].memory_bytes == 189471 * 2**20
+    assert GPUS["h200"].memory_bytes == 143771 * 2**20
+    assert GPUS["h100"].memory_bytes == 81559 * 2**20
+    assert gb(GPUS["h200"].memory_bytes) == "140.4" and gb(GPUS["gb200"].memory_bytes) == "185.0"
+    plan = plan_run(load_run_config(ROOT / "recipes/scalerl_scout.yaml"), search=False)
+    md = markdown(plan)
+    assert "| part | GiB | how |" in md and "of 185.0 GiB" in md
+    assert not re.search(r"\d GB\b", md)  # no decimal gigabytes left
+
+
+def test_engine_counts_cuda_graphs_nvls_and_fragmentation():
+    """vLLM 0.32 captures [1, 2, 4] + 8..248 step 8 + 256..512 step 16 = 3 + 31 + 17 = 51
+    batch sizes for max_num_seqs 256 (min(2 x 256, 512)), in FULL and PIECEWISE mode."""
+    import dataclasses
+
+    config = load_run_config(ROOT / "recipes/scalerl_scout.yaml")
+    shapes = model_shapes(config.model)
+    e = engine_bytes(shapes, config.rollout, "bfloat16")
+    assert e.graph_captures == 2 * 51 and e.cuda_graphs > 0 and e.nvls == 0
+    assert e.fragmentation > 0
+    eager_rollout = dataclasses.replace(config.rollout, enforce_eager=True)
+    eager = engine_bytes(shapes, eager_rollout, "bfloat16")
+    assert (eager.cuda_graphs, eager.graph_captures) == (0, 0)
+    nvls = engine_bytes(shapes, config.rollout, "bfloat16", nvls=True)
+    assert nvls.nvls == 2**30  # one NVLS communicator: the engine's TP group
+    # the plan passes the recipe's engine NVLS setting through
+    with_nvls = ["cluster.engine_nccl_nvls=true"]
+    on = plan_run(load_run_config(ROOT / "recipes/scalerl_scout.yaml", with_nvls), search=False)
+    off = plan_run(config, search=False)
+    assert on.engine.total - off.engine.total == 2**30
+
+
+def test_trainer_counts_nvls_per_nccl_group_unless_the_recipe_turns_it_off():
+    """Scout: TP 4, DP 8, EP 16, expert-DP 2: four NCCL groups of more than one rank."""
+    recipe = ROOT / "recipes/scalerl_scout.yaml"
+    default = plan_run(load_run_config(recipe), search=False)
+    off = plan_run(load_run_config(recipe, ["cluster.nccl_nvls=false"]), search=False)
+    assert default.trainer.nvls == 4 * 2**30 and off.trainer.nvls == 0
+    assert default.trainer.total - off.trainer.total == 4 * 2**30
+    assert default.trainer.fragmentation == int(0.10 * default.trainer.activations.peak)
 
 
 @pytest.mark.timeout(300)

@@ -75,6 +75,7 @@ def test_scalerl_scout_uses_expert_parallelism():
         "rollout.engines",
         "rollout.tensor_parallel",
         "rollout.expert_parallel",  # each engine GPU holds whole experts
+        "rollout.kv_cache_gb",  # 20% of the engine GPU left free (megatron-rl plan)
     }
     assert cfg.rollout.expert_parallel and cfg.rollout.tensor_parallel >= 2
 

@@ -3,8 +3,9 @@
 
 1. one-rank control collectives through ``platform.collectives`` (NCCL world + gloo twin);
 2. a 4-layer llama3-8b slice, BF16, FP32 head, megatron's distributed optimizer: two policy
-   updates on one 16k-token sample, peak memory per layer and tokens/s, extrapolated to the
-   full 32-layer 8B layout of ``recipes/scalerl_8b.yaml`` (per TP rank);
+   updates on one 16k-token sample, peak memory and tokens/s, extrapolated to the 8B GPU of
+   ``recipes/scalerl_8b.yaml``'s own layout (TP, DP, optimizer sharding) by
+   ``megatron_rl.planning``, scaled by measured / planned on the slice;
 3. bucket packing + flattening throughput (GB/s): bucket tensors (some on the host, as
    modelopt's exporter returns them) moved to the device and packed into one uint8 buffer
    (what vLLM's ``pack_tensors`` does before an NCCL broadcast);
@@ -100,21 +101,83 @@ def train_slice_section(smoke: bool) -> None:
             f"[train slice] memory: weights+optimizer {state:.2f} GiB, peak {peak / 2**30:.2f} "
             f"GiB, activations+logits {(peak - base) / 2**30:.2f} GiB for {trained} tokens"
         )
-        if not smoke:  # per layer, then the 32-layer 8B at TP 4 (recipes/scalerl_8b.yaml)
-            per_layer_state = (base - _embed_bytes(hf)) / layers
-            per_layer_act = (peak - base) / layers
-            full = (_embed_bytes(hf) + 32 * (per_layer_state + per_layer_act)) / 4
-            print(
-                f"[train slice] per layer: state {per_layer_state / 2**30:.2f} GiB, activations "
-                f"{per_layer_act / 2**30:.2f} GiB at 16k tokens -> llama3-8b 32 layers / "
-                f"TP 4: ~{full / 2**30:.1f} GiB per GPU (no recompute, 1 micro-batch)"
-            )
+    state, acts = (base, peak - base) if torch.cuda.is_available() else (None, None)
+    if not smoke or not torch.cuda.is_available():  # the smoke run on CPU: the planner alone
+        print(extrapolation_line(recipe_extrapolation(state, acts, layers)))
 
 
-def _embed_bytes(hf) -> int:
-    # embedding (bf16) + FP32 head logits path: embedding and output weights, with megatron's
-    # fp32 main params + 2 Adam moments (distributed over DP=1 here): 2 + 2 + 4 + 4 + 4 bytes
-    return 2 * hf.vocab_size * hf.hidden_size * (2 + 2 + 12)
+RECIPE_8B = "recipes/scalerl_8b.yaml"
+
+
+def recipe_extrapolation(
+    measured_state: int | None,
+    measured_acts: int | None,
+    slice_layers: int = 4,
+    recipe: str = RECIPE_8B,
+    overrides: tuple[str, ...] = (),
+) -> dict:
+    """The 8B trainer GPU of ``recipe``'s own layout (TP, PP, DP from cluster.trainer_gpus,
+    the distributed optimizer sharding fp32 main params and Adam moments over DP), from
+    megatron_rl/planning, scaled by what the slice measured against what the planner predicts
+    for the slice (``slice_layers`` layers, one GPU, local layer specs). Bytes; no torch."""
+    import copy
+    from pathlib import Path
+
+    from megatron_rl.config import load_run_config
+    from megatron_rl.models.presets import PRESETS
+    from megatron_rl.planning.gpus import get_gpu
+    from megatron_rl.planning.plan import Layout, plan_trainer
+    from megatron_rl.planning.shapes import model_shapes, shapes_from_fields
+
+    root = Path(__file__).resolve().parents[1]
+    config = load_run_config(root / recipe, list(overrides))
+    capacity = get_gpu("h200").memory_bytes
+    fields = {**PRESETS[config.model.preset], "num_hidden_layers": slice_layers}
+    one_gpu = copy.deepcopy(config)  # the slice: one GPU (TP 1, DP 1), no recompute
+    one_gpu.cluster.trainer_gpus = 1
+    planned_slice = plan_trainer(
+        shapes_from_fields(fields, "slice"), one_gpu, Layout(1, 1, 1, False), capacity, "cpu"
+    )
+    full = plan_trainer(model_shapes(config.model), config, Layout.of(config), capacity)
+    state_ratio = measured_state / planned_slice.states.total if measured_state else 1.0
+    act_ratio = measured_acts / planned_slice.activations.peak if measured_acts else 1.0
+    scaled = (
+        full.states.total * state_ratio
+        + max(full.activations.peak * act_ratio, full.push_extra)
+        + full.reserve
+    )
+    return {
+        "recipe": recipe,
+        "layout": f"TP {full.layout.tensor}, PP {full.layout.pipeline}, DP {full.dp}",
+        "tensor": full.layout.tensor,
+        "dp": full.dp,
+        "state_ratio": state_ratio,
+        "act_ratio": act_ratio,
+        "slice_state": planned_slice.states.total,
+        "slice_acts": planned_slice.activations.peak,
+        "planned_state": full.states.total,
+        "planned_acts": full.activations.peak,
+        "planned_total": full.total,
+        "scaled_total": int(scaled),
+        "measured": measured_state is not None,
+    }
+
+
+def extrapolation_line(x: dict) -> str:
+    """One printed line of ``recipe_extrapolation``'s result."""
+    gib = 2**30
+    source = (
+        f"measured / planned on the slice: states x{x['state_ratio']:.2f}, activations "
+        f"x{x['act_ratio']:.2f}"
+        if x["measured"]
+        else "planner only (no CUDA memory to measure)"
+    )
+    return (
+        f"[train slice] llama3-8b at {x['recipe']}'s layout ({x['layout']}, distributed "
+        f"optimizer over DP): planned states {x['planned_state'] / gib:.1f} GiB + activations "
+        f"{x['planned_acts'] / gib:.1f} GiB, total {x['planned_total'] / gib:.1f} GiB per GPU; "
+        f"{source} -> ~{x['scaled_total'] / gib:.1f} GiB per GPU"
+    )
 
 
 def packing_section(smoke: bool) -> None:

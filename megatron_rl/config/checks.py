@@ -147,3 +147,37 @@ def prompt_token_limit(config: RunConfig) -> int | None:
     if not known:
         return None
     return max(0, min(known) - config.max_response_tokens())
+
+
+def start_weights_problem(config: RunConfig) -> str | None:
+    """Why ``config`` must not start (a production preset with no checkpoint and no
+    ``model.allow_random_init``), or None. Without ``model.hf_path`` rank 0 writes a random fp32
+    HF model of the preset to the run directory with the character tokenizer
+    (``trainer.setup.prepare_hf_dir``): fine for the tiny presets, hundreds of GB of host
+    memory and disk and a run that learns nothing for a production one."""
+    from megatron_rl.models.presets import RANDOM_INIT_PRESETS
+
+    model = config.model
+    if model.hf_path is not None or model.allow_random_init:
+        return None
+    if model.preset in RANDOM_INIT_PRESETS:
+        return None
+    from megatron_rl.planning.shapes import model_shapes
+
+    fp32_gb = model_shapes(model).total_parameters() * 4 / 1e9
+    return (
+        f"recipe key 'model.hf_path': not set, so the run would start from a random "
+        f"initialisation of model.preset '{model.preset}' (rank 0 writes a ~{fp32_gb:,.0f} GB "
+        f"fp32 HF model and the run uses the character tokenizer). Set "
+        f"model.hf_path=/path/to/checkpoint (an HF directory: config.json, weights, "
+        f"tokenizer), or model.allow_random_init=true to start from random weights on purpose"
+    )
+
+
+def check_start_weights(config: RunConfig) -> None:
+    """Raise ConfigError when ``config`` would train a production preset from random weights
+    (see :func:`start_weights_problem`). Called before any work by ``megatron-rl train`` /
+    ``launch`` and by every rank in ``trainer.setup.build_run``."""
+    problem = start_weights_problem(config)
+    if problem is not None:
+        raise ConfigError(problem)

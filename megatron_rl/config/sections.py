@@ -345,6 +345,18 @@ class ClusterConfig:
             checkpoint).
         signal_minutes_before_end: Slurm sends SIGUSR1 this long before the time limit so a
             checkpoint is saved; 0: no signal.
+        nvlink_domain_gpus: GPUs of one NVLink domain (GB200 NVL72: one rack of 72); 0: no
+            NVLink between nodes (H100 / H200 HGX).
+        segment: ``#SBATCH --segment`` (Slurm >= 24.11, topology/block): the job is allocated
+            in segments of this many nodes, each inside one block (rack). None: the smallest
+            divisor of ``nodes`` that holds the trainer's nodes within one NVLink domain, so
+            the trainer's collectives (EP all-to-all, TP) stay on NVLink; 0: no request.
+        nccl_mnnvl: ``NCCL_MNNVL_ENABLE`` (multi-node NVLink). None: NCCL's auto-detect (forcing
+            it on fails at init on nodes without an IMEX channel).
+        nccl_nvls: ``NCCL_NVLS_ENABLE`` (NVLink SHARP) of the trainer. None: NCCL's default.
+        engine_nccl_nvls: ``NCCL_NVLS_ENABLE`` of the vLLM engines. Off by default: NVLS
+            buffers take engine GPU memory (``megatron-rl plan`` counts them when on) for
+            all-reduces of decode-sized activations.
     """
 
     nodes: int = 20
@@ -358,11 +370,19 @@ class ClusterConfig:
     container_mounts: list[str] = field(default_factory=list)
     requeue: bool = True
     signal_minutes_before_end: int = 5
+    nvlink_domain_gpus: int = 72
+    segment: int | None = None
+    nccl_mnnvl: bool | None = None
+    nccl_nvls: bool | None = None
+    engine_nccl_nvls: bool = False
 
     def validate(self) -> None:
         for name in ("nodes", "gpus_per_node", "trainer_gpus", "generator_gpus"):
             _check_int(self, name, 1)
         _check_int(self, "signal_minutes_before_end", 0)
+        _check_int(self, "nvlink_domain_gpus", 0)
+        if self.segment is not None:
+            _check_int(self, "segment", 0)
         if not _SLURM_TIME.match(self.time):
             raise ValueError(
                 f"time must be a Slurm time limit such as '04:00:00' or '2-00:00:00', "

@@ -70,9 +70,16 @@ def run(args: argparse.Namespace) -> int:
         )
     except ConfigError as err:
         return _error(str(err), 2)
+    from megatron_rl.config.checks import start_weights_problem
+
+    problem = start_weights_problem(config)
     if args.dry_run:
+        if problem:  # the script asks for $HF_PATH at submission; a real launch refuses
+            print(f"megatron-rl launch: warning: {problem}", file=sys.stderr)
         sys.stdout.write(script)
         return 0
+    if problem:
+        return _error(problem, 2)
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         return _error("sbatch not found: run on a Slurm login node (or use --dry-run)", 1)

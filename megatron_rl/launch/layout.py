@@ -144,3 +144,37 @@ def plan_job(config: RunConfig, device: str = "gpu") -> JobLayout:
         engines_per_node,
     )
     return JobLayout(c.nodes, per_node, trainer, generator, device)
+
+
+def segment_nodes(config: RunConfig, layout: JobLayout) -> int | None:
+    """Nodes per ``#SBATCH --segment`` of a GPU job (None: no request). A segment lies inside
+    one block of Slurm's topology/block (an NVL72 rack), and the trainer takes the first
+    ``trainer.nodes`` nodes of the allocation, so a segment at least that large keeps the
+    trainer inside one NVLink domain: its EP all-to-all and TP collectives never cross to
+    InfiniBand. (That reasoning holds when each block's node names form one sorted range, so the
+    first names of the allocation are one block's.) Raises ConfigError for an explicit
+    ``cluster.segment`` that cannot do that."""
+    c = config.cluster
+    if layout.device != "gpu" or layout.nodes == 1 or c.segment == 0:
+        return None
+    domain = c.nvlink_domain_gpus // c.gpus_per_node  # nodes of one NVLink domain
+    need = layout.trainer.nodes
+    if c.segment is not None:
+        if layout.nodes % c.segment:
+            _fail("cluster.segment", f"{c.segment} does not divide cluster.nodes {layout.nodes}")
+        if c.segment < need:
+            _fail(
+                "cluster.segment",
+                f"{c.segment} nodes cannot hold the trainer's {need} nodes in one segment",
+            )
+        if domain > 1 and c.segment > domain:
+            _fail(
+                "cluster.segment",
+                f"{c.segment} nodes exceed one NVLink domain ({c.nvlink_domain_gpus} GPUs = "
+                f"{domain} nodes, cluster.nvlink_domain_gpus)",
+            )
+        return c.segment
+    if domain <= 1 or need > domain:  # no NVLink between nodes, or the trainer outgrows a rack
+        return None
+    fits = [n for n in range(need, domain + 1) if layout.nodes % n == 0]
+    return fits[0] if fits else None

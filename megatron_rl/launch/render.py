@@ -15,13 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_rl.launch.layout import JobLayout, plan_job
+from megatron_rl.config.checks import start_weights_problem
+from megatron_rl.launch.layout import JobLayout, plan_job, segment_nodes
 from megatron_rl.launch.template import (
     CPU_ENV,
     GPU_DIRECTIVES_NOTE,
     GPU_ENV,
+    HF_PATH_LINES,
     JOB_TEMPLATE,
-    NVL72_GPUS,
+    NO_SEGMENT_NOTE,
+    SEGMENT_NOTE,
 )
 
 if TYPE_CHECKING:
@@ -92,12 +95,37 @@ def _directives(config: RunConfig, layout: JobLayout, run_dir: str, options: Lau
     if c.signal_minutes_before_end:
         # B: the batch shell alone gets it and relays it to the trainer (see template.py).
         lines.append(f"--signal=B:USR1@{c.signal_minutes_before_end * 60}")
+    segment = segment_nodes(config, layout)
+    lines += [f"--segment={segment}"] * bool(segment)
     out = "\n".join(f"#SBATCH {line}" for line in lines)
-    if options.device == "gpu" and layout.nodes > 1:
+    if options.device == "gpu" and layout.nodes > 1 and c.nvlink_domain_gpus > c.gpus_per_node:
         total = layout.nodes * layout.gpus_per_node
-        fit = "are more than" if total > NVL72_GPUS else "fit in"
-        out += "\n" + GPU_DIRECTIVES_NOTE.format(total=total, fit=fit)
+        fit = "are more than" if total > c.nvlink_domain_gpus else "fit in"
+        how = SEGMENT_NOTE.format(segment=segment) if segment else NO_SEGMENT_NOTE
+        domain = c.nvlink_domain_gpus
+        out += "\n" + GPU_DIRECTIVES_NOTE.format(total=total, fit=fit, domain=domain, how=how)
     return out
+
+
+def _on_off(value: bool) -> int:
+    return 1 if value else 0
+
+
+def _gpu_env(config: RunConfig) -> str:
+    """GPU_ENV with the NCCL settings the recipe's cluster section makes (none: NCCL's own)."""
+    c = config.cluster
+    lines = []
+    if c.nccl_mnnvl is None:
+        lines.append("# NCCL_MNNVL_ENABLE: NCCL's auto-detect (cluster.nccl_mnnvl)")
+    else:
+        v = _on_off(c.nccl_mnnvl)
+        lines.append(f"export NCCL_MNNVL_ENABLE=${{NCCL_MNNVL_ENABLE:-{v}}}  # cluster.nccl_mnnvl")
+    if c.nccl_nvls is None:
+        lines.append("# NCCL_NVLS_ENABLE (trainer): NCCL's default (cluster.nccl_nvls)")
+    else:
+        v = _on_off(c.nccl_nvls)
+        lines.append(f"export NCCL_NVLS_ENABLE=${{NCCL_NVLS_ENABLE:-{v}}}  # cluster.nccl_nvls")
+    return GPU_ENV.replace("{{nccl_settings}}", "\n".join(lines))
 
 
 def _container_args(config: RunConfig) -> str:
@@ -127,14 +155,22 @@ def render_job_script(
     layout = plan_job(config, options.device)
     t, g = layout.trainer, layout.generator
     gpu = options.device == "gpu"
-    train_args = [recipe, *overrides, PLACEMENT_OVERRIDE, "--run-dir", run_dir]
+    train_args = _quote_all([recipe, *overrides, PLACEMENT_OVERRIDE])
+    start_weights = ""
+    if start_weights_problem(config) is not None:
+        # A production preset without model.hf_path: the job takes the checkpoint from $HF_PATH
+        # at submission and ends at once without it (the trainer would refuse it anyway).
+        start_weights = HF_PATH_LINES.format(preset=config.model.preset)
+        train_args += ' "model.hf_path=$HF_PATH"'
+    train_args += " " + _quote_all(["--run-dir", run_dir])
     values = {
         "title": f"megatron_rl job: {recipe}" + (f" {' '.join(overrides)}" if overrides else ""),
         "summary": layout.summary(),
         "sbatch_directives": _directives(config, layout, run_dir, options),
         "run_dir": shlex.quote(run_dir),
         "python": shlex.quote(options.python),
-        "train_args": _quote_all(train_args),
+        "start_weights": start_weights,
+        "train_args": train_args,
         "max_steps": config.training.max_steps,
         "requeue": int(bool(config.cluster.requeue)),
         "cpus_per_task": options.cpus_per_task or "",
@@ -143,15 +179,26 @@ def render_job_script(
         "trainer_nodes": t.nodes,
         "trainer_tasks_per_node": t.tasks_per_node,
         "trainer_sharing": t.tasks_sharing_node,
-        "trainer_gpu_args": f"--gpus-per-node={t.gpus_per_node}" if gpu else "",
+        # expandable segments: less allocator fragmentation (megatron-rl plan counts 10%)
+        "trainer_gpu_args": (
+            f"--gpus-per-node={t.gpus_per_node} "
+            "--export=ALL,PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        )
+        if gpu
+        else "",
         "generator_tasks": g.tasks,
         "generator_nodes": g.nodes,
         "generator_tasks_per_node": g.tasks_per_node,
         "generator_sharing": g.tasks_sharing_node,
-        "generator_gpu_args": f"--gpus-per-node={g.gpus_per_node}" if gpu else "",
+        "generator_gpu_args": (
+            f"--gpus-per-node={g.gpus_per_node} "
+            f"--export=ALL,NCCL_NVLS_ENABLE={_on_off(config.cluster.engine_nccl_nvls)}"
+        )
+        if gpu
+        else "",
         "generator_first_node": g.first_node,
         "engine_gpus": g.gpus_per_task,
-        "device_env": GPU_ENV if gpu else CPU_ENV,
+        "device_env": _gpu_env(config) if gpu else CPU_ENV,
     }
     return fill(JOB_TEMPLATE, values)
 

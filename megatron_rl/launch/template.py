@@ -33,7 +33,7 @@ set -uo pipefail
 # -- the run ------------------------------------------------------------------------------------
 RUN_DIR={{run_dir}}
 PYTHON=${PYTHON:-{{python}}}
-TRAIN_ARGS=({{train_args}})
+{{start_weights}}TRAIN_ARGS=({{train_args}})
 MAX_STEPS={{max_steps}}
 REQUEUE={{requeue}}  # 1: requeue the job after a checkpoint on the pre-timeout signal
 GRACE_SECONDS=120  # how long one role may outlive the other before its step is cancelled
@@ -211,10 +211,13 @@ GPU_ENV = r"""
 # An NVL72 rack is one NVLink domain of 72 GPUs (18 compute trays x 4 GPUs). Multi-node NVLink
 # (MNNVL) lets NCCL reach the GPUs of other trays of the rack over NVLink; it needs the IMEX
 # service on the nodes and an IMEX channel the job can open. Collectives of the trainer stay
-# inside one domain when its nodes are in one rack (see the SITE-SPECIFIC note at the top).
-export NCCL_MNNVL_ENABLE=${NCCL_MNNVL_ENABLE:-1}   # use MNNVL (NCCL's default 2: auto-detect)
+# inside one domain when its nodes are in one rack (--segment above, cluster.segment).
+# MNNVL and NVLS (NVLink SHARP) are NCCL's to decide unless the recipe's cluster section says
+# (nccl_mnnvl, nccl_nvls, engine_nccl_nvls): forcing MNNVL on turns NCCL's auto-detect into an
+# init failure on nodes without an IMEX channel. The engines run without NVLS unless
+# cluster.engine_nccl_nvls: its buffers take engine GPU memory (srun --export of their step).
 export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-1}   # cuMem buffers: MNNVL and NVLS need them
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-1}     # NVLink SHARP reductions in the NVSwitches
+{{nccl_settings}}
 # SITE-SPECIFIC: the IMEX channel. With Slurm's switch/nvidia_imex plugin (Slurm >= 24.05) each
 # job gets its own channel; otherwise /dev/nvidia-caps-imex-channels/channel0 must exist on every
 # node and be writable by the job, and a container must be given it (NVIDIA_IMEX_CHANNELS).
@@ -232,9 +235,23 @@ CPU_ENV = r"""
 # -- CPU run: no GPUs are requested; "GPUs" of the cluster section are task slots ----------------
 """
 
-NVL72_GPUS = 72  # GPUs of one GB200 NVL72 NVLink domain (18 compute trays x 4)
 GPU_DIRECTIVES_NOTE = (
-    "# SITE-SPECIFIC (GB200 NVL72): {total} GPUs {fit} one 72-GPU NVLink domain. Keep the\n"
-    "# trainer's nodes (the first ones of the allocation) in one rack, e.g. with topology/block\n"
-    "# (Slurm >= 24.11) and --segment, or a --constraint / --nodelist naming one rack."
+    "# SITE-SPECIFIC (GB200 NVL72): {total} GPUs {fit} one {domain}-GPU NVLink domain. The\n"
+    "# trainer's nodes (the first ones of the allocation) belong in one rack:\n{how}"
+)
+SEGMENT_NOTE = (
+    "# --segment={segment} keeps them there (Slurm >= 24.11 with topology/block: the job is\n"
+    "# allocated in segments of {segment} nodes, each inside one block; cluster.segment)."
+)
+NO_SEGMENT_NOTE = (
+    "# request one with a --constraint or --nodelist naming a rack, or set cluster.segment\n"
+    "# (Slurm >= 24.11 with topology/block)."
+)
+
+# A production preset without model.hf_path (the checked-in scripts): the checkpoint comes from
+# $HF_PATH at submission; without it the job ends here instead of the trainer writing a random
+# fp32 model of the preset (hundreds of GB) and training it with the character tokenizer.
+HF_PATH_LINES = (
+    'HF_PATH=${{HF_PATH:?"set HF_PATH to the HF checkpoint of {preset} to start from '
+    '(model.hf_path): export HF_PATH=/path/to/checkpoint, then sbatch this script"}}\n'
 )

@@ -67,6 +67,12 @@ class ModelConfig:
     ``preset`` names a built-in architecture (``llama3-8b``, ``llama4-scout``, ``tiny-llama``,
     ``tiny-llama4``); ``hf_path`` points to a Hugging Face model directory (config.json, and
     weights to start from). With both, the HF directory's config wins and ``preset`` is ignored.
+
+    Without ``hf_path`` a run starts from a random initialisation of the preset, written by rank
+    0 as an fp32 HF model with the character tokenizer: what the tiny CPU presets are for. A
+    production preset (``llama3-8b``: ~32 GB, ``llama4-scout``: ~431 GB of host memory and disk)
+    refuses to start that way unless ``allow_random_init`` is true
+    (``megatron_rl.config.checks.check_start_weights``).
     """
 
     preset: str | None = None
@@ -85,6 +91,7 @@ class ModelConfig:
     recompute_activations: bool = False
     max_sequence_length: int | None = None  # default: the HF config's max_position_embeddings
     moe: MoERouterConfig = field(default_factory=MoERouterConfig)  # MoE models only
+    allow_random_init: bool = False  # production presets without hf_path: start from random
 
     @property
     def fp8_scaling(self) -> str | None:

@@ -126,16 +126,33 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 PRESETS["tiny-llama-tied"] = {**PRESETS["tiny-llama"], "tie_word_embeddings": True}
 
+# Presets a run may initialise randomly on the host (the embedded default, tests). Any other
+# preset needs model.hf_path, or model.allow_random_init: true (config/checks.py).
+RANDOM_INIT_PRESETS = frozenset({"tiny-llama", "tiny-llama-tied", "tiny-llama4"})
+
 
 def preset_names() -> list[str]:
     return sorted(PRESETS)
+
+
+def _for_installed_transformers(fields: dict[str, Any]) -> dict[str, Any]:
+    """Preset fields as the installed transformers reads them: 5.x takes the RoPE base and
+    scaling as ``rope_parameters``; 4.x (the lent GPU machine's, tools/gpu_check.sh) as
+    ``rope_theta`` and ``rope_scaling`` and would keep its default base of 10000 otherwise."""
+    if int(transformers.__version__.split(".")[0]) >= 5 or "rope_parameters" not in fields:
+        return fields
+    rope = dict(fields.pop("rope_parameters"))
+    fields["rope_theta"] = rope.pop("rope_theta")
+    if rope.get("rope_type", "default") != "default":
+        fields["rope_scaling"] = rope
+    return fields
 
 
 def preset_hf_config(name: str, **overrides: Any) -> transformers.PretrainedConfig:
     """The HF config of a preset (``overrides`` replace fields, e.g. ``vocab_size``)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(preset_names())}")
-    fields = {**PRESETS[name], **overrides}
+    fields = _for_installed_transformers({**PRESETS[name], **overrides})
     model_type = fields.pop("model_type")
     return transformers.AutoConfig.for_model(model_type, **fields)
 

@@ -96,8 +96,19 @@ def _gpt_model(model: ModelConfig, config, arch, use_te: bool) -> GPTModel:
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(text.rope_parameters.get("rope_theta", 10000.0)),
+        rotary_base=int(rope_parameters(text).get("rope_theta", 10000.0)),
     )
+
+
+def rope_parameters(text: transformers.PretrainedConfig) -> dict:
+    """The RoPE base and scaling of an HF text config. transformers 5 keeps them in
+    ``rope_parameters``; 4.x (e.g. the lent GPU machine's, tools/gpu_check.sh) in
+    ``rope_theta`` and ``rope_scaling``."""
+    params = getattr(text, "rope_parameters", None)
+    if params:
+        return params
+    scaling = getattr(text, "rope_scaling", None) or {}
+    return {"rope_theta": getattr(text, "rope_theta", 10000.0), **scaling}
 
 
 def _set_rope_frequencies(gpt: GPTModel, text: transformers.PretrainedConfig) -> None:
@@ -108,9 +119,10 @@ def _set_rope_frequencies(gpt: GPTModel, text: transformers.PretrainedConfig) ->
     rope = getattr(gpt, "rotary_pos_emb", None)
     if rope is None:
         return
-    rope_type = text.rope_parameters.get("rope_type", "default")
+    params = rope_parameters(text)
+    rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
-        base = float(text.rope_parameters["rope_theta"])
+        base = float(params["rope_theta"])
         dim = rope.inv_freq.numel() * 2
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         scaling = 1.0

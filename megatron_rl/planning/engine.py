@@ -17,12 +17,28 @@
 - Forward workspace (estimate): vLLM's profile run at ``max_num_batched_tokens`` (16384 on
   GPUs with >= 70 GB, vllm/engine/arg_utils.py) and fp32 sampler logits for
   ``max_num_seqs`` sequences.
+- CUDA graphs (unless ``rollout.enforce_eager``): vLLM captures one graph per batch size of
+  [1, 2, 4] + multiples of 8 to 256 + multiples of 16 to min(2 x max_num_seqs, 512 or 1024 on
+  Blackwell) (vllm/config/vllm.py ``_set_cudagraph_sizes``), in two modes (FULL for decode
+  batches, PIECEWISE for mixed ones: the default FULL_AND_PIECEWISE). Counted as vLLM's own
+  profile counts them (gpu_model_runner.profile_cudagraph_memory): the first capture's pool,
+  here the forward workspace at the largest size, plus a per-capture cost
+  (``gpus.CUDA_GRAPH_BYTES_PER_CAPTURE``, an assumption) for every other capture. vLLM takes
+  them from memory outside the KV cache we fix with ``kv_cache_memory_bytes``.
+- NVLS buffers (``cluster.engine_nccl_nvls`` only; the sbatch scripts turn NVLS off on
+  engines otherwise): one NVLS communicator, the engine's TP group.
+- Fragmentation of the workspace (``gpus.FRAGMENTATION``, an assumption).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rl.planning.gpus import (
+    CUDA_GRAPH_BYTES_PER_CAPTURE,
+    FRAGMENTATION,
+    NVLS_BYTES_PER_COMMUNICATOR,
+)
 from megatron_rl.planning.shapes import DTYPE_BYTES, ModelShapes
 
 FP32 = 4
@@ -41,6 +57,10 @@ class EngineBytes:
     kv_bytes_per_sequence: int  # one sequence of max_model_len tokens, this GPU's share
     sequences_in_kv: int  # full-length sequences the KV cache holds
     largest_tensor: str
+    cuda_graphs: int = 0
+    graph_captures: int = 0  # batch sizes x modes vLLM captures (0: enforce_eager)
+    nvls: int = 0
+    fragmentation: int = 0
 
     @property
     def parts(self) -> dict[str, int]:
@@ -49,7 +69,18 @@ class EngineBytes:
             "KV cache": self.kv_cache,
             "weight receive buffers": self.receive_buffers,
             "forward workspace (estimate)": self.workspace,
+            "CUDA graphs (estimate)": self.cuda_graphs,
+            "NVLS buffers (estimate)": self.nvls,
+            "allocator fragmentation (estimate)": self.fragmentation,
         }
+
+
+def cuda_graph_sizes(max_num_seqs: int, max_graph_size: int = 512) -> list[int]:
+    """The batch sizes vLLM 0.32 captures by default (vllm/config/vllm.py
+    ``_set_cudagraph_sizes``, decode query length 1)."""
+    largest = min(max_num_seqs * 2, max_graph_size)
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, largest + 1, 16)]
+    return [n for n in sizes if n <= largest]
 
 
 def engine_weight_elements(shapes: ModelShapes, tp: int, expert_parallel: bool = False) -> int:
@@ -88,8 +119,16 @@ def largest_pushed_tensor(shapes: ModelShapes, dtype_bytes: int) -> tuple[int, s
     return options[name], name
 
 
-def engine_bytes(shapes: ModelShapes, rollout, model_dtype: str) -> EngineBytes:
-    """Memory of one GPU of an engine of ``rollout`` (``RolloutConfig``)."""
+def engine_bytes(
+    shapes: ModelShapes,
+    rollout,
+    model_dtype: str,
+    max_graph_size: int = 512,
+    nvls: bool = False,
+) -> EngineBytes:
+    """Memory of one GPU of an engine of ``rollout`` (``RolloutConfig``); ``max_graph_size``:
+    vLLM's default largest CUDA-graph batch on the GPU (``gpus.GPU``); ``nvls``: the engines
+    run NCCL with NVLS (``cluster.engine_nccl_nvls``)."""
     s, tp = shapes, rollout.tensor_parallel
     dtype = model_dtype if rollout.dtype == "auto" else rollout.dtype
     d = DTYPE_BYTES[dtype]
@@ -106,6 +145,12 @@ def engine_bytes(shapes: ModelShapes, rollout, model_dtype: str) -> EngineBytes:
     per_token = (2 * s.hidden + (s.heads + 2 * s.kv_heads) * s.head_dim // tp + 3 * ffn // tp) * d
     workspace = VLLM_MAX_NUM_BATCHED_TOKENS * per_token
     workspace += 2 * rollout.max_num_seqs * s.vocab * FP32  # fp32 logits and log-probs
+    graphs = captures = 0
+    if not rollout.enforce_eager:
+        sizes = cuda_graph_sizes(rollout.max_num_seqs, max_graph_size)
+        captures = 2 * len(sizes)  # FULL and PIECEWISE
+        pool = max(sizes) * per_token + 2 * max(sizes) * (s.vocab // tp) * FP32
+        graphs = pool + (captures - 1) * CUDA_GRAPH_BYTES_PER_CAPTURE
     return EngineBytes(
         weights=weights,
         kv_cache=kv_cache,
@@ -114,4 +159,8 @@ def engine_bytes(shapes: ModelShapes, rollout, model_dtype: str) -> EngineBytes:
         kv_bytes_per_sequence=per_seq,
         sequences_in_kv=kv_cache // per_seq if per_seq else 0,
         largest_tensor=name,
+        cuda_graphs=graphs,
+        graph_captures=captures,
+        nvls=NVLS_BYTES_PER_COMMUNICATOR if nvls and tp > 1 else 0,
+        fragmentation=int(FRAGMENTATION * workspace),
     )

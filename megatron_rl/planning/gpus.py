@@ -1,8 +1,10 @@
 """Memory of the GPUs a plan is checked against: one table, with sources (no torch import).
 
-Capacities are the vendor's HBM per GPU in decimal gigabytes (1 GB = 1e9 bytes), as the
-datasheets state them; ``torch.cuda.get_device_properties().total_memory`` reports a little
-less (firmware and ECC reservations), which is why plans ask for headroom.
+Capacities are what the driver reports as the GPU's memory (``nvidia-smi
+--query-gpu=memory.total``, in MiB; ``torch.cuda.get_device_properties().total_memory`` is
+the same number in bytes), counted in GiB (2**30 bytes) as torch and vLLM print memory. The
+datasheets' "GB" are close to these in binary units (H200: "141 GB" is 140.4 GiB); read as
+decimal gigabytes they understated every GPU by about 7%.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 GB = 10**9
 GiB = 2**30
+MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -19,32 +22,59 @@ class GPU:
 
     Attributes:
         name: short name used on the command line.
-        memory_bytes: HBM per GPU.
+        memory_bytes: memory per GPU as the driver reports it.
         source: where the number comes from.
+        vllm_max_graph_size: vLLM's default largest CUDA-graph batch (vllm/config/vllm.py
+            ``_set_cudagraph_sizes``: 1024 on data-centre Blackwell, 512 elsewhere).
     """
 
     name: str
     memory_bytes: int
     source: str
+    vllm_max_graph_size: int = 512
 
 
 GPUS: dict[str, GPU] = {
-    # NVIDIA GB200 NVL72 datasheet: "up to 13.4 TB HBM3e" for 72 Blackwell GPUs = 186 GB each
-    # (the GB200 superchip: 2 GPUs, 372 GB HBM3e).
-    "gb200": GPU("gb200", 186 * GB, "NVIDIA GB200 NVL72 datasheet: 13.4 TB HBM3e / 72 GPUs"),
-    # NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e (SXM and NVL).
-    "h200": GPU("h200", 141 * GB, "NVIDIA H200 datasheet: 141 GB HBM3e"),
-    # NVIDIA H100 SXM5 datasheet: 80 GB HBM3.
-    "h100": GPU("h100", 80 * GB, "NVIDIA H100 datasheet: 80 GB HBM3 (SXM)"),
+    # GB200 NVL72 datasheet: 13.4 TB HBM3e / 72 GPUs = 186 GB; nvidia-smi on a GB200 tray
+    # reports 189471 MiB (185.0 GiB) per GPU.
+    "gb200": GPU(
+        "gb200",
+        189471 * MiB,
+        "nvidia-smi memory.total 189471 MiB (datasheet: 13.4 TB HBM3e / 72 GPUs)",
+        vllm_max_graph_size=1024,
+    ),
+    # H200 datasheet: 141 GB HBM3e; nvidia-smi reports 143771 MiB (140.4 GiB).
+    "h200": GPU("h200", 143771 * MiB, "nvidia-smi memory.total 143771 MiB (datasheet: 141 GB)"),
+    # H100 SXM5 datasheet: 80 GB HBM3; nvidia-smi reports 81559 MiB (79.6 GiB).
+    "h100": GPU("h100", 81559 * MiB, "nvidia-smi memory.total 81559 MiB (datasheet: 80 GB)"),
 }
 
 DEFAULT_GPU = "gb200"  # the production cluster of the recipes (GB200 NVL72, slurm/README.md)
 
-# What no formula here derives: the CUDA context, NCCL communicators (NVLS / MNNVL buffers)
-# and, on engines, CUDA graphs. Estimates of ours (a CUDA context is ~0.5-1 GB on Hopper and
-# Blackwell; NCCL with NVLS allocates buffers per communicator), not measured on a GB200.
-TRAINER_RUNTIME_RESERVE = 4 * GB
-ENGINE_RUNTIME_RESERVE = 6 * GB
+# What no formula here derives: the CUDA context and NCCL's ordinary communicator buffers.
+# ASSUMPTION (not measured on a GB200): a CUDA context is ~0.5-1 GiB on Hopper and Blackwell;
+# NCCL's channel buffers grow with the number of communicators and channels (NCCL issue 864:
+# ~1.6 GB for one communicator after an all-reduce, ~6 GB with three or more).
+# (The engines' reserve was 6 GB when it also stood for their CUDA graphs and NVLS buffers,
+# counted apart now.)
+TRAINER_RUNTIME_RESERVE = 4 * GiB
+ENGINE_RUNTIME_RESERVE = 4 * GiB
+# NVLink SHARP (NVLS) buffers, per communicator that uses NVLS. ASSUMPTION: 1 GiB, the order of
+# magnitude behind NVIDIA's own advice to disable NVLS to save memory (NeMo-Framework-Launcher
+# PR 127 "set NCCL_NVLS_ENABLE=0 for memory saving", JAX-Toolbox PR 383: communicator
+# initialisation with NVLS "is memory intensive and can cause OOM"); NCCL documents no size.
+NVLS_BYTES_PER_COMMUNICATOR = 1 * GiB
+# vLLM CUDA graphs: the first capture's memory pool (the largest batch's forward, counted as
+# the forward workspace at that batch) plus a per-capture cost for every further size and mode
+# (vLLM measures both at start-up: gpu_model_runner.profile_cudagraph_memory, which floors the
+# per-graph cost at 1 MiB). ASSUMPTION: 8 MiB per capture for a 48-layer model.
+CUDA_GRAPH_BYTES_PER_CAPTURE = 8 * MiB
+# Allocator fragmentation: blocks the caching allocator holds but cannot reuse, as a fraction of
+# the memory that comes and goes (activations, forward workspace). ASSUMPTION: 10%, with
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the trainer's setting in the sbatch scripts;
+# PyTorch's CUDA notes: expandable segments let the allocator grow one segment instead of
+# fragmenting many).
+FRAGMENTATION = 0.10
 
 
 def get_gpu(name: str) -> GPU:

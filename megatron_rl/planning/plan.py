@@ -18,7 +18,9 @@ from megatron_rl.planning.engine import EngineBytes, engine_bytes, largest_pushe
 from megatron_rl.planning.gpus import (
     DEFAULT_GPU,
     ENGINE_RUNTIME_RESERVE,
+    FRAGMENTATION,
     GPU,
+    NVLS_BYTES_PER_COMMUNICATOR,
     TRAINER_RUNTIME_RESERVE,
     get_gpu,
 )
@@ -83,6 +85,8 @@ class TrainerPlan:
     push_extra: int
     reserve: int
     capacity: int
+    nvls: int = 0  # NVLS buffers of the trainer's NCCL groups (cluster.nccl_nvls not false)
+    fragmentation: int = 0  # of the activations (gpus.FRAGMENTATION)
 
     @property
     def working(self) -> int:
@@ -91,7 +95,7 @@ class TrainerPlan:
 
     @property
     def total(self) -> int:
-        return self.states.total + self.reserve + self.working
+        return self.states.total + self.reserve + self.working + self.nvls + self.fragmentation
 
     @property
     def headroom(self) -> float:
@@ -177,6 +181,17 @@ def push_extra_bytes(shapes: ModelShapes, config) -> int:
     return max([head, *layer.values()]) + config.rollout.weight_bucket_bytes + largest
 
 
+def trainer_nvls_bytes(config, layout: Layout, dp: int, expert_dp: int) -> int:
+    """NVLS buffers of one trainer GPU: one set per NCCL group of more than one rank that runs
+    collectives (TP, DP, EP, expert-DP; pipeline stages only send and receive), unless the
+    recipe turns NVLS off (``cluster.nccl_nvls: false``; None leaves NCCL's default, which
+    uses NVLS on NVSwitch systems)."""
+    if config.cluster.nccl_nvls is False:
+        return 0
+    groups = [layout.tensor, dp] + ([layout.expert, expert_dp] if layout.expert > 1 else [])
+    return NVLS_BYTES_PER_COMMUNICATOR * sum(size > 1 for size in groups)
+
+
 def plan_trainer(
     shapes: ModelShapes,
     config,
@@ -196,6 +211,7 @@ def plan_trainer(
     d = DTYPE_BYTES[config.model.dtype]
     tokens, seq_len = micro_batch_shape(config)
     push = push_extra_bytes(shapes, config) if push is None else push
+    nvls = trainer_nvls_bytes(config, layout, dp, expert_dp)
     best = None
     for stage in range(layout.pipeline):
         params = rank_parameters(
@@ -232,6 +248,8 @@ def plan_trainer(
             push if stage == 0 else 0,
             TRAINER_RUNTIME_RESERVE,
             capacity,
+            nvls=nvls,
+            fragmentation=int(FRAGMENTATION * acts.peak),
         )
         if best is None or plan.total > best.total:
             best = plan
@@ -307,7 +325,13 @@ def plan_run(
         push=push,
     )
     engine = EnginePlan(
-        engine_bytes(shapes, config.rollout, config.model.dtype),
+        engine_bytes(
+            shapes,
+            config.rollout,
+            config.model.dtype,
+            device.vllm_max_graph_size,
+            config.cluster.engine_nccl_nvls,
+        ),
         ENGINE_RUNTIME_RESERVE,
         device.memory_bytes,
     )

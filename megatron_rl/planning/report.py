@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.planning.gpus import GB
+from megatron_rl.planning.gpus import GiB
 from megatron_rl.planning.plan import Plan, TrainerPlan
 
 
@@ -18,7 +18,8 @@ class Row:
 
 
 def gb(n: int) -> str:
-    return f"{n / GB:.1f}"
+    """Bytes as GiB (2**30), as torch and vLLM print memory."""
+    return f"{n / GiB:.1f}"
 
 
 def verdict(headroom: float, target: float) -> str:
@@ -58,15 +59,18 @@ def trainer_rows(plan: Plan, trainer: TrainerPlan | None = None) -> list[Row]:
     }
     flight = f", x {act.in_flight} micro-batches in flight" if act.in_flight > 1 else ""
     for key, value in act.saved.items():
-        if value * act.in_flight >= GB // 20:  # below 0.05 GB: in the total, not a row
+        if value * act.in_flight >= GiB // 20:  # below 0.05 GiB: in the total, not a row
             rows.append(Row(names[key], value * act.in_flight, f"saved for backward{flight}"))
     rows.append(Row("activations: transient", act.transient, act.transient_what))
     push_note = "rank 0 streams one full layer + a bucket, between steps"
     if t.push_extra > act.peak:
         rows.append(Row("weight push, beyond activations", t.push_extra - act.peak, push_note))
     else:
-        note = f"{gb(t.push_extra)} GB ({push_note}): within the activations' place"
+        note = f"{gb(t.push_extra)} GiB ({push_note}): within the activations' place"
         rows.append(Row("weight push", None, note))
+    if t.nvls:
+        rows.append(Row("NVLS buffers (estimate)", t.nvls, "NCCL groups of > 1 rank using NVLS"))
+    rows.append(Row("allocator fragmentation (estimate)", t.fragmentation, "of the activations"))
     rows.append(Row("runtime reserve", t.reserve, "CUDA context, NCCL (estimate)"))
     return rows
 
@@ -78,11 +82,14 @@ def engine_rows(plan: Plan) -> list[Row]:
         "KV cache": f"rollout.kv_cache_gb: {e.sequences_in_kv} full-length sequences",
         "weight receive buffers": f"2 x (bucket + {e.largest_tensor})",
         "forward workspace (estimate)": "16384 batched tokens + sampler logits",
+        "CUDA graphs (estimate)": f"{e.graph_captures} captures (vLLM's default sizes)"
+        if e.graph_captures
+        else "rollout.enforce_eager: none",
+        "NVLS buffers (estimate)": "cluster.engine_nccl_nvls",
+        "allocator fragmentation (estimate)": "of the workspace",
     }
-    rows = [Row(k, v, notes[k]) for k, v in e.parts.items()]
-    rows.append(
-        Row("runtime reserve", plan.engine.reserve, "CUDA context, graphs, NCCL (estimate)")
-    )
+    rows = [Row(k, v, notes[k]) for k, v in e.parts.items() if v or k == "CUDA graphs (estimate)"]
+    rows.append(Row("runtime reserve", plan.engine.reserve, "CUDA context, NCCL (estimate)"))
     return rows
 
 
@@ -104,12 +111,12 @@ def notes(plan: Plan) -> list[str]:
 
 
 def _md_table(rows: list[Row], total: int, capacity: int, target: float) -> list[str]:
-    lines = ["| part | GB | how |", "|---|---:|---|"]
+    lines = ["| part | GiB | how |", "|---|---:|---|"]
     for r in rows:
         lines.append(f"| {r.label} | {'' if r.bytes is None else gb(r.bytes)} | {r.note} |")
     headroom = 1 - total / capacity
     lines.append(
-        f"| **total** | **{gb(total)}** | of {gb(capacity)} GB: {headroom:.0%} headroom, "
+        f"| **total** | **{gb(total)}** | of {gb(capacity)} GiB: {headroom:.0%} headroom, "
         f"{verdict(headroom, target)} |"
     )
     return lines
@@ -120,7 +127,7 @@ def markdown(plan: Plan, alternatives: int = 5) -> str:
     t = plan.trainer
     lines = [
         f"**{plan.name}**: {plan.shapes.name} ({plan.shapes.total_parameters() / 1e9:.1f}B "
-        f"parameters) on {plan.gpu.name.upper()} ({gb(plan.gpu.memory_bytes)} GB); micro-batch "
+        f"parameters) on {plan.gpu.name.upper()} ({gb(plan.gpu.memory_bytes)} GiB); micro-batch "
         f"{plan.tokens} tokens ({plan.tokens // plan.seq_len} x {plan.seq_len}).",
         "",
         f"Trainer GPU ({plan.trainer_gpus} GPUs: {describe_trainer(plan, t)}):",
@@ -144,7 +151,7 @@ def markdown(plan: Plan, alternatives: int = 5) -> str:
 
 def alternatives_md(plan: Plan, count: int) -> list[str]:
     current = plan.trainer.layout
-    lines = ["| change | layout | GB | headroom |", "|---|---|---:|---:|"]
+    lines = ["| change | layout | GiB | headroom |", "|---|---|---:|---:|"]
     for alt in plan.alternatives[:count]:
         keys = " ".join(f"`{k}={_yaml(v)}`" for k, v in alt.layout.changes_from(current).items())
         lines.append(
@@ -162,7 +169,7 @@ def _rich_table(plan: Plan, title: str, rows: list[Row], total: int):
 
     tab = Table(title=title, title_justify="left")
     tab.add_column("part")
-    tab.add_column("GB", justify="right")
+    tab.add_column("GiB", justify="right")
     tab.add_column("how")
     for r in rows:
         tab.add_row(r.label, "" if r.bytes is None else gb(r.bytes), r.note)
@@ -173,7 +180,7 @@ def _rich_table(plan: Plan, title: str, rows: list[Row], total: int):
     tab.add_row(
         "[bold]total[/]",
         f"[bold]{gb(total)}[/]",
-        f"[{color}]{word}[/]: {headroom:.0%} headroom of {gb(capacity)} GB "
+        f"[{color}]{word}[/]: {headroom:.0%} headroom of {gb(capacity)} GiB "
         f"(target {plan.headroom_target:.0%})",
     )
     return tab
@@ -189,7 +196,7 @@ def print_rich(plan: Plan, alternatives: int = 5) -> None:
     console.print(
         f"[bold]{plan.name}[/]: {plan.shapes.name} "
         f"({plan.shapes.total_parameters() / 1e9:.1f}B parameters) on "
-        f"{plan.gpu.name.upper()} ({gb(plan.gpu.memory_bytes)} GB, {plan.gpu.source}); "
+        f"{plan.gpu.name.upper()} ({gb(plan.gpu.memory_bytes)} GiB, {plan.gpu.source}); "
         f"micro-batch {plan.tokens} tokens ({plan.tokens // plan.seq_len} x {plan.seq_len})"
     )
 
@@ -204,12 +211,12 @@ def print_rich(plan: Plan, alternatives: int = 5) -> None:
             s = plan.suggestion
             keys = " ".join(f"{k}={_yaml(v)}" for k, v in s.layout.changes_from(t.layout).items())
             console.print(
-                f"[bold]Smallest change that fits:[/] {keys}  ->  {gb(s.total)} GB, "
+                f"[bold]Smallest change that fits:[/] {keys}  ->  {gb(s.total)} GiB, "
                 f"{s.headroom:.0%} headroom"
             )
             alt = Table(title="Layouts that fit, smallest change first", title_justify="left")
-            for col in ("change", "layout", "GB", "headroom"):
-                alt.add_column(col, justify="right" if col in ("GB", "headroom") else "left")
+            for col in ("change", "layout", "GiB", "headroom"):
+                alt.add_column(col, justify="right" if col in ("GiB", "headroom") else "left")
             for a in plan.alternatives[:alternatives]:
                 keys = " ".join(
                     f"{k}={_yaml(v)}" for k, v in a.layout.changes_from(t.layout).items()

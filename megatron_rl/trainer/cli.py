@@ -30,15 +30,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load and validate the recipe; print it (``--dry-run``) or train. Returns the exit code."""
     from megatron_rl.config import ConfigError, load_run_config, save_run_config, to_yaml
+    from megatron_rl.config.checks import start_weights_problem
 
     try:
         config = load_run_config(args.recipe, args.overrides)
     except ConfigError as err:
         print(f"megatron-rl train: error: {err}", file=sys.stderr)
         return 2
+    problem = start_weights_problem(config)
     if args.dry_run:
+        if problem:  # a dry run shows the config; the real run would refuse
+            print(f"megatron-rl train: warning: {problem}", file=sys.stderr)
         sys.stdout.write(to_yaml(config))
         return 0
+    if problem:
+        print(f"megatron-rl train: error: {problem}", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config.name
     not_a_dir = next(
         (p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.config.checks import check_start_weights
 from megatron_rl.config.schema import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,9 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
     from megatron_rl.trainer.optim import wrap_model
     from megatron_rl.trainer.state import CheckpointManager
 
+    # Every rank refuses a production preset without weights before any work: refused on rank
+    # 0 alone (in prepare_hf_dir), the others would wait on the barrier below until timeout.
+    check_start_weights(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     init_distributed(config.parallel, seed=config.seed)
     import torch.distributed as dist
