@@ -26,12 +26,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-dir", default=None, help="run directory (default: runs/<recipe name>)"
     )
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="CHECK[,CHECK...]",
+        help="run these checks (and those they need) only, e.g. --only engines",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Load the recipe, run every check, print the table; returns the exit status."""
     from megatron_rl.config import ConfigError, load_run_config
+    from megatron_rl.preflight.registry import select
 
+    try:
+        checks = select(args.only.split(",") if args.only else None)
+    except ValueError as err:
+        print(f"megatron-rl preflight: error: --only: {err}", file=sys.stderr)
+        return 2
     try:
         # The model's shapes are checked by the "model" check, which names what is wrong.
         config = load_run_config(args.recipe, args.overrides, check_model=False)
@@ -44,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_rl.preflight.runner import run_preflight
 
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config.name
-    report = run_preflight(config, run_dir, recipe=args.recipe)
+    report = run_preflight(config, run_dir, recipe=args.recipe, checks=checks)
     if not dist.is_initialized() or dist.get_rank() == 0:
         sys.stdout.write(render_table(report))
         sys.stdout.flush()

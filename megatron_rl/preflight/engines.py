@@ -128,7 +128,8 @@ def check_validation(ctx: PreflightContext) -> Outcome:
         )
         seconds = time.perf_counter() - t0
         steps = max((len(s.response_ids) for s in samples), default=0)
-        step_seconds = seconds / max(steps, 1)
+        # a sample batch larger than the engines hold decodes in several waves
+        step_seconds = seconds / max(steps, 1) / math.ceil(len(samples) / max(capacity, 1))
         longest = config.max_response_tokens()
         estimate = {
             "seconds": validation_estimate(sequences, capacity, longest, step_seconds),

@@ -20,3 +20,21 @@ CHECKS: tuple[Check, ...] = (
 )
 
 CHECK_NAMES: tuple[str, ...] = tuple(c.name for c in CHECKS)
+
+
+def select(names: list[str] | None) -> tuple[Check, ...]:
+    """The checks called ``names`` with every check they need, in run order (None: all).
+    Raises ValueError naming an unknown check."""
+    if not names:
+        return CHECKS
+    unknown = sorted(set(names) - set(CHECK_NAMES))
+    if unknown:
+        raise ValueError(f"unknown check(s) {', '.join(unknown)}; known: {', '.join(CHECK_NAMES)}")
+    by_name = {c.name: c for c in CHECKS}
+    wanted, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in wanted:
+            wanted.add(name)
+            todo.extend(by_name[name].needs)
+    return tuple(c for c in CHECKS if c.name in wanted)
