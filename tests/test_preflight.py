@@ -113,7 +113,9 @@ def _hf_dir(path: Path, **overrides) -> Path:
 
     tok_dir = path.parent / f"{path.name}_tok"
     build_char_tokenizer(tok_dir)
-    make_hf_model(preset_hf_config("tiny-llama", **overrides), str(path), tokenizer_dir=str(tok_dir))
+    make_hf_model(
+        preset_hf_config("tiny-llama", **overrides), str(path), tokenizer_dir=str(tok_dir)
+    )
     return path
 
 
@@ -376,3 +378,69 @@ def test_logprob_gap_above_the_limit_fails_the_engines_check(tmp_path):
     engines = report["checks"][2]
     assert engines["details"]["gap"] > 1e-12 and engines["details"]["gap_tokens"] > 0
     assert "exceeds training.max_logprob_gap 1e-12" in engines["message"]
+
+
+# -- the sbatch job runs it first ------------------------------------------------------------
+FAKE_SRUN = r"""#!/bin/bash
+# srun stand-in: one task, the command after the options, output appended to --output
+out=/dev/null
+while [ $# -gt 0 ] && [ "$1" != bash ]; do
+    case $1 in --output=*) out=${1#--output=} ;; esac
+    shift
+done
+SLURM_PROCID=0 SLURM_NTASKS=1 SLURM_LOCALID=0 SLURM_STEP_ID=0 "$@" >> "$out" 2>&1
+"""
+FAKE_PYTHON = r"""#!/bin/bash
+# python stand-in: records `-m MODULE [COMMAND]`; the preflight exits with $FAKE_PREFLIGHT_RC
+echo "$2 $3" >> "$FAKE_CALLS"
+if [ "$3" = preflight ]; then
+    [ "$FAKE_PREFLIGHT_RC" = 0 ] || echo "FAIL disk: 1 MB free"
+    exit "$FAKE_PREFLIGHT_RC"
+fi
+exit 0
+"""
+
+
+def _job(tmp_path: Path, preflight_rc: int, *overrides: str) -> tuple[int, str, list[str]]:
+    from megatron_rl.launch.render import LaunchOptions, render_job_script
+
+    config = load_run_config(TINY, list(overrides))
+    tmp_path.mkdir()
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        render_job_script(config, str(TINY), list(overrides), str(tmp_path / "run"),
+                          LaunchOptions(device="cpu"))
+    )  # fmt: skip
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {"srun": FAKE_SRUN, "python": FAKE_PYTHON, "squeue": "#!/bin/bash\n",
+             "scancel": "#!/bin/bash\n", "scontrol": "#!/bin/bash\necho localhost\n"}  # fmt: skip
+    for name, text in stubs.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"),
+           "SLURM_JOB_ID": "42", "SLURM_JOB_NAME": "tiny_cpu", "SLURM_JOB_NODELIST": "localhost",
+           "FAKE_CALLS": str(calls), "FAKE_PREFLIGHT_RC": str(preflight_rc)}  # fmt: skip
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    lines = calls.read_text().splitlines() if calls.is_file() else []
+    return proc.returncode, proc.stdout + proc.stderr, lines
+
+
+@pytest.mark.timeout(300)  # ~10 s (the script's 2 s watch loop, twice)
+def test_sbatch_job_runs_the_preflight_first_and_stops_on_a_failure(tmp_path):
+    rc, out, calls = _job(tmp_path / "fail", 1)
+    assert rc == 1
+    assert calls[0] == "megatron_rl.cli preflight"
+    assert "megatron_rl.cli train" not in calls  # no training after a failed check
+    assert "ERROR: preflight failed (status 1)" in out and "FAIL disk: 1 MB free" in out
+
+    rc, out, calls = _job(tmp_path / "pass", 0)
+    assert rc == 0, out
+    trainer_calls = [c for c in calls if c.startswith("megatron_rl.cli")]
+    assert trainer_calls == ["megatron_rl.cli preflight", "megatron_rl.cli train"]
+    assert calls.count("megatron_rl.launch.generator --engine") == 2  # engines for both
+
+    rc, out, calls = _job(tmp_path / "off", 0, "preflight=false")
+    assert rc == 0 and [c for c in calls if "cli" in c] == ["megatron_rl.cli train"]
