@@ -336,6 +336,26 @@ def test_tiny_cpu_preflight_passes_every_check(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)  # ~90 s here
+def test_preflight_runs_on_every_trainer_rank_under_torchrun(tmp_path):
+    """Two trainer ranks (TP 2) and an engine process, started like `train` (README)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "megatron_rl.cli", "preflight", str(TINY), "parallel.tensor=2"]
+    cmd += ["rollout.placement=subprocess", "cluster.gpus_per_node=3", "cluster.trainer_gpus=2"]
+    cmd += ["cluster.generator_gpus=1", "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "preflight.json").read_text())
+    assert report["world_size"] == 2
+    assert _statuses(report) == {name: "PASS" for name in registry.CHECK_NAMES}
+    checks = {c["name"]: c for c in report["checks"]}
+    assert set(checks["collectives"]["details"]) == {"all_reduce TP"}
+    assert checks["trainer"]["value"].startswith("TP 2 PP 1 EP 1 DP 1 on 2 ranks")
+    assert proc.stdout.count("megatron-rl preflight: ") == 1  # one table, from rank 0
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_wrong_hf_path_fails_the_model_check(tmp_path):
     proc, report = _preflight(tmp_path / "run", f"model.hf_path={tmp_path / 'missing'}")
