@@ -253,6 +253,76 @@ def test_validation_check_extrapolates_measured_decode_speed(tmp_path):
     assert check_validation(ctx).value == "validation off"
 
 
+class _FakeCheckpoints:
+    """CheckpointManager's save/load on a torch state dict; ``restores``: whether load
+    puts the saved weights back (False: a broken load)."""
+
+    restores = True
+
+    def __init__(self, run_dir, keep_last, hf_source_dir=None):
+        self.root = Path(run_dir) / "checkpoints"
+
+    def save(self, step, model, extra, optimizer=None):
+        import torch
+
+        path = self.root / f"step_{step:08d}"
+        path.mkdir(parents=True)
+        torch.save(model.state_dict(), path / "model.pt")
+        return path
+
+    def load(self, model, path, optimizer=None, restore_rng=True):
+        import torch
+
+        if self.restores:
+            model.load_state_dict(torch.load(path / "model.pt"))
+
+
+@pytest.mark.parametrize("restores", [True, False])
+def test_checkpoint_check_needs_the_saved_weights_back(tmp_path, monkeypatch, restores):
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_rl.preflight.trainer import check_checkpoint
+    from megatron_rl.trainer import state
+
+    monkeypatch.setattr(_FakeCheckpoints, "restores", restores)
+    monkeypatch.setattr(state, "CheckpointManager", _FakeCheckpoints)
+    model = torch.nn.Linear(64, 64)
+    run = SimpleNamespace(model=model, optim=SimpleNamespace(optimizer=None), hf_dir=tmp_path)
+    out = check_checkpoint(PreflightContext(_config(), tmp_path, tmp_path / "w", run=run))
+    assert out.passed is restores
+    assert out.details["bytes"] > 64 * 64 * 4 and out.details["save_gb_per_s"] > 0
+    assert not (tmp_path / "w" / "checkpoints").exists()  # removed after the check
+    if not restores:
+        assert "loaded weights differ" in out.message
+
+
+def test_update_check_fails_on_a_non_finite_loss(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from megatron_rl.preflight.trainer import check_update
+    from megatron_rl.trainer import step
+
+    seen = []
+
+    def update(model, optimizer, samples, algo, micro_batch_size, **kw):
+        seen.append(samples)
+        return SimpleNamespace(loss=float("nan"), grad_norm=1.0)
+
+    monkeypatch.setattr(step, "policy_update", update)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda: 2)
+    run = SimpleNamespace(
+        tokenizer=list(range(128)), ddp=None, optim=SimpleNamespace(optimizer=None)
+    )
+    out = check_update(PreflightContext(_config(), tmp_path, tmp_path, run=run))
+    assert not out.passed and "loss nan" in out.message
+    assert len(seen[0]) == 2 * 64  # one micro-batch per data-parallel rank
+    assert out.limit.endswith("(GPU only)")
+
+
 def test_validation_estimate_counts_waves_of_full_length():
     # 1,000 prompts x 16 samples on 64 engines x 256 seqs: 1 wave of 14,336 tokens at 50 ms
     assert validation_estimate(16_000, 16_384, 14_336, 0.05) == pytest.approx(716.8)
@@ -318,7 +388,7 @@ def _statuses(report: dict) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(360)  # ~50 s here
+@pytest.mark.timeout(360)  # 30-80 s here (loaded machine)
 def test_tiny_cpu_preflight_passes_every_check(tmp_path):
     proc, report = _preflight(tmp_path / "run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

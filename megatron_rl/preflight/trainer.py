@@ -149,7 +149,9 @@ def _directory_bytes(path: Path) -> int:
 
 
 def _checksum(model) -> float:
-    return float(sum(p.detach().double().sum() for p in model.parameters()))
+    """Sum of this rank's weights (fp32 per tensor: deterministic for the same values, and
+    no fp64 copy of an 8B model's largest tensor)."""
+    return float(sum(float(p.detach().float().sum()) for p in model.parameters()))
 
 
 def check_checkpoint(ctx: PreflightContext) -> Outcome:
