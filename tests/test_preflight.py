@@ -244,7 +244,10 @@ def test_validation_check_extrapolates_measured_decode_speed(tmp_path):
     ctx = _validation_ctx(tmp_path, pool, "rollout.max_num_seqs=4", "off_policy.pool_fill=2",
                           "parallel.timeout_minutes=1")  # fmt: skip
     out = check_validation(ctx)
-    assert pool.asked == [(1, 8, 32)]  # one prompt's 8 samples: two full waves of 4
+    # one prompt's 8 samples (two full waves of 4) to 32 tokens, another prompt's to 1
+    assert pool.asked == [(1, 8, 32), (1, 8, 1)]
+    assert out.details["step_seconds"] == pytest.approx(0.02, rel=0.25)
+    assert out.details["prefill_seconds"] == pytest.approx(0.02, rel=0.5)
     assert out.details["seconds"] == pytest.approx(128 * 48 * 0.02, rel=0.25)
     assert not out.passed and "parallel.timeout_minutes" in out.message
     ctx.config.parallel.timeout_minutes = 30
@@ -324,9 +327,10 @@ def test_update_check_fails_on_a_non_finite_loss(tmp_path, monkeypatch):
 
 
 def test_validation_estimate_counts_waves_of_full_length():
-    # 1,000 prompts x 16 samples on 64 engines x 256 seqs: 1 wave of 14,336 tokens at 50 ms
-    assert validation_estimate(16_000, 16_384, 14_336, 0.05) == pytest.approx(716.8)
-    assert validation_estimate(512, 256, 48, 0.04) == pytest.approx(2 * 48 * 0.04)
+    # 1,000 prompts x 16 samples on 64 engines x 256 seqs: 1 wave, prefilled (with the first
+    # token) in 30 s, then 14,335 decode steps at 50 ms
+    assert validation_estimate(16_000, 16_384, 14_336, 0.05, 30.0) == pytest.approx(746.75)
+    assert validation_estimate(512, 256, 48, 0.04) == pytest.approx(2 * 47 * 0.04)
 
 
 # -- registry, runner and report --------------------------------------------------------------

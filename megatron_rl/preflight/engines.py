@@ -89,13 +89,54 @@ def check_engines(ctx: PreflightContext) -> Outcome:
 
 
 def validation_estimate(
-    sequences: int, capacity: int, response_tokens: int, step_seconds: float
+    sequences: int,
+    capacity: int,
+    response_tokens: int,
+    step_seconds: float,
+    prefill_seconds: float = 0.0,
 ) -> float:
     """Seconds of a validation pass of ``sequences`` when the engines decode ``capacity`` at
-    a time, each up to ``response_tokens`` long, at ``step_seconds`` per decode step of a full
-    batch (every sample taken to its longest: an upper bound in tokens)."""
+    a time (waves), each wave's prompts prefilled in ``prefill_seconds`` (with its first
+    token), then decoded to ``response_tokens`` at ``step_seconds`` per decode step of a full
+    batch (every sample taken to its longest: an upper bound in tokens; decoding at long
+    context is slower than the short sample measured: a lower bound per step)."""
     waves = math.ceil(sequences / max(capacity, 1))
-    return waves * response_tokens * step_seconds
+    return waves * (prefill_seconds + max(response_tokens - 1, 0) * step_seconds)
+
+
+def _decode_speed(ctx: PreflightContext, ids: list[int], spp: int, capacity: int) -> dict:
+    """(prefill seconds, seconds per decode step) of one full wave of validation prompts:
+    the same number of prompts generated to :data:`THROUGHPUT_TOKENS` and to 1 token (other
+    prompts, so that the prefix cache does not hide the second prefill), main rank only."""
+    config, run = ctx.config, ctx.run
+    n = max(1, min(len(ids), capacity // spp))
+    long_ids, short_ids = ids[:n], (ids[n : 2 * n] if len(ids) >= 2 * n else ids[:n])
+    tokens = min(THROUGHPUT_TOKENS, config.rollout.max_tokens)
+    cfg = config.validation
+    temperature = cfg.temperature if cfg.temperature is not None else config.rollout.temperature
+
+    def timed(prompts: list[int], max_tokens: int) -> tuple[float, list]:
+        t0 = time.perf_counter()
+        out = ctx.pool.generate(
+            [run.encode(i) for i in prompts],
+            samples_per_prompt=spp,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seeds=[config.seed + i for i in prompts],
+        )
+        return time.perf_counter() - t0, out
+
+    long_seconds, samples = timed(long_ids, tokens)
+    short_seconds, _ = timed(short_ids, 1)
+    steps = max((len(s.response_ids) for s in samples), default=0)
+    waves = math.ceil(len(samples) / max(capacity, 1))  # a batch larger than the engines hold
+    return {
+        "measured_sequences": len(samples),
+        "measured_tokens": sum(len(s.response_ids) for s in samples),
+        "measured_seconds": long_seconds,
+        "prefill_seconds": short_seconds / waves,
+        "step_seconds": max(long_seconds - short_seconds, 0.0) / max(steps - 1, 1) / waves,
+    }
 
 
 def check_validation(ctx: PreflightContext) -> Outcome:
@@ -112,34 +153,19 @@ def check_validation(ctx: PreflightContext) -> Outcome:
     estimate = None
     if ctx.main:
         ids = [i for ids in run.data.val_by_domain().values() for i in ids[: cfg.num_prompts]]
-        spp = cfg.samples_per_prompt
-        sequences = len(ids) * spp
+        sequences = len(ids) * cfg.samples_per_prompt
         capacity = config.rollout.engines * config.rollout.max_num_seqs
-        prompts = ids[: max(1, min(len(ids), capacity // spp))]
-        tokens = min(THROUGHPUT_TOKENS, config.rollout.max_tokens)
-        temperature = cfg.temperature if cfg.temperature is not None else config.rollout.temperature
-        t0 = time.perf_counter()
-        samples = ctx.pool.generate(
-            [run.encode(i) for i in prompts],
-            samples_per_prompt=spp,
-            max_tokens=tokens,
-            temperature=temperature,
-            seeds=[config.seed + i for i in prompts],
-        )
-        seconds = time.perf_counter() - t0
-        steps = max((len(s.response_ids) for s in samples), default=0)
-        # a sample batch larger than the engines hold decodes in several waves
-        step_seconds = seconds / max(steps, 1) / math.ceil(len(samples) / max(capacity, 1))
+        speed = _decode_speed(ctx, ids, cfg.samples_per_prompt, capacity)
         longest = config.max_response_tokens()
+        seconds = validation_estimate(
+            sequences, capacity, longest, speed["step_seconds"], speed["prefill_seconds"]
+        )
         estimate = {
-            "seconds": validation_estimate(sequences, capacity, longest, step_seconds),
+            "seconds": seconds,
             "sequences": sequences,
             "capacity": capacity,
-            "measured_sequences": len(samples),
-            "measured_tokens": sum(len(s.response_ids) for s in samples),
-            "measured_seconds": seconds,
-            "step_seconds": step_seconds,
             "response_tokens": longest,
+            **speed,
         }
     estimate = collectives.broadcast_object(estimate)
     ok = estimate["seconds"] < timeout
