@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check-parity": ("megatron_rl.rollout.parity", "Megatron vs vLLM log-prob parity"),
     "launch": ("megatron_rl.launch.cli", "render and submit a Slurm job for a recipe"),
     "plan": ("megatron_rl.planning.cli", "per-GPU memory plan of a recipe: will it fit"),
+    "preflight": ("megatron_rl.preflight.cli", "check the allocation before a long run"),
 }
 
 

@@ -29,6 +29,7 @@ SMALL = [
     "validation.samples_per_prompt=2",
     "logging.tensorboard=false",
     "logging.progress_bar=false",
+    "preflight=false",  # its own test below: the others time the training job alone
 ]
 JOB_SECONDS = 400  # a run takes about a minute here; the machine is shared
 
@@ -232,3 +233,13 @@ def test_a_killed_remote_engine_process_is_restarted_and_every_prompt_trains_onc
     assert "generator engine 0 reconnected" in trainer
     steps = [r for r in records(run_dir) if "reward_mean" in r]
     assert_every_prompt_trained_once(steps, max_steps, k, prompts=4, samples=4)
+
+
+def test_a_failed_preflight_ends_the_job_before_training(tmp_path):
+    run_dir = tmp_path / "run"
+    job = launch(run_dir, "preflight=true", MEGATRON_RL_PREFLIGHT_FREE_BYTES="1000")
+    fields = wait_for(lambda: finished(job), "the job to end", run_dir)
+    assert fields["JobState"] == "FAILED", fields
+    report = json.loads((run_dir / "preflight.json").read_text())
+    assert {c["name"]: c["status"] for c in report["checks"]}["disk"] == "FAIL"
+    assert not (run_dir / "metrics.jsonl").exists()  # no training

@@ -74,6 +74,9 @@ class RunConfig:
 
     name: str = ""
     seed: int = 1234
+    # `megatron-rl launch` jobs run `megatron-rl preflight` on the allocation before training
+    # and stop with its report when a check fails (ours; see megatron_rl/preflight/).
+    preflight: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

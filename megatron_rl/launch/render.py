@@ -173,6 +173,7 @@ def render_job_script(
         "train_args": train_args,
         "max_steps": config.training.max_steps,
         "requeue": int(bool(config.cluster.requeue)),
+        "preflight": int(bool(config.preflight)),
         "cpus_per_task": options.cpus_per_task or "",
         "container_args": _container_args(config),
         "trainer_tasks": t.tasks,

@@ -8,6 +8,10 @@ One job, two Slurm steps started side by side and watched by the batch script:
 - ``generator``: one task per vLLM engine, ``python -m megatron_rl.launch.generator``, which
   connects to the trainer's generator pool over TCP (``rollout.placement: remote``).
 
+With ``preflight: true`` in the recipe (the default) the same two steps first run with
+``megatron-rl preflight`` as the trainer's command; a failed check ends the job with its
+report (``RUN_DIR/preflight.json``, the table in the preflight log) before any training.
+
 Pre-timeout signal: Slurm sends SIGUSR1 to the batch shell only (``--signal=B:USR1@...``).
 Signalling the steps directly (no ``B:``) would reach every process of every step (Slurm
 signals whole steps): the trainer's reward workers and the generators would die of it before
@@ -36,6 +40,7 @@ PYTHON=${PYTHON:-{{python}}}
 {{start_weights}}TRAIN_ARGS=({{train_args}})
 MAX_STEPS={{max_steps}}
 REQUEUE={{requeue}}  # 1: requeue the job after a checkpoint on the pre-timeout signal
+PREFLIGHT={{preflight}}  # 1: `megatron-rl preflight` first; a failed check ends the job (recipe: preflight)
 GRACE_SECONDS=120  # how long one role may outlive the other before its step is cancelled
 CPUS_PER_TASK=${CPUS_PER_TASK:-{{cpus_per_task}}}  # empty: each node's CPUs split evenly among its tasks
 CONTAINER_ARGS=({{container_args}})
@@ -64,6 +69,10 @@ LOG_DIR=$RUN_DIR/logs
 mkdir -p "$LOG_DIR"
 TRAINER_LOG=$LOG_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID-trainer.log
 GENERATOR_LOG=$LOG_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID-generator.log
+PREFLIGHT_LOG=$LOG_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID-preflight.log
+PREFLIGHT_GENERATOR_LOG=$LOG_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID-preflight-generator.log
+# After its engines end (one that cannot start, say), the preflight's other checks still run.
+PREFLIGHT_GRACE_SECONDS=600
 
 log() { printf '[megatron-rl %s] %s\n' "$(date '+%F %T')" "$*"; }
 step_of() {  # role -> JOBID.STEPID of its running step
@@ -137,56 +146,78 @@ exec "$@" --engine "$SLURM_PROCID"'
 # ended, the others get GRACE_SECONDS, so a hung rank cannot keep the job alive.
 SRUN_COMMON=(--kill-on-bad-exit=1 --wait="$GRACE_SECONDS" --exact --label --open-mode=append "${CONTAINER_ARGS[@]}")
 
-srun --job-name=trainer --nodes="$TRAINER_NODES" --ntasks="$TRAINER_TASKS" \
-    --ntasks-per-node="$TRAINER_TASKS_PER_NODE" --nodelist="$TRAINER_HOSTS" \
-    --cpus-per-task="$(cpus_for "$TRAINER_SHARING")" "${TRAINER_GPU_ARGS[@]}" "${SRUN_COMMON[@]}" \
-    --output="$TRAINER_LOG" \
-    bash -c "$TRAINER_TASK" trainer "$PYTHON" -m megatron_rl.cli train "${TRAIN_ARGS[@]}" &
-TRAINER_PID=$!
-srun --job-name=generator --nodes="$GENERATOR_NODES" --ntasks="$GENERATOR_TASKS" \
-    --ntasks-per-node="$GENERATOR_TASKS_PER_NODE" --nodelist="$GENERATOR_HOSTS" \
-    --cpus-per-task="$(cpus_for "$GENERATOR_SHARING")" "${GENERATOR_GPU_ARGS[@]}" "${SRUN_COMMON[@]}" \
-    --output="$GENERATOR_LOG" \
-    bash -c "$GENERATOR_TASK" generator "$PYTHON" -m megatron_rl.launch.generator &
-GENERATOR_PID=$!
-
 reap() {  # pid -> its exit status (waits; a trapped signal only interrupts the wait)
     while kill -0 "$1" 2>/dev/null; do wait "$1"; done
     wait "$1"
 }
-finish_role() {  # pid role: give the role GRACE_SECONDS to end on its own, then cancel its step
-    local pid=$1 role=$2 waited=0 step
-    while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$GRACE_SECONDS" ]; do
+finish_role() {  # pid role: give the role $GRACE (default GRACE_SECONDS) to end on its own, then cancel its step
+    local pid=$1 role=$2 waited=0 step grace=${GRACE:-$GRACE_SECONDS}
+    while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$grace" ]; do
         sleep 1; waited=$((waited + 1))
     done
     if kill -0 "$pid" 2>/dev/null; then
         step=$(step_of "$role")
-        log "the $role step (${step:-?}) still runs ${GRACE_SECONDS}s later: cancelling it"
+        log "the $role step (${step:-?}) still runs ${grace}s later: cancelling it"
         [ -n "$step" ] && scancel "$step"
         sleep 30
         kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
     fi
     reap "$pid"
 }
+run_roles() {  # command trainer_log generator_log trainer_grace: both steps, until both end
+    local command=$1 trainer_log=$2 generator_log=$3 trainer_grace=$4
+    srun --job-name=trainer --nodes="$TRAINER_NODES" --ntasks="$TRAINER_TASKS" \
+        --ntasks-per-node="$TRAINER_TASKS_PER_NODE" --nodelist="$TRAINER_HOSTS" \
+        --cpus-per-task="$(cpus_for "$TRAINER_SHARING")" "${TRAINER_GPU_ARGS[@]}" "${SRUN_COMMON[@]}" \
+        --output="$trainer_log" \
+        bash -c "$TRAINER_TASK" trainer "$PYTHON" -m megatron_rl.cli "$command" "${TRAIN_ARGS[@]}" &
+    TRAINER_PID=$!
+    srun --job-name=generator --nodes="$GENERATOR_NODES" --ntasks="$GENERATOR_TASKS" \
+        --ntasks-per-node="$GENERATOR_TASKS_PER_NODE" --nodelist="$GENERATOR_HOSTS" \
+        --cpus-per-task="$(cpus_for "$GENERATOR_SHARING")" "${GENERATOR_GPU_ARGS[@]}" "${SRUN_COMMON[@]}" \
+        --output="$generator_log" \
+        bash -c "$GENERATOR_TASK" generator "$PYTHON" -m megatron_rl.launch.generator &
+    GENERATOR_PID=$!
 
-while kill -0 "$TRAINER_PID" 2>/dev/null && kill -0 "$GENERATOR_PID" 2>/dev/null; do
-    sleep 2 & wait $!
-done
-if kill -0 "$TRAINER_PID" 2>/dev/null; then  # the generators ended first
-    reap "$GENERATOR_PID"; GENERATOR_RC=$?
-    if [ "$GENERATOR_RC" != 0 ]; then
-        log "ERROR: the generator step failed (status $GENERATOR_RC) while the trainer runs; see $GENERATOR_LOG"
+    while kill -0 "$TRAINER_PID" 2>/dev/null && kill -0 "$GENERATOR_PID" 2>/dev/null; do
+        sleep 2 & wait $!
+    done
+    if kill -0 "$TRAINER_PID" 2>/dev/null; then  # the generators ended first
+        reap "$GENERATOR_PID"; GENERATOR_RC=$?
+        if [ "$GENERATOR_RC" != 0 ]; then
+            log "ERROR: the generator step failed (status $GENERATOR_RC) while the trainer runs; see $generator_log"
+        else
+            log "generator step exited with status 0"
+        fi
+        GRACE=$trainer_grace finish_role "$TRAINER_PID" trainer; TRAINER_RC=$?
+        log "trainer step exited with status $TRAINER_RC"
     else
-        log "generator step exited with status 0"
+        reap "$TRAINER_PID"; TRAINER_RC=$?
+        log "trainer step exited with status $TRAINER_RC"
+        finish_role "$GENERATOR_PID" generator; GENERATOR_RC=$?
+        log "generator step exited with status $GENERATOR_RC"
     fi
-    finish_role "$TRAINER_PID" trainer; TRAINER_RC=$?
-    log "trainer step exited with status $TRAINER_RC"
-else
-    reap "$TRAINER_PID"; TRAINER_RC=$?
-    log "trainer step exited with status $TRAINER_RC"
-    finish_role "$GENERATOR_PID" generator; GENERATOR_RC=$?
-    log "generator step exited with status $GENERATOR_RC"
+}
+
+# -- preflight: the allocation checks itself (recipe key `preflight`; megatron_rl/preflight/) -----
+# The same steps as training, with `megatron-rl preflight` as the trainer's command: minutes on
+# the real GPUs and network; a failed check stops the job here, before any training.
+if [ "$PREFLIGHT" = 1 ]; then
+    log "preflight: checking the allocation (megatron-rl preflight), log $PREFLIGHT_LOG"
+    run_roles preflight "$PREFLIGHT_LOG" "$PREFLIGHT_GENERATOR_LOG" "$PREFLIGHT_GRACE_SECONDS"
+    if [ "$TRAINER_RC" != 0 ]; then
+        log "ERROR: preflight failed (status $TRAINER_RC): no training in this job. The table is in $PREFLIGHT_LOG, the report in $RUN_DIR/preflight.json (README: First hour on a cluster)"
+        grep -E '^(\S+: )?(FAIL|SKIP) ' "$PREFLIGHT_LOG" 2>/dev/null | sed 's/^/    /'
+        exit "$TRAINER_RC"
+    fi
+    if [ "$STOP_REQUESTED" = 1 ]; then
+        log "the time limit is near after the preflight: no training in this job"
+        exit 0
+    fi
+    log "preflight passed: training"
 fi
+
+run_roles train "$TRAINER_LOG" "$GENERATOR_LOG" "$GRACE_SECONDS"
 
 if [ "$TRAINER_RC" != 0 ]; then
     log "ERROR: the trainer failed (status $TRAINER_RC); see $TRAINER_LOG and $GENERATOR_LOG"

@@ -205,3 +205,14 @@ def recv_tensor(shape, dtype: torch.dtype, src: int, group) -> torch.Tensor:
     tensor = torch.empty(shape, dtype=dtype, device=group_device(group))
     dist.recv(tensor, src=src, group=group)
     return tensor
+
+
+def all_to_all(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Equal chunks of ``tensor`` (first dimension split by the group's size) exchanged
+    between the ranks of ``group``, on the group's device."""
+    work = tensor.contiguous().to(group_device(group))
+    if not _active(group):
+        return work
+    out = torch.empty_like(work)
+    dist.all_to_all_single(out, work, group=group)
+    return out

