@@ -84,9 +84,9 @@ def test_8b_extrapolation_uses_the_recipes_layout_and_shards_the_optimizer_over_
 
 
 def test_presets_give_transformers_4_its_own_rope_fields(monkeypatch):
-    import transformers
-
     from megatron_rl.models import presets
+
+    transformers = presets.transformers  # the module presets reads (another test may reload it)
     from megatron_rl.models.provider import rope_parameters
 
     monkeypatch.setattr(transformers, "__version__", "4.57.6")
