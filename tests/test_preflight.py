@@ -137,6 +137,14 @@ def test_model_check(tmp_path):
     assert "intermediate_size: 1024 here, 512 in the preset" in out.message
 
 
+def test_model_check_refuses_a_production_preset_without_its_checkpoint(tmp_path):
+    production = _config("model.preset=llama3-8b")
+    out = model.check_model(_ctx(tmp_path, production))
+    assert not out.passed and "model.allow_random_init" in out.message
+    allowed = _config("model.preset=llama3-8b", "model.allow_random_init=true")
+    assert "model.hf_path" not in model.check_model(_ctx(tmp_path, allowed)).message
+
+
 # -- collectives (two gloo ranks) -------------------------------------------------------------
 def _collectives_rank(layouts: list[tuple[int, int, int, float]]) -> list[Outcome]:
     """check_collectives on each (tensor, pipeline, expert, gloo floor) layout in turn."""

@@ -75,7 +75,7 @@ def check_model(ctx: PreflightContext) -> Outcome:
     ``hf_path`` the trainer makes a random initialisation of the preset (with the character
     tokenizer: ``trainer.setup.prepare_hf_dir``), which is reported."""
     from megatron_rl.config import ConfigError
-    from megatron_rl.config.checks import check_model_shapes
+    from megatron_rl.config.checks import check_model_shapes, start_weights_problem
 
     model = ctx.config.model
     problems: list[str] = []
@@ -88,6 +88,9 @@ def check_model(ctx: PreflightContext) -> Outcome:
             f"{ctx.config.seed}) with the character tokenizer, made by the trainer"
         )
         limit, details = "preset known", {"random_init": True}
+        refused = start_weights_problem(ctx.config)  # a production preset needs its checkpoint
+        if refused is not None:
+            problems.append(refused)
     if not problems or model.hf_path is None or Path(model.hf_path, "config.json").is_file():
         try:
             check_model_shapes(ctx.config)
