@@ -303,13 +303,18 @@ def _spin_once_then_parse(real):
     def parse_target(*args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
-            while True:  # CPU-bound, as a sympy simplification that takes too long
+            # CPU-bound, as a sympy simplification that takes too long. Bounded, so that a
+            # CPU alarm that never fires fails the test (a parse, not TIMEOUT) within a
+            # minute instead of hanging it (CI once ran this into pytest-timeout's 600 s).
+            deadline = time.monotonic() + 60.0
+            while time.monotonic() < deadline:
                 pass
         return real(*args, **kwargs)
 
     return parse_target
 
 
+@pytest.mark.timeout(180)  # ~1 s; the spin above gives up after 60 s
 def test_verification_out_of_time_is_timeout_and_not_cached(monkeypatch):
     # Math-Verify's own limit reported this as False, and the failed reference parse was
     # cached: every later response to the prompt scored -1 in that worker.

@@ -61,7 +61,7 @@ def check_engines(ctx: PreflightContext) -> Outcome:
         limit=limit,
         seed=config.seed,
         token_multiple=token_multiple(
-            config.model.fp8 is not None, config.parallel.tensor, config.parallel.sequence_parallel
+            config.model.fp8_scaling, config.parallel.tensor, config.parallel.sequence_parallel
         ),
     )
     result = probe.after_push(run.ddp, ctx.pool, 1, True)

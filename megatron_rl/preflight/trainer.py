@@ -94,7 +94,7 @@ def check_update(ctx: PreflightContext) -> Outcome:
         config, len(run.tokenizer), ps.get_data_parallel_world_size(), config.seed
     )
     multiple = token_multiple(
-        config.model.fp8 is not None, config.parallel.tensor, config.parallel.sequence_parallel
+        config.model.fp8_scaling, config.parallel.tensor, config.parallel.sequence_parallel
     )
     reset_peak_memory()
     t0 = time.perf_counter()

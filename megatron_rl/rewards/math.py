@@ -105,6 +105,9 @@ def load_verifier() -> None:
     _REFERENCES.clear()
 
 
+_ALARM_REPEAT_S = 0.05
+
+
 class _OutOfTime(BaseException):
     """Raised by the CPU-time alarm; a BaseException so that Math-Verify's and sympy's
     ``except Exception`` handlers let it through (as Math-Verify's own TimeoutException)."""
@@ -120,14 +123,21 @@ def _cpu_time_limit(seconds: float | None) -> Iterator[None]:
         yield
         return
 
+    active = True
+
     def expire(signum: int, frame: Any) -> None:
-        raise _OutOfTime
+        if active:
+            raise _OutOfTime
 
     previous = signal.signal(signal.SIGPROF, expire)
-    signal.setitimer(signal.ITIMER_PROF, seconds)
+    # Then again every 50 ms of CPU: a Python signal handler that runs inside a finaliser
+    # (``__del__``, a weakref callback) has its exception printed and dropped, and a one-shot
+    # alarm lost that way left the block running until the pool's wall-clock limit.
+    signal.setitimer(signal.ITIMER_PROF, seconds, _ALARM_REPEAT_S)
     try:
         yield
     finally:
+        active = False  # first: an alarm from here on is a no-op
         signal.setitimer(signal.ITIMER_PROF, 0)
         signal.signal(signal.SIGPROF, previous)
 
