@@ -274,30 +274,62 @@ def test_resume_in_another_layout_continues_the_same_run(tmp_path):
         shutil.rmtree(run_dir / "checkpoints")
 
 
-SAVE_THEN_WAIT = """
-import sys, time
+SAVE_ON_SIGNAL = """
+import os, signal, sys, time
 from megatron_rl.conversion import checkpoint
 from megatron_rl.models import ModelConfig, preset_hf_config
-from megatron_rl.models.provider import build_model
 from megatron_rl.platform import ParallelConfig, init_distributed
+from megatron_rl.models.provider import build_model
+got = []
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     init_distributed(ParallelConfig())
     model = build_model(ModelConfig(preset="tiny-llama", dtype="float32"), ParallelConfig())
-    checkpoint.save_model(model, sys.argv[1], preset_hf_config("tiny-llama"))
-    print("HELPER_PID", checkpoint._RESULTS_MANAGER._process.pid, flush=True)
-    time.sleep(600)
+    checkpoint.save_model(model, sys.argv[1] + "/first", preset_hf_config("tiny-llama"))
+    print("SAVED_ONCE", flush=True)
+    while not got:
+        time.sleep(0.05)
+    checkpoint.save_model(model, sys.argv[1] + "/on_signal", preset_hf_config("tiny-llama"))
+    print("SAVED_ON_SIGNAL", flush=True)
 """
 
 
-def test_checkpoint_writer_helper_exits_when_its_trainer_is_killed(tmp_path):
-    """megatron's checkpoint writer keeps a multiprocessing Manager process; a SIGKILLed
-    trainer used to leave it behind. Ours exits with its parent."""
-    from orphans import assert_helper_exits_with_parent
+@pytest.mark.timeout(180)  # ~15 s
+def test_a_save_on_sigterm_to_the_whole_process_group_completes(tmp_path):
+    """Preemption signals every process of the job. megatron-core 0.16.1's writer kept its
+    results queue in a Manager process started at the first save, in the trainer's group:
+    the group's SIGTERM killed it, and the save the signal asked for failed (BrokenPipeError)
+    leaving a .tmp. The save must complete, and no helper process of it may remain."""
+    import os
+    import signal
+    import subprocess
+    import sys
 
-    assert_helper_exits_with_parent(
-        SAVE_THEN_WAIT,
-        [str(tmp_path / "ckpt")],
-        tmp_path,
-        "the checkpoint writer's Manager",
-        within=15,
+    from megatron_rl.platform import LAUNCHER_VARS
+
+    script = tmp_path / "saver.py"
+    script.write_text(SAVE_ON_SIGNAL)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # its own group: the signal reaches it and its helpers only
     )
+    try:
+        while (line := proc.stdout.readline()) and not line.startswith("SAVED_ONCE"):
+            pass
+        assert line, proc.stderr.read()[-3000:]
+        helpers = subprocess.run(
+            ["pgrep", "-g", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
+        assert helpers == [str(proc.pid)]  # no process of the save outlives it
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "SAVED_ON_SIGNAL" in out, err[-3000:]
+    assert (tmp_path / "on_signal" / "model" / ".metadata").is_file()
+    assert not list(tmp_path.glob("*.tmp"))
