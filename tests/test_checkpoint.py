@@ -3,6 +3,7 @@ mid-save, pruning, and RNG state restoration."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -333,3 +334,98 @@ def test_a_save_on_sigterm_to_the_whole_process_group_completes(tmp_path):
     assert proc.returncode == 0 and "SAVED_ON_SIGNAL" in out, err[-3000:]
     assert (tmp_path / "on_signal" / "model" / ".metadata").is_file()
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def _truncate(path, keep: int | None = None) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2 if keep is None else keep])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated shard", "missing .metadata", "truncated loop state", "missing meta.json"],
+)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
+    trainer, tmp_path, damage, caplog
+):
+    """Resume must not stop at a damaged newest checkpoint (it ended in 'does not fit the
+    model' tracebacks) nor skip one silently: the newest intact one is used, with a warning
+    naming the damaged one, and loading the damaged one says it is damaged."""
+    model, ddp, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    train_step(ddp, optimizer)
+    good = weights(model)
+    first = manager.save(1, model, {"step": 1}, optimizer=optimizer)
+    train_step(ddp, optimizer, seed=1)
+    second = manager.save(2, model, {"step": 2}, optimizer=optimizer)
+    if damage == "truncated shard":
+        shards = sorted((second / "model" / "model").glob("*.distcp"))
+        assert shards
+        _truncate(max(shards, key=lambda p: p.stat().st_size))
+    elif damage == "missing .metadata":
+        (second / "optimizer" / ".metadata").unlink()
+    elif damage == "truncated loop state":
+        _truncate(second / "state" / "loop.pt")
+    else:
+        (second / "meta.json").unlink()
+
+    fresh = CheckpointManager(tmp_path, keep_last=3)
+    with caplog.at_level("WARNING"):
+        assert fresh.latest() == first
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(second.name in m and "damaged" in m for m in warned), warned
+    loaded = fresh.load(model, optimizer=optimizer)
+    assert loaded.step == 1 and loaded.extra == {"step": 1}
+    assert_same(weights(model), good)
+    with pytest.raises(ValueError, match="damaged"):
+        fresh.load(model, second, optimizer=optimizer)
+
+
+def test_no_space_for_a_checkpoint_is_said_before_writing(trainer, tmp_path, monkeypatch):
+    """Free space below the previous checkpoint's size: the save is refused in words
+    (ENOSPC) before anything is written; the complete checkpoints stay."""
+    import errno
+
+    model, _, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    first = manager.save(1, model, optimizer=optimizer)
+    size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+    monkeypatch.setattr(state_mod, "_free_bytes", lambda path: size // 2)
+    with pytest.raises(OSError, match="No space left for checkpoint step_00000002") as info:
+        manager.save(2, model, optimizer=optimizer)
+    assert info.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        first.name,
+    ]
+    monkeypatch.setattr(state_mod, "_free_bytes", lambda path: 10 * size)
+    assert manager.save(2, model, optimizer=optimizer).name == "step_00000002"
+
+
+@pytest.mark.parametrize("where", ["loop state", "tensor writer"])
+def test_a_save_that_runs_out_of_space_says_so_and_removes_its_tmp(
+    trainer, tmp_path, monkeypatch, where
+):
+    """ENOSPC in the middle of a save (in our state file, or in megatron's forked tensor
+    writer, which re-raises it wrapped): the error says "No space left on device", the
+    partial .tmp that kept the disk full is removed, the previous checkpoint is intact."""
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    model, _, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    first = manager.save(1, model, optimizer=optimizer)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if where == "loop state":
+        monkeypatch.setattr(state_mod, "_write_state", full)
+    else:  # runs in the writer's forked child, which inherits the patch
+        monkeypatch.setattr(filesystem_async, "_write_item", full)
+    with pytest.raises(OSError, match="No space left on device while writing checkpoint") as info:
+        manager.save(2, model, optimizer=optimizer)
+    assert info.value.errno == errno.ENOSPC and "step_00000001" in str(info.value)
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+    assert manager.latest() == first

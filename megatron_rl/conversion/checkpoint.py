@@ -183,9 +183,16 @@ def _load(sharded_state_dict: dict, ckpt_dir: str | Path, **kwargs) -> dict:
     # torch.distributed.checkpoint wraps the cause in a rank-keyed CheckpointException, which
     # derives from BaseException (not Exception).
     except (Exception, CheckpointException) as err:
-        lines = [ln.strip() for ln in str(err).splitlines() if "mismatch" in ln.lower()]
-        reason = lines[-1] if lines else f"{type(err).__name__}: {str(err).splitlines()[0]}"
-        raise ValueError(f"{ckpt_dir}: checkpoint does not fit the model: {reason}") from err
+        fit = ("mismatch", "missing key", "unexpected key")
+        lines = [ln.strip() for ln in str(err).splitlines() if any(w in ln.lower() for w in fit)]
+        if lines:
+            raise ValueError(f"{ckpt_dir}: checkpoint does not fit the model: {lines[-1]}") from err
+        # Not a layout question: a file that is missing, truncated or unreadable.
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"{ckpt_dir}: cannot read the checkpoint (damaged or incomplete files): "
+            f"{type(err).__name__}: {first}"
+        ) from err
 
 
 def _barrier() -> None:
