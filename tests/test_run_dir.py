@@ -111,6 +111,8 @@ def test_config_yaml_is_written_only_by_save_config(tmp_path):
     save_config(claim, run_dir)
     assert load_run_config(run_dir / "config.yaml", check_model=False).optimizer.lr == 3e-4
     claim.lock.release()
+    with pytest.raises(RunDirError, match="is a file, not a directory"):
+        claim_run_dir(_config(), run_dir / "config.yaml")
 
 
 # -- whole runs (the CLI in a subprocess) -------------------------------------------------
