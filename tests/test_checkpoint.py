@@ -3,6 +3,7 @@ mid-save, pruning, and RNG state restoration."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -274,30 +275,157 @@ def test_resume_in_another_layout_continues_the_same_run(tmp_path):
         shutil.rmtree(run_dir / "checkpoints")
 
 
-SAVE_THEN_WAIT = """
-import sys, time
+SAVE_ON_SIGNAL = """
+import os, signal, sys, time
 from megatron_rl.conversion import checkpoint
 from megatron_rl.models import ModelConfig, preset_hf_config
-from megatron_rl.models.provider import build_model
 from megatron_rl.platform import ParallelConfig, init_distributed
+from megatron_rl.models.provider import build_model
+got = []
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     init_distributed(ParallelConfig())
     model = build_model(ModelConfig(preset="tiny-llama", dtype="float32"), ParallelConfig())
-    checkpoint.save_model(model, sys.argv[1], preset_hf_config("tiny-llama"))
-    print("HELPER_PID", checkpoint._RESULTS_MANAGER._process.pid, flush=True)
-    time.sleep(600)
+    checkpoint.save_model(model, sys.argv[1] + "/first", preset_hf_config("tiny-llama"))
+    print("SAVED_ONCE", flush=True)
+    while not got:
+        time.sleep(0.05)
+    checkpoint.save_model(model, sys.argv[1] + "/on_signal", preset_hf_config("tiny-llama"))
+    print("SAVED_ON_SIGNAL", flush=True)
 """
 
 
-def test_checkpoint_writer_helper_exits_when_its_trainer_is_killed(tmp_path):
-    """megatron's checkpoint writer keeps a multiprocessing Manager process; a SIGKILLed
-    trainer used to leave it behind. Ours exits with its parent."""
-    from orphans import assert_helper_exits_with_parent
+@pytest.mark.timeout(180)  # ~15 s
+def test_a_save_on_sigterm_to_the_whole_process_group_completes(tmp_path):
+    """Preemption signals every process of the job. megatron-core 0.16.1's writer kept its
+    results queue in a Manager process started at the first save, in the trainer's group:
+    the group's SIGTERM killed it, and the save the signal asked for failed (BrokenPipeError)
+    leaving a .tmp. The save must complete, and no helper process of it may remain."""
+    import os
+    import signal
+    import subprocess
+    import sys
 
-    assert_helper_exits_with_parent(
-        SAVE_THEN_WAIT,
-        [str(tmp_path / "ckpt")],
-        tmp_path,
-        "the checkpoint writer's Manager",
-        within=15,
+    from megatron_rl.platform import LAUNCHER_VARS
+
+    script = tmp_path / "saver.py"
+    script.write_text(SAVE_ON_SIGNAL)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # its own group: the signal reaches it and its helpers only
     )
+    try:
+        while (line := proc.stdout.readline()) and not line.startswith("SAVED_ONCE"):
+            pass
+        assert line, proc.stderr.read()[-3000:]
+        helpers = subprocess.run(
+            ["pgrep", "-g", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
+        assert helpers == [str(proc.pid)]  # no process of the save outlives it
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "SAVED_ON_SIGNAL" in out, err[-3000:]
+    assert (tmp_path / "on_signal" / "model" / ".metadata").is_file()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def _truncate(path, keep: int | None = None) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2 if keep is None else keep])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated shard", "missing .metadata", "truncated loop state", "missing meta.json"],
+)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
+    trainer, tmp_path, damage, caplog
+):
+    """Resume must not stop at a damaged newest checkpoint (it ended in 'does not fit the
+    model' tracebacks) nor skip one silently: the newest intact one is used, with a warning
+    naming the damaged one, and loading the damaged one says it is damaged."""
+    model, ddp, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    train_step(ddp, optimizer)
+    good = weights(model)
+    first = manager.save(1, model, {"step": 1}, optimizer=optimizer)
+    train_step(ddp, optimizer, seed=1)
+    second = manager.save(2, model, {"step": 2}, optimizer=optimizer)
+    if damage == "truncated shard":
+        shards = sorted((second / "model" / "model").glob("*.distcp"))
+        assert shards
+        _truncate(max(shards, key=lambda p: p.stat().st_size))
+    elif damage == "missing .metadata":
+        (second / "optimizer" / ".metadata").unlink()
+    elif damage == "truncated loop state":
+        _truncate(second / "state" / "loop.pt")
+    else:
+        (second / "meta.json").unlink()
+
+    fresh = CheckpointManager(tmp_path, keep_last=3)
+    with caplog.at_level("WARNING"):
+        assert fresh.latest() == first
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(second.name in m and "damaged" in m for m in warned), warned
+    loaded = fresh.load(model, optimizer=optimizer)
+    assert loaded.step == 1 and loaded.extra == {"step": 1}
+    assert_same(weights(model), good)
+    with pytest.raises(ValueError, match="damaged"):
+        fresh.load(model, second, optimizer=optimizer)
+
+
+def test_no_space_for_a_checkpoint_is_said_before_writing(trainer, tmp_path, monkeypatch):
+    """Free space below the previous checkpoint's size: the save is refused in words
+    (ENOSPC) before anything is written; the complete checkpoints stay."""
+    import errno
+
+    model, _, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    first = manager.save(1, model, optimizer=optimizer)
+    size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+    monkeypatch.setattr(state_mod, "_free_bytes", lambda path: size // 2)
+    with pytest.raises(OSError, match="No space left for checkpoint step_00000002") as info:
+        manager.save(2, model, optimizer=optimizer)
+    assert info.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        first.name,
+    ]
+    monkeypatch.setattr(state_mod, "_free_bytes", lambda path: 10 * size)
+    assert manager.save(2, model, optimizer=optimizer).name == "step_00000002"
+
+
+@pytest.mark.parametrize("where", ["loop state", "tensor writer"])
+def test_a_save_that_runs_out_of_space_says_so_and_removes_its_tmp(
+    trainer, tmp_path, monkeypatch, where
+):
+    """ENOSPC in the middle of a save (in our state file, or in megatron's forked tensor
+    writer, which re-raises it wrapped): the error says "No space left on device", the
+    partial .tmp that kept the disk full is removed, the previous checkpoint is intact."""
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    model, _, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    first = manager.save(1, model, optimizer=optimizer)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if where == "loop state":
+        monkeypatch.setattr(state_mod, "_write_state", full)
+    else:  # runs in the writer's forked child, which inherits the patch
+        monkeypatch.setattr(filesystem_async, "_write_item", full)
+    with pytest.raises(OSError, match="No space left on device while writing checkpoint") as info:
+        manager.save(2, model, optimizer=optimizer)
+    assert info.value.errno == errno.ENOSPC and "step_00000001" in str(info.value)
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+    assert manager.latest() == first

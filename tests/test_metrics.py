@@ -51,7 +51,28 @@ def test_resume_truncates_to_the_checkpointed_position(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[-1]["reward_mean"] == 0.44
     with pytest.raises(ValueError):
-        MetricsLogger(tmp_path, tensorboard=False).truncate(9)
+        MetricsLogger(tmp_path, tensorboard=False).truncate(-1)
+
+
+def test_a_short_or_lost_metrics_file_does_not_block_a_resume(tmp_path, caplog):
+    """A checkpoint taken after 13 records, a file with 8 (two runs in one directory, or a
+    hand edit): every resume failed ("cannot truncate metrics.jsonl with 8 records to 13").
+    The records there are kept, with a warning, and logging continues after them; a lost
+    file the same."""
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(1, 9):
+            logger.log({"step": step, "reward_mean": step / 10})
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    with caplog.at_level("WARNING"):
+        logger.truncate(13)
+    assert "has 8 records, the checkpoint expected 13" in caplog.text
+    logger.log({"step": 14, "reward_mean": 1.4})
+    logger.close()
+    assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl")] == [*range(1, 9), 14]
+    (tmp_path / "metrics.jsonl").unlink()
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.truncate(13)
+        assert logger.position() == 0
 
 
 def _tensorboard_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:

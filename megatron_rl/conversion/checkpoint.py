@@ -66,7 +66,7 @@ def save_model(
         (tmp / MODEL_SUBDIR).mkdir(parents=True)
         save_hf_config(hf_config, hf_source_dir, tmp / HF_CONFIG_SUBDIR)
     _barrier()
-    start_results_manager()
+    use_local_results_queue()
     dist_checkpointing.save(
         model.sharded_state_dict(), str(tmp / MODEL_SUBDIR), sharded_strategy=sharded_strategy
     )
@@ -84,28 +84,21 @@ def save_model(
     logger.info("saved model checkpoint %s", ckpt_dir)
 
 
-_RESULTS_MANAGER = None
+def use_local_results_queue() -> None:
+    """megatron-core 0.16.1's filesystem writer passes its write results through a queue
+    held by a spawned multiprocessing Manager (``filesystem_async._get_write_results_queue``,
+    created at the first save). That helper sits in the trainer's process group: a SIGTERM to
+    the group (scancel, preemption, Slurm's time limit) killed it with the trainer, and the
+    save that the signal asked for then failed with BrokenPipeError, leaving a ``.tmp``; a
+    SIGKILLed trainer left it behind (~330 MB). Our saves are synchronous (the write runs in
+    this process, its forked workers report on a queue of their own), so the results queue
+    needs no other process: a plain in-process queue, and no helper exists."""
+    import queue
 
-
-def start_results_manager() -> None:
-    """megatron-core 0.16.1's filesystem writer keeps its results queue in a spawned
-    multiprocessing Manager (``filesystem_async._get_write_results_queue``) that nothing
-    stops when the trainer is SIGKILLed: each killed trainer left one (~330 MB) behind. Start
-    that Manager here, first, with a server process that exits with its parent."""
-    global _RESULTS_MANAGER
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is not None:
-        return
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
-    from megatron_rl.platform import exit_with_parent
-
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=exit_with_parent)
-    filesystem_async._results_queue = manager.Queue()
-    _RESULTS_MANAGER = manager  # alive as long as this process
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
 
 
 def load_hf_config(ckpt_dir: str | Path) -> transformers.PretrainedConfig:
@@ -190,9 +183,16 @@ def _load(sharded_state_dict: dict, ckpt_dir: str | Path, **kwargs) -> dict:
     # torch.distributed.checkpoint wraps the cause in a rank-keyed CheckpointException, which
     # derives from BaseException (not Exception).
     except (Exception, CheckpointException) as err:
-        lines = [ln.strip() for ln in str(err).splitlines() if "mismatch" in ln.lower()]
-        reason = lines[-1] if lines else f"{type(err).__name__}: {str(err).splitlines()[0]}"
-        raise ValueError(f"{ckpt_dir}: checkpoint does not fit the model: {reason}") from err
+        fit = ("mismatch", "missing key", "unexpected key")
+        lines = [ln.strip() for ln in str(err).splitlines() if any(w in ln.lower() for w in fit)]
+        if lines:
+            raise ValueError(f"{ckpt_dir}: checkpoint does not fit the model: {lines[-1]}") from err
+        # Not a layout question: a file that is missing, truncated or unreadable.
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"{ckpt_dir}: cannot read the checkpoint (damaged or incomplete files): "
+            f"{type(err).__name__}: {first}"
+        ) from err
 
 
 def _barrier() -> None:

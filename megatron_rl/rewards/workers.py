@@ -68,7 +68,11 @@ def _vm_bytes() -> int:
 
 def _worker_main(conn: Connection) -> None:
     """Worker loop: (init, memory_mb) first, then (task_id, fn, args) -> result messages."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The trainer ends its workers (SIGKILL, or EOF on the socket when it dies). A SIGTERM /
+    # SIGUSR1 to the job's whole process group (preemption) is the trainer's to handle: a
+    # worker killed by it would score its task "crashed" (reward 0) in the step in progress.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     from megatron_rl.rewards import guard
 
     try:

@@ -184,7 +184,7 @@ class ProcessEngine:
         self.process.join(timeout)
 
     def terminate(self) -> None:
-        self.process.terminate()
+        self.process.kill()  # it ignores SIGTERM (see runner.subprocess_main)
 
     def discard(self) -> None:
         """End what is left of the dead process's group (e.g. vLLM workers holding its

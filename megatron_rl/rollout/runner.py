@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -319,6 +320,11 @@ def subprocess_main(
     file that gets a copy of the process's output (its tail names the cause of a death)."""
     # Its own process group: a dead engine's helpers (vLLM workers) go with it on restart.
     os.setpgrp()
+    # The trainer stops its engines (Stop, SIGKILL after a grace time; exit_with_parent). A
+    # SIGTERM / SIGUSR1 sent to every process of the job (preemption, scancel) is the
+    # trainer's to handle: it finishes the step and checkpoints, which may still need us.
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     if log_path is not None:
         from megatron_rl.rollout.elastic import tee_output
 

@@ -3,7 +3,10 @@
 A malformed recipe fails before anything starts, with the dotted key path in one line on
 stderr and exit status 2 (no traceback); a run stopped by the log-prob gap monitor exits
 with status 3 and its reason on stderr. ``--dry-run`` prints the resolved config and exits.
-Re-running the same command on an existing run directory resumes it.
+Re-running the same command on an existing run directory resumes it from its newest intact
+checkpoint; a directory in use by another run, or with history but no checkpoint, or a recipe
+that changed more than the safe keys, is refused with exit status 2 (``--restart``,
+``--allow-changes``: see :mod:`megatron_rl.trainer.rundir`).
 """
 
 from __future__ import annotations
@@ -25,11 +28,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-dir", default=None, help="run directory (default: runs/<recipe name>)"
     )
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="start over in a run directory that has history (it is moved to previous_<time>/)",
+    )
+    parser.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="resume with settings that differ from the run's config.yaml beyond the safe keys",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Load and validate the recipe; print it (``--dry-run``) or train. Returns the exit code."""
-    from megatron_rl.config import ConfigError, load_run_config, save_run_config, to_yaml
+    from megatron_rl.config import ConfigError, load_run_config, to_yaml
     from megatron_rl.config.checks import start_weights_problem
 
     try:
@@ -57,13 +70,16 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    save_run_config(config, run_dir / "config.yaml")
     from megatron_rl.data import DataError
     from megatron_rl.trainer.loop import train
+    from megatron_rl.trainer.rundir import RunDirError
     from megatron_rl.trainer.step import LogprobGapError
 
     try:
-        return int(train(config, run_dir) or 0)
+        return int(train(config, run_dir, args.restart, args.allow_changes) or 0)
+    except RunDirError as err:  # busy, history without a checkpoint, changed settings
+        print(f"megatron-rl train: error: {err}", file=sys.stderr)
+        return 2
     except LogprobGapError as err:  # the run is stopped on purpose: say why, no traceback
         print(f"megatron-rl train: error: {err}", file=sys.stderr)
         return 3

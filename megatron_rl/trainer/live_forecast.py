@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -174,6 +175,10 @@ def _init_worker() -> None:
 
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = "1"
+    # A SIGTERM / SIGUSR1 to the job's process group (preemption) is the trainer's to handle
+    # (it checkpoints, then ends this worker): killed by it, the pool would break.
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     try:
         os.nice(_WORKER_NICE)
     except OSError:

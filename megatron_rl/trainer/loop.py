@@ -34,14 +34,16 @@ from megatron_rl.trainer.step import policy_update
 logger = logging.getLogger(__name__)
 
 
-def train(config: RunConfig, run_dir: Path) -> int:
+def train(
+    config: RunConfig, run_dir: Path, restart: bool = False, allow_changes: bool = False
+) -> int:
     """Run (or resume) the recipe in ``run_dir`` on every trainer rank. Returns an exit code.
 
     The main rank (global rank 0) owns the generator pool, the rollout source, rewards,
     validation and metrics; each step it broadcasts the scored batch to all ranks, which
     update together (TP inside the model, DP by groups) and push weights collectively.
     """
-    run = build_run(config, Path(run_dir))
+    run = build_run(config, Path(run_dir), restart, allow_changes)  # claims run_dir: rundir.py
     step, carry = resume_or_warm_start(run)
     run.step = step
     main = _is_main()

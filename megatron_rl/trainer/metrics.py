@@ -98,10 +98,21 @@ class MetricsLogger:
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` records (on resume from a checkpoint taken at ``n``).
 
-        TensorBoard events of later steps are purged by the next writer.
+        TensorBoard events of later steps are purged by the next writer. A file with fewer
+        records (lost, or cut short by hand) is kept as it is, with a warning: the checkpoint,
+        not the log, decides where a run resumes.
         """
-        if n < 0 or n > self._count:
-            raise ValueError(f"cannot truncate {self.path} with {self._count} records to {n}")
+        if n < 0:
+            raise ValueError(f"cannot truncate {self.path} to {n} records")
+        if n > self._count:
+            logger.warning(
+                "%s has %d records, the checkpoint expected %d: resuming anyway (the metrics "
+                "of the missing records are lost)",
+                self.path,
+                self._count,
+                n,
+            )
+            n = self._count
         self._file.close()
         self._rewrite(n)
         self._file = open(self.path, "a")

@@ -151,8 +151,11 @@ def save_optimizer(optimizer, model, ckpt_dir: Path) -> None:
     DP layout."""
     from megatron.core import dist_checkpointing
 
+    from megatron_rl.conversion.checkpoint import use_local_results_queue
+
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     _materialize_state(optimizer)
+    use_local_results_queue()
     state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=False)
     dist_checkpointing.save({"optimizer": state}, str(ckpt_dir))
 

@@ -37,6 +37,7 @@ class Run:
     step: int = 0  # optimizer steps done
     forecast: Any = None  # trainer.live_forecast.LiveForecast on the main rank, if enabled
     waits: Any = None  # trainer.loop.RankZeroWaits: the other ranks' waits on the main rank
+    claim: Any = None  # trainer.rundir.Claim on the main rank: the run directory's lock
 
 
 class NullMetrics:
@@ -91,8 +92,14 @@ def prepare_hf_dir(config: RunConfig, run_dir: Path) -> Path:
     return out
 
 
-def build_run(config: RunConfig, run_dir: Path) -> Run:
-    """Model (HF weights loaded), optimizer, data, sampler, rewards, metrics, checkpoints."""
+def build_run(
+    config: RunConfig, run_dir: Path, restart: bool = False, allow_changes: bool = False
+) -> Run:
+    """Model (HF weights loaded), optimizer, data, sampler, rewards, metrics, checkpoints.
+
+    The main rank first claims ``run_dir`` (lock, history, config changes: see
+    :mod:`megatron_rl.trainer.rundir`; ``restart`` / ``allow_changes`` are the CLI's
+    ``--restart`` / ``--allow-changes``); ``config.yaml`` is written once all is built."""
     import transformers
 
     from megatron_rl.algorithms import PassRateTracker
@@ -110,12 +117,21 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
     # Every rank refuses a production preset without weights before any work: refused on rank
     # 0 alone (in prepare_hf_dir), the others would wait on the barrier below until timeout.
     check_start_weights(config)
-    run_dir.mkdir(parents=True, exist_ok=True)
     init_distributed(config.parallel, seed=config.seed)
     import torch.distributed as dist
 
     from megatron_rl.platform import collectives
+    from megatron_rl.trainer.rundir import RunDirError, claim_run_dir, save_config
 
+    claim, refused = None, None
+    if dist.get_rank() == 0:
+        try:
+            claim = claim_run_dir(config, run_dir, restart, allow_changes)
+        except RunDirError as err:
+            refused = str(err)
+    refused = collectives.broadcast_object(refused)
+    if refused:  # on every rank: the others would wait for rank 0 otherwise
+        raise RunDirError(refused)
     if dist.get_rank() == 0:  # one rank writes the initial HF directory, the others wait
         prepare_hf_dir(config, run_dir)
     collectives.barrier()
@@ -177,5 +193,8 @@ def build_run(config: RunConfig, run_dir: Path) -> Run:
         clock=ComputeClock(devices),
         prompt_tokens=prompt_tokens,
         encode=encode,
+        claim=claim,
     )
+    if claim is not None:
+        save_config(claim, run_dir)
     return run

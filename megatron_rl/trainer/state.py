@@ -10,6 +10,7 @@ Layout under ``RUN_DIR/checkpoints``::
                                loads into any TP/PP/EP/DP layout too
         state/loop.pt          the loop state (``extra``: sampler, scheduler, ...), rank 0's
         state/rng_00000.pt     per rank: RNG states
+        manifest.json          size of every file (and SHA-256 of those up to 16 MiB)
         meta.json              step, world size; written last inside the directory
     latest                     name of the newest checkpoint (for people and tools)
 
@@ -18,10 +19,18 @@ then the ``latest`` pointer is replaced, then old checkpoints are pruned; a cras
 point leaves the previous checkpoint complete and found by ``latest()``. All ranks call
 ``save`` and ``load`` (collectively). A run may resume with another world size or parallel
 layout: model and optimizer reshard; the RNG states are then not restored (they are per rank).
+
+A checkpoint counts only if it verifies against its manifest (a truncated shard, a lost
+``.metadata`` or loop state): a damaged newest one is skipped with a warning that names it,
+and the run resumes from the newest intact one. Before a save, the free space is compared
+with the size of the previous checkpoint; a save that runs out of space says so in words
+and removes its partial ``.tmp``.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import os
@@ -44,6 +53,8 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest"
 META_FILE = "meta.json"
+MANIFEST_FILE = "manifest.json"
+CHECKSUM_MAX_BYTES = 16 * 2**20  # larger files (tensor shards) are checked by size only
 FORMAT_VERSION = 2
 OPTIMIZER_SUBDIR = "optimizer"
 LOOP_STATE = "loop.pt"
@@ -158,6 +169,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.hf_config = hf_config
         self.hf_source_dir = hf_source_dir
+        self._warned: set[Path] = set()  # damaged checkpoints already reported
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -178,6 +190,31 @@ class CheckpointManager:
         rank, world = _rank_world()
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
+        from megatron_rl.platform import collectives
+
+        refused = self._check_space(step) if rank == 0 else None
+        refused = collectives.broadcast_object(refused)
+        if refused:  # every rank raises: the save is collective
+            raise OSError(errno.ENOSPC, refused)
+        try:
+            self._write(step, model, extra, optimizer, tmp, final, rank, world)
+        except BaseException as err:
+            code = _disk_full(err)
+            if code is None:
+                raise
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            latest = self.latest()
+            raise OSError(
+                code,
+                f"{os.strerror(code)} while writing checkpoint {final.name} under {self.root} "
+                f"({_gb(_free_bytes(self.root))} GB free now): its partial {tmp.name} was removed;"
+                f" the newest complete checkpoint is {latest.name if latest else 'none'}",
+            ) from err
+        logger.info("saved checkpoint %s", final)
+        return final
+
+    def _write(self, step, model, extra, optimizer, tmp: Path, final: Path, rank, world) -> None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "state").mkdir(parents=True)
@@ -195,11 +232,40 @@ class CheckpointManager:
         if rank == 0:
             self._publish(tmp, final, step, world, optimizer is not None)
         _barrier()
-        logger.info("saved checkpoint %s", final)
-        return final
+
+    def _check_space(self, step: int) -> str | None:
+        """Why checkpoint ``step`` cannot fit on the disk (None: it should). The estimate is
+        the newest checkpoint's size; a disk that holds the new one but not ``keep_last + 1``
+        of them gets a warning (the save after next will not fit once pruning stops)."""
+        complete = self.checkpoints()
+        if not complete:
+            return None
+        need = _tree_bytes(complete[-1])
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = _free_bytes(self.root)
+        if free < need * 1.05:
+            return (
+                f"No space left for checkpoint step_{step:08d}: it needs about {_gb(need)} GB "
+                f"(the size of {complete[-1].name}), {_gb(free)} GB are free under {self.root}. "
+                f"Free space there (checkpoint.keep_last={self.keep_last} keeps "
+                f"{self.keep_last} complete checkpoints), then resume"
+            )
+        kept = sum(_tree_bytes(p) for p in complete[-self.keep_last :])
+        if free + kept < need * (self.keep_last + 1):
+            logger.warning(
+                "disk nearly full under %s: %s GB free, checkpoints of ~%s GB each, "
+                "checkpoint.keep_last=%d needs room for %d of them (one being written)",
+                self.root,
+                _gb(free),
+                _gb(need),
+                self.keep_last,
+                self.keep_last + 1,
+            )
+        return None
 
     def _publish(self, tmp: Path, final: Path, step: int, world: int, optimizer: bool) -> None:
         meta = {"step": step, "world_size": world, "format": FORMAT_VERSION, "optimizer": optimizer}
+        _write_text(tmp / MANIFEST_FILE, json.dumps(_manifest(tmp)) + "\n")
         _write_text(tmp / META_FILE, json.dumps(meta) + "\n")
         _fsync_dir(tmp / "state")
         _fsync_dir(tmp)
@@ -219,34 +285,63 @@ class CheckpointManager:
         complete = self.checkpoints()
         for path in complete[: -self.keep_last]:
             shutil.rmtree(path, ignore_errors=True)
+        oldest_kept = _step_of(complete[-self.keep_last :][0])
         for path in self.root.glob("step_*"):
             if path.is_dir() and not _STEP_DIR.match(path.name):
                 shutil.rmtree(path, ignore_errors=True)  # leftovers of interrupted saves
+            elif path.is_dir() and path not in complete and _step_of(path) < oldest_kept:
+                shutil.rmtree(path, ignore_errors=True)  # damaged, and older than every kept one
 
     def is_complete(self, path: Path) -> bool:
-        """A checkpoint directory that was fully written (renamed into place with its meta)."""
-        if not (_STEP_DIR.match(path.name) and (path / META_FILE).is_file()):
-            return False
+        """A checkpoint directory that was fully written and verifies (see ``damage``)."""
+        return self.damage(path) is None
+
+    def damage(self, path: Path) -> str | None:
+        """What is wrong with checkpoint directory ``path`` (None: it is intact): a missing
+        ``meta.json`` or part, or a file whose size or checksum differs from the manifest
+        written at save (a truncated shard, a lost ``.metadata``)."""
+        if not _STEP_DIR.match(path.name):
+            return "not a checkpoint directory name"
+        if not (path / META_FILE).is_file():
+            return f"no {META_FILE} (the save did not finish, or the file was lost)"
         try:
             meta = json.loads((path / META_FILE).read_text())
             world, optimizer = meta["world_size"], meta["optimizer"]
-        except (OSError, ValueError, KeyError):
-            return False
+        except (OSError, ValueError, KeyError) as err:
+            return f"unreadable {META_FILE} ({type(err).__name__}: {err})"
         parts = [path / "model" / model_checkpoint.MODEL_SUBDIR, path / "state" / LOOP_STATE]
         parts += [path / "state" / f"rng_{r:05d}.pt" for r in range(world)]
         if optimizer:
             parts.append(path / OPTIMIZER_SUBDIR)
-        return all(p.exists() for p in parts)
+        missing = [str(p.relative_to(path)) for p in parts if not p.exists()]
+        if missing:
+            return f"missing {', '.join(missing[:3])}"
+        if not (path / MANIFEST_FILE).is_file():
+            return None  # written before manifests existed: the parts above are all we know
+        try:
+            manifest = json.loads((path / MANIFEST_FILE).read_text())["files"]
+        except (OSError, ValueError, KeyError) as err:
+            return f"unreadable {MANIFEST_FILE} ({type(err).__name__}: {err})"
+        return _verify(path, manifest)
 
     def checkpoints(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
+        """Intact checkpoints, oldest first (damaged ones are skipped with a warning)."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.iterdir() if p.is_dir() and self.is_complete(p)]
-        return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+        found = []
+        for p in self.root.iterdir():
+            if not (p.is_dir() and _STEP_DIR.match(p.name)):
+                continue  # .tmp / .old: leftovers of interrupted saves
+            why = self.damage(p)
+            if why is None:
+                found.append(p)
+            elif p not in self._warned:
+                self._warned.add(p)
+                logger.warning("checkpoint %s is damaged and skipped: %s", p, why)
+        return sorted(found, key=_step_of)
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
+        """The newest intact checkpoint, or None."""
         complete = self.checkpoints()
         return complete[-1] if complete else None
 
@@ -264,8 +359,9 @@ class CheckpointManager:
         path = Path(path) if path is not None else self.latest()
         if path is None:
             return None
-        if not self.is_complete(path):
-            raise ValueError(f"{path}: not a complete checkpoint")
+        why = self.damage(path)
+        if why is not None:
+            raise ValueError(f"{path}: not a complete checkpoint (damaged: {why})")
         rank, world = _rank_world()
         meta = json.loads((path / META_FILE).read_text())
         if model is not None:
@@ -289,3 +385,84 @@ class CheckpointManager:
             )
         logger.info("loaded checkpoint %s (step %d)", path, loop["step"])
         return Checkpoint(loop["step"], path, loop["extra"])
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest(root: Path) -> dict[str, Any]:
+    """Size of every file under ``root`` (SHA-256 too, up to ``CHECKSUM_MAX_BYTES``)."""
+    files = {}
+    for path in _files(root):
+        size = path.stat().st_size
+        entry: dict[str, Any] = {"size": size}
+        if size <= CHECKSUM_MAX_BYTES:
+            entry["sha256"] = _sha256(path)
+        files[str(path.relative_to(root))] = entry
+    return {"files": files}
+
+
+def _verify(root: Path, manifest: dict[str, dict[str, Any]]) -> str | None:
+    for name, entry in manifest.items():
+        path = root / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if size != entry["size"]:
+            return f"{name} has {size} bytes, {entry['size']} were written (truncated?)"
+        if "sha256" in entry and _sha256(path) != entry["sha256"]:
+            return f"{name} differs from what was written (checksum mismatch)"
+    return None
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in _files(root))
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the file system of ``path`` (a function of its own: tests replace it)."""
+    return shutil.disk_usage(path).free
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g}"
+
+
+_DISK_FULL = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded"}
+
+
+def _disk_full(err: BaseException) -> int | None:
+    """ENOSPC / EDQUOT if that is what ``err`` is, or wraps (megatron's writer re-raises its
+    workers' errors as RuntimeError, torch's as CheckpointException), else None."""
+    seen: set[int] = set()
+    todo: list[Any] = [err]
+    while todo:
+        exc = todo.pop()
+        if not isinstance(exc, BaseException) or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            return exc.errno
+        todo += [exc.__cause__, exc.__context__]
+        failures = getattr(exc, "failures", None)  # CheckpointException: rank -> exception
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    text = str(err)
+    for code, words in _DISK_FULL.items():
+        if words in text or f"[Errno {code}]" in text:
+            return code
+    return None

@@ -1,0 +1,208 @@
+"""The run directory has one owner, and its history is never rewritten without being told.
+
+Before a run builds anything, its main rank claims the run directory (:func:`claim_run_dir`):
+
+- **Lock.** An exclusive ``flock`` on ``RUN_DIR/run.lock``, held for the life of the process,
+  the file naming the holder's host and pid. A second run in the same directory (a requeued
+  job starting while the old one still lives) is refused with that name. (The lock needs a
+  file system with working ``flock``: local disks, NFSv4, Lustre mounted with ``flock``.)
+- **No silent restart.** A directory with history (metrics records, checkpoint directories,
+  leftovers of interrupted saves) but no intact checkpoint to resume from is refused, naming
+  what it holds; ``--restart`` starts over, moving that history into
+  ``RUN_DIR/previous_<UTC time>/``.
+- **Config changes.** A resume compares the recipe with ``RUN_DIR/config.yaml``: every
+  changed key is logged; keys outside :data:`SAFE_CHANGES` need ``--allow-changes``. The new
+  config is written only once the run is built (``save_config``): a rerun that fails leaves
+  the run's config as it was.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_rl.config.schema import RunConfig, diff_keys, to_yaml
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = "run.lock"
+CONFIG_FILE = "config.yaml"
+# Keys a resumed run may change without --allow-changes: when to stop, what to log, how often
+# to checkpoint or validate, the live forecast, time-outs and the Slurm allocation. They do
+# not change what an update computes. A prefix ending in "." covers its whole section.
+SAFE_CHANGES = (
+    "name",
+    "training.max_steps",
+    "training.max_gpu_hours",
+    "logging.",
+    "checkpoint.every_steps",
+    "checkpoint.keep_last",
+    "checkpoint.save_at_end",
+    "checkpoint.on_signals",
+    "validation.every_steps",
+    "validation.at_start",
+    "forecast.",
+    "cluster.",
+    "rollout.startup_timeout_minutes",
+    "parallel.timeout_minutes",
+)
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked (the message says why and what to do)."""
+
+
+class RunLock:
+    """An exclusive lock on ``RUN_DIR/run.lock``; released when the process ends."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirError(
+                f"{run_dir} is in use by another run ({holder}; lock {self.path}). Two runs "
+                "in one run directory corrupt each other's checkpoints and metrics: stop that "
+                "run first (a requeued job: wait for the old one to end), or pass another "
+                "--run-dir"
+            ) from None
+        except OSError as err:  # a file system without flock: warn, do not refuse to run
+            logger.warning("%s: cannot lock the run directory (%s): not protected", run_dir, err)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@dataclass
+class Claim:
+    """What the main rank holds after claiming the run directory."""
+
+    lock: RunLock
+    config_text: str  # the config to write once the run is built (``save_config``)
+
+
+def claim_run_dir(
+    config: RunConfig, run_dir: Path, restart: bool = False, allow_changes: bool = False
+) -> Claim:
+    """Lock ``run_dir`` and check that this run may use it (main rank only; see the module
+    docstring). Raises :class:`RunDirError` with what was found and what to do."""
+    from megatron_rl.trainer.state import CheckpointManager
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"--run-dir {run_dir} is a file, not a directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir)
+    try:
+        text = to_yaml(config)  # before the run fills in derived fields (hf_path, dtype ...)
+        resumable = CheckpointManager(run_dir).latest()
+        history = find_history(run_dir)
+        if restart and history:
+            move_history_aside(run_dir, history)
+        elif resumable is None and history:
+            raise RunDirError(
+                f"{run_dir} has the history of a run but no intact checkpoint to resume "
+                f"from: {'; '.join(history.values())}. Starting over would rewrite it. Pass "
+                "--restart to start over (the history is moved into "
+                f"{run_dir}/previous_<time>/), or pass another --run-dir"
+            )
+        elif resumable is not None:
+            check_changes(run_dir / CONFIG_FILE, text, allow_changes)
+    except BaseException:
+        lock.release()
+        raise
+    return Claim(lock, text)
+
+
+def save_config(claim: Claim, run_dir: Path) -> None:
+    """Write the claimed config to ``RUN_DIR/config.yaml`` (atomically)."""
+    path = run_dir / CONFIG_FILE
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(claim.config_text)
+    os.replace(tmp, path)
+
+
+def find_history(run_dir: Path) -> dict[str, str]:
+    """What of a past run ``run_dir`` holds: {path: description} (empty: nothing)."""
+    from megatron_rl.trainer.metrics import METRICS_FILE
+
+    found = {}
+    metrics = run_dir / METRICS_FILE
+    if metrics.is_file() and metrics.stat().st_size:
+        with open(metrics, "rb") as f:
+            lines = sum(1 for _ in f)
+        found[METRICS_FILE] = f"{METRICS_FILE} ({lines} records)"
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir():
+        dirs = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_"))
+        if dirs:
+            shown = ", ".join(dirs[-4:])
+            more = f" and {len(dirs) - 4} more" if len(dirs) > 4 else ""
+            found["checkpoints"] = f"checkpoints/ ({shown}{more}: none intact)"
+    return found
+
+
+def move_history_aside(run_dir: Path, history: dict[str, str]) -> Path:
+    """``--restart``: move the past run's files into ``RUN_DIR/previous_<UTC time>/``."""
+    from megatron_rl.trainer.metrics import TENSORBOARD_DIR
+
+    aside = run_dir / time.strftime("previous_%Y%m%dT%H%M%SZ", time.gmtime())
+    aside.mkdir()
+    for name in [*history, TENSORBOARD_DIR, CONFIG_FILE, "hf_init", "tokenizer"]:
+        if (run_dir / name).exists():
+            (run_dir / name).rename(aside / name)
+    logger.warning("--restart: the previous run's %s moved to %s", ", ".join(history), aside)
+    return aside
+
+
+def check_changes(config_path: Path, text: str, allow_changes: bool) -> dict[str, tuple]:
+    """Keys whose values differ between the run's ``config.yaml`` and ``text`` (the new
+    config), each logged; those outside :data:`SAFE_CHANGES` raise :class:`RunDirError`
+    unless ``allow_changes``. Returns {key: (old, new)}."""
+    if not config_path.is_file():
+        logger.warning("%s is missing: the resumed run's changes cannot be checked", config_path)
+        return {}
+    try:
+        old = yaml.safe_load(config_path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise RunDirError(f"{config_path}: unreadable ({err}); restore it or remove it") from err
+    new = yaml.safe_load(text)
+    changes = {key: (_get(old, key), _get(new, key)) for key in sorted(diff_keys(old, new))}
+    unsafe = [key for key in changes if not _safe(key)]
+    for key, (before, after) in changes.items():
+        logger.warning("resume: %s changed from %r to %r", key, before, after)
+    if unsafe and not allow_changes:
+        listed = "; ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in unsafe)
+        raise RunDirError(
+            f"the recipe differs from the run's {config_path} in {listed}. A resumed run "
+            "continues the same experiment: pass --allow-changes to resume with these "
+            f"settings anyway (safe without it: {', '.join(SAFE_CHANGES)})"
+        )
+    return changes
+
+
+def _safe(key: str) -> bool:
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_CHANGES)
+
+
+def _get(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return "<absent>"
+        tree = tree[part]
+    return tree
