@@ -415,6 +415,12 @@ def test_tiny_cpu_preflight_passes_every_check(tmp_path):
     # The run's own directory is left to the run: no checkpoint, no metrics of the preflight.
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # A requeued job runs it again, maybe with an edited recipe, after one killed in its
+    # checkpoint check: the scratch left (a partial checkpoint) is no run history to keep.
+    (tmp_path / "run" / "preflight" / "checkpoints" / "step_00000001").mkdir(parents=True)
+    proc, report = _preflight(tmp_path / "run", "optimizer.lr=3e-4", "--only", "trainer")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _statuses(report) == {"model": "PASS", "trainer": "PASS"}
 
 
 @pytest.mark.slow

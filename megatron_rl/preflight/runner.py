@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -70,7 +71,7 @@ def run_preflight(
     report (the same on every rank) is written to ``RUN_DIR/preflight.json`` by rank 0."""
     import torch.distributed as dist
 
-    from megatron_rl.platform import get_platform, init_distributed
+    from megatron_rl.platform import collectives, get_platform, init_distributed
     from megatron_rl.preflight.registry import CHECKS
 
     start = time.perf_counter()
@@ -78,7 +79,13 @@ def run_preflight(
     run_dir = Path(run_dir)
     init_distributed(config.parallel, seed=config.seed)
     main = dist.get_rank() == 0
-    ctx = PreflightContext(config, run_dir, run_dir / WORK_DIR, main=main, free_bytes=free)
+    work_dir = run_dir / WORK_DIR
+    if main and work_dir.is_dir():
+        # Scratch of an earlier preflight (a requeued job runs it again): its checkpoint and
+        # config.yaml would make the trainer check resume there, and refuse an edited recipe.
+        shutil.rmtree(work_dir)
+    collectives.barrier()
+    ctx = PreflightContext(config, run_dir, work_dir, main=main, free_bytes=free)
     report = Report(
         recipe or config.name, str(run_dir), get_platform().device, dist.get_world_size()
     )
