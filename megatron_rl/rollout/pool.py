@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl.conversion.weight_stream import WeightBucket
+from megatron_rl.platform import watchdog
 from megatron_rl.rollout.buckets import WeightSender
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.elastic import (
@@ -617,6 +618,7 @@ class GeneratorPool:
 
     def _pump(self, timeout: float) -> None:
         """Handle the queued events, first waiting up to ``timeout`` s for one."""
+        watchdog.beat("waiting on the generator pool")  # a trainer rank's progress
         block = timeout > 0
         while True:
             try:

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
-from megatron_rl.platform import collectives, get_platform
+from megatron_rl.platform import collectives, get_platform, watchdog
 from megatron_rl.rollout.elastic import WeightsNeeded
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer.batch import TrainSample, token_multiple
@@ -80,6 +80,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
     # The monitor above sees only the first PipelineRL batch: probe pushes as well.
     probe = LogprobProbe.from_run(run, step, multiple)
     stop = _StopFlag(config.checkpoint.on_signals)
+    # a rank stuck outside a collective exits with a stack dump: a requeue, not a lost day
+    watchdog.arm(config.training.hang_timeout_minutes, run.run_dir, _rank())
     if step == 0 and config.validation.enabled and config.validation.at_start:
         validate(run, pool, step, main)
     run.clock.begin("train")  # the x axis: from here on, but for validation and checkpoints
@@ -92,6 +94,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
     )
     try:
         while step < config.training.max_steps:
+            watchdog.beat(f"step {step + 1}: batch")
             t0 = time.perf_counter()
             batch = on_every_rank(run, pool, main, lambda: next_batch(run, source, pool))
             if batch is None:  # every prompt retired, or the GPU-hour budget spent
@@ -99,6 +102,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
             samples, info, wants_push = batch
             info["lr"] = run.optim.lr  # the rate of this update (the scheduler moves on after)
             t1 = time.perf_counter()
+            watchdog.beat(f"step {step + 1}: update")
             # PipelineRL: the main rank's feeder keeps the engines topped up during the update
             with source.feeding() if main else contextlib.nullcontext():
                 result = policy_update(
@@ -117,6 +121,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
             run.optim.scheduler.step(increment=1)
             step = run.step = step + 1
             t2 = time.perf_counter()
+            watchdog.beat(f"step {step}: push")
             # ... and during the push (requests in flight keep decoding; see push_weights)
             feed = source.feed if main else None
             push = push_weights(run, pool, between=feed) if wants_push else None
@@ -135,6 +140,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
                 bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
                 if run.forecast is not None:
                     run.forecast.poll({"step": step, **run.clock.summary()})
+            watchdog.beat(f"step {step}: validation and checkpoint")
             if config.validation.enabled and step % config.validation.every_steps == 0:
                 validate(run, pool, step, main)
             # only some ranks may have got the signal
@@ -154,6 +160,7 @@ def train(config: RunConfig, run_dir: Path) -> int:
             save_checkpoint(run, step, source)
         finished = True
     finally:
+        watchdog.disarm()
         run.clock.begin("shutdown")
         bar.close()
         if pool is not None:
@@ -178,7 +185,14 @@ def on_every_rank(run: Run, pool, main: bool, make: Callable[[], Any], share: bo
     collective, like a push), and ``make`` is called again (it resumes)."""
     while True:
         value = _or_reweigh(make, pool) if main else None
-        sent = collectives.broadcast_object(value if share or _is_reweigh(value) else None)
+        # The other ranks wait here for the main rank's long work (a batch, validation); the
+        # main rank is judged meanwhile (its waits on the pool beat), and so is its wait here
+        # for another rank that stopped.
+        waiting = (
+            watchdog.paused("waiting for the main rank") if not main else contextlib.nullcontext()
+        )
+        with waiting:
+            sent = collectives.broadcast_object(value if share or _is_reweigh(value) else None)
         if not _is_reweigh(sent):
             return value if main else sent
         push_weights(run, pool, reweigh=True)
@@ -557,9 +571,13 @@ def finish_metrics(run: Run, step: int, finished: bool) -> None:
 
 
 def _is_main() -> bool:
+    return _rank() == 0
+
+
+def _rank() -> int:
     import torch.distributed as dist
 
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _due(step: int, every: int) -> bool:
