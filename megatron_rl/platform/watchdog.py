@@ -23,7 +23,12 @@ On GPU clusters, NVIDIA's resiliency library (``nvidia-resiliency-ext``) adds a 
 outside the rank process (it also sees a rank that the kernel stopped, which no thread of
 its own can): a rank started by its ``ft_launcher`` (``FT_RANK_MONITOR_IPC_SOCKET`` set)
 sends each beat to that monitor too (:func:`_nvrx_client`), which then terminates the ranks
-and restarts them in the job when heartbeats stop, as its configuration says.
+and restarts them in the job when heartbeats stop, as its configuration says. Tried on CPU
+with nvidia-resiliency-ext 0.4.1 (installed apart, not a dependency): two gloo ranks beating
+through this module under ``ft_launcher --max-restarts 1 --ft-rank-heartbeat-timeout 15``;
+rank 0 SIGSTOPped: both monitors reported "Did not get subsequent heartbeat. Waited 15.00
+seconds" 15 s later, the launcher killed the group and restarted it in the job, and the
+restarted ranks finished (exit 0). Its GPU and NIC health checks need NVML (disabled on CPU).
 """
 
 from __future__ import annotations

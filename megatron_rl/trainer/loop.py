@@ -80,8 +80,6 @@ def train(config: RunConfig, run_dir: Path) -> int:
     # The monitor above sees only the first PipelineRL batch: probe pushes as well.
     probe = LogprobProbe.from_run(run, step, multiple)
     stop = _StopFlag(config.checkpoint.on_signals)
-    # a rank stuck outside a collective exits with a stack dump: a requeue, not a lost day
-    watchdog.arm(config.training.hang_timeout_minutes, run.run_dir, _rank())
     if step == 0 and config.validation.enabled and config.validation.at_start:
         validate(run, pool, step, main)
     run.clock.begin("train")  # the x axis: from here on, but for validation and checkpoints
@@ -92,6 +90,8 @@ def train(config: RunConfig, run_dir: Path) -> int:
         desc="train",
         disable=not (main and config.logging.progress_bar),
     )
+    # a rank stuck outside a collective exits with a stack dump: a requeue, not a lost day
+    watchdog.arm(config.training.hang_timeout_minutes, run.run_dir, _rank())
     try:
         while step < config.training.max_steps:
             watchdog.beat(f"step {step + 1}: batch")
