@@ -1,5 +1,6 @@
 """Stalls become restarts (issue 30, section 3): an engine process that is alive but answers
-nothing (SIGSTOP) is killed and restarted like a dead one, its requests resubmitted."""
+nothing (SIGSTOP) is killed and restarted like a dead one, its requests resubmitted; a trainer
+rank that makes no progress dumps its stacks and exits 75, which the sbatch script requeues."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,8 @@ import pytest
 from megatron_rl.rollout import pool as pool_module
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.messages import Alive
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_engine_stall_timeout_is_checked():
@@ -337,7 +341,7 @@ def test_a_hung_trainer_rank_exits_75_with_its_stack_and_the_run_resumes(tmp_pat
     import subprocess
     import sys
 
-    from test_trainer_loop import RECIPE, ROOT, SMALL, records, train_env
+    from test_trainer_loop import RECIPE, SMALL, records, train_env
 
     run_dir = tmp_path / "run"
     (tmp_path / "hanging.py").write_text(HANGING_TRAINER)
@@ -375,8 +379,6 @@ def test_a_hung_trainer_rank_exits_75_with_its_stack_and_the_run_resumes(tmp_pat
 
 def _hang_block() -> str:
     """The sbatch script's handling of a hung trainer (rendered, checked in)."""
-    from test_trainer_loop import ROOT
-
     text = (ROOT / "slurm" / "scalerl_8b.sbatch").read_text()
     start = text.index("HANG_DUMPS=")
     end = text.index("fi\n", text.index('log "not requeued')) + 3
@@ -402,8 +404,6 @@ def _run_hang_block(tmp_path, job_start: int, requeue: int = 1):
 def test_the_sbatch_script_requeues_a_hung_job_once_per_checkpoint(tmp_path):
     """A dump written during this job: requeue (whatever the step's status: another rank may
     have been killed first), once per checkpoint; an older dump is no hang of this job."""
-    from test_trainer_loop import ROOT
-
     from megatron_rl.platform.watchdog import HANG_EXIT_CODE
 
     sbatch = (ROOT / "slurm" / "scalerl_8b.sbatch").read_text()
