@@ -242,6 +242,14 @@ class TrainingConfig:
         logprob_probe_samples: prompts (one sample each) per probe, taken in turn from the
             validation split (else the training split); never trained on, never scored.
         logprob_probe_max_tokens: tokens generated per probe sample.
+        hang_timeout_minutes: a trainer rank that makes no progress for this long (no phase
+            of the loop begins: batch, update, push, validation, checkpoint; the main rank's
+            waits on the generator pool count as progress, a wait for the main rank's
+            broadcast is not judged) writes every thread's Python stack to
+            ``RUN_DIR/hang/rank_N.txt`` and exits with status 75, which the sbatch script
+            turns into a requeue (resumed from the last checkpoint). Below the collective
+            timeout (``parallel.timeout_minutes``), above the longest phase (a checkpoint
+            save). 0: off. See ``megatron_rl.platform.watchdog``.
     """
 
     max_steps: int = 7400
@@ -251,9 +259,11 @@ class TrainingConfig:
     logprob_probe_every: int = 10
     logprob_probe_samples: int = 4
     logprob_probe_max_tokens: int = 16
+    hang_timeout_minutes: float = 20.0
 
     def validate(self) -> None:
         _check_int(self, "max_steps", 1)
+        _check_positive(self, "hang_timeout_minutes", allow_zero=True)  # 0: off
         if self.max_gpu_hours is not None:
             _check_positive(self, "max_gpu_hours")
         if not isinstance(self.check_logprob_gap, bool):

@@ -42,6 +42,7 @@ MAX_STEPS={{max_steps}}
 REQUEUE={{requeue}}  # 1: requeue the job after a checkpoint on the pre-timeout signal
 PREFLIGHT={{preflight}}  # 1: `megatron-rl preflight` first; a failed check ends the job (recipe: preflight)
 GRACE_SECONDS=120  # how long one role may outlive the other before its step is cancelled
+JOB_START=$(date +%s)  # hang dumps ($RUN_DIR/hang) newer than this are this job's
 CPUS_PER_TASK=${CPUS_PER_TASK:-{{cpus_per_task}}}  # empty: each node's CPUs split evenly among its tasks
 CONTAINER_ARGS=({{container_args}})
 
@@ -219,6 +220,23 @@ fi
 
 run_roles train "$TRAINER_LOG" "$GENERATOR_LOG" "$GRACE_SECONDS"
 
+# A hung trainer rank (no progress within training.hang_timeout_minutes) wrote its threads'
+# stacks to $RUN_DIR/hang/rank_N.txt and exited with status 75 (megatron_rl/platform/watchdog.py);
+# the step's status may be another rank's, the dumps are not. Requeue: the job resumes from the
+# last checkpoint; but not twice without a new checkpoint in between (a hang that recurs before
+# any progress needs a person).
+HANG_DUMPS=$(find "$RUN_DIR/hang" -maxdepth 1 -name 'rank_*.txt' -newermt "@$JOB_START" 2>/dev/null | sort | tr '\n' ' ')
+if [ "$TRAINER_RC" != 0 ] && [ -n "$HANG_DUMPS" ]; then
+    LATEST=$(cat "$RUN_DIR/checkpoints/latest" 2>/dev/null || echo step_0)
+    log "ERROR: trainer rank(s) hung (status $TRAINER_RC); their stacks: $HANG_DUMPS"
+    if [ "$REQUEUE" = 1 ] && [ "$(cat "$RUN_DIR/hang/requeued_at" 2>/dev/null)" != "$LATEST" ]; then
+        echo "$LATEST" > "$RUN_DIR/hang/requeued_at"
+        log "requeueing job $SLURM_JOB_ID after the hang: it resumes from $LATEST in $RUN_DIR"
+        scontrol requeue "$SLURM_JOB_ID" || { log "ERROR: scontrol requeue failed: resubmit to resume"; exit 1; }
+        exit 0
+    fi
+    log "not requeued (cluster.requeue false, or hung again before a checkpoint after $LATEST)"
+fi
 if [ "$TRAINER_RC" != 0 ]; then
     log "ERROR: the trainer failed (status $TRAINER_RC); see $TRAINER_LOG and $GENERATOR_LOG"
     exit "$TRAINER_RC"

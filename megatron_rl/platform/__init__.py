@@ -15,6 +15,7 @@ _EXPORTS = {
     "ParallelConfig": "megatron_rl.platform.config",
     "Platform": "megatron_rl.platform.device",
     "get_platform": "megatron_rl.platform.device",
+    "HANG_EXIT_CODE": "megatron_rl.platform.watchdog",
     "destroy_distributed": "megatron_rl.platform.parallel",
     "exit_with_parent": "megatron_rl.platform.parallel",
     "free_port": "megatron_rl.platform.parallel",

@@ -124,6 +124,14 @@ class RolloutConfig:
             engine's last log lines. 0: the first death fails the run. An engine that
             reports an error (a Python exception) always fails the run: such failures repeat.
         engine_restart_window_minutes: the window of ``engine_max_restarts``.
+        engine_stall_timeout: seconds. ``placement: subprocess``: an engine process that is
+            alive but stalled (stopped by SIGSTOP, or frozen: no beat from it for this long;
+            or one engine step, e.g. a decode step, running this long) is killed and counts
+            as dead (restarted, its requests resubmitted). The beat comes from a thread of the
+            engine process every few seconds whatever its loop does, so a long start-up,
+            weight load or idle wait never counts; only a step does, and one decode step
+            takes well under a second on any GPU. 0: off. (``remote`` engines: the
+            connection's own heartbeat timeout.)
         prefix_caching: share prompt KV blocks between samples (keyed by policy version).
             Off in engines that return routed experts (a cached prefix is not recomputed,
             so its routing would be missing).
@@ -161,6 +169,7 @@ class RolloutConfig:
     push_timeout_seconds: float = 300.0
     engine_max_restarts: int = 3
     engine_restart_window_minutes: float = 30.0
+    engine_stall_timeout: float = 120.0
     prefix_caching: bool = True
     return_routed_experts: bool = False
     enforce_eager: bool = True
@@ -202,6 +211,10 @@ class RolloutConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.engine_max_restarts < 0:
             raise ValueError(f"engine_max_restarts must be >= 0, got {self.engine_max_restarts}")
+        if not self.engine_stall_timeout >= 0:
+            raise ValueError(
+                f"engine_stall_timeout must be >= 0 (0: off), got {self.engine_stall_timeout}"
+            )
         timeouts = ("startup_timeout_minutes", "batch_timeout_minutes", "push_timeout_seconds")
         for name in (*timeouts, "engine_restart_window_minutes"):
             if not getattr(self, name) > 0:

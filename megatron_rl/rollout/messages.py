@@ -8,7 +8,8 @@ and a sample list is carried as is, never copied into another form.
 - Commands (pool -> engine): :class:`Submit`, :class:`Push`, :class:`AskStatus`,
   :class:`JoinTransport`, :class:`Stop`.
 - Events (engine -> pool): :class:`Ready`, :class:`SamplesDone`, :class:`Pushed`,
-  :class:`StatusReport`, :class:`TransportJoined`, :class:`Failed`, :class:`Stopped`.
+  :class:`StatusReport`, :class:`TransportJoined`, :class:`Failed`, :class:`Stopped`,
+  :class:`Alive` (an engine process's beat: ``rollout.engine_stall_timeout``).
   ``engine`` is the engine's index in the pool; ``oldest`` the oldest policy version still
   in flight on it (None when it is idle).
 - The remote wire adds what a connection needs around them (:class:`Hello`, :class:`Init`,
@@ -146,9 +147,19 @@ class Stopped:
     engine: int
 
 
-Event = Union[Ready, SamplesDone, Pushed, StatusReport, TransportJoined, Failed, Stopped]
+@_message
+class Alive:
+    """An engine process runs (sent by a thread of its own every few seconds, whatever its
+    loop does); ``step_seconds``: how long its loop has been inside one engine step (0 when
+    it is not stepping: idle, or loading weights)."""
+
+    engine: int
+    step_seconds: float
+
+
+Event = Union[Ready, SamplesDone, Pushed, StatusReport, TransportJoined, Failed, Stopped, Alive]
 EVENTS: tuple[type, ...] = (
-    Ready, SamplesDone, Pushed, StatusReport, TransportJoined, Failed, Stopped,
+    Ready, SamplesDone, Pushed, StatusReport, TransportJoined, Failed, Stopped, Alive,
 )  # fmt: skip
 
 

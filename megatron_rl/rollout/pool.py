@@ -20,7 +20,9 @@ Elastic engines (``subprocess``): the pool knows every request it handed to each
 (its :class:`RequestSpec`, with its seed). An engine process that dies is restarted on its
 devices (within ``rollout.engine_max_restarts``, :mod:`.elastic`); its events up to its
 last complete message are handled, and the requests it had not returned go to the engines
-that run the current weights (or wait for one: ``_pending``), exactly as submitted. A
+that run the current weights (or wait for one: ``_pending``), exactly as submitted. An engine
+process that is alive but stalled for ``rollout.engine_stall_timeout`` (no beat from it, or
+one engine step that long: a SIGSTOP, a frozen worker) is killed and handled the same way. A
 restarted engine takes requests once it runs the current policy version: at the next
 ``push_weights``, or earlier by ``reweigh`` (the trainer re-sends its weights to that engine
 only; the pool keeps no copy of them). Every token thus still carries a known version.
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl.conversion.weight_stream import WeightBucket
+from megatron_rl.platform import watchdog
 from megatron_rl.rollout.buckets import WeightSender
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.elastic import (
@@ -62,6 +65,8 @@ from megatron_rl.rollout.handles import EngineHandle, engine_launcher
 from megatron_rl.rollout.interruption import InterruptionPolicy
 from megatron_rl.rollout.load import InFlightClock
 from megatron_rl.rollout.messages import (
+    EVENTS,
+    Alive,
     AskStatus,
     Event,
     Failed,
@@ -100,6 +105,10 @@ class _Engine:
     current: bool = True  # runs the pool's policy version: may take requests
     # (prompt index, sample index) -> the request, submitted and not yet returned
     specs: dict[tuple[int, int], RequestSpec] = field(default_factory=dict)
+    # its beats (``Alive``): the last event's time, the length of its step under way then
+    beating: bool = False
+    last_seen: float = 0.0
+    step_seconds: float = 0.0
 
     @property
     def outstanding(self) -> int:
@@ -609,6 +618,7 @@ class GeneratorPool:
 
     def _pump(self, timeout: float) -> None:
         """Handle the queued events, first waiting up to ``timeout`` s for one."""
+        watchdog.beat("waiting on the generator pool")  # a trainer rank's progress
         block = timeout > 0
         while True:
             try:
@@ -626,7 +636,12 @@ class GeneratorPool:
             raise RuntimeError(f"vLLM engine {event.engine} failed:\n{event.traceback}")
 
     def _handle(self, event: Event) -> None:
-        if isinstance(event, SamplesDone):
+        if isinstance(event, EVENTS):  # any event says that its engine runs
+            self._engines[event.engine].last_seen = time.monotonic()
+        if isinstance(event, Alive):
+            engine = self._engines[event.engine]
+            engine.beating, engine.step_seconds = True, event.step_seconds
+        elif isinstance(event, SamplesDone):
             self._take_samples(event)
         elif isinstance(event, Pushed):
             self._engines[event.engine].oldest = event.oldest
@@ -661,12 +676,35 @@ class GeneratorPool:
 
     def _check_alive(self) -> None:
         for engine in list(self._engines):
-            if not self._closed and not engine.handle.is_alive():
+            if self._closed:
+                return
+            if not engine.handle.is_alive():
                 self._replace(engine)
+            elif (stall := self._stalled(engine)) is not None:
+                logger.error(
+                    "vLLM engine %d (pid %s) %s: killed", engine.index, engine.handle.pid, stall
+                )
+                engine.handle.discard()  # SIGKILL reaches a stopped process too
+                self._replace(engine, why=stall)
 
-    def _replace(self, engine: _Engine) -> None:
-        """Engine ``engine`` died: handle what it sent, restart it (or raise when its
-        restarts are spent, or its placement cannot restart), resubmit its requests."""
+    def _stalled(self, engine: _Engine) -> str | None:
+        """Why ``engine`` counts as stalled (``rollout.engine_stall_timeout``), or None.
+        Only engines that beat are judged (processes; from their first beat on)."""
+        limit = self.config.engine_stall_timeout
+        if not (engine.beating and limit > 0):
+            return None
+        key = f"rollout.engine_stall_timeout {limit:g} s"
+        silent = time.monotonic() - engine.last_seen
+        if silent > limit:
+            return f"sent nothing for {silent:.0f} s ({key}): stalled"
+        if engine.step_seconds > limit:
+            return f"has been in one engine step for {engine.step_seconds:.0f} s ({key}): stalled"
+        return None
+
+    def _replace(self, engine: _Engine, why: str = "exited unexpectedly") -> None:
+        """Engine ``engine`` died (or stalled, ``why``: killed already): handle what it sent,
+        restart it (or raise when its restarts are spent, or its placement cannot restart),
+        resubmit its requests."""
         config, index = self.config, engine.index
         elastic = self._launcher.restartable
         for event in engine.handle.leftover_events():  # its complete messages, in order
@@ -684,7 +722,7 @@ class GeneratorPool:
         if not (elastic and self._restarts.take(index)):
             if elastic:
                 message = refusal_message(
-                    index, config.placement, devices, self._restarts, engine.handle.log_path
+                    index, config.placement, devices, self._restarts, engine.handle.log_path, why
                 )
             else:  # in-process engines share the trainer's process
                 message = (
@@ -699,11 +737,13 @@ class GeneratorPool:
         new.current = not self._pushed
         self._engines[index] = new
         self._busy[index].observe(0)
+        if why == "exited unexpectedly":
+            why += f" (exit code {engine.handle.exitcode})"
         logger.warning(
-            "vLLM engine %d exited unexpectedly (exit code %s): restarted (%d time(s) in the "
-            "last %g min); %d request(s) resubmitted",
+            "vLLM engine %d %s: restarted (%d time(s) in the last %g min); %d request(s) "
+            "resubmitted",
             index,
-            engine.handle.exitcode,
+            why,
             self._restarts.recent(index),
             config.engine_restart_window_minutes,
             len(specs),

@@ -11,7 +11,8 @@ both talk to the pool through queues:
   ``AskStatus``, ``JoinTransport``, ``Stop``);
 - ``weights``: a push's bucket update infos, then ``None`` (``get`` takes ``block=False``);
 - ``events``: the events of :mod:`megatron_rl.rollout.messages` (``Ready``, ``SamplesDone``,
-  ``Pushed``, ``StatusReport``, ``TransportJoined``, ``Failed``, ``Stopped``); one queue
+  ``Pushed``, ``StatusReport``, ``TransportJoined``, ``Failed``, ``Stopped``, and ``Alive``
+  from a thread of an engine process: ``rollout.engine_stall_timeout``); one queue
   shared by in-process and remote engines, a pipe of its own for an engine process
   (:mod:`megatron_rl.rollout.elastic`).
 """
@@ -22,6 +23,7 @@ import logging
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -32,6 +34,7 @@ from megatron_rl.platform.config import LAUNCHER_VARS
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.interruption import find_subsequence
 from megatron_rl.rollout.messages import (
+    Alive,
     AskStatus,
     Failed,
     JoinTransport,
@@ -76,6 +79,7 @@ class EngineRunner:
         self.requests: dict[str, _Track] = {}
         self._finished: list[Sample] = []
         self._seq = 0
+        self.stepping_since: float | None = None  # monotonic start of the step under way
 
     # -- commands ---------------------------------------------------------------------------
     def serve(self, commands, weights_get: Callable[..., Any]) -> None:
@@ -113,7 +117,12 @@ class EngineRunner:
     def step(self) -> None:
         """One engine step (if there is work); finished samples go out as an event."""
         if self.engine.has_work():
-            for delta in self.engine.step():
+            self.stepping_since = time.monotonic()
+            try:
+                deltas = self.engine.step()
+            finally:
+                self.stepping_since = None
+            for delta in deltas:
                 track = self.requests.get(delta.request_id)
                 if track is not None:
                     self._advance(track, delta)
@@ -287,22 +296,43 @@ def run_engine(
     commands,
     weights_get: Callable[[], Any],
     events,
+    beat_seconds: float = 0.0,
 ) -> None:
-    """Build engine ``index`` and serve until stopped; failures become ``Failed`` events."""
+    """Build engine ``index`` and serve until stopped; failures become ``Failed`` events.
+    ``beat_seconds`` > 0: an ``Alive`` event that often, from a thread of its own, from now
+    until the end (the pool's stall check, ``rollout.engine_stall_timeout``)."""
     engine = None
+    runner: list[EngineRunner] = []  # the runner once built, for the beat
+    done = threading.Event()
+    if beat_seconds > 0:
+        threading.Thread(
+            target=_beat, args=(index, events, runner, done, beat_seconds), daemon=True
+        ).start()
     try:
         from megatron_rl.rollout.engine import VLLMEngine
 
         engine = VLLMEngine(hf_dir, config, index)
-        runner = EngineRunner(index, engine, settings, events)
+        runner.append(EngineRunner(index, engine, settings, events))
         events.put(Ready(index, engine.max_model_len, os.getpid()))
-        runner.serve(commands, weights_get)
+        runner[0].serve(commands, weights_get)
+        done.set()
         engine.close()
         events.put(Stopped(index))
     except BaseException:  # reported to the pool, which raises it in the trainer
+        done.set()
         events.put(Failed(index, traceback.format_exc()))
         if engine is not None:
             engine.close()
+
+
+def _beat(
+    index: int, events, runner: list[EngineRunner], done: threading.Event, seconds: float
+) -> None:
+    """Put ``Alive`` every ``seconds`` until ``done``: the process runs, and how long its loop
+    has been inside one engine step (a stalled step is the pool's to judge)."""
+    while not done.wait(seconds):
+        since = runner[0].stepping_since if runner else None
+        events.put(Alive(index, 0.0 if since is None else time.monotonic() - since))
 
 
 def subprocess_main(
@@ -342,9 +372,17 @@ def subprocess_main(
     exit_with_parent()
     writer = EventWriter(events)
     try:
-        run_engine(index, hf_dir, config, settings, commands, weights.get, writer)
+        run_engine(
+            index, hf_dir, config, settings, commands, weights.get, writer, beat_seconds(config)
+        )
     finally:
         writer.close()
+
+
+def beat_seconds(config: RolloutConfig) -> float:
+    """How often an engine process says it is alive: a few beats per
+    ``rollout.engine_stall_timeout`` (at most every 5 s); 0 when the check is off."""
+    return min(config.engine_stall_timeout / 4, 5.0)
 
 
 def engine_devices(config: RolloutConfig, index: int) -> list[int] | None:

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
-from megatron_rl.platform import collectives, get_platform
+from megatron_rl.platform import collectives, get_platform, watchdog
 from megatron_rl.rollout.elastic import WeightsNeeded
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer.batch import TrainSample, token_multiple
@@ -94,8 +94,11 @@ def train(
         desc="train",
         disable=not (main and config.logging.progress_bar),
     )
+    # a rank stuck outside a collective exits with a stack dump: a requeue, not a lost day
+    watchdog.arm(config.training.hang_timeout_minutes, run.run_dir, _rank())
     try:
         while step < config.training.max_steps:
+            watchdog.beat(f"step {step + 1}: batch")
             t0 = time.perf_counter()
             batch = on_every_rank(run, pool, main, lambda: next_batch(run, source, pool))
             if batch is None:  # every prompt retired, or the GPU-hour budget spent
@@ -103,6 +106,7 @@ def train(
             samples, info, wants_push = batch
             info["lr"] = run.optim.lr  # the rate of this update (the scheduler moves on after)
             t1 = time.perf_counter()
+            watchdog.beat(f"step {step + 1}: update")
             # PipelineRL: the main rank's feeder keeps the engines topped up during the update
             with source.feeding() if main else contextlib.nullcontext():
                 result = policy_update(
@@ -121,6 +125,7 @@ def train(
             run.optim.scheduler.step(increment=1)
             step = run.step = step + 1
             t2 = time.perf_counter()
+            watchdog.beat(f"step {step}: push")
             # ... and during the push (requests in flight keep decoding; see push_weights)
             feed = source.feed if main else None
             push = push_weights(run, pool, between=feed) if wants_push else None
@@ -139,6 +144,7 @@ def train(
                 bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
                 if run.forecast is not None:
                     run.forecast.poll({"step": step, **run.clock.summary()})
+            watchdog.beat(f"step {step}: validation and checkpoint")
             if config.validation.enabled and step % config.validation.every_steps == 0:
                 validate(run, pool, step, main)
             # only some ranks may have got the signal
@@ -158,6 +164,7 @@ def train(
             save_checkpoint(run, step, source)
         finished = True
     finally:
+        watchdog.disarm()
         run.clock.begin("shutdown")
         bar.close()
         if pool is not None:
@@ -213,7 +220,14 @@ def on_every_rank(
     broadcast = wait.broadcast_object if wait is not None else collectives.broadcast_object
     while True:
         value = _or_reweigh(make, pool) if main else None
-        sent = broadcast(value if share or _is_reweigh(value) else None)
+        # The other ranks wait here for the main rank's long work (a batch, validation), under
+        # its own bound (run.waits); the main rank is judged meanwhile (its waits on the pool
+        # beat), and so is its wait here for another rank that stopped.
+        waiting = (
+            watchdog.paused("waiting for the main rank") if not main else contextlib.nullcontext()
+        )
+        with waiting:
+            sent = broadcast(value if share or _is_reweigh(value) else None)
         if not _is_reweigh(sent):
             return value if main else sent
         push_weights(run, pool, reweigh=True)
@@ -598,9 +612,13 @@ def finish_metrics(run: Run, step: int, finished: bool) -> None:
 
 
 def _is_main() -> bool:
+    return _rank() == 0
+
+
+def _rank() -> int:
     import torch.distributed as dist
 
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _due(step: int, every: int) -> bool:
