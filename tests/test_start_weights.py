@@ -60,7 +60,7 @@ def test_train_refuses_before_any_work_and_dry_run_only_warns(tmp_path, capsys, 
     import megatron_rl.trainer.loop as loop
 
     started = []
-    monkeypatch.setattr(loop, "train", lambda config, run_dir: started.append(run_dir) or 0)
+    monkeypatch.setattr(loop, "train", lambda config, run_dir, *_: started.append(run_dir) or 0)
     recipe = str(ROOT / "recipes/scalerl_scout.yaml")
     run_dir = tmp_path / "run"
     code = cli_main(["train", recipe, "--run-dir", str(run_dir)])
