@@ -50,9 +50,11 @@ def dp_update_worker(samples, out_path: str, world: int, overlap: bool = False) 
         optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0
     )
     opt = get_megatron_optimizer(cfg, [ddp], use_gloo_process_groups=False)
-    policy_update(ddp, opt, samples, AlgorithmConfig(), 3)
+    result = policy_update(ddp, opt, samples, AlgorithmConfig(), 3)
     if dist.get_rank() == 0:
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out_path)
+        with open(out_path + ".imbalance", "w") as f:
+            f.write(repr(result.dp_token_imbalance))
     destroy_distributed()
 
 

@@ -221,6 +221,19 @@ def test_data_parallel_update_equals_single_rank(tmp_path, overlap):
     assert one.keys() == two.keys()
     for key in one:
         assert torch.allclose(one[key], two[key], atol=1e-6), key
+    # The groups went to the ranks by tokens: the best split of the trained groups' tokens
+    # (group 1's rewards are all equal: filtered), found here by trying every split.
+    tokens = {}
+    for s in samples:
+        if s.group != 1:
+            tokens[s.group] = tokens.get(s.group, 0) + len(s.prompt_tokens) + len(s.response_tokens)
+    total = sum(tokens.values())
+    best = min(
+        max(part := sum(t for g, t in tokens.items() if mask >> g & 1), total - part)
+        for mask in range(2**5)
+    )
+    assert float((tmp_path / "two.pt.imbalance").read_text()) == pytest.approx(best / (total / 2))
+    assert float((tmp_path / "one.pt.imbalance").read_text()) == 1.0
 
 
 def random_samples(seed: int, vocab: int = 128) -> list[TrainSample]:

@@ -573,6 +573,7 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         "abs_logprob_diff": result.abs_logprob_diff,
         "logprob_gap": result.logprob_gap,
         "logprob_gap_tokens": result.logprob_gap_tokens,
+        "dp_token_imbalance": result.dp_token_imbalance,
         "train_tokens_per_s": result.num_tokens / max(train_seconds, 1e-9),
         "gen_wait_seconds": gen_seconds,
         "step_seconds": time.perf_counter() - t0,

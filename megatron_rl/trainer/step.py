@@ -21,6 +21,7 @@ from megatron_rl.algorithms.config import AlgorithmConfig
 from megatron_rl.models.logprobs import forward_logits, logits_to_logprobs
 from megatron_rl.platform import collectives, get_platform
 from megatron_rl.trainer import routing_replay
+from megatron_rl.trainer.balance import assign_groups, imbalance
 from megatron_rl.trainer.batch import (
     TrainSample,
     flat_response_tensors,
@@ -51,6 +52,7 @@ class StepResult:
     logprob_gap: float = float("nan")  # mean |trainer - generator| over on-policy tokens
     logprob_gap_tokens: int = 0  # the tokens it is measured on
     expert_load: ExpertLoad | None = None  # MoE models: the step's expert-load statistics
+    dp_token_imbalance: float = 1.0  # the busiest data-parallel rank's trained tokens / the mean
 
 
 class LogprobGapError(RuntimeError):
@@ -109,8 +111,8 @@ def policy_update(
     """One optimizer step on the step's whole batch (``samples``, the same on every rank).
 
     ``model`` is the DDP-wrapped policy (``trainer.optim.wrap_model``), ``optimizer`` its
-    megatron optimizer. Each data-parallel rank trains on the groups ``g`` with
-    ``g % dp_size == dp_rank``; advantages and loss normalisers are those of the whole batch,
+    megatron optimizer. Each data-parallel rank trains whole groups, assigned by their token
+    counts (``balance.assign_groups``); advantages and loss normalisers are those of the whole batch,
     gradients are summed over ranks. Pipeline stages run megatron's schedule; the returned
     statistics are global and the same on every rank.
 
@@ -132,7 +134,15 @@ def policy_update(
     effective = float(keep.float().mean()) if len(samples) else 0.0
     dp_group = parallel_state.get_data_parallel_group()
     size, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-    mine = [i for i, s in enumerate(samples) if s.group % size == rank]
+    # Whole groups to ranks by their tokens (trainer/balance.py), the same on every rank.
+    kept_all = keep.tolist()
+    watched_all = [not k and is_on_policy(s, monitor_version) for s, k in zip(samples, kept_all)]
+    lengths = [len(s.prompt_tokens) + len(s.response_tokens) for s in samples]
+    owner = assign_groups([s.group for s in samples], lengths, kept_all, watched_all, size)
+    loads = [0.0] * size  # trained tokens per rank
+    for s, n, k in zip(samples, lengths, kept_all):
+        loads[owner[s.group]] += n if k else 0
+    mine = [i for i, s in enumerate(samples) if owner[s.group] == rank]
     samples, adv, keep = [samples[i] for i in mine], adv[mine], keep[mine]
     if routing_replay.is_enabled(model):
         routing_replay.require_routing(samples)
@@ -240,6 +250,7 @@ def policy_update(
         logprob_gap=gap,
         logprob_gap_tokens=gap_tokens,
         expert_load=expert_load,
+        dp_token_imbalance=imbalance(loads),
     )
 
 
