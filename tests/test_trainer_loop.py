@@ -86,6 +86,7 @@ def test_pipeline_rl_run_invariants(tmp_path):
         "data.dynamic_sampling=true",
         "data.dynamic_sampling_max_rounds=2",  # the tiny model drops most groups: bound the cost
         "training.logprob_probe_every=2",
+        "checkpoint.export_hf_every=3",
     )
     recs = records(run_dir)
     steps = [r for r in recs if "reward_mean" in r]
@@ -100,6 +101,13 @@ def test_pipeline_rl_run_invariants(tmp_path):
     assert steps[0]["logprob_gap_tokens"] > 0  # the first batch is all on-policy
     assert steps[0]["logprob_gap"] < 1e-4 and steps[0]["rho_max"] < 1.001, steps[0]
     assert [r["step"] for r in vals] == [0, 3, 6]
+    # HF exports of the step-3 and step-6 checkpoints, made beside the training
+    # (tests/test_hf_export.py: equal to an offline conversion)
+    exports = sorted(p.name for p in (run_dir / "hf").iterdir())
+    assert exports == ["step_00000003", "step_00000006"]
+    for step, val in ((3, vals[1]), (6, vals[2])):
+        readme = (run_dir / "hf" / f"step_{step:08d}" / "README.md").read_text()
+        assert f"step {step}," in readme and f"val pass rate {val['val_pass_rate']:.4g}" in readme
     assert all(r["staleness_max"] <= 1 for r in steps)  # never beyond k versions of lag
     for r in steps:  # continuous generation: per-token lags 0..k, the pool's load
         hist = r["staleness_hist"]

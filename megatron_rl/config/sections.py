@@ -200,16 +200,29 @@ class CheckpointConfig:
         on_signals: signals that trigger a save and a clean exit (Slurm preemption sends
             SIGTERM; ``cluster.signal_minutes_before_end`` sends SIGUSR1).
         save_at_end: save when training stops at its step or GPU-hour budget.
+        export_hf_every: also export the checkpoint of every this many steps to an HF
+            directory, ``RUN_DIR/hf/step_NNNNNNNN`` (``trainer/hf_export.py``: a background
+            process while training goes on; ``keep_last`` of them are kept); a multiple of
+            ``every_steps``. 0: off.
     """
 
     every_steps: int = 100
     keep_last: int = 2
     on_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     save_at_end: bool = True
+    export_hf_every: int = 0
 
     def validate(self) -> None:
         _check_int(self, "every_steps", 0)
         _check_int(self, "keep_last", 1)
+        _check_int(self, "export_hf_every", 0)
+        if self.export_hf_every and (
+            not self.every_steps or self.export_hf_every % self.every_steps
+        ):
+            raise ValueError(
+                f"export_hf_every ({self.export_hf_every}) must be a multiple of every_steps "
+                f"({self.every_steps}): an export converts the checkpoint of its step"
+            )
         unknown = [s for s in self.on_signals if s not in SIGNAL_NAMES]
         if unknown:
             raise ValueError(f"on_signals must be among {list(SIGNAL_NAMES)}, got {unknown}")

@@ -36,6 +36,7 @@ from megatron_rl.platform import LAUNCHER_VARS
 logger = logging.getLogger(__name__)
 
 EXPORT_DIR = "hf"
+FINAL_WAIT_SECONDS = 1800.0  # at the end of a run, the running export is waited for this long
 _STEP_FORMAT = "step_{:08d}"
 
 
@@ -62,6 +63,7 @@ class HFExporter:
         self._log = None
         self._started = 0.0
         self._waiting: _Export | None = None
+        self.val_pass_rate: float | None = None  # the last validation's, for the README
         self.exported: list[int] = []  # steps exported by this process, in order
         self.failed: list[int] = []
         self._clean_leftovers()
@@ -72,9 +74,10 @@ class HFExporter:
 
     def submit(self, step: int, checkpoint: str | Path, notes: dict[str, float | None]) -> None:
         """Export the complete checkpoint ``checkpoint`` (of ``step``) in the background;
-        ``notes`` (``gpu_hours``, ``val_pass_rate``) go into its README line."""
+        ``notes`` (``gpu_hours``; ``val_pass_rate``, else the last one set) go into its
+        README line."""
         self.poll()
-        request = _Export(step, Path(checkpoint), dict(notes))
+        request = _Export(step, Path(checkpoint), {"val_pass_rate": self.val_pass_rate, **notes})
         self._pin(request)
         if self._running is None:
             self._start(request)

@@ -18,6 +18,7 @@ from megatron_rl.config.schema import RunConfig
 from megatron_rl.platform import collectives, get_platform, watchdog
 from megatron_rl.rollout.elastic import WeightsNeeded
 from megatron_rl.scaling.forecast import resolve_budget
+from megatron_rl.trainer import hf_export
 from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.compute import generation_share
 from megatron_rl.trainer.probe import LogprobProbe
@@ -144,6 +145,8 @@ def train(
                 bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
                 if run.forecast is not None:
                     run.forecast.poll({"step": step, **run.clock.summary()})
+                if run.exporter is not None:
+                    run.exporter.poll()
             watchdog.beat(f"step {step}: validation and checkpoint")
             if config.validation.enabled and step % config.validation.every_steps == 0:
                 validate(run, pool, step, main)
@@ -170,6 +173,8 @@ def train(
         if pool is not None:
             pool.close()
         run.rewards.close()
+        if run.exporter is not None:  # a stop on a signal does not wait for an export
+            run.exporter.close(hf_export.FINAL_WAIT_SECONDS if finished else 0.0)
         if main:
             finish_metrics(run, step, finished)
         run.metrics.close()
@@ -407,6 +412,8 @@ def validate(run: Run, pool, step: int, main: bool = True) -> float:
         train_tokens = pool.generated_tokens() - tokens_before - val_tokens
         window.train_fraction = generation_share(train_tokens, val_tokens)
     rate = sum(r > 0 for r in rewards) / len(rewards)
+    if run.exporter is not None:
+        run.exporter.val_pass_rate = rate  # for the README of the next export
     # A mixture (math + code) also logs each domain's pass rate: one curve per domain.
     mixture = len(run.data.sources) > 1
     per_domain = _by_domain("val_pass_rate", kinds, rewards, mean=False) if mixture else {}
@@ -553,7 +560,9 @@ def _save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:
         "metrics_position": run.metrics.position(),
         "in_flight": source.in_flight_prompt_ids() if source is not None else [],
     }
-    run.checkpoints.save(step, run.model, extra, optimizer=run.optim.optimizer)
+    path = run.checkpoints.save(step, run.model, extra, optimizer=run.optim.optimizer)
+    if run.exporter is not None and run.exporter.wants(step):
+        run.exporter.submit(step, path, {"gpu_hours": run.clock.summary()["gpu_hours"]})
 
 
 def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool) -> dict:

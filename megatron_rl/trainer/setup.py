@@ -10,6 +10,7 @@ from typing import Any
 
 from megatron_rl.config.checks import check_start_weights
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.trainer.hf_export import HFExporter
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class Run:
     optim: Any = None  # trainer.optim.Optimizer, built after the warm start (or to resume)
     step: int = 0  # optimizer steps done
     forecast: Any = None  # trainer.live_forecast.LiveForecast on the main rank, if enabled
+    exporter: HFExporter | None = None  # background HF exports (main rank, export_hf_every)
     waits: Any = None  # trainer.loop.RankZeroWaits: the other ranks' waits on the main rank
     claim: Any = None  # trainer.rundir.Claim on the main rank: the run directory's lock
 
@@ -194,6 +196,11 @@ def build_run(
         prompt_tokens=prompt_tokens,
         encode=encode,
         claim=claim,
+        exporter=(
+            HFExporter(run_dir, config.checkpoint.export_hf_every, config.checkpoint.keep_last)
+            if dist.get_rank() == 0 and config.checkpoint.export_hf_every
+            else None
+        ),
     )
     if claim is not None:
         save_config(claim, run_dir)
