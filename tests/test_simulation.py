@@ -305,3 +305,24 @@ def test_calibration_cases_reproduce_published_runs():
         assert abs(r.ratio - 1) <= TOLERANCE, (r.case, r.published, r.predicted)
         if r.role == "fit" and "Qwen3" not in r.case:
             assert abs(r.ratio - 1) <= 0.07, (r.case, r.published, r.predicted)
+
+
+@pytest.mark.timeout(900)
+def test_simulate_run_calibrate_prints_cases_with_sources_and_a_plot(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    plot = tmp_path / "calibration.png"
+    out = subprocess.run(
+        [sys.executable, str(root / "tools/simulate_run.py"), "--calibrate", "--no-predictions",
+         "--calibrate-plot", str(plot)],
+        cwd=root, capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    ).stdout  # fmt: skip
+    rows = [line for line in out.splitlines() if line.startswith(("| NeMo-RL", "| PipelineRL vs"))]
+    assert len(rows) == 5 and all(line.rstrip().endswith("| yes |") for line in rows)
+    assert "docs.nvidia.com/nemo/rl" in out and "arxiv.org/abs/2509.19128" in out
+    assert "train_mfu_dense = " in out and plot.stat().st_size > 0

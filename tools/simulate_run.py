@@ -97,7 +97,9 @@ def main() -> int:
                 for name in ("scalerl_8b.yaml", "scalerl_scout.yaml")
             ]
         )
-        text, rows = calibration_report(recipes, refit=args.refit)
+        text, rows = calibration_report(
+            recipes, refit=args.refit, trained_fraction=args.trained_fraction
+        )
         print(text)
         if args.calibrate_plot:
             print(f"\nplot: {plot_calibration(rows, args.calibrate_plot)}")

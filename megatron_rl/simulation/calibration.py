@@ -45,7 +45,9 @@ NEMO_V04 = (
 NEMO_V06 = f"{NEMO_URL}, GB200 BF16 table (recipe grpo-qwen3-30ba3b-4n4g.yaml at v0.6.0)"
 PIPELINERL = (
     "Piche et al., PipelineRL: Faster On-policy RL for Long Sequence Generation, "
-    "arXiv 2509.19128 (abstract: 128 H100, ~2x faster learning than conventional RL); "
+    "https://arxiv.org/abs/2509.19128 (abstract: 128 H100, ~2x faster learning than "
+    "conventional RL; Figure 1a: conventional RL alternates all GPUs between generation and "
+    "training); "
     "setup from github.com/ServiceNow/PipelineRL README and conf/base.yaml"
 )
 SCALERL = "Khatri et al., The Art of Scaling RL Compute for LLMs, arXiv 2510.13786 (SCALERL.md)"
