@@ -300,7 +300,7 @@ def test_calibration_cases_reproduce_published_runs():
     from megatron_rl.simulation.calibration import TOLERANCE, evaluate
 
     rows = evaluate()
-    assert {r.role for r in rows} == {"fit", "check"} and len(rows) >= 5
+    assert {r.role for r in rows} == {"fit", "check"} and len(rows) >= 7
     for r in rows:
         assert abs(r.ratio - 1) <= TOLERANCE, (r.case, r.published, r.predicted)
         if r.role == "fit" and "Qwen3" not in r.case:
@@ -323,6 +323,6 @@ def test_simulate_run_calibrate_prints_cases_with_sources_and_a_plot(tmp_path):
         env={**os.environ, "PYTHONPATH": str(root)},
     ).stdout  # fmt: skip
     rows = [line for line in out.splitlines() if line.startswith(("| NeMo-RL", "| PipelineRL vs"))]
-    assert len(rows) == 5 and all(line.rstrip().endswith("| yes |") for line in rows)
+    assert len(rows) == 7 and all(line.rstrip().endswith("| yes |") for line in rows)
     assert "docs.nvidia.com/nemo/rl" in out and "arxiv.org/abs/2509.19128" in out
     assert "train_mfu_dense = " in out and plot.stat().st_size > 0

@@ -167,12 +167,22 @@ def _recipe_lines(config, residual: float, trained_fraction: float = 1.0) -> lis
             why = f"Longer responses than our length model's could explain it: {at_cap}."
         out += ["", f"The paper's step is {paper_s / central:.1f}x the expected one. {why}"]
     if name == "llama3-8b" and paper:
-        out += ["", "What issue 31's items 2-4 move (calibrated model, central lengths):", ""]
-        out += ["| our code | s/step | GPU-hours | % of the paper's |", "|---|---|---|---|"]
+        out += [
+            "",
+            f"What issue 31's items 2-4 move (calibrated model, central lengths, "
+            f"{trained_fraction:.0%} of the groups trained on):",
+            "",
+            "| our code | s/step | GPU-hours | % of the paper's | generator busy | "
+            "trainer busy | push |",
+            "|" + "---|" * 7,
+        ]
         for label, switches in predict.WHAT_IFS.items():
-            s = predict.run(config, base.calibrated(), switches=switches).seconds_per_step
+            r = predict.run(config, base.calibrated(), switches=switches, **kw)
+            s = r.seconds_per_step
             out.append(
-                f"| {label} | {s:.1f} | {hours(s):,.0f} | {hours(s) / paper['gpu_hours']:.1%} |"
+                f"| {label} | {s:.1f} | {hours(s):,.0f} | "
+                f"{hours(s) / paper['gpu_hours']:.1%} | {r.generator_busy:.0%} | "
+                f"{r.trainer_busy:.0%} | {r.push_fraction:.0%} |"
             )
     return out
 
@@ -185,8 +195,9 @@ def calibration_report(recipes, refit: bool = False, trained_fraction: float = 1
     from megatron_rl.simulation.costs import CALIBRATED
 
     factors = calibration.fit(CALIBRATED) if refit else CALIBRATED
-    rows = calibration.evaluate(factors)
-    residual = max(abs(r.ratio - 1) for r in rows)
+    roles = ("fit", "check", "reference") if recipes else ("fit", "check")
+    rows = calibration.evaluate(factors, roles)
+    residual = max(abs(r.ratio - 1) for r in rows if r.role != "reference")
     out = ["## Calibration: published runs vs the simulator (expected model)", ""]
     out.append(calibration_table(rows))
     out += ["", "Setups and sources:"]
@@ -218,12 +229,14 @@ def plot_calibration(rows, path: str | Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 1.6))
     ys = list(range(len(rows)))[::-1]
-    colors = ["C0" if r.role == "fit" else "C2" for r in rows]
+    colors = [{"fit": "C0", "check": "C2"}.get(r.role, "C3") for r in rows]
     ax.barh(ys, [r.ratio for r in rows], color=colors, height=0.6)
     ax.axvline(1.0, color="k", lw=1)
     ax.axvspan(0.75, 1.25, color="0.9", zorder=0)
     ax.set_yticks(ys, [f"{r.case}\n({r.metric}: {r.published:,.1f})" for r in rows], fontsize=7)
-    ax.set_xlabel("predicted / published (blue: fit, green: check; band: +-25%)")
+    ax.set_xlabel(
+        "predicted / published (blue: fit, green: check, red: not reproduced; band: +-25%)"
+    )
     ax.set_xlim(0, 2)
     fig.tight_layout()
     out = Path(path)
