@@ -326,3 +326,26 @@ def test_simulate_run_calibrate_prints_cases_with_sources_and_a_plot(tmp_path):
     assert len(rows) == 7 and all(line.rstrip().endswith("| yes |") for line in rows)
     assert "docs.nvidia.com/nemo/rl" in out and "arxiv.org/abs/2509.19128" in out
     assert "train_mfu_dense = " in out and plot.stat().st_size > 0
+
+
+def test_what_if_switches_move_push_and_update_the_right_way():
+    from megatron_rl.simulation.costs import HOST_PUSH_BYTES_PER_S, UNFUSED_KERNEL_SLOWDOWN
+    from megatron_rl.simulation.predict import TODAY, Switches
+
+    costs, assignment = TODAY.apply(tiny_costs())
+    assert assignment == "modulo" and costs.kernel_slowdown == UNFUSED_KERNEL_SLOWDOWN
+    assert costs.push() == pytest.approx(2e9 / HOST_PUSH_BYTES_PER_S)
+    done, assignment = Switches().apply(tiny_costs())
+    assert assignment == "balanced" and done.push() == pytest.approx(tiny_costs().push())
+    # the same batches (PPO-1: nothing overlaps) on 4 DP ranks, half the groups kept: the
+    # update under group % DP is never shorter than balanced, and ideal is the shortest
+    update = {}
+    for how in ("ideal", "balanced", "modulo"):
+        settings = tiny_settings(
+            "ppo", 1, warmup=0, dp=4, dp_assignment=how, trained_fraction=0.5, prompts_per_step=8
+        )
+        r = simulate(tiny_costs(), TINY_LENGTHS, settings)
+        update[how] = r.trainer_busy * r.seconds
+    assert update["ideal"] < update["balanced"] < update["modulo"]
+    with pytest.raises(ValueError, match="dp_assignment"):
+        tiny_settings("ppo", 1, dp_assignment="round-robin")
