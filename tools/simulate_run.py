@@ -7,8 +7,17 @@ percentiles, samples per GPU-hour and projected GPU-hours for the recipe's max_s
 8B recipe the ratio to the paper's run (7,400 steps of 768 samples in ~100k GB200 GPU-hours).
 
     .venv/bin/python tools/simulate_run.py recipes/scalerl_8b.yaml [recipes/scalerl_scout.yaml]
-        [--k 1 2 4 8 16] [--mode pipeline_rl ppo] [--hardware gb200|h200] [--plot out.png]
-        [--steps 40] [--think-median 4000] [KEY=VALUE ...]
+        [--k 1 2 4 8 16] [--mode pipeline_rl ppo] [--hardware gb200|h200|h100] [--plot out.png]
+        [--steps 40] [--think-median 4000] [--expected] [KEY=VALUE ...]
+
+The tables use the physical limit (the roofline of simulation/costs.py) unless --expected
+(the model calibrated on published runs). `--calibrate` prints the published runs next to the
+simulator's predictions (simulation/calibration.py), the fitted factors, the ScaleRL 8B and
+Scout predictions (physical limit, expected with a range, the paper) and what issue 31's items
+2-4 change at 8B; `--calibrate-plot out.png` draws predicted vs published; `--refit` fits the
+factors again (minutes) instead of using the stored ones:
+
+    .venv/bin/python tools/simulate_run.py --calibrate [--calibrate-plot calib.png] [--refit]
 """
 
 from __future__ import annotations
@@ -20,7 +29,12 @@ from pathlib import Path
 
 from megatron_rl.config import ConfigError, load_run_config
 from megatron_rl.simulation.costs import HARDWARE, cost_model
-from megatron_rl.simulation.report import markdown_table, plot_utilisation
+from megatron_rl.simulation.report import (
+    calibration_report,
+    markdown_table,
+    plot_calibration,
+    plot_utilisation,
+)
 from megatron_rl.simulation.run import settings_from_config, simulate
 from megatron_rl.simulation.workload import length_model
 
@@ -29,7 +43,7 @@ PAPER_8B = {"steps": 7400, "samples_per_step": 768, "gpu_hours": 100_000}
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("recipes", nargs="+", help="recipe YAMLs (KEY=VALUE overrides follow)")
+    parser.add_argument("recipes", nargs="*", help="recipe YAMLs (KEY=VALUE overrides follow)")
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument(
         "--mode", nargs="+", default=["pipeline_rl", "ppo"], choices=["pipeline_rl", "ppo"]
@@ -58,8 +72,40 @@ def main() -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", help="PNG of utilisation vs k")
+    parser.add_argument(
+        "--expected", action="store_true", help="the calibrated model, not the physical limit"
+    )
+    parser.add_argument(
+        "--calibrate", action="store_true", help="published runs vs predictions (no recipes)"
+    )
+    parser.add_argument("--calibrate-plot", help="PNG of predicted vs published (--calibrate)")
+    parser.add_argument("--refit", action="store_true", help="fit the factors again (minutes)")
+    parser.add_argument(
+        "--no-predictions",
+        action="store_true",
+        help="--calibrate without the ScaleRL 8B / Scout predictions (quicker)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.calibrate:
+        root = Path(__file__).resolve().parents[1]
+        recipes = (
+            []
+            if args.no_predictions
+            else [
+                load_run_config(str(root / "recipes" / name), [])
+                for name in ("scalerl_8b.yaml", "scalerl_scout.yaml")
+            ]
+        )
+        text, rows = calibration_report(
+            recipes, refit=args.refit, trained_fraction=args.trained_fraction
+        )
+        print(text)
+        if args.calibrate_plot:
+            print(f"\nplot: {plot_calibration(rows, args.calibrate_plot)}")
+        return 0
+    if not args.recipes:
+        parser.error("name at least one recipe (or --calibrate)")
     recipes = [r for r in args.recipes if "=" not in r]
     overrides = [r for r in args.recipes if "=" in r]
     runs = {}
@@ -68,7 +114,10 @@ def main() -> int:
             config = load_run_config(recipe, overrides)
         except ConfigError as err:
             parser.error(str(err))
-        costs = cost_model(config, args.hardware).with_(push_transport=args.push)
+        costs = cost_model(config, args.hardware)
+        if args.expected:
+            costs = costs.calibrated()
+        costs = costs.with_(push_transport=args.push)
         lengths = length_model(config, think_median=args.think_median)
         results = []
         for mode in args.mode:
@@ -90,7 +139,9 @@ def main() -> int:
         runs[Path(recipe).stem] = results
         max_steps = config.training.max_steps
         print(
-            f"\n## {recipe} on {args.hardware} ({config.cluster.trainer_gpus} trainer + "
+            f"\n## {recipe} on {args.hardware}, "
+            f"{'expected (calibrated)' if args.expected else 'physical limit'} "
+            f"({config.cluster.trainer_gpus} trainer + "
             f"{config.cluster.generator_gpus} generator GPUs, {config.rollout.engines} "
             f"engines x {config.rollout.max_num_seqs} seqs, push {costs.push():.2f} s)\n"
         )

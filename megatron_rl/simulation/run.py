@@ -25,6 +25,26 @@ from megatron_rl.trainer.rollout_source import RolloutSource
 # step keeps a simulated run of thousands of updates fast.
 FEED_INTERVAL = 1.0
 
+DP_ASSIGNMENTS = ("ideal", "modulo", "balanced")
+
+
+def dp_imbalance(group_tokens: list[int], kept: list[bool], dp: int, assignment: str) -> float:
+    """Busiest data-parallel rank's tokens over the mean (>= 1) when the groups of
+    ``group_tokens`` (tokens per group, batch order) reach ``dp`` ranks by ``assignment``
+    (``SimSettings.dp_assignment``) and only those ``kept`` are trained on."""
+    total = sum(t for t, k in zip(group_tokens, kept) if k)
+    if assignment == "ideal" or dp == 1 or total == 0:
+        return 1.0
+    loads = [0] * dp
+    if assignment == "modulo":
+        for i, (tokens, k) in enumerate(zip(group_tokens, kept)):
+            if k:
+                loads[i % dp] += tokens
+    else:  # balanced: longest group first onto the least-loaded rank
+        for tokens in sorted((t for t, k in zip(group_tokens, kept) if k), reverse=True):
+            loads[loads.index(min(loads))] += tokens
+    return max(loads) / (total / dp)
+
 
 @dataclass(frozen=True)
 class SimSettings:
@@ -46,10 +66,24 @@ class SimSettings:
     # the update skips the others, so a step costs this fraction of a whole batch's update
     # (in expectation over which groups they are). 1.0: every group is trained on.
     trained_fraction: float = 1.0
+    # How kept groups reach the trainer's ``dp`` data-parallel ranks (the step lasts as long as
+    # the busiest rank): "ideal" (every rank the mean: the physical limit), "modulo" (group
+    # index % dp before zero-variance filtering: trainer/step.py today), "balanced" (greedy
+    # longest-first by tokens after filtering: issue 31 item 3). Groups are kept with
+    # probability ``trained_fraction``, seeded by the step.
+    dp: int = 1
+    dp_assignment: str = "ideal"
 
     def __post_init__(self) -> None:
         if not 0 < self.trained_fraction <= 1:
             raise ValueError(f"trained_fraction must be in (0, 1], got {self.trained_fraction}")
+        if self.dp_assignment not in DP_ASSIGNMENTS:
+            raise ValueError(
+                f"dp_assignment must be one of {', '.join(DP_ASSIGNMENTS)}, "
+                f"got {self.dp_assignment!r}"
+            )
+        if self.dp < 1:
+            raise ValueError(f"dp must be >= 1, got {self.dp}")
 
 
 @dataclass
@@ -70,6 +104,7 @@ class SimResult:
     submitted_prompts: list[int] = field(default_factory=list)
     in_flight_prompts: list[int] = field(default_factory=list)
     preemptions: int = 0
+    tokens: int = 0  # prompt + response tokens trained on in the measured steps
 
     @property
     def seconds_per_step(self) -> float:
@@ -138,7 +173,7 @@ def simulate(costs: CostModel, lengths: LengthModel, settings: SimSettings) -> S
     max_lag = 0
     train_seconds = 0.0
     start = busy0 = seq0 = push0 = 0.0
-    samples = 0
+    samples = tokens = 0
     version = 0  # the trainer's: updates done (the pool's version after each push)
     for step in range(s.warmup + s.steps):
         if step == s.warmup:
@@ -148,8 +183,10 @@ def simulate(costs: CostModel, lengths: LengthModel, settings: SimSettings) -> S
             push0 = pool.push_seconds
         groups = source.next_batch(pool.version)
         sequence_lengths = []
+        group_tokens = []
         for group in groups:
             trained.append(group.prompt_id)
+            group_tokens.append(sum(x.prompt_len + x.tokens for x in group.samples))
             for sample in group.samples:
                 sequence_lengths.append(sample.prompt_len + sample.tokens)
                 for v, n in sample.segments:
@@ -158,11 +195,16 @@ def simulate(costs: CostModel, lengths: LengthModel, settings: SimSettings) -> S
                     if step >= s.warmup:
                         lag_tokens[lag] = lag_tokens.get(lag, 0) + n
         seconds = costs.train_step(sequence_lengths) * s.trained_fraction
+        if s.dp_assignment != "ideal":
+            rng = random.Random(f"keep:{s.seed}:{step}")
+            kept = [rng.random() < s.trained_fraction for _ in groups]
+            seconds *= dp_imbalance(group_tokens, kept, s.dp, s.dp_assignment)
         update(pool, source, seconds)  # the engines keep generating, topped up, meanwhile
         version += 1
         if step >= s.warmup:
             train_seconds += seconds
             samples += len(sequence_lengths)
+            tokens += sum(sequence_lengths)
         if source.wants_push():
             pool.push_weights(version)
     wall = pool.now - start
@@ -184,6 +226,7 @@ def simulate(costs: CostModel, lengths: LengthModel, settings: SimSettings) -> S
         submitted_prompts=submitted,
         in_flight_prompts=source.in_flight_prompt_ids(),
         preemptions=sum(e.preemptions for e in pool.engines),
+        tokens=tokens,
     )
 
 
