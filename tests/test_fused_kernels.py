@@ -1,0 +1,120 @@
+"""Fused kernels (issue 31, section 4): a GPU model asks megatron-core for the fusions its
+libraries provide (decided by the platform layer), a CPU model for none, and megatron's own
+TransformerConfig validation accepts the GPU config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.models import ModelConfig
+from megatron_rl.platform import FusedKernels, ParallelConfig
+
+FUSIONS = (
+    "gradient_accumulation_fusion",
+    "apply_rope_fusion",
+    "bias_activation_fusion",
+    "masked_softmax_fusion",
+)
+ALL = FusedKernels(True, True, True, True, True)
+
+
+class _Built(Exception):
+    """Stops build_model once the TransformerConfig exists (no TE model on CPU)."""
+
+
+def _gpu_config(monkeypatch, preset: str, kernels: FusedKernels):
+    """The TransformerConfig that ``build_model`` makes on a GPU machine with Transformer
+    Engine and ``kernels``: megatron's real ``__post_init__`` runs, with TE's fused RoPE (the
+    one thing it imports to check) stood in for, as on a machine with TE >= 2.3."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import transformer_config as megatron_config
+
+    from megatron_rl.models import provider
+    from megatron_rl.models.arch import transformer_config
+    from megatron_rl.platform.device import Platform
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)
+    monkeypatch.setattr(megatron_config, "is_te_min_version", lambda *a, **k: True)
+    built = []
+
+    def real_config(*args, **kwargs):
+        built.append(transformer_config(*args, **kwargs))
+        raise _Built
+
+    monkeypatch.setattr(provider, "transformer_config", real_config)
+    gpu = Platform("cuda", "nccl", True, kernels=kernels)
+    monkeypatch.setattr(provider, "get_platform", lambda: gpu)
+    with pytest.raises(_Built):
+        provider.build_model(ModelConfig(preset=preset, dtype="bfloat16"), ParallelConfig())
+    (config,) = built
+    return config
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama4"])
+def test_the_gpu_config_asks_for_every_available_fusion(preset, monkeypatch):
+    config = _gpu_config(monkeypatch, preset, ALL)
+    assert {name: getattr(config, name) for name in FUSIONS} == dict.fromkeys(FUSIONS, True)
+    assert config.rotary_interleaved == (preset == "tiny-llama4")
+    assert config.moe_grouped_gemm is False  # modelopt's packed-expert import (models/arch.py)
+
+
+def test_fused_rope_follows_the_rope_layout(monkeypatch):
+    """A TE older than 2.3 fuses plain RoPE but not Llama-4's interleaved RoPE."""
+    old_te = FusedKernels(True, True, False, True, True)
+    assert _gpu_config(monkeypatch, "tiny-llama", old_te).apply_rope_fusion is True
+    assert _gpu_config(monkeypatch, "tiny-llama4", old_te).apply_rope_fusion is False
+
+
+def test_megatron_rejects_rope_fusion_without_transformer_engine():
+    """What the platform's decision protects against: megatron's own check (nothing stood in
+    for) refuses a fused RoPE where TE does not import, as on this machine."""
+    from megatron_rl.models.arch import architecture_from_hf, transformer_config
+    from megatron_rl.models.presets import preset_hf_config
+
+    arch = architecture_from_hf(preset_hf_config("tiny-llama"))
+    args = (arch, ParallelConfig(), torch.bfloat16, True)
+    with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
+        transformer_config(*args, kernels=FusedKernels(apply_rope_fusion=True))
+    plain = transformer_config(*args, kernels=FusedKernels(bias_activation_fusion=True))
+    assert plain.bias_activation_fusion and not plain.apply_rope_fusion
+
+
+def test_the_cpu_platform_asks_for_none(megatron_single_rank):
+    from megatron_rl.models.arch import architecture_from_hf, transformer_config
+    from megatron_rl.models.presets import preset_hf_config
+    from megatron_rl.platform import get_platform
+
+    platform = get_platform()
+    assert not platform.is_gpu and platform.kernels == FusedKernels()
+    arch = architecture_from_hf(preset_hf_config("tiny-llama4"))
+    config = transformer_config(
+        arch, ParallelConfig(), torch.float32, True, kernels=platform.kernels
+    )
+    assert not any(getattr(config, name) for name in FUSIONS)
+
+
+def test_detection_maps_each_library_to_its_fusion(monkeypatch):
+    # Agrees with megatron's own probes on this machine (no apex, no TE).
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_rl.platform import kernels
+
+    assert kernels._imports("fused_weight_gradient_mlp_cuda") == layers._grad_accum_fusion_available
+    assert kernels._te_rope()[0] == (rope_utils.fused_apply_rotary_pos_emb is not None)
+
+    def detect(modules: set[str], rope: tuple[bool, bool]) -> FusedKernels:
+        monkeypatch.setattr(kernels, "_imports", lambda name: name in modules)
+        monkeypatch.setattr(kernels, "_te_rope", lambda: rope)
+        return kernels.detect_fused_kernels.__wrapped__()
+
+    assert detect(set(), (False, False)) == FusedKernels()
+    apex = {"fused_weight_gradient_mlp_cuda", "scaled_masked_softmax_cuda"}
+    apex.add("scaled_upper_triang_masked_softmax_cuda")
+    assert detect(apex, (False, False)) == FusedKernels(
+        gradient_accumulation_fusion=True, masked_softmax_fusion=True
+    )
+    assert detect({"triton"}, (True, True)) == FusedKernels(
+        apply_rope_fusion=True, interleaved_rope_fusion=True, bias_activation_fusion=True
+    )
