@@ -118,3 +118,65 @@ def test_detection_maps_each_library_to_its_fusion(monkeypatch):
     assert detect({"triton"}, (True, True)) == FusedKernels(
         apply_rope_fusion=True, interleaved_rope_fusion=True, bias_activation_fusion=True
     )
+
+
+class _WgradAccumulation:
+    """apex's ``fused_weight_gradient_mlp_cuda`` in torch: ``main_grad += d_out^T @ input``
+    (fp32 accumulation), what megatron's local linears call under gradient-accumulation
+    fusion."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        main_grad.add_(grad_output.float().t() @ total_input.float())
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
+def _bf16_grads(monkeypatch, preset: str, kernels: FusedKernels, state=None):
+    """Build ``preset`` in bf16 with the FP32 head and ``kernels``, train one step inside
+    megatron's DDP (as the trainer does) and return (state_dict, {name: main_grad})."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_rl.models import provider
+    from megatron_rl.models.logprobs import token_logprobs
+    from megatron_rl.platform.device import Platform
+
+    monkeypatch.setattr(
+        provider, "get_platform", lambda: Platform("cpu", "gloo", False, None, kernels)
+    )
+    torch.manual_seed(0)
+    model = provider.build_model(ModelConfig(preset=preset, dtype="bfloat16"), ParallelConfig())
+    if state is not None:
+        model.load_state_dict(state)
+    model.train()
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
+    )
+    ddp.zero_grad_buffer()
+    tokens = torch.randint(3, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    (-token_logprobs(ddp, tokens).float().mean()).backward()
+    grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+    return model.state_dict(), grads, model
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama-tied"])
+def test_fused_weight_gradients_equal_unfused_ones_with_the_fp32_head(
+    preset, monkeypatch, megatron_single_rank
+):
+    """With gradient-accumulation fusion (apex's kernel stood in for by torch), a BF16 model
+    with the FP32 head trains to the same gradients as without: the head's upcast weight has
+    no main_grad to accumulate into, so its wgrad stays unfused (it crashed before)."""
+    from megatron.core.tensor_parallel import layers
+
+    state, reference, _ = _bf16_grads(monkeypatch, preset, FusedKernels())
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
+    monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", _WgradAccumulation, raising=False)
+    fused_kernels = FusedKernels(gradient_accumulation_fusion=True)
+    _, fused, model = _bf16_grads(monkeypatch, preset, fused_kernels, state)
+    assert model.decoder.layers[0].mlp.linear_fc1.gradient_accumulation_fusion
+    assert not model.output_layer.gradient_accumulation_fusion
+    assert fused.keys() == reference.keys()
+    for name, grad in reference.items():
+        assert grad.abs().sum() > 0, name
+        error = (fused[name] - grad).norm() / grad.norm()
+        assert error < 2e-2, (name, error.item())
