@@ -104,9 +104,10 @@ def test_detection_maps_each_library_to_its_fusion(monkeypatch):
     assert kernels._imports("fused_weight_gradient_mlp_cuda") == layers._grad_accum_fusion_available
     assert kernels._te_rope()[0] == (rope_utils.fused_apply_rotary_pos_emb is not None)
 
-    def detect(modules: set[str], rope: tuple[bool, bool]) -> FusedKernels:
+    def detect(modules: set[str], rope: tuple[bool, bool], cc: bool = True) -> FusedKernels:
         monkeypatch.setattr(kernels, "_imports", lambda name: name in modules)
         monkeypatch.setattr(kernels, "_te_rope", lambda: rope)
+        monkeypatch.setattr(kernels, "_c_compiler", lambda: cc)
         return kernels.detect_fused_kernels.__wrapped__()
 
     assert detect(set(), (False, False)) == FusedKernels()
@@ -118,6 +119,8 @@ def test_detection_maps_each_library_to_its_fusion(monkeypatch):
     assert detect({"triton"}, (True, True)) == FusedKernels(
         apply_rope_fusion=True, interleaved_rope_fusion=True, bias_activation_fusion=True
     )
+    # Triton without a C compiler cannot build its launcher: torch.compile would fail.
+    assert detect({"triton"}, (False, False), cc=False) == FusedKernels()
 
 
 class _WgradAccumulation:

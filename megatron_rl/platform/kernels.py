@@ -14,7 +14,8 @@ library fails late (at model construction or in the first forward). What each ne
   ``rope_utils.fused_apply_rotary_pos_emb``; interleaved RoPE (Llama-4) needs TE >= 2.3
   (``TransformerConfig.__post_init__``).
 - ``bias_activation_fusion``: megatron's SwiGLU fusion (``fusions/fused_bias_swiglu.py``),
-  compiled by ``torch.compile`` (``megatron.core.jit.jit_fuser``): Triton on CUDA.
+  compiled by ``torch.compile`` (``megatron.core.jit.jit_fuser``): Triton on CUDA, which
+  builds its launcher with the machine's C compiler (``triton/runtime/build.py``).
 - ``masked_softmax_fusion``: the softmax of megatron's local ``DotProductAttention``, through
   apex's ``scaled_masked_softmax_cuda`` / ``scaled_upper_triang_masked_softmax_cuda``
   (imported at the first forward). Our layer specs never use that attention (TE's, or torch
@@ -30,6 +31,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,11 @@ def _imports(module: str) -> bool:
         return False
 
 
+def _c_compiler() -> bool:
+    """Triton's own search for a C compiler (``triton/runtime/build.py``)."""
+    return any((os.environ.get("CC"), shutil.which("clang"), shutil.which("gcc")))
+
+
 def _te_rope() -> tuple[bool, bool]:
     """(fused RoPE, fused interleaved RoPE), by megatron's own checks."""
     try:
@@ -88,7 +96,7 @@ def detect_fused_kernels() -> FusedKernels:
         gradient_accumulation_fusion=_imports("fused_weight_gradient_mlp_cuda"),
         apply_rope_fusion=rope,
         interleaved_rope_fusion=interleaved,
-        bias_activation_fusion=_imports("triton"),
+        bias_activation_fusion=_imports("triton") and _c_compiler(),
         masked_softmax_fusion=_imports("scaled_masked_softmax_cuda")
         and _imports("scaled_upper_triang_masked_softmax_cuda"),
     )
