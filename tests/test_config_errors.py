@@ -138,7 +138,13 @@ def test_loading_the_run_config_imports_no_heavy_library():
 
 @pytest.mark.parametrize(
     "package",
-    ["megatron_rl.models", "megatron_rl.rewards", "megatron_rl.rollout", "megatron_rl.scaling"],
+    [
+        "megatron_rl.data",
+        "megatron_rl.models",
+        "megatron_rl.rewards",
+        "megatron_rl.rollout",
+        "megatron_rl.scaling",
+    ],
 )
 def test_lazy_packages_keep_their_public_names(package):
     module = importlib.import_module(package)
