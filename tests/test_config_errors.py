@@ -154,3 +154,13 @@ def test_lazy_packages_keep_their_public_names(package):
     assert set(module.__all__) <= set(dir(module))
     with pytest.raises(AttributeError):
         module.no_such_name  # noqa: B018
+
+
+def test_a_runs_forecast_settings_name_their_key(tmp_path):
+    """``megatron-rl fit --watch RUN_DIR`` reads the run's config.yaml forecast section."""
+    from megatron_rl.scaling.watch import read_settings
+
+    (tmp_path / "config.yaml").write_text("forecast:\n  ci: 2.0\n")
+    with pytest.raises(ConfigError) as info:
+        read_settings(tmp_path)
+    assert info.value.key == "forecast.ci", str(info.value)
