@@ -23,7 +23,7 @@ class _Built(Exception):
     """Stops build_model once the TransformerConfig exists (no TE model on CPU)."""
 
 
-def _gpu_config(monkeypatch, preset: str, kernels: FusedKernels):
+def _gpu_config(monkeypatch, preset: str, kernels: FusedKernels, **model):
     """The TransformerConfig that ``build_model`` makes on a GPU machine with Transformer
     Engine and ``kernels``: megatron's real ``__post_init__`` runs, with TE's fused RoPE (the
     one thing it imports to check) stood in for, as on a machine with TE >= 2.3."""
@@ -46,7 +46,9 @@ def _gpu_config(monkeypatch, preset: str, kernels: FusedKernels):
     gpu = Platform("cuda", "nccl", True, kernels=kernels)
     monkeypatch.setattr(provider, "get_platform", lambda: gpu)
     with pytest.raises(_Built):
-        provider.build_model(ModelConfig(preset=preset, dtype="bfloat16"), ParallelConfig())
+        provider.build_model(
+            ModelConfig(preset=preset, dtype="bfloat16", **model), ParallelConfig()
+        )
     (config,) = built
     return config
 
@@ -57,6 +59,11 @@ def test_the_gpu_config_asks_for_every_available_fusion(preset, monkeypatch):
     assert {name: getattr(config, name) for name in FUSIONS} == dict.fromkeys(FUSIONS, True)
     assert config.rotary_interleaved == (preset == "tiny-llama4")
     assert config.moe_grouped_gemm is False  # modelopt's packed-expert import (models/arch.py)
+
+
+def test_kernel_fusion_false_asks_for_none(monkeypatch):
+    config = _gpu_config(monkeypatch, "tiny-llama4", ALL, kernel_fusion=False)
+    assert not any(getattr(config, name) for name in FUSIONS)
 
 
 def test_fused_rope_follows_the_rope_layout(monkeypatch):

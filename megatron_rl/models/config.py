@@ -93,6 +93,10 @@ class ModelConfig:
     # specs with torch SDPA on CPU; "local" on GPU runs without TE (no FP8).
     layer_spec: Literal["auto", "te", "local"] = "auto"
     recompute_activations: bool = False
+    # GPU: megatron-core's fused kernels where their libraries import (Platform.kernels:
+    # gradient accumulation, RoPE, SwiGLU, masked softmax); false: none of them (A/B
+    # measurements, or a kernel that misbehaves). CPU: never fused.
+    kernel_fusion: bool = True
     max_sequence_length: int | None = None  # default: the HF config's max_position_embeddings
     moe: MoERouterConfig = field(default_factory=MoERouterConfig)  # MoE models only
     allow_random_init: bool = False  # production presets without hf_path: start from random

@@ -43,7 +43,8 @@ def build_model(
     Weights are randomly initialised; load them with ``megatron_rl.conversion``. ``meta``:
     parameters on the meta device (no storage, not initialised), for conversions that
     materialise one layer at a time (``module.to_empty``). The model uses the fused kernels of
-    the platform (``Platform.kernels``); with gradient-accumulation fusion its backward needs
+    the platform (``Platform.kernels``) unless ``model.kernel_fusion`` is false; with
+    gradient-accumulation fusion its backward needs
     megatron's ``DistributedDataParallel`` around it (``trainer.optim.wrap_model``).
     """
     platform = get_platform()
@@ -68,7 +69,7 @@ def build_model(
         recompute=model.recompute_activations,
         moe=model.moe,
         fp8_recipe=model.fp8_scaling or "delayed",
-        kernels=platform.kernels,
+        kernels=platform.kernels if model.kernel_fusion else None,
     )
     if meta:
         config.perform_initialization = False
