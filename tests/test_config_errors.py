@@ -164,3 +164,44 @@ def test_a_runs_forecast_settings_name_their_key(tmp_path):
     with pytest.raises(ConfigError) as info:
         read_settings(tmp_path)
     assert info.value.key == "forecast.ci", str(info.value)
+
+
+def _config_classes(cls: type, seen: dict[str, type]) -> dict[str, type]:
+    """Every dataclass of the tree under ``cls`` (fields, list items, optionals)."""
+    import dataclasses
+    import typing
+
+    if not dataclasses.is_dataclass(cls) or cls.__qualname__ in seen:
+        return seen
+    seen[cls.__qualname__] = cls
+    for hint in typing.get_type_hints(cls).values():
+        for tp in (hint, *typing.get_args(hint)):
+            if isinstance(tp, type):
+                _config_classes(tp, seen)
+    return seen
+
+
+def test_no_section_validation_raises_a_keyless_error():
+    """A ``raise ValueError`` in a section's validation would reach the user as an error about
+    the whole section (the loader no longer guesses a key from the message): sections raise
+    ``ConfigError(field, message)``."""
+    import ast
+    import inspect
+    import textwrap
+
+    from megatron_rl.config import RunConfig
+
+    keyless = []
+    for name, cls in _config_classes(RunConfig, {}).items():
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        for method in ast.walk(tree):
+            if not isinstance(method, ast.FunctionDef) or not (
+                method.name == "validate" or method.name.startswith("_validate")
+            ):
+                continue
+            for node in ast.walk(method):
+                exc = node.exc if isinstance(node, ast.Raise) else None
+                if isinstance(exc, ast.Call) and getattr(exc.func, "id", "") == "ValueError":
+                    keyless.append(f"{name}.{method.name} (line {node.lineno} of the class)")
+    assert len(_config_classes(RunConfig, {})) >= 15  # the walk reaches the nested sections
+    assert keyless == []
