@@ -145,3 +145,13 @@ def test_readme_line():
     assert (
         readme_line(7, {}) == "megatron_rl checkpoint, step 7, GPU-hours unknown, not validated yet"
     )
+
+
+def test_export_steps_must_be_checkpoint_steps():
+    from megatron_rl.config import ConfigError, load_run_config
+
+    recipe = ROOT / "recipes" / "tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match=r"'checkpoint.export_hf_every': must be a multiple"):
+        load_run_config(recipe, ["checkpoint.every_steps=20", "checkpoint.export_hf_every=30"])
+    config = load_run_config(recipe, ["checkpoint.every_steps=20", "checkpoint.export_hf_every=40"])
+    assert config.checkpoint.export_hf_every == 40

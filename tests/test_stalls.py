@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_engine_stall_timeout_is_checked():
-    with pytest.raises(ValueError, match="engine_stall_timeout must be >= 0"):
+    with pytest.raises(ValueError, match="'engine_stall_timeout': must be >= 0"):
         RolloutConfig(engine_stall_timeout=-1).validate()
     RolloutConfig(engine_stall_timeout=0).validate()  # 0: off
 
@@ -192,7 +192,7 @@ def test_hang_timeout_is_checked_and_off_at_zero(tmp_path):
     from megatron_rl.config.sections import TrainingConfig
     from megatron_rl.platform import watchdog
 
-    with pytest.raises(ValueError, match="hang_timeout_minutes must be a finite number >= 0"):
+    with pytest.raises(ValueError, match="'hang_timeout_minutes': must be a finite number >= 0"):
         TrainingConfig(hang_timeout_minutes=-1).validate()
     assert watchdog.arm(0, tmp_path, 0) is None
     watchdog.beat("nothing armed: a no-op")

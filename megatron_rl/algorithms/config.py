@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_rl.config.errors import ConfigError
+
 # Names of the registries in megatron_rl.algorithms (kept here so that the config schema
 # imports no torch; tests check that they match the registries).
 LOSS_NAMES: tuple[str, ...] = ("cispo", "ppo_clip", "gspo", "reinforce")
@@ -73,36 +75,39 @@ class AlgorithmConfig:
     routing_replay: bool = False
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise ConfigError naming the first invalid field."""
         _check_choice("loss", self.loss, LOSS_NAMES)
         _check_choice("aggregation", self.aggregation, AGGREGATION_NAMES)
         _check_choice("advantage_normalization", self.advantage_normalization, NORMALIZATION_NAMES)
         _check_choice("npr_history", self.npr_history, NPR_HISTORY_NAMES)
         _check_choice("length_penalty_on", self.length_penalty_on, LENGTH_PENALTY_ON)
         if not _finite(self.eps_max) or self.eps_max <= 0:
-            raise ValueError(f"eps_max must be a finite number > 0, got {self.eps_max!r}")
+            raise ConfigError("eps_max", f"must be a finite number > 0, got {self.eps_max!r}")
         if self.eps_low is not None and (not _finite(self.eps_low) or not 0 <= self.eps_low < 1):
-            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low!r}")
+            raise ConfigError("eps_low", f"must be in [0, 1), got {self.eps_low!r}")
         if self.eps_high is not None and (not _finite(self.eps_high) or self.eps_high < 0):
-            raise ValueError(f"eps_high must be a finite number >= 0, got {self.eps_high!r}")
+            raise ConfigError("eps_high", f"must be a finite number >= 0, got {self.eps_high!r}")
         if self.npr_threshold is not None and (
             not _finite(self.npr_threshold) or not 0 < self.npr_threshold <= 1
         ):
-            raise ValueError(f"npr_threshold must be in (0, 1] or None, got {self.npr_threshold!r}")
+            raise ConfigError(
+                "npr_threshold", f"must be in (0, 1] or None, got {self.npr_threshold!r}"
+            )
         for name in ("zero_variance_filter", "length_penalty", "routing_replay"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.length_penalty_l_cache) or self.length_penalty_l_cache <= 0:
-            raise ValueError(
-                f"length_penalty_l_cache must be an int > 0, got {self.length_penalty_l_cache!r}"
+            raise ConfigError(
+                "length_penalty_l_cache", f"must be an int > 0, got {self.length_penalty_l_cache!r}"
             )
         if (
             not _is_int(self.length_penalty_l_max)
             or self.length_penalty_l_max < self.length_penalty_l_cache
         ):
-            raise ValueError(
-                "length_penalty_l_max must be an int >= length_penalty_l_cache, got "
-                f"{self.length_penalty_l_max!r}"
+            raise ConfigError(
+                "length_penalty_l_max",
+                "must be an int >= algorithm.length_penalty_l_cache, got "
+                f"{self.length_penalty_l_max!r}",
             )
 
     def loss_params(self) -> dict[str, float]:
@@ -120,7 +125,7 @@ class AlgorithmConfig:
 
 def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{field} must be one of {list(choices)}, got {value!r}")
+        raise ConfigError(field, f"must be one of {list(choices)}, got {value!r}")
 
 
 def _finite(value: object) -> bool:

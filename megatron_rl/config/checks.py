@@ -22,19 +22,19 @@ def model_fields(config: RunConfig) -> tuple[dict[str, Any], str]:
     if model.hf_path is not None:
         path = Path(model.hf_path) / "config.json"
         if not path.is_file():
-            raise ConfigError(f"recipe key 'model.hf_path': no config.json in {model.hf_path}")
+            raise ConfigError("model.hf_path", f"no config.json in {model.hf_path}")
         try:
             fields = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError(f"recipe key 'model.hf_path': unreadable {path}: {err}") from None
+            raise ConfigError("model.hf_path", f"unreadable {path}: {err}") from None
         source = f"model.hf_path {model.hf_path}"
     else:
         from megatron_rl.models.presets import PRESETS
 
         if model.preset not in PRESETS:
             raise ConfigError(
-                f"recipe key 'model.preset': unknown preset {model.preset!r}; "
-                f"known: {', '.join(sorted(PRESETS))}"
+                "model.preset",
+                f"unknown preset {model.preset!r}; known: {', '.join(sorted(PRESETS))}",
             )
         fields = PRESETS[model.preset]
         source = f"model.preset '{model.preset}'"
@@ -45,9 +45,7 @@ def model_fields(config: RunConfig) -> tuple[dict[str, Any], str]:
 
 def _divides(key: str, size: int, count: Any, what: str, source: str) -> None:
     if isinstance(count, int) and size > 1 and count % size:
-        raise ConfigError(
-            f"recipe key '{key}': {size} does not divide the {count} {what} of {source}"
-        )
+        raise ConfigError(key, f"{size} does not divide the {count} {what} of {source}")
 
 
 def check_model_shapes(config: RunConfig) -> None:
@@ -69,22 +67,21 @@ def check_model_shapes(config: RunConfig) -> None:
     _divides("rollout.tensor_parallel", config.rollout.tensor_parallel, heads, "heads", source)
     experts = fields.get("num_local_experts")
     if p.expert > 1 and not experts:
-        raise ConfigError(
-            f"recipe key 'parallel.expert': {p.expert} needs an MoE model; {source} is dense"
-        )
+        raise ConfigError("parallel.expert", f"{p.expert} needs an MoE model; {source} is dense")
     _divides("parallel.expert", p.expert, experts, "experts", source)
     if config.rollout.expert_parallel and not experts:
         raise ConfigError(
-            f"recipe key 'rollout.expert_parallel': places routed experts on the engines' "
-            f"GPUs; {source} is dense"
+            "rollout.expert_parallel",
+            f"places routed experts on the engines' GPUs; {source} is dense",
         )
     if not experts and not config.model.moe.is_default():
-        raise ConfigError(f"recipe key 'model.moe': {source} is dense (no router to configure)")
+        raise ConfigError("model.moe", f"{source} is dense (no router to configure)")
     if experts and p.tensor > 1 and not p.sequence_parallel:
         raise ConfigError(
-            f"recipe key 'parallel.sequence_parallel': megatron-core trains the MoE layers of "
+            "parallel.sequence_parallel",
+            f"megatron-core trains the MoE layers of "
             f"{source} with tensor parallelism ({p.tensor}) only under sequence parallelism; "
-            "set parallel.sequence_parallel: true"
+            "set parallel.sequence_parallel: true",
         )
     if config.algorithm.routing_replay:
         _check_routing_replay(config, bool(experts), source)
@@ -92,38 +89,42 @@ def check_model_shapes(config: RunConfig) -> None:
     longest = config.data.max_prompt_tokens + config.max_response_tokens()
     if isinstance(positions, int) and longest > positions:
         raise ConfigError(
-            f"recipe key 'rollout.max_tokens': prompt ({config.data.max_prompt_tokens}) + longest "
+            "rollout.max_tokens",
+            f"prompt ({config.data.max_prompt_tokens}) + longest "
             f"response ({config.max_response_tokens()}) = {longest} tokens exceeds the "
-            f"{positions} positions of {source}"
+            f"{positions} positions of {source}",
         )
 
 
 def _check_routing_replay(config: RunConfig, moe: bool, source: str) -> None:
-    key = "recipe key 'algorithm.routing_replay'"
+    key = "algorithm.routing_replay"
     if not moe:
-        raise ConfigError(f"{key}: replays MoE routing; {source} is dense")
+        raise ConfigError(key, f"replays MoE routing; {source} is dense")
     if not config.rollout.enforce_eager:
         # The engines record routing in the forward; CUDA graphs captured before the capture
         # hooks are bound would replay without them.
         raise ConfigError(
-            "recipe key 'rollout.enforce_eager': must be true with algorithm.routing_replay "
-            "(the engines record routed experts in eager forwards)"
+            "rollout.enforce_eager",
+            "must be true with algorithm.routing_replay "
+            "(the engines record routed experts in eager forwards)",
         )
     if config.model.moe.capacity_factor is not None:
         # vLLM never drops a token: a capacity would drop some of the replayed assignments.
         raise ConfigError(
-            f"{key}: needs dropless experts (model.moe.capacity_factor null); the generator "
-            "drops no tokens"
+            key,
+            "needs dropless experts (model.moe.capacity_factor null); the generator "
+            "drops no tokens",
         )
     p = config.parallel
     if p.context > 1:
-        raise ConfigError(f"{key}: not supported with context parallelism (parallel.context)")
+        raise ConfigError(key, "not supported with context parallelism (parallel.context)")
     if config.model.recompute_activations and p.pipeline > 1:
         # A pipeline schedule runs other micro-batches' forwards between a micro-batch's
         # forward and its recompute: the replayed indices would be another micro-batch's.
         raise ConfigError(
-            f"{key}: not supported with model.recompute_activations under pipeline "
-            "parallelism (parallel.pipeline > 1)"
+            key,
+            "not supported with model.recompute_activations under pipeline "
+            "parallelism (parallel.pipeline > 1)",
         )
 
 

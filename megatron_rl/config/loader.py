@@ -4,7 +4,7 @@ A recipe is a YAML mapping mirrored by a tree of dataclasses. A recipe may name 
 recipe (a path relative to itself) that it extends; mappings merge recursively, everything
 else is replaced. Command-line overrides ``dotted.key=value`` are applied last, values parsed
 as YAML scalars. Unknown keys, wrong types and failed ``validate()`` checks raise
-:class:`ConfigError` naming the key path. This module imports no torch.
+:class:`ConfigError` carrying the key path. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
+from megatron_rl.config.errors import ConfigError
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A recipe or override is malformed; the message names the dotted key path."""
 
 
 def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -111,22 +109,21 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def _where(path: str) -> str:
-    return f"recipe key '{path}'" if path else "recipe"
+def _error(path: str, message: str) -> ConfigError:
+    """The error about recipe key ``path`` ("": the recipe's top level)."""
+    return ConfigError(path, message) if path else ConfigError(f"recipe: {message}")
 
 
 def _build(cls: type, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{_where(path)}: expected a mapping, got {type(data).__name__}")
+        raise _error(path, f"expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = f"{path}.{unknown[0]}" if path else unknown[0]
-        raise ConfigError(
-            f"{_where(key)}: unknown key; known keys here: {', '.join(sorted(fields))}"
-        )
+        raise _error(key, f"unknown key; known keys here: {', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
@@ -135,7 +132,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     try:
         return cls(**kwargs)
     except TypeError as err:
-        raise ConfigError(f"{_where(path)}: {err}") from None
+        raise _error(path, str(err)) from None
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
@@ -153,40 +150,40 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             try:
                 return _coerce(arg, value, path)
             except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(
-            errors[0] if len(errors) == 1 else f"{_where(path)}: {value!r} fits none of {tp}"
-        )
+                errors.append(err)
+        if len(errors) == 1:
+            raise errors[0]
+        raise _error(path, f"{value!r} fits none of {tp}")
     if origin is Literal:
         choices = get_args(tp)
         if value not in choices:
-            raise ConfigError(f"{_where(path)}: {value!r} is not one of {list(choices)}")
+            raise _error(path, f"{value!r} is not one of {list(choices)}")
         return value
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{_where(path)}: expected a list, got {type(value).__name__}")
+            raise _error(path, f"expected a list, got {type(value).__name__}")
         args = get_args(tp)
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
-                raise ConfigError(f"{_where(path)}: expected {len(args)} items, got {len(value)}")
+                raise _error(path, f"expected {len(args)} items, got {len(value)}")
             return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
         item = args[0] if args else Any
         items = [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{_where(path)}: expected a mapping, got {type(value).__name__}")
+            raise _error(path, f"expected a mapping, got {type(value).__name__}")
         vt = get_args(tp)[1] if get_args(tp) else Any
         return {k: _coerce(vt, v, f"{path}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{_where(path)}: expected true/false, got {value!r}")
+            raise _error(path, f"expected true/false, got {value!r}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{_where(path)}: expected an integer, got {value!r}")
+            raise _error(path, f"expected an integer, got {value!r}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -196,18 +193,21 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                     return float(value)
                 except ValueError:
                     pass
-            raise ConfigError(f"{_where(path)}: expected a number, got {value!r}")
+            raise _error(path, f"expected a number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
             # YAML turns unquoted 12:30:00 into 45000 (base 60), yes/no into booleans ...
             hint = " (quote it in YAML)" if isinstance(value, (int, float, bool)) else ""
-            raise ConfigError(f"{_where(path)}: expected a string, got {value!r}{hint}")
+            raise _error(path, f"expected a string, got {value!r}{hint}")
         return value
-    raise ConfigError(f"{_where(path)}: unsupported field type {tp}")
+    raise _error(path, f"unsupported field type {tp}")
 
 
 def _validate_tree(obj: Any, path: str) -> None:
+    """Run every ``validate()`` of the tree, children first. A section raises
+    :class:`ConfigError` with the key relative to itself, completed here with its path; any
+    other ``ValueError`` is reported against the section as a whole."""
     if not dataclasses.is_dataclass(obj):
         return
     for f in dataclasses.fields(obj):
@@ -217,23 +217,7 @@ def _validate_tree(obj: Any, path: str) -> None:
     if validate is not None:
         try:
             validate()
-        except ConfigError:
-            raise
+        except ConfigError as err:
+            raise err.within(path) from None
         except ValueError as err:
-            raise ConfigError(f"{_where(_field_path(obj, path, str(err)))}: {err}") from None
-
-
-def _field_path(obj: Any, path: str, message: str) -> str:
-    """The dotted key a ``validate()`` message is about: messages name their field first
-    ("eps_max must be ...", "synthetic.max_digits must be ..."), so extend ``path`` with it."""
-    words = message.split(maxsplit=1)
-    token = words[0].strip("'\"`:,") if words else ""
-    head = token.split(".")[0]
-    names = {f.name for f in dataclasses.fields(obj)}
-    if head in names:
-        return f"{path}.{token}" if path else token
-    last = path.rsplit(".", 1)[-1]
-    if path and head == last and "." in token:
-        # A nested config naming itself ("synthetic.max_digits" inside 'data.synthetic').
-        return f"{path}.{token.split('.', 1)[1]}"
-    return path
+            raise _error(path, str(err)) from None

@@ -4,15 +4,14 @@
 rollout; each defined next to its code) and the run-level sections of
 :mod:`megatron_rl.config.sections` (optimizer, batch, off-policy mode, validation,
 checkpoints, budget, warm start, logging, Slurm cluster) and the live forecast
-(:mod:`megatron_rl.scaling.forecast`).
+(:mod:`megatron_rl.scaling.config`).
 Field defaults are the ScaleRL 8B run (SCALERL.md sections 2-3) wherever the paper gives a
 value; where it is silent the default is documented as ours.
 
 ``RunConfig.validate()`` checks combinations across sections (pure, no I/O); the checks that
 need the model's shapes live in :mod:`megatron_rl.config.checks`. ``load_run_config`` runs
-both. This module itself imports no torch. (Note: ``megatron_rl.platform``'s package
-``__init__`` imports torch eagerly, so importing ``ParallelConfig`` from it currently pulls
-torch in; the schema's own code never does.)
+both. Importing it loads no torch, transformers, scipy or numpy (the packages' ``__init__``
+files load their heavy modules on first use; ``tests/test_config_import.py`` guards it).
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.platform.config import ParallelConfig
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.scaling.forecast import ForecastConfig
+from megatron_rl.scaling.config import ForecastConfig
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -61,7 +60,7 @@ LINKED_KEYS: tuple[tuple[str, str], ...] = (
 
 
 def _fail(key: str, message: str) -> None:
-    raise ConfigError(f"recipe key '{key}': {message}")
+    raise ConfigError(key, message)
 
 
 @dataclass
@@ -241,11 +240,10 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
     try:
         return from_dict(RunConfig, linked)
     except ConfigError as err:
+        if err.key not in copied:
+            raise
         # Blame the key the recipe set, not the copy made of it.
-        message = str(err)
-        for target, source in copied.items():
-            message = message.replace(f"recipe key '{target}'", f"recipe key '{source}'")
-        raise ConfigError(message) from None
+        raise ConfigError(copied[err.key], err.message) from None
 
 
 def load_run_config(

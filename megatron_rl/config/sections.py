@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_rl.config.errors import ConfigError
+
 SIGNAL_NAMES: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 # Slurm --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
@@ -24,7 +26,7 @@ def _is_int(value: object) -> bool:
 def _check_int(section: object, name: str, minimum: int) -> None:
     value = getattr(section, name)
     if not _is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise ConfigError(name, f"must be an int >= {minimum}, got {value!r}")
 
 
 def _check_positive(section: object, name: str, allow_zero: bool = False) -> None:
@@ -32,7 +34,7 @@ def _check_positive(section: object, name: str, allow_zero: bool = False) -> Non
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+        raise ConfigError(name, f"must be a finite number {bound}, got {value!r}")
 
 
 @dataclass
@@ -69,7 +71,7 @@ class OptimizerConfig:
         _check_positive(self, "weight_decay", allow_zero=True)
         _check_positive(self, "grad_clip", allow_zero=True)
         if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must be in [0, 1), got {list(self.betas)}")
+            raise ConfigError("betas", f"must be in [0, 1), got {list(self.betas)}")
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of ``lr`` for the update with 0-based index ``step`` (for LambdaLR):
@@ -103,14 +105,16 @@ class BatchConfig:
         _check_int(self, "prompts_per_step", 1)
         # r_i - mean(group) is identically 0 with one sample: no learning signal at all.
         if not _is_int(self.samples_per_prompt) or self.samples_per_prompt < 2:
-            raise ValueError(
-                "samples_per_prompt must be an int >= 2 (group-relative advantages need at "
-                f"least two samples per prompt), got {self.samples_per_prompt!r}"
+            raise ConfigError(
+                "samples_per_prompt",
+                "must be an int >= 2 (group-relative advantages need at least two samples "
+                f"per prompt), got {self.samples_per_prompt!r}",
             )
         if (self.micro_batch_size is None) == (self.micro_batch_tokens is None):
-            raise ValueError(
-                "micro_batch_size and micro_batch_tokens: set exactly one (the other null), got "
-                f"{self.micro_batch_size!r} and {self.micro_batch_tokens!r}"
+            raise ConfigError(
+                "micro_batch_size",
+                "micro_batch_size and micro_batch_tokens: set exactly one (the other null), "
+                f"got {self.micro_batch_size!r} and {self.micro_batch_tokens!r}",
             )
         for name in ("micro_batch_size", "micro_batch_tokens"):
             if getattr(self, name) is not None:
@@ -219,13 +223,14 @@ class CheckpointConfig:
         if self.export_hf_every and (
             not self.every_steps or self.export_hf_every % self.every_steps
         ):
-            raise ValueError(
-                f"export_hf_every ({self.export_hf_every}) must be a multiple of every_steps "
-                f"({self.every_steps}): an export converts the checkpoint of its step"
+            raise ConfigError(
+                "export_hf_every",
+                f"must be a multiple of checkpoint.every_steps ({self.every_steps}), got "
+                f"{self.export_hf_every}: an export converts the checkpoint of its step",
             )
         unknown = [s for s in self.on_signals if s not in SIGNAL_NAMES]
         if unknown:
-            raise ValueError(f"on_signals must be among {list(SIGNAL_NAMES)}, got {unknown}")
+            raise ConfigError("on_signals", f"must be among {list(SIGNAL_NAMES)}, got {unknown}")
 
 
 @dataclass
@@ -280,7 +285,9 @@ class TrainingConfig:
         if self.max_gpu_hours is not None:
             _check_positive(self, "max_gpu_hours")
         if not isinstance(self.check_logprob_gap, bool):
-            raise ValueError(f"check_logprob_gap must be a bool, got {self.check_logprob_gap!r}")
+            raise ConfigError(
+                "check_logprob_gap", f"must be a bool, got {self.check_logprob_gap!r}"
+            )
         if self.max_logprob_gap is not None:
             _check_positive(self, "max_logprob_gap")
         _check_int(self, "logprob_probe_every", 0)
@@ -407,11 +414,11 @@ class ClusterConfig:
         if self.segment is not None:
             _check_int(self, "segment", 0)
         if not _SLURM_TIME.match(self.time):
-            raise ValueError(
-                f"time must be a Slurm time limit such as '04:00:00' or '2-00:00:00', "
-                f"got {self.time!r}"
+            raise ConfigError(
+                "time",
+                f"must be a Slurm time limit such as '04:00:00' or '2-00:00:00', got {self.time!r}",
             )
         if any(":" not in m for m in self.container_mounts):
-            raise ValueError(
-                f"container_mounts must be 'src:dst' items, got {self.container_mounts}"
+            raise ConfigError(
+                "container_mounts", f"must be 'src:dst' items, got {self.container_mounts}"
             )

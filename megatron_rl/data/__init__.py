@@ -1,8 +1,15 @@
 """Prompt data: datasets (Polaris-53K, DeepCoder, local files, synthetic arithmetic),
 the held-out validation split, prompt rendering and the resumable training sampler.
 
-Heavy libraries (``datasets``, ``transformers``) are imported only when data is loaded.
+Heavy libraries (``datasets``, ``transformers``) are imported only when data is loaded; the
+names below but the configs are imported on first use (the run-config schema reads
+``data.config`` alone).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.data.config import (
     DataConfig,
@@ -10,19 +17,37 @@ from megatron_rl.data.config import (
     SyntheticCodeConfig,
     SyntheticConfig,
 )
-from megatron_rl.data.prompts import DataError, Prompt, PromptData, load_prompt_data
-from megatron_rl.data.rendering import render_prompt, sft_example
-from megatron_rl.data.sampler import (
-    MixedPromptSampler,
-    PromptSampler,
-    RetirementTracker,
-    has_reward_variance,
-)
+
+# public name -> defining module (imported lazily)
+_EXPORTS: dict[str, str] = {
+    "DataError": "megatron_rl.data.prompts",
+    "Prompt": "megatron_rl.data.prompts",
+    "PromptData": "megatron_rl.data.prompts",
+    "load_prompt_data": "megatron_rl.data.prompts",
+    "render_prompt": "megatron_rl.data.rendering",
+    "sft_example": "megatron_rl.data.rendering",
+    "MixedPromptSampler": "megatron_rl.data.sampler",
+    "PromptSampler": "megatron_rl.data.sampler",
+    "RetirementTracker": "megatron_rl.data.sampler",
+    "has_reward_variance": "megatron_rl.data.sampler",
+}
+
+if TYPE_CHECKING:
+    from megatron_rl.data.prompts import DataError, Prompt, PromptData, load_prompt_data
+    from megatron_rl.data.rendering import render_prompt, sft_example
+    from megatron_rl.data.sampler import (
+        MixedPromptSampler,
+        PromptSampler,
+        RetirementTracker,
+        has_reward_variance,
+    )
 
 
 def build_sampler(data: PromptData, config: DataConfig, tracker=None):
     """The training sampler of ``data``: a ``PromptSampler`` for one source (the state
     format of every single-source run), a ``MixedPromptSampler`` for a mixture."""
+    from megatron_rl.data.sampler import MixedPromptSampler, PromptSampler
+
     if len(data.sources) <= 1:
         return PromptSampler(
             data.train_ids, seed=config.sampler_seed, shuffle=config.shuffle, tracker=tracker
@@ -52,3 +77,15 @@ __all__ = [
     "render_prompt",
     "sft_example",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

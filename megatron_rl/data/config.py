@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megatron_rl.config.errors import ConfigError
+
 DATA_FORMATS: tuple[str, ...] = ("polaris", "deepcoder", "custom")
 SYNTHETIC_OPERATIONS: tuple[str, ...] = ("add", "sub", "mul")
 SYNTHETIC_SOURCE = "synthetic"
@@ -45,26 +47,26 @@ class SyntheticConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise ConfigError naming the first invalid field."""
         ops = tuple(self.operations)
         if not ops or any(op not in SYNTHETIC_OPERATIONS for op in ops):
-            raise ValueError(
-                f"synthetic.operations must be a non-empty subset of {list(SYNTHETIC_OPERATIONS)},"
-                f" got {self.operations!r}"
+            raise ConfigError(
+                "operations",
+                f"must be a non-empty subset of {list(SYNTHETIC_OPERATIONS)}, got "
+                f"{self.operations!r}",
             )
         for name in ("min_digits", "max_digits", "num_problems"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"synthetic.{name} must be an int >= 1, got {value!r}")
+                raise ConfigError(name, f"must be an int >= 1, got {value!r}")
         if self.max_digits < self.min_digits:
-            raise ValueError(
-                f"synthetic.max_digits ({self.max_digits}) must be >= synthetic.min_digits "
-                f"({self.min_digits})"
+            raise ConfigError(
+                "max_digits", f"{self.max_digits} must be >= min_digits ({self.min_digits})"
             )
         if self.max_digits > 18:
-            raise ValueError(f"synthetic.max_digits must be <= 18, got {self.max_digits}")
+            raise ConfigError("max_digits", f"must be <= 18, got {self.max_digits}")
         if not isinstance(self.seed, int):
-            raise ValueError(f"synthetic.seed must be an int, got {self.seed!r}")
+            raise ConfigError("seed", f"must be an int, got {self.seed!r}")
 
 
 @dataclass
@@ -91,20 +93,21 @@ class SyntheticCodeConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise ConfigError naming the first invalid field."""
         templates = tuple(self.templates)
         if not templates or any(t not in SYNTHETIC_CODE_TEMPLATES for t in templates):
-            raise ValueError(
-                "synthetic_code.templates must be a non-empty subset of "
-                f"{list(SYNTHETIC_CODE_TEMPLATES)}, got {self.templates!r}"
+            raise ConfigError(
+                "templates",
+                f"must be a non-empty subset of {list(SYNTHETIC_CODE_TEMPLATES)}, got "
+                f"{self.templates!r}",
             )
         for name, low in (("max_constant", 0), ("max_operand", 1), ("num_tests", 1),
                           ("num_problems", 1)):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"synthetic_code.{name} must be an int >= {low}, got {value!r}")
+                raise ConfigError(name, f"must be an int >= {low}, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"synthetic_code.seed must be an int, got {self.seed!r}")
+            raise ConfigError("seed", f"must be an int, got {self.seed!r}")
 
 
 @dataclass
@@ -278,7 +281,7 @@ class DataConfig:
         return {s.name: s.config.val_size for s in self.resolve()}
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise ConfigError naming the first invalid field."""
         if self.sources:
             self._validate_sources()
         self._validate_single()
@@ -287,68 +290,71 @@ class DataConfig:
         names = set()
         for i, entry in enumerate(self.sources):
             if not isinstance(entry.source, str) or not entry.source:
-                raise ValueError(f"sources[{i}].source must be a non-empty string")
+                raise ConfigError(f"sources[{i}].source", "must be a non-empty string")
             weight = entry.weight
             if (
                 isinstance(weight, bool)
                 or not isinstance(weight, (int, float))
                 or not (0 < weight < float("inf"))
             ):
-                raise ValueError(f"sources[{i}].weight must be a number > 0, got {weight!r}")
+                raise ConfigError(f"sources[{i}].weight", f"must be a number > 0, got {weight!r}")
             if entry.val_size is not None and (
                 isinstance(entry.val_size, bool)
                 or not isinstance(entry.val_size, int)
                 or entry.val_size < 0
             ):
-                raise ValueError(f"sources[{i}].val_size must be an int >= 0 or null")
+                raise ConfigError(f"sources[{i}].val_size", "must be an int >= 0 or null")
             if entry.domain and entry.domain not in DOMAINS:
-                raise ValueError(
-                    f"sources[{i}].domain must be one of {list(DOMAINS)}, got {entry.domain!r}"
+                raise ConfigError(
+                    f"sources[{i}].domain", f"must be one of {list(DOMAINS)}, got {entry.domain!r}"
                 )
         for i, source in enumerate(self.resolve()):
             try:
                 source.config._validate_single()
-            except ValueError as err:
-                raise ValueError(f"sources[{i}].{err}") from None
+            except ConfigError as err:
+                raise err.within(f"sources[{i}]") from None
             if source.name in names:
-                raise ValueError(
-                    f"sources[{i}].name {source.name!r} is used twice (name the sources)"
+                raise ConfigError(
+                    f"sources[{i}].name", f"{source.name!r} is used twice (name the sources)"
                 )
             names.add(source.name)
 
     def _validate_single(self) -> None:
         if self.domain and self.domain not in DOMAINS:
-            raise ValueError(f"domain must be one of {list(DOMAINS)}, got {self.domain!r}")
+            raise ConfigError("domain", f"must be one of {list(DOMAINS)}, got {self.domain!r}")
         if not isinstance(self.source, str) or not self.source:
-            raise ValueError(f"source must be a non-empty string, got {self.source!r}")
+            raise ConfigError("source", f"must be a non-empty string, got {self.source!r}")
         if self.format not in DATA_FORMATS:
-            raise ValueError(f"format must be one of {list(DATA_FORMATS)}, got {self.format!r}")
+            raise ConfigError("format", f"must be one of {list(DATA_FORMATS)}, got {self.format!r}")
         problem, answer, tests = self.fields()
         if not problem:
-            raise ValueError("problem_field must be set when format is 'custom'")
+            raise ConfigError("problem_field", "must be set when format is 'custom'")
         if not answer and not tests:
-            raise ValueError("format 'custom' needs answer_field or tests_field")
+            raise ConfigError("answer_field", "format 'custom' needs answer_field or tests_field")
         for name in ("val_size", "max_prompt_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+                raise ConfigError(name, f"must be an int >= 0, got {value!r}")
         rounds = self.dynamic_sampling_max_rounds
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-            raise ValueError(
-                "dynamic_sampling_max_rounds must be an int >= 1, got "
-                f"{self.dynamic_sampling_max_rounds!r}"
+            raise ConfigError(
+                "dynamic_sampling_max_rounds",
+                f"must be an int >= 1, got {self.dynamic_sampling_max_rounds!r}",
             )
         for name in ("shuffle", "use_chat_template", "prefill_think", "dynamic_sampling"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
         for name in ("split_seed", "sampler_seed"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
-                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+                raise ConfigError(name, f"must be an int, got {getattr(self, name)!r}")
         if "{problem}" not in self.prompt_template:
-            raise ValueError(
-                f"prompt_template must contain '{{problem}}', got {self.prompt_template!r}"
+            raise ConfigError(
+                "prompt_template", f"must contain '{{problem}}', got {self.prompt_template!r}"
             )
         if not self.think_start or not self.think_end:
-            raise ValueError("think_start and think_end must be non-empty")
-        self.synthetic.validate()
-        self.synthetic_code.validate()
+            raise ConfigError("think_start", "think_start and think_end must be non-empty")
+        for name in ("synthetic", "synthetic_code"):
+            try:
+                getattr(self, name).validate()
+            except ConfigError as err:
+                raise err.within(name) from None

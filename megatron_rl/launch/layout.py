@@ -78,7 +78,7 @@ class JobLayout:
 
 
 def _fail(key: str, message: str) -> None:
-    raise ConfigError(f"recipe key '{key}': {message}")
+    raise ConfigError(key, message)
 
 
 def plan_job(config: RunConfig, device: str = "gpu") -> JobLayout:

@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.models.config import MoERouterConfig
 from megatron_rl.platform import ParallelConfig
+from megatron_rl.platform.kernels import FusedKernels
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -120,10 +121,12 @@ def transformer_config(
     recompute: bool = False,
     moe: MoERouterConfig | None = None,
     fp8_recipe: str = "delayed",
+    kernels: FusedKernels | None = None,
 ) -> TransformerConfig:
     """megatron-core TransformerConfig equivalent to the HF architecture, with the router
     training settings ``moe`` (``model.moe``) on an MoE model. ``fp8``: the FP8 format
-    (``model.fp8``), with the scaling recipe ``fp8_recipe`` (``model.fp8_recipe``)."""
+    (``model.fp8``), with the scaling recipe ``fp8_recipe`` (``model.fp8_recipe``).
+    ``kernels``: the fusions to use (the platform's, ``Platform.kernels``); None: none."""
     check_divisibility(arch, parallel)
     moe = moe or MoERouterConfig()
     if not arch.is_llama4 and not moe.is_default():
@@ -145,12 +148,11 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=getattr(c, "initializer_range", 0.02),
-        bias_activation_fusion=False,
+        **(kernels or FusedKernels()).transformer_config_options(arch.is_llama4),
+        # Off everywhere: with no dropout and no biases the fused bias-dropout-add is a plain
+        # add; persist_layer_norm is apex's LayerNorm kernel (our norms are RMSNorm).
         bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
         expert_model_parallel_size=parallel.expert,
@@ -167,7 +169,7 @@ def transformer_config(
     )
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe)
-    if arch.is_llama4:
+    if arch.is_llama4:  # rotary_interleaved: transformer_config_options(arch.is_llama4) above
         layout = arch.layout
         kwargs.update(
             rotary_interleaved=True,
@@ -181,7 +183,11 @@ def transformer_config(
             moe_apply_probs_on_input=True,
             **moe_router_options(moe),
             moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=False,  # modelopt's packed-expert import expects SequentialMLP
+            # Off on GPU too: modelopt 0.47 imports Llama-4's packed experts only into
+            # SequentialMLP.local_experts (megatron_importer.py, "local_experts.linear_fc1_ep"),
+            # and our weight stream (conversion/weight_stream.py), the parity check and the
+            # planner's shapes expect that module, not TEGroupedMLP's weight0..N.
+            moe_grouped_gemm=False,
         )
     return TransformerConfig(**kwargs)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_rl.config.errors import ConfigError
+
 # megatron-core's load-balancing types that add an auxiliary loss (moe_router_load_balancing_type).
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 # megatron-core 0.16.1's TransformerConfig.fp8_recipe values but 'custom' (which needs a
@@ -35,26 +37,28 @@ class MoERouterConfig:
 
     def validate(self) -> None:
         if self.aux_loss_coeff < 0:
-            raise ValueError(f"aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
+            raise ConfigError("aux_loss_coeff", f"must be >= 0, got {self.aux_loss_coeff}")
         if self.aux_loss_coeff > 0 and self.load_balancing not in AUX_LOSS_TYPES:
-            raise ValueError(
-                f"aux_loss_coeff {self.aux_loss_coeff} needs model.moe.load_balancing set to "
-                f"one of {list(AUX_LOSS_TYPES)} (it is {self.load_balancing!r})"
+            raise ConfigError(
+                "aux_loss_coeff",
+                f"{self.aux_loss_coeff} needs model.moe.load_balancing set to one of "
+                f"{list(AUX_LOSS_TYPES)} (it is {self.load_balancing!r})",
             )
         if self.load_balancing in AUX_LOSS_TYPES and self.aux_loss_coeff == 0:
-            raise ValueError(
-                f"load_balancing {self.load_balancing!r} needs model.moe.aux_loss_coeff > 0 "
-                "(with 0 megatron-core computes no loss); use 'none' for no balancing loss"
+            raise ConfigError(
+                "load_balancing",
+                f"{self.load_balancing!r} needs model.moe.aux_loss_coeff > 0 (with 0 "
+                "megatron-core computes no loss); use 'none' for no balancing loss",
             )
         if self.z_loss_coeff is not None and self.z_loss_coeff <= 0:
-            raise ValueError(f"z_loss_coeff must be > 0 or null (off), got {self.z_loss_coeff}")
+            raise ConfigError("z_loss_coeff", f"must be > 0 or null (off), got {self.z_loss_coeff}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             # megatron-core silently reads a negative factor as "no capacity".
-            raise ValueError(
-                f"capacity_factor must be > 0 or null (dropless), got {self.capacity_factor}"
+            raise ConfigError(
+                "capacity_factor", f"must be > 0 or null (dropless), got {self.capacity_factor}"
             )
         if self.pad_to_capacity and self.capacity_factor is None:
-            raise ValueError("pad_to_capacity needs model.moe.capacity_factor")
+            raise ConfigError("pad_to_capacity", "needs model.moe.capacity_factor")
 
     def is_default(self) -> bool:
         return self == MoERouterConfig()
@@ -89,6 +93,10 @@ class ModelConfig:
     # specs with torch SDPA on CPU; "local" on GPU runs without TE (no FP8).
     layer_spec: Literal["auto", "te", "local"] = "auto"
     recompute_activations: bool = False
+    # GPU: megatron-core's fused kernels where their libraries import (Platform.kernels:
+    # gradient accumulation, RoPE, SwiGLU, masked softmax); false: none of them (A/B
+    # measurements, or a kernel that misbehaves). CPU: never fused.
+    kernel_fusion: bool = True
     max_sequence_length: int | None = None  # default: the HF config's max_position_embeddings
     moe: MoERouterConfig = field(default_factory=MoERouterConfig)  # MoE models only
     allow_random_init: bool = False  # production presets without hf_path: start from random
@@ -100,14 +108,14 @@ class ModelConfig:
 
     def validate(self) -> None:
         if self.preset is None and self.hf_path is None:
-            raise ValueError("set either 'preset' or 'hf_path'")
+            raise ConfigError("", "set either 'preset' or 'hf_path'")
         if self.fp8 is not None and self.dtype != "bfloat16":
-            raise ValueError("fp8 needs dtype: bfloat16")
+            raise ConfigError("fp8", "needs model.dtype: bfloat16")
         if self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
-            raise ValueError(
-                f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}; got {self.fp8_recipe!r}"
+            raise ConfigError(
+                "fp8_recipe", f"must be one of {', '.join(FP8_RECIPES)}; got {self.fp8_recipe!r}"
             )
         if self.fp8_recipe is not None and self.fp8 is None:
-            raise ValueError(f"fp8_recipe {self.fp8_recipe!r} needs fp8 (e4m3 or hybrid)")
+            raise ConfigError("fp8_recipe", f"{self.fp8_recipe!r} needs fp8 (e4m3 or hybrid)")
         if self.max_sequence_length is not None and self.max_sequence_length < 1:
-            raise ValueError("max_sequence_length must be >= 1")
+            raise ConfigError("max_sequence_length", "must be >= 1")

@@ -42,7 +42,10 @@ def build_model(
 
     Weights are randomly initialised; load them with ``megatron_rl.conversion``. ``meta``:
     parameters on the meta device (no storage, not initialised), for conversions that
-    materialise one layer at a time (``module.to_empty``).
+    materialise one layer at a time (``module.to_empty``). The model uses the fused kernels of
+    the platform (``Platform.kernels``) unless ``model.kernel_fusion`` is false; with
+    gradient-accumulation fusion its backward needs
+    megatron's ``DistributedDataParallel`` around it (``trainer.optim.wrap_model``).
     """
     platform = get_platform()
     arch = architecture_from_hf(hf_config or load_hf_config(model))
@@ -66,6 +69,7 @@ def build_model(
         recompute=model.recompute_activations,
         moe=model.moe,
         fp8_recipe=model.fp8_scaling or "delayed",
+        kernels=platform.kernels if model.kernel_fusion else None,
     )
     if meta:
         config.perform_initialization = False
@@ -160,4 +164,8 @@ def enable_fp32_head(gpt: GPTModel) -> None:
         return args, kwargs
 
     layer.register_forward_pre_hook(upcast, with_kwargs=True)
+    # The upcast weight of a BF16 model is a new tensor without megatron DDP's main_grad, into
+    # which a fused weight-gradient accumulation would write: the head's wgrad stays unfused
+    # (autograd carries it to the weight, and DDP's hook adds it to main_grad).
+    layer.gradient_accumulation_fusion = False
     gpt.fp32_head = True

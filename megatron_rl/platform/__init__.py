@@ -13,6 +13,7 @@ from typing import Any
 _EXPORTS = {
     "LAUNCHER_VARS": "megatron_rl.platform.config",
     "ParallelConfig": "megatron_rl.platform.config",
+    "FusedKernels": "megatron_rl.platform.kernels",
     "Platform": "megatron_rl.platform.device",
     "get_platform": "megatron_rl.platform.device",
     "HANG_EXIT_CODE": "megatron_rl.platform.watchdog",

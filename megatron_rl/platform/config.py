@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rl.config.errors import ConfigError
+
 # torchrun's rendezvous variables: a process that forms a world of its own (an engine, a
 # benchmark's `megatron-rl train`) must not inherit its launcher's.
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -27,11 +29,11 @@ class ParallelConfig:
     def validate(self) -> None:
         for name in ("tensor", "pipeline", "expert", "context", "timeout_minutes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.expert_tensor < 1:
-            raise ValueError(f"expert_tensor must be >= 1, got {self.expert_tensor}")
+            raise ConfigError("expert_tensor", f"must be >= 1, got {self.expert_tensor}")
         if self.sequence_parallel and self.tensor == 1:
-            raise ValueError("sequence_parallel needs tensor > 1")
+            raise ConfigError("sequence_parallel", "needs parallel.tensor > 1")
 
     @property
     def model_parallel_size(self) -> int:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rl.platform.kernels import FusedKernels, detect_fused_kernels
+
 logger = logging.getLogger(__name__)
 
 
@@ -16,13 +18,15 @@ class Platform:
     """The compute platform of this process.
 
     ``device``: "cuda" or "cpu"; ``backend``: torch.distributed backend ("nccl" or "gloo");
-    ``transformer_engine``: whether Transformer Engine layer specs (BF16/FP8) are usable.
+    ``transformer_engine``: whether Transformer Engine layer specs (BF16/FP8) are usable;
+    ``kernels``: the fused kernels megatron-core can use here (none on CPU).
     """
 
     device: str
     backend: str
     transformer_engine: bool
     transformer_engine_error: str | None = None  # why TE failed to import on a GPU
+    kernels: FusedKernels = FusedKernels()
 
     @property
     def is_gpu(self) -> bool:
@@ -50,7 +54,7 @@ def get_platform() -> Platform:
     """Detect the platform once; on a machine without CUDA install the CPU fixes."""
     if torch.cuda.is_available():
         error = _transformer_engine_error()
-        platform = Platform("cuda", "nccl", error is None, error)
+        platform = Platform("cuda", "nccl", error is None, error, detect_fused_kernels())
         if error is not None:
             logger.warning("Transformer Engine does not import on this GPU machine: %s", error)
     else:

@@ -12,6 +12,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from megatron_rl.config.errors import ConfigError
+
 REWARD_KINDS: tuple[str, ...] = ("math", "code")
 # An answer tag's name: "answer" for <answer>...</answer>; empty for none.
 _TAG_NAME_RE = re.compile(r"(?:[A-Za-z][A-Za-z0-9_-]{0,31})?")
@@ -98,40 +100,43 @@ class RewardConfig:
     python_executable: str = ""
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise ConfigError naming the first invalid field."""
         if self.kind not in REWARD_KINDS:
-            raise ValueError(f"kind must be one of {list(REWARD_KINDS)}, got {self.kind!r}")
+            raise ConfigError("kind", f"must be one of {list(REWARD_KINDS)}, got {self.kind!r}")
         for name in ("correct_reward", "incorrect_reward"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+                raise ConfigError(name, f"must be a number, got {value!r}")
             if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
+                raise ConfigError(name, f"must be finite, got {value!r}")
         if self.correct_reward <= self.incorrect_reward:
-            raise ValueError(
-                f"correct_reward ({self.correct_reward}) must be greater than incorrect_reward "
-                f"({self.incorrect_reward})"
+            raise ConfigError(
+                "correct_reward",
+                f"{self.correct_reward} must be greater than reward.incorrect_reward "
+                f"({self.incorrect_reward})",
             )
         for name in ("require_think_end", "stated_answer"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.think_end_tag, str) or not self.think_end_tag:
-            raise ValueError(
-                f"think_end_tag must be a non-empty string, got {self.think_end_tag!r}"
+            raise ConfigError(
+                "think_end_tag", f"must be a non-empty string, got {self.think_end_tag!r}"
             )
         self._validate_pattern()
         if not isinstance(self.answer_tag, str) or not _TAG_NAME_RE.fullmatch(self.answer_tag):
-            raise ValueError(
-                "answer_tag must be empty or a tag name (a letter, then up to 31 letters, "
-                f"digits, '_' or '-'), got {self.answer_tag!r}"
+            raise ConfigError(
+                "answer_tag",
+                "must be empty or a tag name (a letter, then up to 31 letters, digits, '_' or "
+                f"'-'), got {self.answer_tag!r}",
             )
         for name in ("timeout_s", "wall_timeout_s", "code_test_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value <= 3600:
-                raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {value!r}")
+                raise ConfigError(name, f"must be a number of seconds in (0, 3600], got {value!r}")
         if self.wall_timeout_s < self.timeout_s:
-            raise ValueError(
-                f"wall_timeout_s ({self.wall_timeout_s}) must be >= timeout_s ({self.timeout_s})"
+            raise ConfigError(
+                "wall_timeout_s",
+                f"{self.wall_timeout_s} must be >= reward.timeout_s ({self.timeout_s})",
             )
         positive_ints = (
             "num_workers",
@@ -148,29 +153,33 @@ class RewardConfig:
         for name in positive_ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                raise ConfigError(name, f"must be a positive int, got {value!r}")
         if not isinstance(self.worker_memory_mb, int) or self.worker_memory_mb < 0:
-            raise ValueError(f"worker_memory_mb must be an int >= 0, got {self.worker_memory_mb!r}")
+            raise ConfigError(
+                "worker_memory_mb", f"must be an int >= 0, got {self.worker_memory_mb!r}"
+            )
         if not isinstance(self.code_sandbox_uid, int) or self.code_sandbox_uid <= 0:
-            raise ValueError(
-                f"code_sandbox_uid must be a positive int (not root), got {self.code_sandbox_uid!r}"
+            raise ConfigError(
+                "code_sandbox_uid",
+                f"must be a positive int (not root), got {self.code_sandbox_uid!r}",
             )
         for name in ("python_executable", "code_bwrap"):
             if not isinstance(getattr(self, name), str):
-                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+                raise ConfigError(name, f"must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.code_allow_unsafe_sandbox, bool):
-            raise ValueError(
-                f"code_allow_unsafe_sandbox must be a bool, got {self.code_allow_unsafe_sandbox!r}"
+            raise ConfigError(
+                "code_allow_unsafe_sandbox",
+                f"must be a bool, got {self.code_allow_unsafe_sandbox!r}",
             )
 
     def _validate_pattern(self) -> None:
         if not isinstance(self.answer_pattern, str):
-            raise ValueError(f"answer_pattern must be a string, got {self.answer_pattern!r}")
+            raise ConfigError("answer_pattern", f"must be a string, got {self.answer_pattern!r}")
         if not self.answer_pattern:
             return
         try:
             compiled = re.compile(self.answer_pattern)
         except re.error as exc:
-            raise ValueError(f"answer_pattern is not a valid regex: {exc}") from exc
+            raise ConfigError("answer_pattern", f"not a valid regex: {exc}") from exc
         if compiled.groups < 1:
-            raise ValueError("answer_pattern must have a capture group (group 1 is the answer)")
+            raise ConfigError("answer_pattern", "must have a capture group (group 1 is the answer)")

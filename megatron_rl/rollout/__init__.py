@@ -1,12 +1,24 @@
 """Rollouts: a pool of vLLM engines with in-flight weight pushes from Megatron.
 
 ``RolloutConfig`` (no torch import) configures it; ``GeneratorPool`` runs it and returns
-``Sample`` s; ``push_megatron_weights`` streams a Megatron model's weights into it. The heavy
-modules are imported on first use, so that reading configs stays light.
+``Sample`` s; ``push_megatron_weights`` streams a Megatron model's weights into it. Everything
+but the config is imported on first use, so that reading configs stays light (no numpy).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from megatron_rl.rollout.config import InterruptionConfig, RolloutConfig
-from megatron_rl.rollout.samples import PushStats, Sample
+
+# public name -> defining module
+_EXPORTS: dict[str, str] = {
+    "GeneratorPool": "megatron_rl.rollout.pool",
+    "PushStats": "megatron_rl.rollout.samples",
+    "Sample": "megatron_rl.rollout.samples",
+    "push_megatron_weights": "megatron_rl.rollout.push",
+}
 
 __all__ = [
     "GeneratorPool",
@@ -17,14 +29,18 @@ __all__ = [
     "push_megatron_weights",
 ]
 
+if TYPE_CHECKING:
+    from megatron_rl.rollout.pool import GeneratorPool
+    from megatron_rl.rollout.push import push_megatron_weights
+    from megatron_rl.rollout.samples import PushStats, Sample
 
-def __getattr__(name: str):
-    if name == "GeneratorPool":
-        from megatron_rl.rollout.pool import GeneratorPool
 
-        return GeneratorPool
-    if name == "push_megatron_weights":
-        from megatron_rl.rollout.push import push_megatron_weights
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Not cached: tests replace names in the defining modules (``pool.GeneratorPool``).
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
 
-        return push_megatron_weights
-    raise AttributeError(name)
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

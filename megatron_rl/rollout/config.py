@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_rl.config.errors import ConfigError
+
 DEFAULT_INTERRUPTION_TEXT = (
     "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 )
@@ -45,15 +47,13 @@ class InterruptionConfig:
     def validate(self) -> None:
         lo, hi = self.thinking_budget
         if lo < 1 or hi < lo:
-            raise ValueError(
-                f"interruption.thinking_budget must be 1 <= lo <= hi, got [{lo}, {hi}]"
-            )
+            raise ConfigError("thinking_budget", f"must be 1 <= lo <= hi, got [{lo}, {hi}]")
         if self.answer_budget < 1:
-            raise ValueError(f"interruption.answer_budget must be >= 1, got {self.answer_budget}")
+            raise ConfigError("answer_budget", f"must be >= 1, got {self.answer_budget}")
         if not self.text:
-            raise ValueError("interruption.text must not be empty")
+            raise ConfigError("text", "must not be empty")
         if not self.think_close:
-            raise ValueError("interruption.think_close must not be empty")
+            raise ConfigError("think_close", "must not be empty")
 
 
 @dataclass
@@ -179,68 +179,82 @@ class RolloutConfig:
         positive = ("engines", "samples_per_prompt", "max_tokens", "weight_bucket_mb")
         for name in (*positive, "max_num_seqs", "tensor_parallel"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         _check_choice("placement", self.placement, PLACEMENTS)
         _check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         _check_choice("kv_on_push", self.kv_on_push, KV_ON_PUSH)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("weight_transport", self.weight_transport, WEIGHT_TRANSPORTS)
         if self.weight_transport == "nccl" and self.placement == "in_process":
-            raise ValueError(
-                "weight_transport 'nccl' needs engines on GPUs of their own: placement "
-                "'subprocess' or 'remote', not 'in_process'"
+            raise ConfigError(
+                "weight_transport",
+                "'nccl' needs engines on GPUs of their own: placement 'subprocess' or "
+                "'remote', not 'in_process'",
             )
         if self.weight_transport == "nccl" and self.colocate:
-            raise ValueError(
-                "weight_transport 'nccl' needs engine GPUs apart from the trainer's (NCCL has "
-                "one rank per GPU): colocate must be false"
+            raise ConfigError(
+                "weight_transport",
+                "'nccl' needs engine GPUs apart from the trainer's (NCCL has one rank per "
+                "GPU): colocate must be false",
             )
         if self.expert_parallel and self.tensor_parallel < 2:
-            raise ValueError(
-                "expert_parallel needs rollout.tensor_parallel >= 2: vLLM splits the "
-                f"experts over an engine's GPUs, and tensor_parallel is {self.tensor_parallel}"
+            raise ConfigError(
+                "expert_parallel",
+                "needs rollout.tensor_parallel >= 2: vLLM splits the experts over an engine's "
+                f"GPUs, and tensor_parallel is {self.tensor_parallel}",
             )
         if self.return_routed_experts and not self.enforce_eager:
-            raise ValueError(
-                "return_routed_experts (algorithm.routing_replay) needs enforce_eager: the "
-                "routing capture runs in the forward, which CUDA graphs replay without it"
+            raise ConfigError(
+                "return_routed_experts",
+                "(algorithm.routing_replay) needs enforce_eager: the routing capture runs in "
+                "the forward, which CUDA graphs replay without it",
             )
         if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+            raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.engine_max_restarts < 0:
-            raise ValueError(f"engine_max_restarts must be >= 0, got {self.engine_max_restarts}")
+            raise ConfigError(
+                "engine_max_restarts", f"must be >= 0, got {self.engine_max_restarts}"
+            )
         if not self.engine_stall_timeout >= 0:
-            raise ValueError(
-                f"engine_stall_timeout must be >= 0 (0: off), got {self.engine_stall_timeout}"
+            raise ConfigError(
+                "engine_stall_timeout", f"must be >= 0 (0: off), got {self.engine_stall_timeout}"
             )
         timeouts = ("startup_timeout_minutes", "batch_timeout_minutes", "push_timeout_seconds")
         for name in (*timeouts, "engine_restart_window_minutes"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if self.batch_timeout_minutes <= self.startup_timeout_minutes:
-            raise ValueError(
-                f"batch_timeout_minutes ({self.batch_timeout_minutes:g}) must exceed "
-                f"startup_timeout_minutes ({self.startup_timeout_minutes:g}): a batch can "
-                "wait for a restarted engine to load"
+            raise ConfigError(
+                "batch_timeout_minutes",
+                f"{self.batch_timeout_minutes:g} must exceed rollout.startup_timeout_minutes "
+                f"({self.startup_timeout_minutes:g}): a batch can wait for a restarted engine "
+                "to load",
             )
         if self.kv_cache_gb <= 0:
-            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+            raise ConfigError("kv_cache_gb", f"must be > 0, got {self.kv_cache_gb}")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+            raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
-        if self.gpu_ids is not None and len(self.gpu_ids) != self.engines * self.tensor_parallel:
-            raise ValueError(
-                f"gpu_ids lists {len(self.gpu_ids)} GPUs; engines x tensor_parallel = "
-                f"{self.engines} x {self.tensor_parallel} are needed"
+            raise ConfigError(
+                "stop_token_ids", f"must be token ids >= 0, got {self.stop_token_ids}"
             )
-        self.interruption.validate()
+        if self.gpu_ids is not None and len(self.gpu_ids) != self.engines * self.tensor_parallel:
+            raise ConfigError(
+                "gpu_ids",
+                f"lists {len(self.gpu_ids)} GPUs; engines x tensor_parallel = "
+                f"{self.engines} x {self.tensor_parallel} are needed",
+            )
+        try:
+            self.interruption.validate()
+        except ConfigError as err:
+            raise err.within("interruption") from None
         if self.interruption.enabled and self.interruption.thinking_budget[1] > self.max_tokens:
-            raise ValueError(
-                f"interruption.thinking_budget upper end {self.interruption.thinking_budget[1]} "
-                f"exceeds max_tokens {self.max_tokens}"
+            raise ConfigError(
+                "interruption.thinking_budget",
+                f"upper end {self.interruption.thinking_budget[1]} exceeds rollout.max_tokens "
+                f"{self.max_tokens}",
             )
 
     @property
@@ -292,4 +306,4 @@ def engine_gpus(config: RolloutConfig, trainer_gpus: int, gpus_per_node: int) ->
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        raise ConfigError(name, f"must be one of {', '.join(choices)}; got {value!r}")

@@ -12,15 +12,38 @@ intervals and plots.
 
     from megatron_rl.scaling import FitConfig, compare_runs, fit_run, load_run
     fit = fit_run(load_run("runs/a/metrics.jsonl"), FitConfig(fit_until=50_000)).fit
+
+Names are imported on first use: the run-config schema reads ``scaling.config`` without
+numpy or scipy.
 """
 
-from megatron_rl.scaling.analysis import Comparison, RunFit, compare_runs, fit_run, select_points
-from megatron_rl.scaling.bootstrap import BootstrapResult, bootstrap_fit
-from megatron_rl.scaling.config import AUTO, FitConfig
-from megatron_rl.scaling.data import RunData, load_run
-from megatron_rl.scaling.fit import CurveFit, FitBox, fit_points, grid_search, refine
-from megatron_rl.scaling.model import CurveParams, sigmoid_curve
-from megatron_rl.scaling.synthetic import synthetic_run
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> defining module
+_EXPORTS: dict[str, str] = {
+    "Comparison": "megatron_rl.scaling.analysis",
+    "RunFit": "megatron_rl.scaling.analysis",
+    "compare_runs": "megatron_rl.scaling.analysis",
+    "fit_run": "megatron_rl.scaling.analysis",
+    "select_points": "megatron_rl.scaling.analysis",
+    "BootstrapResult": "megatron_rl.scaling.bootstrap",
+    "bootstrap_fit": "megatron_rl.scaling.bootstrap",
+    "AUTO": "megatron_rl.scaling.config",
+    "FitConfig": "megatron_rl.scaling.config",
+    "RunData": "megatron_rl.scaling.data",
+    "load_run": "megatron_rl.scaling.data",
+    "CurveFit": "megatron_rl.scaling.fit",
+    "FitBox": "megatron_rl.scaling.fit",
+    "fit_points": "megatron_rl.scaling.fit",
+    "grid_search": "megatron_rl.scaling.fit",
+    "refine": "megatron_rl.scaling.fit",
+    "CurveParams": "megatron_rl.scaling.model",
+    "sigmoid_curve": "megatron_rl.scaling.model",
+    "synthetic_run": "megatron_rl.scaling.synthetic",
+}
 
 __all__ = [
     "AUTO",
@@ -43,3 +66,31 @@ __all__ = [
     "sigmoid_curve",
     "synthetic_run",
 ]
+assert sorted(__all__) == sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from megatron_rl.scaling.analysis import (
+        Comparison,
+        RunFit,
+        compare_runs,
+        fit_run,
+        select_points,
+    )
+    from megatron_rl.scaling.bootstrap import BootstrapResult, bootstrap_fit
+    from megatron_rl.scaling.config import AUTO, FitConfig
+    from megatron_rl.scaling.data import RunData, load_run
+    from megatron_rl.scaling.fit import CurveFit, FitBox, fit_points, grid_search, refine
+    from megatron_rl.scaling.model import CurveParams, sigmoid_curve
+    from megatron_rl.scaling.synthetic import synthetic_run
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,9 +1,13 @@
-"""Typed configuration of the compute-curve fit (no torch, no numpy at import)."""
+"""Typed configuration of the compute-curve fit and of a run's live forecast (recipe section
+``forecast``); no torch, no numpy at import."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
+
+from megatron_rl.config.errors import ConfigError
 
 AUTO = "auto"
 
@@ -18,6 +22,7 @@ PAPER_MIN_X = 1500.0
 PAPER_A_TOLERANCE = 0.02
 
 C_MID_SPACINGS = ("linear", "log")
+GRIDS = ("paper", "auto")  # ForecastConfig.grid
 
 
 @dataclass
@@ -100,6 +105,69 @@ class FitConfig:
         return self
 
 
+@dataclass
+class ForecastConfig:
+    """The live forecast of a run (recipe section ``forecast``).
+
+    Attributes:
+        enabled: forecast after every validation (none without validation).
+        min_gpu_hours: fit only points with ``gpu_hours >= this`` (the paper: 1.5k, to skip
+            the early near-linear phase). CPU-scale runs use 0.
+        budget_gpu_hours: the compute at which to predict the pass rate; null: the run's
+            ``training.max_gpu_hours``, or, without one, the training GPU-hours the run will
+            have spent at ``training.max_steps`` at its rate so far.
+        bootstrap: bootstrap resamples for the intervals (0: no intervals).
+        ci: interval level.
+        grid: ``paper``: the paper's grid (A in 0.450..0.800, C_mid in 100..40,000
+            GPU-hours); ``auto``: ranges from the data (runs at any compute scale).
+        min_points: fewest fitted points before the first forecast.
+        seed: bootstrap seed.
+    """
+
+    enabled: bool = True
+    min_gpu_hours: float = PAPER_MIN_X
+    budget_gpu_hours: float | None = None
+    bootstrap: int = 100
+    ci: float = 0.95
+    grid: Literal["paper", "auto"] = "paper"
+    min_points: int = 5
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid field."""
+        if not (_is_number(self.min_gpu_hours) and self.min_gpu_hours >= 0):
+            raise ConfigError("min_gpu_hours", f"must be a number >= 0, got {self.min_gpu_hours!r}")
+        if self.budget_gpu_hours is not None and not (
+            _is_number(self.budget_gpu_hours) and self.budget_gpu_hours > 0
+        ):
+            raise ConfigError("budget_gpu_hours", f"must be > 0, got {self.budget_gpu_hours!r}")
+        if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int):
+            raise ConfigError("bootstrap", f"must be an int >= 0, got {self.bootstrap!r}")
+        if self.bootstrap < 0:
+            raise ConfigError("bootstrap", f"must be an int >= 0, got {self.bootstrap!r}")
+        if self.grid not in GRIDS:
+            raise ConfigError("grid", f"must be one of {GRIDS}, got {self.grid!r}")
+        if not (_is_number(self.ci) and 0 < self.ci < 1):
+            raise ConfigError("ci", f"must be in (0, 1), got {self.ci!r}")
+        if isinstance(self.min_points, bool) or not isinstance(self.min_points, int):
+            raise ConfigError("min_points", f"must be an int >= 4, got {self.min_points!r}")
+        if self.min_points < 4:  # FitConfig's floor: three parameters and a residual
+            raise ConfigError("min_points", f"must be an int >= 4, got {self.min_points!r}")
+        self.fit_config().validate()
+
+    def fit_config(self) -> FitConfig:
+        """The FitConfig of the forecast's fits (the paper's protocol, its grid or 'auto')."""
+        grid = {} if self.grid == "paper" else {"a_range": AUTO, "c_mid_range": AUTO}
+        return FitConfig(
+            min_x=float(self.min_gpu_hours),
+            min_points=self.min_points,
+            bootstrap=self.bootstrap,
+            ci=self.ci,
+            seed=self.seed,
+            **grid,
+        )
+
+
 def _check_finite(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -117,3 +185,7 @@ def _check_range(name: str, value: tuple[float, float] | str, positive: bool) ->
         raise ValueError(f"{name} must satisfy low <= high (finite), got {value!r}")
     if positive and low <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

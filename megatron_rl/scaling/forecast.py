@@ -14,73 +14,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from megatron_rl.scaling.analysis import fit_run
-from megatron_rl.scaling.config import AUTO, PAPER_MIN_X, FitConfig
+
+# ForecastConfig lives with the other configs (the run-config schema imports it without
+# numpy or scipy); imported here for the callers that know it from this module.
+from megatron_rl.scaling.config import ForecastConfig
 from megatron_rl.scaling.data import RunData, domain_fields, load_run
 from megatron_rl.scaling.model import CurveParams
 
-GRIDS = ("paper", "auto")
 _CURVE_POINTS = 200
-
-
-@dataclass
-class ForecastConfig:
-    """The live forecast of a run (recipe section ``forecast``).
-
-    Attributes:
-        enabled: forecast after every validation (none without validation).
-        min_gpu_hours: fit only points with ``gpu_hours >= this`` (the paper: 1.5k, to skip
-            the early near-linear phase). CPU-scale runs use 0.
-        budget_gpu_hours: the compute at which to predict the pass rate; null: the run's
-            ``training.max_gpu_hours``, or, without one, the training GPU-hours the run will
-            have spent at ``training.max_steps`` at its rate so far.
-        bootstrap: bootstrap resamples for the intervals (0: no intervals).
-        ci: interval level.
-        grid: ``paper``: the paper's grid (A in 0.450..0.800, C_mid in 100..40,000
-            GPU-hours); ``auto``: ranges from the data (runs at any compute scale).
-        min_points: fewest fitted points before the first forecast.
-        seed: bootstrap seed.
-    """
-
-    enabled: bool = True
-    min_gpu_hours: float = PAPER_MIN_X
-    budget_gpu_hours: float | None = None
-    bootstrap: int = 100
-    ci: float = 0.95
-    grid: Literal["paper", "auto"] = "paper"
-    min_points: int = 5
-    seed: int = 0
-
-    def validate(self) -> None:
-        if not (_is_number(self.min_gpu_hours) and self.min_gpu_hours >= 0):
-            raise ValueError(f"min_gpu_hours must be a number >= 0, got {self.min_gpu_hours!r}")
-        if self.budget_gpu_hours is not None and not (
-            _is_number(self.budget_gpu_hours) and self.budget_gpu_hours > 0
-        ):
-            raise ValueError(f"budget_gpu_hours must be > 0, got {self.budget_gpu_hours!r}")
-        if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int):
-            raise ValueError(f"bootstrap must be an int >= 0, got {self.bootstrap!r}")
-        if self.bootstrap < 0:
-            raise ValueError(f"bootstrap must be an int >= 0, got {self.bootstrap!r}")
-        if self.grid not in GRIDS:
-            raise ValueError(f"grid must be one of {GRIDS}, got {self.grid!r}")
-        self.fit_config().validate()
-
-    def fit_config(self) -> FitConfig:
-        """The FitConfig of the forecast's fits (the paper's protocol, its grid or 'auto')."""
-        grid = {} if self.grid == "paper" else {"a_range": AUTO, "c_mid_range": AUTO}
-        return FitConfig(
-            min_x=float(self.min_gpu_hours),
-            min_points=self.min_points,
-            bootstrap=self.bootstrap,
-            ci=self.ci,
-            seed=self.seed,
-            **grid,
-        )
 
 
 @dataclass

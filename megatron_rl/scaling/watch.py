@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from megatron_rl.config.errors import ConfigError
 from megatron_rl.scaling.forecast import (
     ForecastConfig,
     RunForecast,
@@ -52,7 +53,10 @@ def read_settings(run_dir: Path) -> WatchSettings:
     if unknown:
         raise ValueError(f"{path}: unknown forecast keys {unknown}")
     forecast = ForecastConfig(**section)
-    forecast.validate()
+    try:
+        forecast.validate()
+    except ConfigError as err:  # its key within the run's config.yaml
+        raise err.within("forecast") from None
     training = data.get("training") or {}
     return WatchSettings(forecast, training.get("max_gpu_hours"), training.get("max_steps"))
 

@@ -1,0 +1,104 @@
+"""Which of megatron-core's fused kernels this GPU machine can run (all off on CPU).
+
+megatron-core 0.16.1 leaves every fusion to the caller, and a fusion asked for without its
+library fails late (at model construction or in the first forward). What each needs:
+
+- ``gradient_accumulation_fusion``: weight gradients accumulated into megatron DDP's fp32
+  ``main_grad`` inside the GEMM. Transformer Engine's linears do it natively, but
+  ``GPTModel``'s output layer is always megatron's own ``ColumnParallelLinear``, whose
+  constructor raises unless apex's ``fused_weight_gradient_mlp_cuda`` extension imports
+  (``tensor_parallel/layers.py``): so that extension decides. Models built with it must be
+  trained inside megatron's ``DistributedDataParallel`` (which gives every weight its
+  ``main_grad``), as the trainer does (``trainer.optim.wrap_model``).
+- ``apply_rope_fusion``: Transformer Engine's fused RoPE, which megatron imports as
+  ``rope_utils.fused_apply_rotary_pos_emb``; interleaved RoPE (Llama-4) needs TE >= 2.3
+  (``TransformerConfig.__post_init__``).
+- ``bias_activation_fusion``: megatron's SwiGLU fusion (``fusions/fused_bias_swiglu.py``),
+  compiled by ``torch.compile`` (``megatron.core.jit.jit_fuser``): Triton on CUDA, which
+  builds its launcher with the machine's C compiler (``triton/runtime/build.py``).
+- ``masked_softmax_fusion``: the softmax of megatron's local ``DotProductAttention``, through
+  apex's ``scaled_masked_softmax_cuda`` / ``scaled_upper_triang_masked_softmax_cuda``
+  (imported at the first forward). Our layer specs never use that attention (TE's, or torch
+  SDPA in ``models.attention``), so it changes nothing today; it is set where it would work.
+
+``moe_grouped_gemm`` is not here: modelopt 0.47 imports Llama-4's packed experts only into
+``SequentialMLP.local_experts`` (``megatron_importer.py``, ``local_experts.linear_fc1_ep``),
+and the weight stream, parity check and checkpoints expect that module (see models/arch.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FusedKernels:
+    """The fusions a GPU model may ask megatron-core for; the default (all False) is the CPU's."""
+
+    gradient_accumulation_fusion: bool = False
+    apply_rope_fusion: bool = False
+    interleaved_rope_fusion: bool = False  # apply_rope_fusion with rotary_interleaved
+    bias_activation_fusion: bool = False
+    masked_softmax_fusion: bool = False
+
+    def transformer_config_options(self, rotary_interleaved: bool) -> dict[str, bool]:
+        """megatron-core ``TransformerConfig`` options for a model whose RoPE is interleaved
+        (``rotary_interleaved``) or not."""
+        rope = self.interleaved_rope_fusion if rotary_interleaved else self.apply_rope_fusion
+        return {
+            "gradient_accumulation_fusion": self.gradient_accumulation_fusion,
+            "apply_rope_fusion": rope,
+            "bias_activation_fusion": self.bias_activation_fusion,
+            "masked_softmax_fusion": self.masked_softmax_fusion,
+        }
+
+
+def _imports(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _c_compiler() -> bool:
+    """Triton's own search for a C compiler (``triton/runtime/build.py``)."""
+    return any((os.environ.get("CC"), shutil.which("clang"), shutil.which("gcc")))
+
+
+def _te_rope() -> tuple[bool, bool]:
+    """(fused RoPE, fused interleaved RoPE), by megatron's own checks."""
+    try:
+        from megatron.core.models.common.embeddings.rope_utils import (
+            fused_apply_rotary_pos_emb,
+        )
+        from megatron.core.utils import is_te_min_version
+
+        if fused_apply_rotary_pos_emb is None:
+            return False, False
+        return True, bool(is_te_min_version("2.3.0"))
+    except Exception as err:  # a TE that imports but is broken: no fusion, say why
+        logger.warning("fused RoPE unavailable: %s: %s", type(err).__name__, err)
+        return False, False
+
+
+@functools.lru_cache(maxsize=1)
+def detect_fused_kernels() -> FusedKernels:
+    """The fusions available on this GPU machine (call on GPU only: ``get_platform``)."""
+    rope, interleaved = _te_rope()
+    kernels = FusedKernels(
+        gradient_accumulation_fusion=_imports("fused_weight_gradient_mlp_cuda"),
+        apply_rope_fusion=rope,
+        interleaved_rope_fusion=interleaved,
+        bias_activation_fusion=_imports("triton") and _c_compiler(),
+        masked_softmax_fusion=_imports("scaled_masked_softmax_cuda")
+        and _imports("scaled_upper_triang_masked_softmax_cuda"),
+    )
+    logger.info("fused kernels: %s", kernels)
+    return kernels
