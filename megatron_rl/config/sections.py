@@ -200,12 +200,19 @@ class CheckpointConfig:
         on_signals: signals that trigger a save and a clean exit (Slurm preemption sends
             SIGTERM; ``cluster.signal_minutes_before_end`` sends SIGUSR1).
         save_at_end: save when training stops at its step or GPU-hour budget.
+        async_save: the periodic saves are written in the background (megatron-core's async
+            dist-checkpoint save) while training goes on; the loop waits only while the
+            tensors are staged to host memory (which needs a host copy of this rank's model
+            and optimizer state). The save completes (and counts, and older ones are pruned)
+            once written; saves on a signal and at the end are synchronous. Default on: a
+            Scout checkpoint with optimizer state is ~1.5 TB.
     """
 
     every_steps: int = 100
     keep_last: int = 2
     on_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     save_at_end: bool = True
+    async_save: bool = True
 
     def validate(self) -> None:
         _check_int(self, "every_steps", 0)

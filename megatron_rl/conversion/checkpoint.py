@@ -99,7 +99,7 @@ def save_model(
         publish()
         return None
     request.add_finalize_fn(publish)
-    return shielded(request)
+    return request
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -169,6 +169,31 @@ def use_local_results_queue() -> None:
 # them (it finishes its write; the trainer decides what happens to the save).
 _JOB_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 _PR_SET_PDEATHSIG = 1
+
+
+def combined(requests: list[AsyncRequest]) -> AsyncRequest:
+    """One request that stages every part of ``requests`` (in this process, when scheduled)
+    and writes them one after the other in a single forked writer; their finalize functions
+    run in order. Forking the trainer is not free (0.7 s per fork for a 1.5 GB process on the
+    2-core test machine): one fork per checkpoint, not one per part."""
+    parts = [r for r in requests if r.async_fn is not None]
+
+    def stage() -> list:
+        staged = []
+        for part in parts:
+            args = list(part.async_fn_args)
+            if part.preload_fn is not None:
+                args[1] = part.preload_fn()  # megatron's convention: the write buckets
+            staged.append((part.async_fn, tuple(args), dict(part.async_fn_kwargs)))
+        return staged
+
+    finalize_fns = [fn for request in requests for fn in request.finalize_fns]
+    return AsyncRequest(_write_parts, (None, [], None), finalize_fns, preload_fn=stage)
+
+
+def _write_parts(_unused, staged: list, _unused_too) -> None:
+    for write, args, kwargs in staged:
+        write(*args, **kwargs)
 
 
 def shielded(request: AsyncRequest) -> AsyncRequest:

@@ -152,16 +152,15 @@ def save_optimizer(optimizer, model, ckpt_dir: Path, async_save: bool = False):
     and finalize (see :func:`megatron_rl.conversion.checkpoint.save_model`), else None."""
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.conversion.checkpoint import shielded, use_local_results_queue
+    from megatron_rl.conversion.checkpoint import use_local_results_queue
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     _materialize_state(optimizer)
     use_local_results_queue()
     state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=False)
-    request = dist_checkpointing.save(
+    return dist_checkpointing.save(
         {"optimizer": state}, str(ckpt_dir), async_sharded_save=async_save
     )
-    return None if request is None else shielded(request)
 
 
 def load_optimizer(optimizer, model, ckpt_dir: Path) -> None:

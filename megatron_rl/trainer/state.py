@@ -299,16 +299,16 @@ class CheckpointManager:
                 save_optimizer(optimizer, model, tmp / OPTIMIZER_SUBDIR, async_save=True)
             )
         self._write_states(step, extra, tmp, rank)
-        # megatron finalizes calls in order, each after its write is done on every rank
-        requests[-1].add_finalize_fn(
+        request = model_checkpoint.shielded(model_checkpoint.combined(requests))
+        # megatron's finalize functions (.metadata of each part) first, then ours
+        request.add_finalize_fn(
             lambda: self._complete(tmp, final, step, world, optimizer is not None)
         )
         if self._calls is None:
-            self._calls = AsyncCallsQueue(persistent=False)  # a forked writer per call
+            self._calls = AsyncCallsQueue(persistent=False)  # a forked writer per save
         self._in_flight = _InFlight(step, final, tmp, time.perf_counter())
         try:
-            for request in requests:
-                self._calls.schedule_async_request(request)
+            self._calls.schedule_async_request(request)
         except BaseException:
             self.abandon()
             raise
