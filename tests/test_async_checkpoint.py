@@ -283,3 +283,52 @@ def test_a_sigterm_to_the_process_group_with_an_async_save_in_flight_completes_b
     model, _, _ = make_trainer(ParallelConfig(), seed=5)
     manager.load(model, root / "step_00000002", restore_rng=False)
     assert_same(weights(model), torch.load(run / "weights_2.pt"))
+
+
+def _two_rank_worker(run_dir: str) -> dict:
+    """TP=2: rank 1's writer is slow; both ranks poll finalize() once per step."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync,
+    )
+
+    from megatron_rl.platform import destroy_distributed, init_distributed
+
+    parallel = ParallelConfig(tensor=2)
+    init_distributed(parallel, seed=5)
+    rank = torch.distributed.get_rank()
+    model, ddp, optimizer = make_trainer(parallel)
+    train_step(ddp, optimizer)
+    if rank == 1:
+        write = FileSystemWriterAsync.write_preloaded_data_multiproc
+
+        def slow(*args, **kwargs):
+            time.sleep(3.0)
+            return write(*args, **kwargs)
+
+        FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(slow)
+    manager = CheckpointManager(run_dir, keep_last=1, async_save=True)
+    saved = weights(model)
+    path = manager.save(1, model, {"step": 1}, optimizer=optimizer)
+    polls = 0
+    while manager.finalize() is None:  # as the loop: a step, then one poll
+        train_step(ddp, optimizer, seed=polls + 1)
+        polls += 1
+    assert manager.damage(path) is None
+    fresh, _, fresh_optimizer = make_trainer(parallel, seed=9)
+    loaded = CheckpointManager(run_dir).load(fresh, optimizer=fresh_optimizer)
+    assert loaded.step == 1
+    assert_same(weights(fresh), saved)  # this rank's TP shard, as of the save
+    destroy_distributed()
+    return {"polls": polls}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # ~25 s alone, ~70 s on a loaded 2-core machine
+def test_two_ranks_complete_an_async_save_together_while_training(tmp_path):
+    """The finalization is collective: with one rank's writer 3 s slower, both ranks keep
+    stepping and complete the save at the same poll (a rank that finalized alone would hang
+    in megatron's gather or ours), and each rank's shard loads back as of the save."""
+    from megatron_rl.platform import run_local_ranks
+
+    results = run_local_ranks(_two_rank_worker, 2, str(tmp_path))
+    assert results[0] == results[1] and results[0]["polls"] >= 1, results
