@@ -285,15 +285,16 @@ def test_a_sigterm_to_the_process_group_with_an_async_save_in_flight_completes_b
     assert_same(weights(model), torch.load(run / "weights_2.pt"))
 
 
-def _two_rank_worker(run_dir: str) -> dict:
-    """TP=2: rank 1's writer is slow; both ranks poll finalize() once per step."""
+def _two_rank_worker(run_dir: str, tensor: int) -> dict:
+    """Two ranks (TP=2, or DP=2: rank 1 a replica with nothing of the model to write); rank
+    1's writer is slow; both ranks poll finalize() once per step."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         FileSystemWriterAsync,
     )
 
     from megatron_rl.platform import destroy_distributed, init_distributed
 
-    parallel = ParallelConfig(tensor=2)
+    parallel = ParallelConfig(tensor=tensor)
     init_distributed(parallel, seed=5)
     rank = torch.distributed.get_rank()
     model, ddp, optimizer = make_trainer(parallel)
@@ -324,11 +325,12 @@ def _two_rank_worker(run_dir: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # ~25 s alone, ~70 s on a loaded 2-core machine
-def test_two_ranks_complete_an_async_save_together_while_training(tmp_path):
+@pytest.mark.parametrize("tensor", [2, 1], ids=["tp2", "dp2"])
+def test_two_ranks_complete_an_async_save_together_while_training(tmp_path, tensor):
     """The finalization is collective: with one rank's writer 3 s slower, both ranks keep
     stepping and complete the save at the same poll (a rank that finalized alone would hang
     in megatron's gather or ours), and each rank's shard loads back as of the save."""
     from megatron_rl.platform import run_local_ranks
 
-    results = run_local_ranks(_two_rank_worker, 2, str(tmp_path))
+    results = run_local_ranks(_two_rank_worker, 2, str(tmp_path), tensor)
     assert results[0] == results[1] and results[0]["polls"] >= 1, results

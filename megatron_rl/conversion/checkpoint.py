@@ -188,6 +188,8 @@ def combined(requests: list[AsyncRequest]) -> AsyncRequest:
         return staged
 
     finalize_fns = [fn for request in requests for fn in request.finalize_fns]
+    if not parts:  # nothing to write on this rank (e.g. a data-parallel replica): no fork
+        return AsyncRequest(None, (), finalize_fns)
     return AsyncRequest(_write_parts, (None, [], None), finalize_fns, preload_fn=stage)
 
 
