@@ -204,8 +204,9 @@ class CheckpointConfig:
             dist-checkpoint save) while training goes on; the loop waits only while the
             tensors are staged to host memory (which needs a host copy of this rank's model
             and optimizer state). The save completes (and counts, and older ones are pruned)
-            once written; saves on a signal and at the end are synchronous. Default on: a
-            Scout checkpoint with optimizer state is ~1.5 TB.
+            once written; saves on a signal and at the end are synchronous; a save still
+            being written when a rank crashes or hangs is lost (the run resumes from the
+            one before). Default on: a Scout checkpoint with optimizer state is ~1.5 TB.
     """
 
     every_steps: int = 100

@@ -30,8 +30,11 @@ the pruning. So ``keep_last`` complete checkpoints plus the one in flight are on
 newest complete one is never pruned before its successor is complete. At most one save is in
 flight: the next ``save`` waits for the previous one first (``finalize(blocking=True)``), as
 does a synchronous one (the save on a signal: its write cannot outlive the job). The writer
-ignores the job's signals and dies with its trainer. A run may resume with another world size or parallel
-layout: model and optimizer reshard; the RNG states are then not restored (they are per rank).
+ignores the job's signals and dies with its trainer; a save in flight when the trainer dies
+(a crash, a hang that exits 75) is lost, and the run resumes from the one before.
+
+A run may resume with another world size or parallel layout: model and optimizer reshard;
+the RNG states are then not restored (they are per rank).
 
 A checkpoint counts only if it verifies against its manifest (a truncated shard, a lost
 ``.metadata`` or loop state): a damaged newest one is skipped with a warning that names it,
