@@ -205,19 +205,22 @@ def shielded(request: AsyncRequest) -> AsyncRequest:
     on the signal), and a SIGKILLed trainer must not leave a writer filling its ``.tmp``."""
     if request.async_fn is None:
         return request
-    return request._replace(async_fn=functools.partial(_shielded_write, request.async_fn))
+    writer = functools.partial(_shielded_write, os.getpid(), request.async_fn)
+    return request._replace(async_fn=writer)
 
 
-def _shielded_write(write, *args, **kwargs) -> None:
-    parent = os.getppid()
-    for name in _JOB_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+def _shielded_write(trainer: int, write, *args, **kwargs) -> None:
+    try:
+        for name in _JOB_SIGNALS:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    except ValueError:  # not forked from the main thread: the trainer's handlers stay
+        pass
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the writer may outlive a killed trainer
         pass
-    if os.getppid() != parent:  # the trainer died before prctl
+    if os.getppid() != trainer:  # the trainer died before prctl
         os._exit(1)
     write(*args, **kwargs)
 
