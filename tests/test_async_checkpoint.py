@@ -199,13 +199,23 @@ def _start(tmp_path: Path, mode: str) -> subprocess.Popen:
     while (line := proc.stdout.readline()) and not line.startswith("IN_FLIGHT"):
         pass
     if not line:
-        proc.kill()
+        proc.wait(timeout=60)
         pytest.fail(proc.stderr.read()[-3000:])
     return proc
 
 
 def _group(pgid: int) -> list[str]:
     return subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """Whatever this test started and left (its own session's group), so that a failure
+    leaves no writer behind; then the trainer's pipes."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate(timeout=30)
 
 
 def _wait_group_gone(pgid: int, seconds: float) -> list[str]:
@@ -229,8 +239,7 @@ def test_a_trainer_killed_while_an_async_save_is_in_flight_resumes_from_the_prev
         proc.wait(timeout=30)
         assert _wait_group_gone(proc.pid, 10) == []  # the writer did not outlive it
     finally:
-        proc.kill()
-        proc.communicate()
+        _end_group(proc)
     run = tmp_path / "run"
     root = run / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == [
@@ -263,10 +272,11 @@ def test_a_sigterm_to_the_process_group_with_an_async_save_in_flight_completes_b
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
+        left = _wait_group_gone(proc.pid, 10)
     finally:
-        proc.kill()
+        _end_group(proc)
     assert proc.returncode == 0 and "SAVED_ON_SIGNAL" in out, err[-3000:]
-    assert _wait_group_gone(proc.pid, 10) == []
+    assert left == []
     run = tmp_path / "run"
     root = run / "checkpoints"
     names = ["step_00000001", "step_00000002", "step_00000003"]
