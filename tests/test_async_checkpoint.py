@@ -63,8 +63,9 @@ def test_an_async_save_returns_before_its_data_is_written_and_loads_back_bit_equ
     gate = tmp_path / "gate"
     gate_writer(monkeypatch, gate)
 
+    completed = []  # on_complete: what needs the checkpoint on disk (an HF export)
     started = time.perf_counter()
-    path = manager.save(2, model, {"step": 2}, optimizer=optimizer)
+    path = manager.save(2, model, {"step": 2}, optimizer=optimizer, on_complete=completed.append)
     returned = time.perf_counter() - started
     tmp = path.with_name(path.name + ".tmp")
     assert manager.in_flight == 2 and not path.exists() and tmp.is_dir()
@@ -72,10 +73,11 @@ def test_an_async_save_returns_before_its_data_is_written_and_loads_back_bit_equ
     train_step(ddp, optimizer, seed=2)  # the next step changes the live parameters
     assert any(not torch.equal(saved[k], v) for k, v in weights(model).items())
     assert manager.finalize() is None  # the writer still waits: nothing completes
-    assert manager.latest() == first and manager.in_flight == 2
+    assert manager.latest() == first and manager.in_flight == 2 and completed == []
 
     gate.touch()
     assert manager.finalize(blocking=True) == path
+    assert completed == [path] and (path / "meta.json").is_file()
     assert manager.in_flight is None and not tmp.exists()
     assert manager.damage(path) is None  # complete and verified against its manifest
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == path.name
@@ -125,11 +127,12 @@ def test_an_async_write_that_runs_out_of_space_fails_at_finalize_and_keeps_the_p
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(filesystem_async, "_write_item", full)  # inherited by the writers
-    manager.save(2, model, optimizer=optimizer)
+    completed = []
+    manager.save(2, model, optimizer=optimizer, on_complete=completed.append)
     with pytest.raises(OSError, match="No space left on device while writing checkpoint") as info:
         manager.finalize(blocking=True)
     assert info.value.errno == errno.ENOSPC and first.name in str(info.value)
-    assert manager.in_flight is None
+    assert manager.in_flight is None and completed == []  # a failed save never completes
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", first.name]
     assert manager.latest() == first
     monkeypatch.undo()

@@ -54,6 +54,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,7 @@ class _InFlight:
     final: Path
     tmp: Path
     started: float  # time.perf_counter() when its writer was started
+    on_complete: Callable[[Path], None] | None
 
 
 @dataclass
@@ -215,6 +217,7 @@ class CheckpointManager:
         extra: dict[str, Any] | None = None,
         optimizer: Any = None,
         async_save: bool | None = None,
+        on_complete: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write checkpoint ``step`` (all ranks call this) and return its directory.
 
@@ -223,7 +226,9 @@ class CheckpointManager:
         the megatron optimizer of ``model`` (saved sharded); RNG states are added here.
         ``async_save`` (default: the manager's): return once the write has started; the
         directory exists once ``finalize`` has completed it. A save in flight is completed
-        first.
+        first. ``on_complete(path)`` runs on this rank once the checkpoint is complete
+        (before ``save`` returns, or in the ``finalize`` that completes it; never for a save
+        that fails or is abandoned): what needs the checkpoint on disk, e.g. an HF export.
         """
         started = time.perf_counter()
         self.finalize(blocking=True)
@@ -240,6 +245,7 @@ class CheckpointManager:
         try:
             if background:
                 self._write_async(step, model, extra, optimizer, tmp, final, rank, world)
+                self._in_flight = _InFlight(step, final, tmp, time.perf_counter(), on_complete)
             else:
                 self._write(step, model, extra, optimizer, tmp, final, rank, world)
         except BaseException as err:
@@ -256,6 +262,8 @@ class CheckpointManager:
             )
         else:
             logger.info("saved checkpoint %s in %.2f s", final, self.blocked_seconds)
+            if on_complete is not None:
+                on_complete(final)
         return final
 
     def _failed(self, err: BaseException, final: Path, tmp: Path, rank: int) -> BaseException:
@@ -309,12 +317,7 @@ class CheckpointManager:
         )
         if self._calls is None:
             self._calls = AsyncCallsQueue(persistent=False)  # a forked writer per save
-        self._in_flight = _InFlight(step, final, tmp, time.perf_counter())
-        try:
-            self._calls.schedule_async_request(request)
-        except BaseException:
-            self.abandon()
-            raise
+        self._calls.schedule_async_request(request)
 
     def _begin(self, tmp: Path, rank: int) -> None:
         if rank == 0:
@@ -362,6 +365,8 @@ class CheckpointManager:
             pending.final,
             time.perf_counter() - pending.started,
         )
+        if pending.on_complete is not None:
+            pending.on_complete(pending.final)
         return pending.final
 
     def abandon(self) -> None:
