@@ -190,6 +190,12 @@ def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes(preempted, t
     assert f"step_{signalled:08d}" in ckpts, ckpts
     assert not [name for name in ckpts if name.endswith(".tmp")], ckpts
     assert f"stopping on SIGTERM after checkpointing step {signalled}" in output
+    # checkpoint.async_save: the periodic save of step 2 was written while training went on,
+    # completed at a later step's finalize; the signal's save was synchronous
+    step2 = run_dir / "checkpoints" / "step_00000002"
+    assert f"checkpoint {step2}: writing in the background" in output
+    assert f"saved checkpoint {step2} (written in the background" in output
+    assert f"saved checkpoint {run_dir}/checkpoints/step_{signalled:08d} in " in output
 
     resumed = tmp_path / "run"
     shutil.copytree(run_dir, resumed)

@@ -349,8 +349,11 @@ def test_a_hung_trainer_rank_exits_75_with_its_stack_and_the_run_resumes(tmp_pat
         "train", str(RECIPE), *SMALL, "training.max_steps=3", "checkpoint.every_steps=1",
         "validation.every_steps=3", "training.logprob_probe_every=0",
         "rollout.placement=subprocess", "cluster.gpus_per_node=3", "cluster.trainer_gpus=2",
-        "cluster.generator_gpus=1", "training.hang_timeout_minutes=0.75", "--run-dir",
-        str(run_dir),
+        "cluster.generator_gpus=1", "training.hang_timeout_minutes=0.75",
+        # the step-1 checkpoint must be complete before step 2 hangs: an async save completes
+        # at a later step's finalize, which a hang never reaches (the save is then lost)
+        "checkpoint.async_save=false",
+        "--run-dir", str(run_dir),
     ]  # fmt: skip
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     torchrun += ["--nproc-per-node", "2"]

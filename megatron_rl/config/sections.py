@@ -208,6 +208,13 @@ class CheckpointConfig:
             directory, ``RUN_DIR/hf/step_NNNNNNNN`` (``trainer/hf_export.py``: a background
             process while training goes on; ``keep_last`` of them are kept); a multiple of
             ``every_steps``. 0: off.
+        async_save: the periodic saves are written in the background (megatron-core's async
+            dist-checkpoint save) while training goes on; the loop waits only while the
+            tensors are staged to host memory (which needs a host copy of this rank's model
+            and optimizer state). The save completes (and counts, and older ones are pruned)
+            once written; saves on a signal and at the end are synchronous; a save still
+            being written when a rank crashes or hangs is lost (the run resumes from the
+            one before). Default on: a Scout checkpoint with optimizer state is ~1.5 TB.
     """
 
     every_steps: int = 100
@@ -215,6 +222,7 @@ class CheckpointConfig:
     on_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     save_at_end: bool = True
     export_hf_every: int = 0
+    async_save: bool = True
 
     def validate(self) -> None:
         _check_int(self, "every_steps", 0)

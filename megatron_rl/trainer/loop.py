@@ -150,10 +150,12 @@ def train(
             watchdog.beat(f"step {step}: validation and checkpoint")
             if config.validation.enabled and step % config.validation.every_steps == 0:
                 validate(run, pool, step, main)
+            with run.clock.window("checkpoint"):
+                run.checkpoints.finalize()  # an async save whose write is done completes
             # only some ranks may have got the signal
             signalled = collectives.any_rank(stop.requested is not None)
             if _due(step, config.checkpoint.every_steps) or signalled:
-                save_checkpoint(run, step, source)
+                save_checkpoint(run, step, source, wait=signalled)
             if signalled:
                 signal_name = stop.requested or "a signal to another rank"
                 logger.info("stopping on %s after checkpointing step %d", signal_name, step)
@@ -164,10 +166,13 @@ def train(
         # The loop's own checkpoint of this step holds everything unless validation ran since.
         saved = step > 0 and _due(step, config.checkpoint.every_steps) and not validated_at_end
         if config.checkpoint.save_at_end and not saved:
-            save_checkpoint(run, step, source)
+            save_checkpoint(run, step, source, wait=True)
+        with run.clock.window("checkpoint"):
+            run.checkpoints.finalize(blocking=True)
         finished = True
     finally:
         watchdog.disarm()
+        run.checkpoints.abandon()  # an error's path: no collective (a normal end finalized)
         run.clock.begin("shutdown")
         bar.close()
         if pool is not None:
@@ -546,12 +551,14 @@ def push_weights(run: Run, pool, reweigh: bool = False, between=None):
         )
 
 
-def save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:
+def save_checkpoint(run: Run, step: int, source: RolloutSource, wait: bool = False) -> None:
+    """Checkpoint ``step``: in the background if ``checkpoint.async_save`` unless ``wait``
+    (a save on a signal or at the end must be complete before the process exits)."""
     with run.clock.window("checkpoint"):
-        _save_checkpoint(run, step, source)
+        _save_checkpoint(run, step, source, wait)
 
 
-def _save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:
+def _save_checkpoint(run: Run, step: int, source: RolloutSource, wait: bool = False) -> None:
     extra = {
         "scheduler": run.optim.scheduler.state_dict(),
         "sampler": run.sampler.state_dict(),
@@ -560,9 +567,23 @@ def _save_checkpoint(run: Run, step: int, source: RolloutSource) -> None:
         "metrics_position": run.metrics.position(),
         "in_flight": source.in_flight_prompt_ids() if source is not None else [],
     }
-    path = run.checkpoints.save(step, run.model, extra, optimizer=run.optim.optimizer)
-    if run.exporter is not None and run.exporter.wants(step):
-        run.exporter.submit(step, path, {"gpu_hours": run.clock.summary()["gpu_hours"]})
+    async_save = False if wait else None  # None: checkpoint.async_save
+    export = None
+    if run.exporter is not None and run.exporter.wants(step):  # once the save is complete
+        notes = {"gpu_hours": run.clock.summary()["gpu_hours"]}
+        exporter = run.exporter
+
+        def export(path: Path) -> None:
+            exporter.submit(step, path, notes)
+
+    run.checkpoints.save(
+        step,
+        run.model,
+        extra,
+        optimizer=run.optim.optimizer,
+        async_save=async_save,
+        on_complete=export,
+    )
 
 
 def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool) -> dict:

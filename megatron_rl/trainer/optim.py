@@ -145,10 +145,11 @@ def build_optimizer(ddp_model, cfg: OptimizerConfig) -> Optimizer:
 # -- checkpoints ---------------------------------------------------------------------------
 
 
-def save_optimizer(optimizer, model, ckpt_dir: Path) -> None:
+def save_optimizer(optimizer, model, ckpt_dir: Path, async_save: bool = False):
     """``optimizer``'s state as a megatron dist checkpoint (all ranks call this), sharded like
     the parameters of ``model`` (the unwrapped module), so it loads into another TP / PP / EP /
-    DP layout."""
+    DP layout. ``async_save``: return megatron's ``AsyncRequest`` for the caller to schedule
+    and finalize (see :func:`megatron_rl.conversion.checkpoint.save_model`), else None."""
     from megatron.core import dist_checkpointing
 
     from megatron_rl.conversion.checkpoint import use_local_results_queue
@@ -157,7 +158,9 @@ def save_optimizer(optimizer, model, ckpt_dir: Path) -> None:
     _materialize_state(optimizer)
     use_local_results_queue()
     state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=False)
-    dist_checkpointing.save({"optimizer": state}, str(ckpt_dir))
+    return dist_checkpointing.save(
+        {"optimizer": state}, str(ckpt_dir), async_sharded_save=async_save
+    )
 
 
 def load_optimizer(optimizer, model, ckpt_dir: Path) -> None:

@@ -47,6 +47,7 @@ SAFE_CHANGES = (
     "checkpoint.keep_last",
     "checkpoint.save_at_end",
     "checkpoint.on_signals",
+    "checkpoint.async_save",
     "validation.every_steps",
     "validation.at_start",
     "forecast.",

@@ -186,7 +186,12 @@ def build_run(
         sampler=sampler,
         tracker=tracker,
         rewards=RewardPool(config.reward),
-        checkpoints=CheckpointManager(run_dir, config.checkpoint.keep_last, hf_source_dir=hf_dir),
+        checkpoints=CheckpointManager(
+            run_dir,
+            config.checkpoint.keep_last,
+            hf_source_dir=hf_dir,
+            async_save=config.checkpoint.async_save,
+        ),
         metrics=(
             MetricsLogger(run_dir, tensorboard=config.logging.tensorboard)
             if dist.get_rank() == 0

@@ -17,8 +17,24 @@ Layout under ``RUN_DIR/checkpoints``::
 Everything is written into ``step_XXXXXXXX.tmp`` and renamed into place only when complete,
 then the ``latest`` pointer is replaced, then old checkpoints are pruned; a crash at any
 point leaves the previous checkpoint complete and found by ``latest()``. All ranks call
-``save`` and ``load`` (collectively). A run may resume with another world size or parallel
-layout: model and optimizer reshard; the RNG states are then not restored (they are per rank).
+``save`` and ``load`` (collectively).
+
+Asynchronous saves (``async_save``, the recipe's ``checkpoint.async_save``): ``save`` plans
+the write, stages the tensors off the live parameters (megatron copies GPU tensors to host
+memory; the forked writer's copy-on-write memory is the snapshot of host tensors), writes the
+small loop and RNG state, forks megatron's writer and returns; training goes on while it
+writes. ``finalize`` (every rank, once per step: it runs a collective while a save is in
+flight) completes the save when its write is done everywhere: megatron's finalize functions
+(``.metadata``), then the manifest, ``meta.json``, the rename of the ``.tmp``, ``latest`` and
+the pruning. So ``keep_last`` complete checkpoints plus the one in flight are on disk, and the
+newest complete one is never pruned before its successor is complete. At most one save is in
+flight: the next ``save`` waits for the previous one first (``finalize(blocking=True)``), as
+does a synchronous one (the save on a signal: its write cannot outlive the job). The writer
+ignores the job's signals and dies with its trainer; a save in flight when the trainer dies
+(a crash, a hang that exits 75) is lost, and the run resumes from the one before.
+
+A run may resume with another world size or parallel layout: model and optimizer reshard;
+the RNG states are then not restored (they are per rank).
 
 A checkpoint counts only if it verifies against its manifest (a truncated shard, a lost
 ``.metadata`` or loop state): a damaged newest one is skipped with a warning that names it,
@@ -37,6 +53,8 @@ import os
 import random
 import re
 import shutil
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +115,17 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """An async save that was scheduled and is not complete yet."""
+
+    step: int
+    final: Path
+    tmp: Path
+    started: float  # time.perf_counter() when its writer was started
+    on_complete: Callable[[Path], None] | None
+
+
 @dataclass
 class Checkpoint:
     """What ``CheckpointManager.load`` returns (the model is loaded in place)."""
@@ -154,6 +183,8 @@ class CheckpointManager:
         hf_config: HF config written next to the model (default: the model's
             ``architecture.text_config``, set by ``megatron_rl.models.provider.build_model``).
         hf_source_dir: directory whose tokenizer files are copied next to the model.
+        async_save: write model and optimizer in the background (see the module docstring);
+            ``save`` may override it per call.
     """
 
     def __init__(
@@ -162,6 +193,7 @@ class CheckpointManager:
         keep_last: int = 2,
         hf_config: Any = None,
         hf_source_dir: str | Path | None = None,
+        async_save: bool = False,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -169,7 +201,11 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.hf_config = hf_config
         self.hf_source_dir = hf_source_dir
+        self.async_save = async_save
         self._warned: set[Path] = set()  # damaged checkpoints already reported
+        self._calls = None  # megatron's AsyncCallsQueue, made at the first async save
+        self._in_flight: _InFlight | None = None
+        self.blocked_seconds: float | None = None  # how long the last ``save`` blocked
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -180,16 +216,26 @@ class CheckpointManager:
         model: Any,
         extra: dict[str, Any] | None = None,
         optimizer: Any = None,
+        async_save: bool | None = None,
+        on_complete: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write checkpoint ``step`` (all ranks call this) and return its directory.
 
         ``extra`` is the loop state (sampler, pass-rate tracker, scheduler, compute clock,
         metrics position ...) as plain data and tensors; rank 0's is kept. ``optimizer`` is
         the megatron optimizer of ``model`` (saved sharded); RNG states are added here.
+        ``async_save`` (default: the manager's): return once the write has started; the
+        directory exists once ``finalize`` has completed it. A save in flight is completed
+        first. ``on_complete(path)`` runs on this rank once the checkpoint is complete
+        (before ``save`` returns, or in the ``finalize`` that completes it; never for a save
+        that fails or is abandoned): what needs the checkpoint on disk, e.g. an HF export.
         """
+        started = time.perf_counter()
+        self.finalize(blocking=True)
         rank, world = _rank_world()
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
+        background = self.async_save if async_save is None else async_save
         from megatron_rl.platform import collectives
 
         refused = self._check_space(step) if rank == 0 else None
@@ -197,41 +243,142 @@ class CheckpointManager:
         if refused:  # every rank raises: the save is collective
             raise OSError(errno.ENOSPC, refused)
         try:
-            self._write(step, model, extra, optimizer, tmp, final, rank, world)
+            if background:
+                self._write_async(step, model, extra, optimizer, tmp, final, rank, world)
+                self._in_flight = _InFlight(step, final, tmp, time.perf_counter(), on_complete)
+            else:
+                self._write(step, model, extra, optimizer, tmp, final, rank, world)
         except BaseException as err:
-            code = _disk_full(err)
-            if code is None:
+            failure = self._failed(err, final, tmp, rank)
+            if failure is err:
                 raise
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            latest = self.latest()
-            raise OSError(
-                code,
-                f"{os.strerror(code)} while writing checkpoint {final.name} under {self.root} "
-                f"({_gb(_free_bytes(self.root))} GB free now): its partial {tmp.name} was removed;"
-                f" the newest complete checkpoint is {latest.name if latest else 'none'}",
-            ) from err
-        logger.info("saved checkpoint %s", final)
+            raise failure from err
+        self.blocked_seconds = time.perf_counter() - started
+        if background:
+            logger.info(
+                "checkpoint %s: writing in the background (the loop waited %.2f s)",
+                final,
+                self.blocked_seconds,
+            )
+        else:
+            logger.info("saved checkpoint %s in %.2f s", final, self.blocked_seconds)
+            if on_complete is not None:
+                on_complete(final)
         return final
 
-    def _write(self, step, model, extra, optimizer, tmp: Path, final: Path, rank, world) -> None:
+    def _failed(self, err: BaseException, final: Path, tmp: Path, rank: int) -> BaseException:
+        """What a save that raised ``err`` raises: ``err`` itself, or for a full disk an
+        OSError that says so in words (its partial ``.tmp`` removed)."""
+        code = _disk_full(err)
+        if code is None:
+            return err
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "state").mkdir(parents=True)
-        _barrier()
+        latest = self.latest()
+        return OSError(
+            code,
+            f"{os.strerror(code)} while writing checkpoint {final.name} under {self.root} "
+            f"({_gb(_free_bytes(self.root))} GB free now): its partial {tmp.name} was removed;"
+            f" the newest complete checkpoint is {latest.name if latest else 'none'}",
+        )
+
+    def _write(self, step, model, extra, optimizer, tmp: Path, final: Path, rank, world) -> None:
+        self._begin(tmp, rank)
         hf_config = self.hf_config or model.architecture.text_config
         model_checkpoint.save_model(model, tmp / "model", hf_config, self.hf_source_dir)
         if optimizer is not None:
             from megatron_rl.trainer.optim import save_optimizer
 
             save_optimizer(optimizer, model, tmp / OPTIMIZER_SUBDIR)
+        self._write_states(step, extra, tmp, rank)
+        self._complete(tmp, final, step, world, optimizer is not None)
+
+    def _write_async(self, step, model, extra, optimizer, tmp, final, rank, world) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self._begin(tmp, rank)
+        hf_config = self.hf_config or model.architecture.text_config
+        requests = [
+            model_checkpoint.save_model(
+                model, tmp / "model", hf_config, self.hf_source_dir, async_save=True
+            )
+        ]
+        if optimizer is not None:
+            from megatron_rl.trainer.optim import save_optimizer
+
+            requests.append(
+                save_optimizer(optimizer, model, tmp / OPTIMIZER_SUBDIR, async_save=True)
+            )
+        self._write_states(step, extra, tmp, rank)
+        request = model_checkpoint.shielded(model_checkpoint.combined(requests))
+        # megatron's finalize functions (.metadata of each part) first, then ours
+        request.add_finalize_fn(
+            lambda: self._complete(tmp, final, step, world, optimizer is not None)
+        )
+        if self._calls is None:
+            self._calls = AsyncCallsQueue(persistent=False)  # a forked writer per save
+        self._calls.schedule_async_request(request)
+
+    def _begin(self, tmp: Path, rank: int) -> None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "state").mkdir(parents=True)
+        _barrier()
+
+    def _write_states(self, step: int, extra, tmp: Path, rank: int) -> None:
         if rank == 0:
             _write_state({"step": step, "extra": dict(extra or {})}, tmp / "state" / LOOP_STATE)
         _write_state(capture_rng_state(), tmp / "state" / f"rng_{rank:05d}.pt")
+
+    def _complete(self, tmp: Path, final: Path, step: int, world: int, optimizer: bool) -> None:
+        """Every part is written on every rank: publish (rank 0)."""
         _barrier()
-        if rank == 0:
-            self._publish(tmp, final, step, world, optimizer is not None)
+        if _rank_world()[0] == 0:
+            self._publish(tmp, final, step, world, optimizer)
         _barrier()
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the async save being written, or None."""
+        return self._in_flight.step if self._in_flight is not None else None
+
+    def finalize(self, blocking: bool = False) -> Path | None:
+        """Complete the async save in flight if its write is done on every rank (or, with
+        ``blocking``, once it is) and return its directory; None if nothing completed.
+        Collective while a save is in flight: every rank calls it at the same point."""
+        pending = self._in_flight
+        if pending is None:
+            return None
+        try:
+            self._calls.maybe_finalize_async_calls(blocking=blocking)
+        except BaseException as err:
+            self.abandon()
+            failure = self._failed(err, pending.final, pending.tmp, _rank_world()[0])
+            if failure is err:
+                raise
+            raise failure from err
+        if self._calls.get_num_unfinalized_calls():
+            return None
+        self._in_flight = None
+        logger.info(
+            "saved checkpoint %s (written in the background in %.1f s)",
+            pending.final,
+            time.perf_counter() - pending.started,
+        )
+        if pending.on_complete is not None:
+            pending.on_complete(pending.final)
+        return pending.final
+
+    def abandon(self) -> None:
+        """Stop the writers of the save in flight without completing it (no collective: for
+        error paths). Its ``.tmp`` stays until a later save prunes it; the newest complete
+        checkpoint is untouched."""
+        if self._in_flight is None:
+            return
+        logger.warning("abandoning the checkpoint in flight: %s", self._in_flight.tmp)
+        while self._calls.async_calls:
+            self._calls.async_calls.popleft().async_caller.close(abort=True)
+        self._in_flight = None
 
     def _check_space(self, step: int) -> str | None:
         """Why checkpoint ``step`` cannot fit on the disk (None: it should). The estimate is
