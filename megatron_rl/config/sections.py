@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_rl.trainer.tracking import WandbConfig
+
 SIGNAL_NAMES: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 # Slurm --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
@@ -325,11 +327,13 @@ class LoggingConfig:
         log_every: write a training record every this many updates (validation records are
             always written).
         progress_bar: show a progress bar with the key numbers.
+        wandb: Weights & Biases tracking (off by default; see megatron_rl/trainer/tracking.py).
     """
 
     tensorboard: bool = True
     log_every: int = 1
     progress_bar: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self) -> None:
         _check_int(self, "log_every", 1)

@@ -92,6 +92,17 @@ def prepare_hf_dir(config: RunConfig, run_dir: Path) -> Path:
     return out
 
 
+def build_tracker(config: RunConfig, run_dir: Path):
+    """The W&B tracker of the main rank (``logging.wandb``), else None."""
+    from megatron_rl.config.loader import to_dict
+    from megatron_rl.trainer.tracking import WandbTracker
+
+    wandb_cfg = config.logging.wandb
+    if not wandb_cfg.enabled:
+        return None
+    return WandbTracker(wandb_cfg, run_dir, to_dict(config), config.name)
+
+
 def build_run(
     config: RunConfig, run_dir: Path, restart: bool = False, allow_changes: bool = False
 ) -> Run:
@@ -186,7 +197,11 @@ def build_run(
         rewards=RewardPool(config.reward),
         checkpoints=CheckpointManager(run_dir, config.checkpoint.keep_last, hf_source_dir=hf_dir),
         metrics=(
-            MetricsLogger(run_dir, tensorboard=config.logging.tensorboard)
+            MetricsLogger(
+                run_dir,
+                tensorboard=config.logging.tensorboard,
+                tracker=build_tracker(config, run_dir),
+            )
             if dist.get_rank() == 0
             else NullMetrics()
         ),

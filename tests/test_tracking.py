@@ -1,0 +1,268 @@
+"""W&B tracking (logging.wandb) in offline mode, read back from W&B's own run files: one run
+per run directory, every metrics record once across kills and resumes. No network: offline
+runs only, and the one online case fails before it would need one."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from wandb_files import merged_history, offline_runs
+
+from megatron_rl.trainer.metrics import MetricsLogger, read_records
+from megatron_rl.trainer.tracking import (
+    STATE_FILE,
+    WANDB_DIR,
+    WRITTEN_AFTER,
+    TrackingError,
+    WandbConfig,
+    WandbTracker,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = {"name": "tiny", "optimizer": {"lr": 1e-3}, "logging": {"wandb": {"mode": "offline"}}}
+# W&B bookkeeping in every history row, and media fields
+W_AND_B_KEYS = ("_timestamp", "_runtime", "_step")
+
+
+@pytest.fixture(autouse=True)
+def wandb_env(tmp_path, monkeypatch):
+    """No W&B settings, credentials or network from this machine: W&B's own directories
+    in tmp, no key, and a server address nothing listens on."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(name, str(home / name.lower()))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(name, raising=False)
+    # wandb.init sets WANDB_SERVICE (its service's address) for child processes to share it:
+    # a job here must start its own, as a requeued job does; removed again after the test.
+    monkeypatch.setenv("WANDB_SERVICE", "")
+    monkeypatch.delenv("WANDB_SERVICE")
+
+
+def job_env() -> dict[str, str]:
+    """The environment of a job run as a child process (no W&B service of this process)."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+
+
+def _tracker(run_dir: Path, mode: str = "offline") -> WandbTracker:
+    return WandbTracker(WandbConfig(mode=mode, tags=["ci"]), run_dir, RECIPE, "tiny")
+
+
+def _records(first_step: int, last_step: int) -> list[dict]:
+    """Fake training records, with a validation (and its domains) every 2 steps."""
+    out = []
+    for step in range(first_step, last_step + 1):
+        hours = 0.01 * step
+        out.append({"step": step, "gpu_hours": hours, "reward_mean": 0.1 * step,
+                    "prompt_ids": [step, step + 1], "loss": -0.5 * step})  # fmt: skip
+        if step % 2 == 0:
+            out.append({"step": step, "gpu_hours": hours, "val_pass_rate": 0.05 * step,
+                        "val_pass_rate/math": 0.04 * step, "val_pass_rate/code": 0.06 * step})  # fmt: skip
+    return out
+
+
+def _scalars(record: dict) -> dict:
+    return {k: v for k, v in record.items() if isinstance(v, (int, float))}
+
+
+def _history(row: dict) -> dict:
+    """A W&B history row as the record it mirrors: no W&B fields, no media."""
+    media = {k.split("/")[0] for k in row if k.endswith("/_type")}
+    return {
+        k: v
+        for k, v in row.items()
+        if k not in W_AND_B_KEYS and k.split("/")[0] not in media and not k.startswith("moe/")
+    }
+
+
+def _assert_rows_are_the_records(rows: list[dict], records: list[dict]) -> None:
+    assert [r["_step"] for r in rows] == list(range(len(records)))  # every record once
+    for row, record in zip(rows, records):
+        expected = _scalars(record)
+        got = _history(row)
+        assert got.keys() == expected.keys(), (row["_step"], got, expected)
+        for key, value in expected.items():
+            assert math.isclose(got[key], value, rel_tol=1e-12), (row["_step"], key)
+
+
+def test_every_record_goes_to_one_offline_run_with_config_axes_curve_and_preflight(tmp_path):
+    from megatron_rl.preflight.report import CheckResult, Report
+
+    run_dir = tmp_path / "run"
+    report = Report("tiny.yaml", str(run_dir), "cpu", 1, seconds=3.0)
+    report.results = [
+        CheckResult("engines", "PASS", "2 of 2", ">= 2", 1.5),
+        CheckResult("weights", "FAIL", "gap 0.3", "< 1e-3", 0.5, "logprobs disagree"),
+    ]
+    report.write(run_dir)
+    records = [{"step": 0, "gpu_hours": 0.0, "warm_start_loss": 1.25}, *_records(1, 4)]
+    metrics = MetricsLogger(run_dir, tensorboard=False, tracker=_tracker(run_dir))
+    metrics.truncate(0)  # the run's start
+    for record in records:
+        metrics.log(record)
+        if "reward_mean" in record:  # a MoE step: per-layer loads, not in metrics.jsonl
+            metrics.log_tensorboard(record["step"], {"moe/layer_0/load": record["step"] / 8})
+    metrics.close()
+
+    (part,) = offline_runs(run_dir)
+    assert part.finished and part.branch_point is None
+    assert part.run_id == json.loads((run_dir / WANDB_DIR / STATE_FILE).read_text())["run_id"]
+    assert part.config["optimizer"] == {"lr": 1e-3} and part.config["name"] == "tiny"
+    _assert_rows_are_the_records(part.rows, read_records(run_dir / "metrics.jsonl"))
+    for row, record in zip(part.rows, records):
+        if "reward_mean" in record:  # the per-layer series in the row of its step
+            assert row["moe/layer_0/load"] == record["step"] / 8
+        # the curve after each validation (a PNG W&B copied into the run's media)
+        has_curve = row.get("reward_curve/_type") == "image-file"
+        assert has_curve == ("val_pass_rate" in record), row
+        if has_curve:
+            assert (part.path / "files" / row["reward_curve/path"]).is_file()
+    assert part.rows[0]["preflight/_type"] == "table-file"  # with the first record
+    table = json.loads((part.path / "files" / part.rows[0]["preflight/path"]).read_text())
+    assert table["columns"][:2] == ["check", "status"]
+    assert [r[:2] for r in table["data"]] == [["engines", "PASS"], ["weights", "FAIL"]]
+    axes = {(m.name or m.glob_name): m.step_metric for m in part.metrics}
+    assert axes["*"] == "step" and "gpu_hours" in axes and "step" in axes
+    for key in ("val_pass_rate", "val_pass_rate/math", "val_pass_rate/code"):
+        assert axes[key] == "gpu_hours", key
+    state = json.loads((run_dir / WANDB_DIR / STATE_FILE).read_text())
+    assert state["written"] == len(records) - 1  # a normal end: all of it written
+
+
+KILLED_JOB = """
+import os, signal, sys, time
+sys.path.insert(0, {tests!r})
+from test_tracking import _records, _tracker
+from megatron_rl.trainer.metrics import MetricsLogger
+from pathlib import Path
+
+run_dir = Path({run_dir!r})
+records = _records(1, 6)  # 9 records
+metrics = MetricsLogger(run_dir, tensorboard=False, tracker=_tracker(run_dir))
+metrics.truncate(0)
+for record in records[:4]:
+    metrics.log(record)
+time.sleep({wait})  # records 0-2 are written now (record 3's row is still open)
+for record in records[4:7]:
+    metrics.log(record)
+os.kill(os.getpid(), signal.SIGKILL)  # no finish: W&B writes nothing more
+"""
+
+
+@pytest.mark.timeout(120)  # ~15 s
+def test_a_killed_job_resumed_from_its_checkpoint_continues_the_run_with_every_record_once(
+    tmp_path,
+):
+    """A job logs 7 records and is SIGKILLed; its last checkpoint kept 6 (metrics.jsonl is cut
+    back to them on resume). The next job continues the same W&B run, rewound to the last
+    record the killed job is known to have written, logs the records after it again from
+    metrics.jsonl, then its own: once synced, the run has every record once, with the
+    values of metrics.jsonl."""
+    run_dir = tmp_path / "run"
+    wait = WRITTEN_AFTER["offline"] + 0.5
+    script = KILLED_JOB.format(tests=str(ROOT / "tests"), run_dir=str(run_dir), wait=wait)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=job_env(), cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL
+    state = json.loads((run_dir / WANDB_DIR / STATE_FILE).read_text())
+    assert state["written"] == 2  # logged 4 records, waited, 3 more: rows 0-2 closed and waited
+    (killed,) = offline_runs(run_dir)
+    assert not killed.finished
+    # what the state says is written is in the file (and what it holds is in order)
+    assert [r["_step"] for r in killed.rows][:3] == [0, 1, 2]
+
+    # the resume: the checkpoint held 6 records; this job logs the rest of the 10-step run
+    records = _records(1, 10)
+    metrics = MetricsLogger(run_dir, tensorboard=False, tracker=_tracker(run_dir))
+    metrics.truncate(6)
+    assert metrics.tracker.rewound_to == 2  # min(6 - 1, written)
+    for record in records[6:]:
+        metrics.log(record)
+    metrics.close()
+
+    parts = offline_runs(run_dir)
+    assert len(parts) == 2 and {p.run_id for p in parts} == {state["run_id"]}  # one run
+    resumed = parts[1]
+    assert resumed.branch_point == (state["run_id"], "_step", 2.0) and resumed.finished
+    assert [r["_step"] for r in resumed.rows] == list(range(3, len(records)))
+    final = read_records(run_dir / "metrics.jsonl")
+    assert final == [json.loads(json.dumps(r)) for r in records]
+    _assert_rows_are_the_records(merged_history(parts), final)
+
+
+def test_a_resume_after_a_normal_end_rewinds_to_the_checkpoint_record(tmp_path):
+    """A job that ended normally (SIGTERM: checkpoint, then finish) wrote everything; the
+    next one rewinds to its checkpoint's last record and logs nothing twice."""
+    run_dir = tmp_path / "run"
+    records = _records(1, 5)
+    metrics = MetricsLogger(run_dir, tensorboard=False, tracker=_tracker(run_dir))
+    metrics.truncate(0)
+    for record in records[:5]:
+        metrics.log(record)
+    metrics.close()
+    metrics = MetricsLogger(run_dir, tensorboard=False, tracker=_tracker(run_dir))
+    metrics.truncate(4)  # the checkpoint came before the fifth record
+    assert metrics.tracker.rewound_to == 3
+    for record in records[4:]:
+        metrics.log(record)
+    metrics.close()
+    parts = offline_runs(run_dir)
+    assert len(parts) == 2 and parts[0].run_id == parts[1].run_id
+    assert [r["_step"] for r in parts[1].rows] == list(range(4, len(records)))
+    _assert_rows_are_the_records(merged_history(parts), records)
+
+
+def test_restart_moves_the_wandb_run_aside_and_the_next_start_opens_a_new_run(tmp_path):
+    from megatron_rl.trainer.rundir import find_history, move_history_aside
+
+    run_dir = tmp_path / "run"
+    metrics = MetricsLogger(run_dir, tensorboard=False, tracker=_tracker(run_dir))
+    metrics.truncate(0)
+    metrics.log(_records(1, 1)[0])
+    metrics.close()
+    old_id = json.loads((run_dir / WANDB_DIR / STATE_FILE).read_text())["run_id"]
+    aside = move_history_aside(run_dir, find_history(run_dir))
+    assert (aside / WANDB_DIR / STATE_FILE).is_file() and not (run_dir / WANDB_DIR).exists()
+    metrics = MetricsLogger(run_dir, tensorboard=False, tracker=_tracker(run_dir))
+    metrics.truncate(0)
+    metrics.close()
+    assert json.loads((run_dir / WANDB_DIR / STATE_FILE).read_text())["run_id"] != old_id
+
+
+def test_online_without_a_login_fails_at_start_naming_the_mode(tmp_path):
+    run_dir = tmp_path / "run"
+    metrics = MetricsLogger(run_dir, tensorboard=False, tracker=_tracker(run_dir, "online"))
+    t0 = time.monotonic()
+    with pytest.raises(TrackingError, match=r"logging\.wandb\.mode=online.*wandb login"):
+        metrics.truncate(0)
+    assert time.monotonic() - t0 < 30  # no wait for a server
+    metrics.close()
+
+
+def test_the_config_section_is_checked_with_its_key_path():
+    from megatron_rl.config import ConfigError, load_run_config
+
+    recipe = ROOT / "recipes" / "tiny_cpu.yaml"
+    cfg = load_run_config(recipe, ["logging.wandb.mode=offline"], check_model=False)
+    assert cfg.logging.wandb.mode == "offline" and cfg.logging.wandb.project
+    assert load_run_config(recipe, check_model=False).logging.wandb.mode == "disabled"
+    for override, key in [
+        ("logging.wandb.mode=cloud", "logging.wandb.mode"),
+        ("logging.wandb.project=", "logging.wandb.project"),
+        ("logging.wandb.tags=x", "logging.wandb.tags"),
+    ]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_run_config(recipe, ["logging.wandb.mode=offline", override], check_model=False)
