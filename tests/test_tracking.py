@@ -28,6 +28,7 @@ from megatron_rl.trainer.tracking import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+HOME = os.environ.get("HOME", "")  # the trainer's caches (vLLM, HF) live there
 RECIPE = {"name": "tiny", "optimizer": {"lr": 1e-3}, "logging": {"wandb": {"mode": "offline"}}}
 # W&B bookkeeping in every history row, and media fields
 W_AND_B_KEYS = ("_timestamp", "_runtime", "_step")
@@ -246,7 +247,7 @@ def test_online_without_a_login_fails_at_start_naming_the_mode(tmp_path):
     run_dir = tmp_path / "run"
     metrics = MetricsLogger(run_dir, tensorboard=False, tracker=_tracker(run_dir, "online"))
     t0 = time.monotonic()
-    with pytest.raises(TrackingError, match=r"logging\.wandb\.mode=online.*wandb login"):
+    with pytest.raises(TrackingError, match=r"logging\.wandb\.mode=online.*API key.*wandb login"):
         metrics.truncate(0)
     assert time.monotonic() - t0 < 30  # no wait for a server
     metrics.close()
@@ -266,3 +267,73 @@ def test_the_config_section_is_checked_with_its_key_path():
     ]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_run_config(recipe, ["logging.wandb.mode=offline", override], check_model=False)
+
+
+# -- a real run: killed after a checkpoint, resumed --------------------------------------------
+
+RUN_ARGS = [
+    "warm_start.steps=40",
+    "data.val_size=16",
+    "data.synthetic.num_problems=200",
+    "batch.prompts_per_step=4",
+    "batch.samples_per_prompt=4",
+    "validation.samples_per_prompt=2",
+    "validation.every_steps=3",
+    "training.max_steps=3",
+    "checkpoint.every_steps=1",
+    "forecast.enabled=false",
+    "logging.tensorboard=false",
+    "logging.progress_bar=false",
+    "logging.wandb.mode=offline",
+    "logging.wandb.tags=[ci,tiny]",
+]
+
+
+def _train_cmd(run_dir: Path) -> list[str]:
+    recipe = ROOT / "recipes" / "tiny_cpu.yaml"
+    return [sys.executable, "-m", "megatron_rl.cli", "train", str(recipe), *RUN_ARGS,
+            "--run-dir", str(run_dir)]  # fmt: skip
+
+
+def _trainer_env() -> dict[str, str]:
+    from megatron_rl.platform import LAUNCHER_VARS
+
+    env = {k: v for k, v in job_env().items() if k not in LAUNCHER_VARS}
+    return {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "HOME": HOME}  # offline: no credentials read
+
+
+@pytest.mark.timeout(1500)  # two tiny runs: ~60 s each on a quiet machine, 4 min at load 20
+def test_a_run_killed_after_a_checkpoint_and_resumed_is_one_wandb_run_with_every_record_once(
+    tmp_path,
+):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_train_cmd(run_dir), cwd=ROOT, env=_trainer_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    meta = run_dir / "checkpoints" / "step_00000002" / "meta.json"
+    deadline = time.monotonic() + 600
+    while not meta.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # the trainer, hard: a node failure
+    proc.wait()
+    assert meta.is_file(), "the run never wrote the checkpoint of step 2"
+    killed = json.loads((run_dir / WANDB_DIR / STATE_FILE).read_text())
+    resumed = subprocess.run(_train_cmd(run_dir), cwd=ROOT, env=_trainer_env(),
+                             capture_output=True, text=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    final = read_records(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in final if "reward_mean" in r] == [1, 2, 3]
+    parts = offline_runs(run_dir)
+    assert len(parts) == 2 and {p.run_id for p in parts} == {killed["run_id"]}  # one run
+    first, second = parts
+    # what the killed job's state said was written is in its file
+    assert [r["_step"] for r in first.rows][: killed["written"] + 1] == list(
+        range(killed["written"] + 1)
+    )
+    assert second.branch_point is not None and second.finished
+    assert second.branch_point[2] <= 3  # the step-2 checkpoint held 4 records (0-3)
+    _assert_rows_are_the_records(merged_history(parts), final)
+    assert second.config["logging"]["wandb"]["tags"] == ["ci", "tiny"]
+    assert second.config["training"]["max_steps"] == 3  # the resolved recipe
+    validations = [r for r in merged_history(parts) if "val_pass_rate" in r]
+    assert len(validations) == 2 and all("reward_curve/path" in r for r in validations)
