@@ -226,6 +226,26 @@ def test_a_resume_after_a_normal_end_rewinds_to_the_checkpoint_record(tmp_path):
     _assert_rows_are_the_records(merged_history(parts), records)
 
 
+def test_tracking_turned_on_at_a_resume_logs_the_run_so_far_first(tmp_path):
+    """``logging.*`` may change on resume: a run that had no W&B run gets one holding every
+    record kept, then the new ones."""
+    run_dir = tmp_path / "run"
+    records = _records(1, 4)
+    with MetricsLogger(run_dir, tensorboard=False) as metrics:  # no tracking
+        metrics.truncate(0)
+        for record in records[:4]:
+            metrics.log(record)
+    metrics = MetricsLogger(run_dir, tensorboard=False, tracker=_tracker(run_dir))
+    metrics.truncate(3)  # the checkpoint held 3
+    assert metrics.tracker.rewound_to is None  # a new run
+    for record in records[3:]:
+        metrics.log(record)
+    metrics.close()
+    (part,) = offline_runs(run_dir)
+    assert part.branch_point is None
+    _assert_rows_are_the_records(part.rows, records)
+
+
 def test_restart_moves_the_wandb_run_aside_and_the_next_start_opens_a_new_run(tmp_path):
     from megatron_rl.trainer.rundir import find_history, move_history_aside
 
