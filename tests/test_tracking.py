@@ -273,6 +273,21 @@ def test_online_without_a_login_fails_at_start_naming_the_mode(tmp_path):
     metrics.close()
 
 
+@pytest.mark.timeout(300)  # ~15 s: the CLI up to the distributed init
+def test_train_online_without_a_login_is_refused_before_anything_is_built(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(ROOT / "recipes" / "tiny_cpu.yaml"),
+           "logging.wandb.mode=online", "--run-dir", str(run_dir)]  # fmt: skip
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_trainer_env() | {"HOME": os.environ["HOME"]},
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: logging.wandb.mode=online: no W&B API key configured" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists()  # refused before the run directory was claimed
+    assert time.monotonic() - t0 < 200
+
+
 def test_the_config_section_is_checked_with_its_key_path():
     from megatron_rl.config import ConfigError, load_run_config
 

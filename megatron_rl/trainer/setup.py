@@ -133,16 +133,18 @@ def build_run(
 
     from megatron_rl.platform import collectives
     from megatron_rl.trainer.rundir import RunDirError, claim_run_dir, save_config
+    from megatron_rl.trainer.tracking import TrackingError, check_login
 
     claim, refused = None, None
     if dist.get_rank() == 0:
         try:
+            check_login(config.logging.wandb)  # W&B online: logged in and the server answers
             claim = claim_run_dir(config, run_dir, restart, allow_changes)
-        except RunDirError as err:
-            refused = str(err)
+        except (RunDirError, TrackingError) as err:
+            refused = err
     refused = collectives.broadcast_object(refused)
-    if refused:  # on every rank: the others would wait for rank 0 otherwise
-        raise RunDirError(refused)
+    if refused is not None:  # on every rank: the others would wait for rank 0 otherwise
+        raise refused
     if dist.get_rank() == 0:  # one rank writes the initial HF directory, the others wait
         prepare_hf_dir(config, run_dir)
     collectives.barrier()

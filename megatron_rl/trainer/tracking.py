@@ -27,9 +27,11 @@ one W&B run for the life of the run directory, whatever the number of jobs it ta
   step, the resolved recipe is the run's config, ``reward_curve.png`` is logged as an image
   after each validation (and again when the live forecast redraws it), and
   ``RUN_DIR/preflight.json`` (``megatron-rl preflight``) as a table when a job starts.
-- **Failures.** A run that cannot start (``online`` without a login or without a network)
-  fails before training with an error naming ``logging.wandb.mode``; a failure while
-  logging is a warning and never stops training.
+- **Failures.** ``online`` without a login, or whose server does not answer, is refused
+  before the run builds anything (:func:`check_login`, on the main rank, whose refusal
+  every rank raises), with an error naming ``logging.wandb.mode``; a run that cannot be
+  opened later fails the same way before training; a failure while logging is a warning
+  and never stops training.
 
 This module imports neither torch nor wandb at import time (the config tree imports it).
 """
@@ -91,6 +93,30 @@ class WandbConfig:
 
 class TrackingError(RuntimeError):
     """The W&B run could not be started (the message names ``logging.wandb.mode``)."""
+
+
+def check_login(config: WandbConfig) -> None:
+    """``online``: W&B has credentials and its server accepts them (wandb.login verifies them
+    there: ~10 s without a network), checked before the run builds anything. Raises
+    :class:`TrackingError` naming ``logging.wandb.mode``; nothing to check otherwise."""
+    if config.mode != "online":
+        return
+    import wandb
+
+    try:
+        logged_in = wandb.login(prompt=False, verify=True)
+    except Exception as err:
+        message = f"logging.wandb.mode=online: {type(err).__name__}: {err}; {_HINT}"
+        raise TrackingError(message) from err
+    if not logged_in:
+        raise TrackingError(f"logging.wandb.mode=online: no W&B API key configured; {_HINT}")
+
+
+_HINT = (
+    "log in (`wandb login`, or WANDB_API_KEY) and check that the W&B server can be reached, or "
+    "set logging.wandb.mode=offline (upload later with `wandb sync RUN_DIR/wandb`) or "
+    "logging.wandb.mode=disabled"
+)
 
 
 def new_run_id() -> str:
@@ -229,13 +255,7 @@ class WandbTracker:
 
     def _error(self, err: Exception) -> TrackingError:
         mode = self.config.mode
-        hint = (
-            "log in (`wandb login`, or WANDB_API_KEY) and check that the W&B server can be "
-            "reached, or set logging.wandb.mode=offline (upload later with "
-            f"`wandb sync {self.dir}`) or logging.wandb.mode=disabled"
-            if mode == "online"
-            else "or set logging.wandb.mode=disabled"
-        )
+        hint = _HINT if mode == "online" else "or set logging.wandb.mode=disabled"
         return TrackingError(
             f"logging.wandb.mode={mode}: could not start the W&B run in {self.dir}: "
             f"{type(err).__name__}: {err}; {hint}"
