@@ -179,17 +179,20 @@ def test_a_killed_job_resumed_from_its_checkpoint_continues_the_run_with_every_r
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=job_env(), cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL
     state = json.loads((run_dir / WANDB_DIR / STATE_FILE).read_text())
-    assert state["written"] == 2  # logged 4 records, waited, 3 more: rows 0-2 closed and waited
+    # logged 4 records, waited, 3 more: rows 0-2 were closed and waited for (row 3 too when
+    # the plot of record 5 took longer than the wait, on a loaded machine)
+    written = state["written"]
+    assert written in (2, 3)
     (killed,) = offline_runs(run_dir)
     assert not killed.finished
-    # what the state says is written is in the file (and what it holds is in order)
-    assert [r["_step"] for r in killed.rows][:3] == [0, 1, 2]
+    # what the state says is written is in the file
+    assert [r["_step"] for r in killed.rows][: written + 1] == list(range(written + 1))
 
     # the resume: the checkpoint held 6 records; this job logs the rest of the 10-step run
     records = _records(1, 10)
     metrics = MetricsLogger(run_dir, tensorboard=False, tracker=_tracker(run_dir))
     metrics.truncate(6)
-    assert metrics.tracker.rewound_to == 2  # min(6 - 1, written)
+    assert metrics.tracker.rewound_to == written  # min(6 - 1, written)
     for record in records[6:]:
         metrics.log(record)
     metrics.close()
@@ -197,8 +200,9 @@ def test_a_killed_job_resumed_from_its_checkpoint_continues_the_run_with_every_r
     parts = offline_runs(run_dir)
     assert len(parts) == 2 and {p.run_id for p in parts} == {state["run_id"]}  # one run
     resumed = parts[1]
-    assert resumed.branch_point == (state["run_id"], "_step", 2.0) and resumed.finished
-    assert [r["_step"] for r in resumed.rows] == list(range(3, len(records)))
+    assert resumed.branch_point == (state["run_id"], "_step", float(written))
+    assert resumed.finished
+    assert [r["_step"] for r in resumed.rows] == list(range(written + 1, len(records)))
     final = read_records(run_dir / "metrics.jsonl")
     assert final == [json.loads(json.dumps(r)) for r in records]
     _assert_rows_are_the_records(merged_history(parts), final)

@@ -194,64 +194,71 @@ class WandbTracker:
                 n,
             )
             run_id = None
-        kwargs: dict[str, Any] = {}
+        first = self._open(wandb, run_id, keep)  # the first record W&B lacks
+        self._written = self._last = first - 1
+        self._write_state()
+        self._define_axes()
+        todo = [i for i in range(first, n) if i >= self._skip_below]
+        logger.info(
+            "W&B run %s (%s, project %s)%s: %d records of metrics.jsonl to log again",
+            self.run.id,
+            self.config.mode,
+            self.config.project,
+            f" rewound to record {self.rewound_to}" if self.rewound_to is not None else "",
+            len(todo),
+        )
+        extras = self._preflight_table()
+        for index in todo:
+            self._log_row(records[index], index, replay=True, extras=extras)
+            extras = {}
+        self._pending_extras = extras  # the preflight table goes with the next record
+
+    def _open(self, wandb: Any, run_id: str | None, keep: int) -> int:
+        """``wandb.init``: a new run (``run_id`` None), or ``run_id`` rewound to record
+        ``keep``; online, where the server refuses the rewind, the run continued as it is.
+        Returns the index of the first record to log."""
         if run_id is None:
-            run_id, keep = new_run_id(), -1
-            kwargs["resume"] = "allow"
-        else:
-            kwargs["resume_from"] = f"{run_id}?_step={keep}"
+            self.run = self._init(wandb, new_run_id(), {"resume": "allow"})
+            return 0
         try:
-            self.run = self._init(wandb, run_id, kwargs)
-        except Exception as err:
-            if "resume_from" not in kwargs or self.config.mode != "online":
-                raise self._error(err) from err
+            self.run = self._init(wandb, run_id, {"resume_from": f"{run_id}?_step={keep}"})
+        except TrackingError as err:
+            if self.config.mode != "online":
+                raise
             logger.warning(
                 "W&B did not rewind run %s to record %d (%s): continuing it without a rewind; "
                 "the records it already holds keep the values the lost job logged",
                 run_id,
                 keep,
-                err,
+                err.__cause__,
             )
-            try:
-                self.run = self._init(wandb, run_id, {"resume": "allow"})
-            except Exception as err2:
-                raise self._error(err2) from err2
+            self.run = self._init(wandb, run_id, {"resume": "allow"})
+            # what the server holds is skipped; what it lacks (a hard kill's tail) is logged
             self._skip_below = int(self.run.starting_step)
-        else:
-            self.rewound_to = keep if "resume_from" in kwargs else None
-        self._written = self._last = keep
-        self._write_state()
-        self._define_axes()
-        logger.info(
-            "W&B run %s (%s, project %s)%s: %d records of metrics.jsonl to log again",
-            run_id,
-            self.config.mode,
-            self.config.project,
-            f" rewound to record {keep}" if self.rewound_to is not None else "",
-            max(n - 1 - max(keep, self._skip_below - 1), 0),
-        )
-        extras = self._preflight_table()
-        for index in range(keep + 1, n):
-            self._log_row(records[index], index, replay=True, extras=extras)
-            extras = {}
-        self._pending_extras = extras  # the preflight table goes with the next record
+            return min(keep + 1, self._skip_below)
+        self.rewound_to = keep
+        return keep + 1
 
     def _init(self, wandb: Any, run_id: str, kwargs: dict[str, Any]) -> Any:
+        """``wandb.init`` of this run directory's run; raises :class:`TrackingError`."""
         settings: dict[str, Any] = {"console": "off"}
         if "x_transaction_log_flush_interval" in wandb.Settings.model_fields:
             settings["x_transaction_log_flush_interval"] = FLUSH_SECONDS
-        return wandb.init(
-            project=self.config.project,
-            entity=self.config.entity or None,
-            name=self.name,
-            tags=list(self.config.tags) or None,
-            mode=self.config.mode,
-            dir=str(self.run_dir),
-            id=run_id if "resume_from" not in kwargs else None,
-            config=self.recipe,
-            settings=wandb.Settings(**settings),
-            **kwargs,
-        )
+        try:
+            return wandb.init(
+                project=self.config.project,
+                entity=self.config.entity or None,
+                name=self.name,
+                tags=list(self.config.tags) or None,
+                mode=self.config.mode,
+                dir=str(self.run_dir),
+                id=run_id if "resume_from" not in kwargs else None,
+                config=self.recipe,
+                settings=wandb.Settings(**settings),
+                **kwargs,
+            )
+        except Exception as err:
+            raise self._error(err) from err
 
     def _error(self, err: Exception) -> TrackingError:
         mode = self.config.mode
