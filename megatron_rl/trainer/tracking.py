@@ -11,21 +11,23 @@ one W&B run for the life of the run directory, whatever the number of jobs it ta
   n (``MetricsLogger.truncate``); the run is then reopened with W&B's rewind,
   ``wandb.init(resume_from=f"{id}?_step={k}")``, which drops everything the lost job logged
   after step k from the run's history, and records k+1 .. n-1 are logged again from the file.
-  k is n - 1, or less when the lost job may not have written them: W&B writes a record to
-  its files (offline) or sends it (online) some seconds after it is logged, and a job killed
-  hard (SIGKILL, a node failure) loses that tail. The last record known to be written
+  k is n - 1, or less when the lost job may not have written them (-1: none; the whole
+  history is dropped and logged again): W&B writes a record to its files (offline) or sends
+  it (online) some seconds after it is logged, and a job killed hard (SIGKILL, a node
+  failure) loses that tail. The last record known to be written
   (logged longer ago than that delay, or everything at a normal end) is kept in the same
   file. Offline, the rewind point is stored in the offline run's files (its RunRecord's
-  ``branch_point``) and applied by ``wandb sync``; online, the server must support run
-  rewind. Where it refuses (online only), the job continues the run with
-  ``resume="allow"`` instead and skips the records W&B already holds (their values are then
-  those of the lost job: a warning says so).
+  ``branch_point``) and applied by ``wandb beta sync``, which uploads the parts of one run in
+  the order they started; online, the server must support run rewind. Where it refuses
+  (online only), the job continues the run with ``resume="allow"`` instead and skips the
+  records W&B already holds (their values are then those of the lost job: a warning says so).
 - **Axes.** ``step`` (the optimizer step) is every metric's x axis, ``gpu_hours`` (training
   compute) is defined as an axis too and is the default one of ``val_pass_rate`` and its
   per-domain series (the ScaleRL compute curve). Scalar fields are logged (list fields such
   as ``prompt_ids`` stay in ``metrics.jsonl``), the per-layer MoE series in the row of their
   step, the resolved recipe is the run's config, ``reward_curve.png`` is logged as an image
-  after each validation (and again when the live forecast redraws it), and
+  after each validation (and again when the live forecast redraws it; a record logged again
+  after a rewind carries its numbers only), and
   ``RUN_DIR/preflight.json`` (``megatron-rl preflight``) as a table when a job starts.
 - **Failures.** ``online`` without a login, or whose server does not answer, is refused
   before the run builds anything (:func:`check_login`, on the main rank, whose refusal
@@ -68,7 +70,7 @@ class WandbConfig:
 
     Attributes:
         mode: ``disabled`` (default), ``offline`` (files in ``RUN_DIR/wandb``, uploaded
-            later with ``wandb sync RUN_DIR/wandb``: no network needed) or ``online`` (needs
+            later with ``wandb beta sync RUN_DIR/wandb``: no network needed) or ``online`` (needs
             ``wandb login`` or ``WANDB_API_KEY``, and the network).
         project: the W&B project.
         entity: the W&B team or user; empty: the login's default entity.
@@ -114,7 +116,7 @@ def check_login(config: WandbConfig) -> None:
 
 _HINT = (
     "log in (`wandb login`, or WANDB_API_KEY) and check that the W&B server can be reached, or "
-    "set logging.wandb.mode=offline (upload later with `wandb sync RUN_DIR/wandb`) or "
+    "set logging.wandb.mode=offline (upload later with `wandb beta sync RUN_DIR/wandb`) or "
     "logging.wandb.mode=disabled"
 )
 
@@ -182,18 +184,10 @@ class WandbTracker:
         state = self._read_state()
         n = len(records)
         written = int(state.get("written", -1)) if state else -1
-        keep = min(n - 1, written)
+        # -1: none known written (a job killed within seconds of its first record): the
+        # rewind then drops the whole history, and every record kept is logged again
+        keep = max(min(n - 1, written), -1)
         run_id = state.get("run_id") if state else None
-        if run_id and keep < 0:
-            logger.warning(
-                "W&B run %s of %s holds no record known to be written (last written: %d, "
-                "metrics.jsonl keeps %d): starting a new W&B run",
-                run_id,
-                self.run_dir,
-                written,
-                n,
-            )
-            run_id = None
         first = self._open(wandb, run_id, keep)  # the first record W&B lacks
         self._written = self._last = first - 1
         self._write_state()
