@@ -90,6 +90,13 @@ def _history(row: dict) -> dict:
     }
 
 
+def _run_ids(parts: list) -> set[str]:
+    """The W&B runs of offline parts (a job killed within a second may leave a .wandb file
+    with no record at all: W&B never wrote its buffer)."""
+    assert all(p.run_id or not p.rows for p in parts)
+    return {p.run_id for p in parts if p.run_id}
+
+
 def _assert_rows_are_the_records(rows: list[dict], records: list[dict]) -> None:
     assert [r["_step"] for r in rows] == list(range(len(records)))  # every record once
     for row, record in zip(rows, records):
@@ -206,7 +213,7 @@ def test_a_killed_job_resumed_from_its_checkpoint_continues_the_run_with_every_r
     metrics.close()
 
     parts = offline_runs(run_dir)
-    assert len(parts) == 2 and {p.run_id for p in parts} == {state["run_id"]}  # one run
+    assert len(parts) == 2 and _run_ids(parts) == {state["run_id"]}  # one run
     resumed = parts[1]
     assert resumed.branch_point == (state["run_id"], "_step", float(written))
     assert resumed.finished
@@ -371,7 +378,7 @@ def test_a_run_killed_after_a_checkpoint_and_resumed_is_one_wandb_run_with_every
     final = read_records(run_dir / "metrics.jsonl")
     assert [r["step"] for r in final if "reward_mean" in r] == [1, 2, 3]
     parts = offline_runs(run_dir)
-    assert len(parts) == 2 and {p.run_id for p in parts} == {killed["run_id"]}  # one run
+    assert len(parts) == 2 and _run_ids(parts) == {killed["run_id"]}  # one run
     first, second = parts
     # what the killed job's state said was written is in its file
     assert [r["_step"] for r in first.rows][: killed["written"] + 1] == list(
