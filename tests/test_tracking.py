@@ -394,3 +394,35 @@ def test_a_run_killed_after_a_checkpoint_and_resumed_is_one_wandb_run_with_every
     # the curve after each validation logged live (one logged again after a rewind has none)
     assert "reward_curve/path" in validations[-1]
     assert all("reward_curve/path" in r for r in first.rows if "val_pass_rate" in r)
+
+
+@pytest.mark.timeout(900)  # ~50 s on a quiet machine
+def test_a_preempted_run_finishes_its_wandb_run_with_every_record_written(tmp_path):
+    """SIGTERM to the whole process group (scancel, preemption): the trainer checkpoints and
+    exits 0, and its W&B run is finished with every record (W&B's service runs in a session
+    of its own: the group's signal does not end it before the trainer's finish)."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        a if a != "training.max_steps=3" else "training.max_steps=40" for a in _train_cmd(run_dir)
+    ]
+    log = tmp_path / "output.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_trainer_env(), stdout=out, stderr=out,
+                                start_new_session=True)  # fmt: skip
+        meta = run_dir / "checkpoints" / "step_00000002" / "meta.json"
+        deadline = time.monotonic() + 600
+        while not meta.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert meta.is_file(), log.read_text()[-3000:]
+        time.sleep(2)  # the helpers of the first save (and of the step after) are up
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+        finally:
+            proc.kill()
+    final = read_records(run_dir / "metrics.jsonl")
+    (part,) = offline_runs(run_dir)
+    assert part.finished
+    _assert_rows_are_the_records(part.rows, final)
+    state = json.loads((run_dir / WANDB_DIR / STATE_FILE).read_text())
+    assert state["written"] == len(final) - 1  # the next job rewinds to its checkpoint's record
