@@ -90,6 +90,18 @@ def _history(row: dict) -> dict:
     }
 
 
+def _finished_parts(run_dir: Path, timeout: float = 60.0) -> list:
+    """The offline parts of a run whose last job finished it: W&B's service writes the end of
+    a run's file a moment after ``finish()`` returns (seen: the exit record missing when read
+    at once), so wait for it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        parts = offline_runs(run_dir)
+        if (parts and parts[-1].finished) or time.monotonic() > deadline:
+            return parts
+        time.sleep(0.2)
+
+
 def _run_ids(parts: list) -> set[str]:
     """The W&B runs of offline parts (a job killed within a second may leave a .wandb file
     with no record at all: W&B never wrote its buffer)."""
@@ -126,7 +138,7 @@ def test_every_record_goes_to_one_offline_run_with_config_axes_curve_and_preflig
             metrics.log_tensorboard(record["step"], {"moe/layer_0/load": record["step"] / 8})
     metrics.close()
 
-    (part,) = offline_runs(run_dir)
+    (part,) = _finished_parts(run_dir)
     assert part.finished and part.branch_point is None
     assert part.run_id == json.loads((run_dir / WANDB_DIR / STATE_FILE).read_text())["run_id"]
     assert part.config["optimizer"] == {"lr": 1e-3} and part.config["name"] == "tiny"
@@ -212,7 +224,7 @@ def test_a_killed_job_resumed_from_its_checkpoint_continues_the_run_with_every_r
         metrics.log(record)
     metrics.close()
 
-    parts = offline_runs(run_dir)
+    parts = _finished_parts(run_dir)
     assert len(parts) == 2 and _run_ids(parts) == {state["run_id"]}  # one run
     resumed = parts[1]
     assert resumed.branch_point == (state["run_id"], "_step", float(written))
@@ -239,7 +251,7 @@ def test_a_resume_after_a_normal_end_rewinds_to_the_checkpoint_record(tmp_path):
     for record in records[4:]:
         metrics.log(record)
     metrics.close()
-    parts = offline_runs(run_dir)
+    parts = _finished_parts(run_dir)
     assert len(parts) == 2 and parts[0].run_id == parts[1].run_id
     assert [r["_step"] for r in parts[1].rows] == list(range(4, len(records)))
     _assert_rows_are_the_records(merged_history(parts), records)
@@ -260,7 +272,7 @@ def test_tracking_turned_on_at_a_resume_logs_the_run_so_far_first(tmp_path):
     for record in records[3:]:
         metrics.log(record)
     metrics.close()
-    (part,) = offline_runs(run_dir)
+    (part,) = _finished_parts(run_dir)
     assert part.branch_point is None
     _assert_rows_are_the_records(part.rows, records)
 
@@ -377,7 +389,7 @@ def test_a_run_killed_after_a_checkpoint_and_resumed_is_one_wandb_run_with_every
 
     final = read_records(run_dir / "metrics.jsonl")
     assert [r["step"] for r in final if "reward_mean" in r] == [1, 2, 3]
-    parts = offline_runs(run_dir)
+    parts = _finished_parts(run_dir)
     assert len(parts) == 2 and _run_ids(parts) == {killed["run_id"]}  # one run
     first, second = parts
     # what the killed job's state said was written is in its file
@@ -421,7 +433,7 @@ def test_a_preempted_run_finishes_its_wandb_run_with_every_record_written(tmp_pa
         finally:
             proc.kill()
     final = read_records(run_dir / "metrics.jsonl")
-    (part,) = offline_runs(run_dir)
+    (part,) = _finished_parts(run_dir)
     assert part.finished
     _assert_rows_are_the_records(part.rows, final)
     state = json.loads((run_dir / WANDB_DIR / STATE_FILE).read_text())
