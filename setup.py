@@ -22,6 +22,8 @@ CORE = [
     "pyyaml",
     "matplotlib",
     "tensorboard",
+    # logging.wandb (off by default): resume_from (run rewind), define_metric, offline runs.
+    "wandb>=0.19",
     "tqdm",
     "math-verify==0.9.0",
     "einops",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.config.errors import ConfigError
+from megatron_rl.trainer.tracking import WandbConfig
 
 SIGNAL_NAMES: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 # Slurm --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
@@ -353,11 +354,13 @@ class LoggingConfig:
         log_every: write a training record every this many updates (validation records are
             always written).
         progress_bar: show a progress bar with the key numbers.
+        wandb: Weights & Biases tracking (off by default; see megatron_rl/trainer/tracking.py).
     """
 
     tensorboard: bool = True
     log_every: int = 1
     progress_bar: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self) -> None:
         _check_int(self, "log_every", 1)

@@ -74,10 +74,11 @@ def run(args: argparse.Namespace) -> int:
     from megatron_rl.trainer.loop import train
     from megatron_rl.trainer.rundir import RunDirError
     from megatron_rl.trainer.step import LogprobGapError
+    from megatron_rl.trainer.tracking import TrackingError
 
     try:
         return int(train(config, run_dir, args.restart, args.allow_changes) or 0)
-    except RunDirError as err:  # busy, history without a checkpoint, changed settings
+    except (RunDirError, TrackingError) as err:  # busy, history, changes; W&B cannot start
         print(f"megatron-rl train: error: {err}", file=sys.stderr)
         return 2
     except LogprobGapError as err:  # the run is stopped on purpose: say why, no traceback

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megatron_rl.scaling.forecast import Forecast
+    from megatron_rl.trainer.tracking import WandbTracker
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +58,19 @@ class MetricsLogger:
     Args:
         run_dir: the run directory (created if needed).
         tensorboard: also write scalars to ``RUN_DIR/tensorboard``.
+        tracker: also mirror every record to an experiment tracker
+            (:class:`megatron_rl.trainer.tracking.WandbTracker`), started by the first
+            ``truncate`` (the run's start or resume) or record.
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(
+        self, run_dir: str | Path, tensorboard: bool = True, tracker: WandbTracker | None = None
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self.tensorboard = tensorboard
+        self.tracker = tracker
         self._writer: Any = None
         self._purge_step: int | None = None
         self._count = len(read_records(self.path)) if self.path.exists() else 0
@@ -98,9 +105,10 @@ class MetricsLogger:
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` records (on resume from a checkpoint taken at ``n``).
 
-        TensorBoard events of later steps are purged by the next writer. A file with fewer
-        records (lost, or cut short by hand) is kept as it is, with a warning: the checkpoint,
-        not the log, decides where a run resumes.
+        TensorBoard events of later steps are purged by the next writer; the tracker, if
+        any, starts here (rewound to the records kept). A file with fewer records (lost, or
+        cut short by hand) is kept as it is, with a warning: the checkpoint, not the log,
+        decides where a run resumes.
         """
         if n < 0:
             raise ValueError(f"cannot truncate {self.path} to {n} records")
@@ -121,6 +129,10 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self.tracker is not None:
+            if self.tracker.started:
+                raise RuntimeError(f"{self.path}: truncated after the tracker started")
+            self.tracker.start(records)
 
     def log(self, record: Mapping[str, Any]) -> None:
         """Append one record (must contain ``step``); numbers also go to TensorBoard."""
@@ -132,11 +144,18 @@ class MetricsLogger:
         self._count += 1
         if self.tensorboard:
             self._log_tensorboard(plain)
+        if self.tracker is not None:
+            if not self.tracker.started:
+                self.tracker.start(read_records(self.path)[: self._count - 1])
+            self.tracker.log(plain, self._count - 1)
 
     def log_tensorboard(self, step: int, scalars: Mapping[str, float]) -> None:
-        """Scalars for TensorBoard only: series too many for ``metrics.jsonl`` (per layer)."""
+        """Scalars for TensorBoard (and the tracker, in the row of the last record) only:
+        series too many for ``metrics.jsonl`` (per layer)."""
         if self.tensorboard:
             self._log_tensorboard({**_plain(dict(scalars)), "step": step})
+        if self.tracker is not None:
+            self.tracker.log_extra(_plain(dict(scalars)))
 
     def _log_tensorboard(self, record: dict[str, Any]) -> None:
         if self._writer is None:
@@ -162,6 +181,8 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self.tracker is not None:
+            self.tracker.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

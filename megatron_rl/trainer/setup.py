@@ -94,6 +94,17 @@ def prepare_hf_dir(config: RunConfig, run_dir: Path) -> Path:
     return out
 
 
+def build_tracker(config: RunConfig, run_dir: Path):
+    """The W&B tracker of the main rank (``logging.wandb``), else None."""
+    from megatron_rl.config.loader import to_dict
+    from megatron_rl.trainer.tracking import WandbTracker
+
+    wandb_cfg = config.logging.wandb
+    if not wandb_cfg.enabled:
+        return None
+    return WandbTracker(wandb_cfg, run_dir, to_dict(config), config.name)
+
+
 def build_run(
     config: RunConfig, run_dir: Path, restart: bool = False, allow_changes: bool = False
 ) -> Run:
@@ -124,16 +135,18 @@ def build_run(
 
     from megatron_rl.platform import collectives
     from megatron_rl.trainer.rundir import RunDirError, claim_run_dir, save_config
+    from megatron_rl.trainer.tracking import TrackingError, check_login
 
     claim, refused = None, None
     if dist.get_rank() == 0:
         try:
+            check_login(config.logging.wandb)  # W&B online: logged in and the server answers
             claim = claim_run_dir(config, run_dir, restart, allow_changes)
-        except RunDirError as err:
-            refused = str(err)
+        except (RunDirError, TrackingError) as err:
+            refused = err
     refused = collectives.broadcast_object(refused)
-    if refused:  # on every rank: the others would wait for rank 0 otherwise
-        raise RunDirError(refused)
+    if refused is not None:  # on every rank: the others would wait for rank 0 otherwise
+        raise refused
     if dist.get_rank() == 0:  # one rank writes the initial HF directory, the others wait
         prepare_hf_dir(config, run_dir)
     collectives.barrier()
@@ -193,7 +206,11 @@ def build_run(
             async_save=config.checkpoint.async_save,
         ),
         metrics=(
-            MetricsLogger(run_dir, tensorboard=config.logging.tensorboard)
+            MetricsLogger(
+                run_dir,
+                tensorboard=config.logging.tensorboard,
+                tracker=build_tracker(config, run_dir),
+            )
             if dist.get_rank() == 0
             else NullMetrics()
         ),
