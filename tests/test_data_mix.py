@@ -310,7 +310,7 @@ def test_validation_with_every_engine_restarted_reweighs_and_validates_once(
     """Every engine died and was restarted mid-validation: ``generate`` raises
     ``WeightsNeeded`` (withdrawing its requests); validation has the weights re-sent (a
     collective of every rank, as in training) and asks again with the same seeds."""
-    from megatron_rl.rollout.elastic import WeightsNeeded
+    from megatron_rl.rollout.client import WeightsNeeded
     from megatron_rl.trainer import loop
     from megatron_rl.trainer.metrics import read_records
 

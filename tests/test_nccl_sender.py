@@ -18,7 +18,7 @@ def test_the_nccl_sender_makes_its_device_current_on_the_helper_thread(monkeypat
     import vllm.distributed.weight_transfer.packed_tensor as packed_tensor
 
     import megatron_rl.platform.device as platform_device
-    from megatron_rl.rollout.nccl import NcclSender
+    from megatron_rl.rollout.weights.nccl import NcclSender
 
     current = threading.local()  # each thread starts on device 0, as CUDA's threads do
     made_current = []

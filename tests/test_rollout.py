@@ -24,7 +24,7 @@ import transformers
 from megatron_rl.conversion.weight_stream import iter_hf_weights
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.parity import logprob_deltas, megatron_from_hf, perturb_
-from megatron_rl.rollout.push import push_megatron_weights
+from megatron_rl.rollout.weights.push import push_megatron_weights
 
 BUCKET = 256 * 1024
 
@@ -118,8 +118,8 @@ def test_tied_head_follows_the_pushed_embedding(tiny_hf_dirs, megatron_single_ra
     """A model with ``tie_word_embeddings``: the engine's lm_head is the embedding's parameter,
     never loaded itself; vLLM 0.32 CPU kept its GEMM packed from the first load, so the
     generator sampled from a stale head after every push (fixed in rollout.transport)."""
-    from megatron_rl.rollout import transport
     from megatron_rl.rollout.pool import GeneratorPool
+    from megatron_rl.rollout.weights import cpu_backend as transport
 
     hf_dir = tiny_hf_dirs["tiny-llama-tied"]
     model = megatron_from_hf(hf_dir)

@@ -16,16 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl.rollout import pool as pool_module
+from megatron_rl.rollout.client import WeightsNeeded
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.elastic import (
-    EventChannels,
-    EventWriter,
-    RestartBudget,
-    WeightsNeeded,
-    refusal_message,
-)
-from megatron_rl.rollout.fanout import Fanout
 from megatron_rl.rollout.messages import (
     Event,
     JoinTransport,
@@ -38,7 +30,11 @@ from megatron_rl.rollout.messages import (
     Submit,
     TransportJoined,
 )
+from megatron_rl.rollout.pool import generator_pool as pool_module
+from megatron_rl.rollout.pool.fanout import Fanout
+from megatron_rl.rollout.pool.restarts import RestartBudget, refusal_message
 from megatron_rl.rollout.samples import Sample
+from megatron_rl.rollout.wire import EventChannels, EventWriter
 
 
 def _channel(channels: EventChannels, index: int) -> EventWriter:
@@ -360,8 +356,8 @@ def test_an_unknown_event_fails_the_pool_naming_its_type(fake_pool):
 
 
 def test_in_process_engines_are_not_restarted():
-    from megatron_rl.rollout.handles import ThreadLauncher
-    from megatron_rl.rollout.senders import transport_for
+    from megatron_rl.rollout.pool.launchers import ThreadLauncher
+    from megatron_rl.rollout.weights.senders import transport_for
 
     pool = pool_module.GeneratorPool.__new__(pool_module.GeneratorPool)
     pool.config = RolloutConfig(placement="in_process", weight_transport="host")
@@ -387,7 +383,7 @@ def test_an_engine_process_output_goes_to_its_console_and_its_log(tmp_path):
     log = tmp_path / "engine-0.log"
     code = (
         "import os, sys, time\n"
-        "from megatron_rl.rollout.elastic import tee_output\n"
+        "from megatron_rl.rollout.engine.output import tee_output\n"
         f"tee_output({str(log)!r})\n"
         "print('from python', flush=True)\n"
         "os.write(1, b'half ')\n"
@@ -478,7 +474,7 @@ class GroupSender:
 def group_pool(tmp_path, monkeypatch):
     """The real pool over fake engines, with a group transport (joins on the pool's
     ``JoinTransport``, as ``nccl`` does) whose opener records each formation."""
-    from megatron_rl.rollout.senders import Transport
+    from megatron_rl.rollout.weights.senders import Transport
 
     fakes = GroupEngines(tmp_path)
     senders: list[GroupSender] = []
@@ -611,7 +607,7 @@ def test_the_nccl_group_is_formed_anew_with_the_ranks_vllm_expects(tmp_path, mon
 
     import megatron_rl.platform.device as device
     from megatron_rl.platform import get_platform
-    from megatron_rl.rollout.nccl import NcclSender
+    from megatron_rl.rollout.weights.nccl import NcclSender
 
     get_platform()  # on CPU: the torch.cuda stream stand-ins every run has
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl.rollout import pool as pool_module
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.messages import Alive
+from megatron_rl.rollout.pool import generator_pool as pool_module
 
 ROOT = Path(__file__).resolve().parents[1]
 

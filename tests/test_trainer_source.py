@@ -545,7 +545,7 @@ def test_next_batch_after_weights_needed_goes_on_without_drawing_again(mode):
     """Elastic engines: while a batch is awaited the pool asks for weights (a restarted
     engine); the trainer re-sends them and asks again. The second call resumes the first:
     PPO submits its k x B prompts once, PipelineRL tops up within the same bound."""
-    from megatron_rl.rollout.elastic import WeightsNeeded
+    from megatron_rl.rollout.client import WeightsNeeded
 
     pool = SimulatedPool(lambda pid: 3)
     answers = iter([False, True])  # the second wait for samples finds an engine waiting

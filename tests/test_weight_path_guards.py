@@ -34,7 +34,7 @@ def test_every_nccl_header_is_accepted_by_vllms_engine():
         NCCLWeightTransferUpdateInfo,
     )
 
-    from megatron_rl.rollout.nccl import bucket_header
+    from megatron_rl.rollout.weights.nccl import bucket_header
 
     engine = NCCLWeightTransferEngine.__new__(NCCLWeightTransferEngine)  # no GPU group
     header = bucket_header(MIXED_BUCKET)
@@ -51,7 +51,7 @@ def test_nccl_sender_moves_every_tensor_to_its_device_before_packing():
     per-tensor hook, on the meta device standing in for CUDA."""
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    from megatron_rl.rollout.nccl import NcclSender
+    from megatron_rl.rollout.weights.nccl import NcclSender
 
     sender = NcclSender("127.0.0.1", 1, 2, 2**20, device=torch.device("meta"))
     moved = []
@@ -111,9 +111,9 @@ def test_an_nccl_push_packs_each_header_once_and_vllms_consumers_decode_the_broa
 
     from megatron_rl.platform import get_platform
     from megatron_rl.rollout.messages import Pushed
-    from megatron_rl.rollout.nccl import NcclSender
-    from megatron_rl.rollout.pool import GeneratorPool, _Engine
-    from megatron_rl.rollout.senders import TRANSPORTS
+    from megatron_rl.rollout.pool.generator_pool import GeneratorPool, _Engine
+    from megatron_rl.rollout.weights.nccl import NcclSender
+    from megatron_rl.rollout.weights.senders import TRANSPORTS
 
     get_platform()  # on CPU: the torch.cuda stream stand-ins every run has
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
@@ -290,7 +290,7 @@ def test_an_engine_killed_mid_push_is_restarted_and_reweighed(engine_process, ti
 def test_an_engine_failing_during_an_nccl_push_raises_instead_of_hanging(engine_process):
     """The NCCL producer blocks until every engine received the broadcast; an engine that
     fails to take the header never will. The pool watches the engines meanwhile."""
-    from megatron_rl.rollout.nccl import NcclSender
+    from megatron_rl.rollout.weights.nccl import NcclSender
 
     pool = engine_process
     released = threading.Event()

@@ -24,7 +24,7 @@ def __getattr__(name: str):
 
         return GeneratorPool
     if name == "push_megatron_weights":
-        from megatron_rl.rollout.push import push_megatron_weights
+        from megatron_rl.rollout.weights.push import push_megatron_weights
 
         return push_megatron_weights
     raise AttributeError(name)

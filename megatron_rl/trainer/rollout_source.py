@@ -98,7 +98,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from megatron_rl.data.sampler import has_reward_variance
-from megatron_rl.rollout.elastic import WeightsNeeded
+from megatron_rl.rollout.client import WeightsNeeded
 from megatron_rl.rollout.load import InFlightClock
 from megatron_rl.rollout.samples import Sample
 

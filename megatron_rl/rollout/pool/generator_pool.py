@@ -10,15 +10,15 @@ Typical use (PipelineRL)::
 
 ``generate(prompts)`` is the blocking form. The pool is driven from one thread; the engines
 run on their own threads (``placement: in_process``), processes (``subprocess``) or tasks
-that connect over TCP (``remote``, see :mod:`megatron_rl.rollout.remote`); all of them run
-:func:`megatron_rl.rollout.runner.run_engine`, and the pool reaches each through an
-:class:`~megatron_rl.rollout.handles.EngineHandle` (commands and events:
+that connect over TCP (``remote``, see :mod:`megatron_rl.rollout.pool.remote`); all of them run
+:func:`megatron_rl.rollout.engine.runner.run_engine`, and the pool reaches each through an
+:class:`~megatron_rl.rollout.pool.launchers.EngineHandle` (commands and events:
 :mod:`megatron_rl.rollout.messages`; weights: the transport's
-:class:`~megatron_rl.rollout.buckets.WeightSender`, chosen once: :mod:`.senders`).
+:class:`~megatron_rl.rollout.weights.buckets.WeightSender`, chosen once: :mod:`megatron_rl.rollout.weights.senders`).
 
 Elastic engines (``subprocess``): the pool knows every request it handed to each engine
 (its :class:`RequestSpec`, with its seed). An engine process that dies is restarted on its
-devices (within ``rollout.engine_max_restarts``, :mod:`.elastic`); its events up to its
+devices (within ``rollout.engine_max_restarts``, :mod:`.restarts`); its events up to its
 last complete message are handled, and the requests it had not returned go to the engines
 that run the current weights (or wait for one: ``_pending``), exactly as submitted. An engine
 process that is alive but stalled for ``rollout.engine_stall_timeout`` (no beat from it, or
@@ -52,17 +52,10 @@ from typing import Any
 
 from megatron_rl.conversion.weight_stream import WeightBucket
 from megatron_rl.platform import watchdog
-from megatron_rl.rollout.buckets import WeightSender
+from megatron_rl.rollout.client import WeightsNeeded
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.elastic import (
-    RestartBudget,
-    WeightsNeeded,
-    broken_group_message,
-    refusal_message,
-)
-from megatron_rl.rollout.fanout import Fanout
-from megatron_rl.rollout.handles import EngineHandle, engine_launcher
-from megatron_rl.rollout.interruption import InterruptionPolicy
+from megatron_rl.rollout.engine.interruption import InterruptionPolicy
+from megatron_rl.rollout.engine.runner import engine_devices
 from megatron_rl.rollout.load import InFlightClock
 from megatron_rl.rollout.messages import (
     EVENTS,
@@ -83,9 +76,16 @@ from megatron_rl.rollout.messages import (
     TransportJoined,
     unknown_message,
 )
-from megatron_rl.rollout.runner import engine_devices
+from megatron_rl.rollout.pool.fanout import Fanout
+from megatron_rl.rollout.pool.launchers import EngineHandle, engine_launcher
+from megatron_rl.rollout.pool.restarts import (
+    RestartBudget,
+    broken_group_message,
+    refusal_message,
+)
 from megatron_rl.rollout.samples import PushStats, Sample
-from megatron_rl.rollout.senders import transport_for
+from megatron_rl.rollout.weights.buckets import WeightSender
+from megatron_rl.rollout.weights.senders import transport_for
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class GeneratorPool:
 
     def _start_engines(self) -> list[_Engine]:
         from megatron_rl.platform import get_platform
-        from megatron_rl.rollout.engine import cpu_worker_binding
+        from megatron_rl.rollout.engine.vllm_engine import cpu_worker_binding
 
         config = self.config
         if not get_platform().is_gpu and config.gpu_ids:

@@ -6,11 +6,11 @@ where it can, and owns the one event source the pool reads all their events from
 
 - ``in_process``: :class:`ThreadEngine`, a thread of this process (events: one queue);
 - ``subprocess``: :class:`ProcessEngine`, a spawned process with an event pipe of its own
-  (:mod:`megatron_rl.rollout.elastic`), restartable;
-- ``remote``: :class:`~megatron_rl.rollout.remote.RemoteEngine`, an engine task connected
-  over TCP (:mod:`megatron_rl.rollout.remote`).
+  (:mod:`megatron_rl.rollout.wire`), restartable;
+- ``remote``: :class:`~megatron_rl.rollout.pool.remote.RemoteEngine`, an engine task connected
+  over TCP (:mod:`megatron_rl.rollout.pool.remote`).
 
-Every engine runs :func:`megatron_rl.rollout.runner.run_engine`.
+Every engine runs :func:`megatron_rl.rollout.engine.runner.run_engine`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.elastic import EventChannels
+from megatron_rl.rollout.engine.runner import run_engine, subprocess_main
 from megatron_rl.rollout.messages import Command, Event, RunnerSettings
-from megatron_rl.rollout.runner import run_engine, subprocess_main
+from megatron_rl.rollout.wire import EventChannels
 
 WEIGHT_QUEUE_DEPTH = 2  # buckets queued per engine: bounds the push's extra memory
 
@@ -250,7 +250,7 @@ class ProcessLauncher:
 
 
 def _remote_launcher(hf_dir: str, config: RolloutConfig, settings: RunnerSettings):
-    from megatron_rl.rollout.remote import RemoteLauncher
+    from megatron_rl.rollout.pool.remote import RemoteLauncher
 
     return RemoteLauncher(hf_dir, config, settings)
 
