@@ -325,13 +325,11 @@ def test_a_remote_engine_that_reconnects_gets_its_lost_requests_exactly_once(job
     from types import SimpleNamespace
 
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.pool import generator_pool as pool_module
+    from megatron_rl.rollout.pool import GeneratorPool
 
     address, key = job_env
     monkeypatch.setenv(wire.CONNECT_TIMEOUT_ENV, "120")
-    monkeypatch.setattr(
-        pool_module, "_text_config", lambda hf_dir: SimpleNamespace(vocab_size=100, eos_token_id=2)
-    )
+    hf = SimpleNamespace(vocab_size=100, eos_token_id=2)
     links, results, held = {}, {}, []
 
     def task(index, runner):
@@ -360,7 +358,7 @@ def test_a_remote_engine_that_reconnects_gets_its_lost_requests_exactly_once(job
 
     tasks = [start(0, silent_runner), start(1, answering_runner)]
     config = RolloutConfig(engines=2, placement="remote", samples_per_prompt=2)
-    pool = pool_module.GeneratorPool("/models/hf", config)
+    pool = GeneratorPool("/models/hf", config, text_config=hf)
     try:
         pool.submit([[10, 11], [12], [13]], seeds=[1, 2, 3])
         got, deadline = [], time.monotonic() + 10

@@ -263,11 +263,13 @@ def test_an_engine_joins_its_weight_transport_again_and_still_loads_pushes(dense
     from megatron_rl.rollout.messages import JoinTransport
 
     model, pool = dense.model, dense.pool
-    pool._transport_acks = set()
-    for engine in pool._engines:
-        engine.handle.send(JoinTransport({}))
-    pool._wait_joined()
-    assert pool._transport_acks == {0, 1}
+    for handle in pool.engine_handles():
+        handle.send(JoinTransport({}))
+    deadline = time.monotonic() + 120
+    while pool.joined_transport != {0, 1}:
+        assert time.monotonic() < deadline, "the engines never joined again"
+        pool.poll()
+        time.sleep(0.1)
     perturb_(model, seed=3, noise=0.5)
     assert logprob_deltas(model, pool.generate(prompts(4))).mean() > 0.05
     push_megatron_weights(pool, model, bucket_bytes=BUCKET)

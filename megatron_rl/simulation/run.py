@@ -164,7 +164,7 @@ def simulate(costs: CostModel, lengths: LengthModel, settings: SimSettings) -> S
             train_seconds += seconds
             samples += len(sequence_lengths)
         if source.wants_push():
-            pool.push_weights(version)
+            pool.push_weights((), version=version)
     wall = pool.now - start
     engines = len(pool.engines)
     busy = sum(e.busy_seconds for e in pool.engines) - busy0

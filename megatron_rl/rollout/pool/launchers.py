@@ -276,3 +276,37 @@ def _check_one_rank_world() -> None:
             f"one-rank torch.distributed world (this one has {dist.get_world_size()}); "
             "use placement: subprocess"
         )
+
+
+def runner_settings(config: RolloutConfig, hf_config: Any, policy: Any = None) -> RunnerSettings:
+    """What every engine's runner needs besides the config: the stop tokens (the config's,
+    else the model's EOS) and the interruption ``policy``'s token ids, if any."""
+    stop = config.stop_token_ids
+    if stop is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+        stop = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    if policy is None:
+        return RunnerSettings(tuple(stop))
+    return RunnerSettings(tuple(stop), policy.text_ids, policy.close_ids, policy.answer_budget)
+
+
+def hf_text_config(hf_dir: str) -> Any:
+    """The HF config of ``hf_dir``'s text model."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    return getattr(config, "text_config", config)
+
+
+def hf_encoder(hf_dir: str) -> Callable[[str], list[int]]:
+    """Text -> token ids (no special tokens) by ``hf_dir``'s tokenizer."""
+    from pathlib import Path
+
+    if not any(Path(hf_dir).glob("tokenizer*")):
+        raise ValueError(
+            "rollout.interruption needs a tokenizer: pass encode= or put one in the model dir"
+        )
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)

@@ -23,7 +23,7 @@ instead of the whole model. The engines run vLLM's ``nccl`` backend with two cha
 joins its EP rank's group, and receives its experts there.
 
 A group's ranks are fixed: after an engine dies, the pool forms the group anew of the engines
-its next push goes to (``GeneratorPool._form``), on fresh ports; every worker first leaves its
+its next push goes to (``WeightPusher.form``), on fresh ports; every worker first leaves its
 old group (vLLM's ``shutdown_weight_transfer_engine``, which aborts the communicator).
 
 Engines must own GPUs other than the sender's (NCCL has one rank per device), so this path

@@ -2,7 +2,7 @@
 
 A :class:`Transport` says what both ends of one transport need: the vLLM weight-transfer
 backend the engines build, whether they join it when built or when the pool says so (a group
-of fixed members, which the pool forms anew when they change: ``GeneratorPool._form``), and
+of fixed members, which the pool forms anew when they change: ``WeightPusher.form``), and
 how the pool opens its sender end (a
 :class:`~megatron_rl.rollout.weights.buckets.WeightSender`). ``TRANSPORTS`` holds the two: ``host``
 (buckets through host memory, :class:`~megatron_rl.rollout.weights.buckets.HostSender`) and ``nccl``
