@@ -645,7 +645,7 @@ def _budget_spent(run: Run) -> bool:
 
 
 def _plot(run: Run) -> None:
-    from megatron_rl.trainer.metrics import plot_reward_curve
+    from megatron_rl.scaling.records import plot_reward_curve
 
     try:
         latest = run.forecast.latest if run.forecast is not None else None
