@@ -65,7 +65,7 @@ setup(
         # the CPU weight-transfer backend must be registered there, not only where we built
         # the engine.
         "vllm.general_plugins": [
-            "megatron_rl_cpu_transport = megatron_rl.rollout.transport:register_backend"
+            "megatron_rl_cpu_transport = megatron_rl.rollout.weights.cpu_backend:register_backend"
         ],
     },
 )

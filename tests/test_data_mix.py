@@ -283,8 +283,8 @@ def _validation_run(joint, tmp_path):
 def test_validation_logs_each_domain_to_metrics_tensorboard_and_the_plot(joint, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from megatron_rl.scaling.records import plot_reward_curve, read_records
     from megatron_rl.trainer.loop import validate
-    from megatron_rl.trainer.metrics import plot_reward_curve, read_records
 
     data, _ = joint
     run, ids = _validation_run(joint, tmp_path)
@@ -310,9 +310,9 @@ def test_validation_with_every_engine_restarted_reweighs_and_validates_once(
     """Every engine died and was restarted mid-validation: ``generate`` raises
     ``WeightsNeeded`` (withdrawing its requests); validation has the weights re-sent (a
     collective of every rank, as in training) and asks again with the same seeds."""
-    from megatron_rl.rollout.elastic import WeightsNeeded
+    from megatron_rl.rollout.client import WeightsNeeded
+    from megatron_rl.scaling.records import read_records
     from megatron_rl.trainer import loop
-    from megatron_rl.trainer.metrics import read_records
 
     data, _ = joint
     run, ids = _validation_run(joint, tmp_path)
@@ -340,7 +340,7 @@ def test_validation_with_every_engine_restarted_reweighs_and_validates_once(
 
 
 def test_plot_keys_add_one_line_per_domain():
-    from megatron_rl.trainer.metrics import _with_domains
+    from megatron_rl.scaling.records import _with_domains
 
     records = [
         {"step": 0, "val_pass_rate": 0.1, "val_pass_rate/math": 0.2, "val_pass_rate/code": 0.0},

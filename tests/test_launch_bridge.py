@@ -1,5 +1,5 @@
-"""The TCP bridge between the generator pool and engine tasks (megatron_rl.rollout.remote:
-the wire and the pool's end; megatron_rl.launch.bridge: the engine task's end).
+"""The TCP bridge between the generator pool and engine tasks (megatron_rl.rollout.wire: the
+wire; megatron_rl.rollout.pool.remote: the pool's end; .engine.serve: the engine task's end).
 
 The engine side runs a scripted runner with the real runner's queue protocol, on threads of
 this process; the vLLM engine itself is exercised by the Slurm test.
@@ -19,11 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.launch import bridge
 from megatron_rl.platform import free_port
-from megatron_rl.rollout import remote
-from megatron_rl.rollout.buckets import flat_update, shared_update, tensors_update, unpack_views
-from megatron_rl.rollout.fanout import Fanout
+from megatron_rl.rollout import wire
+from megatron_rl.rollout.engine import serve
 from megatron_rl.rollout.messages import (
     Failed,
     Hello,
@@ -37,7 +35,15 @@ from megatron_rl.rollout.messages import (
     Stopped,
     Submit,
 )
+from megatron_rl.rollout.pool import remote
+from megatron_rl.rollout.pool.fanout import Fanout
 from megatron_rl.rollout.samples import Sample
+from megatron_rl.rollout.weights.buckets import (
+    flat_update,
+    shared_update,
+    tensors_update,
+    unpack_views,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,15 +113,15 @@ def routing_rows(positions: int) -> np.ndarray:
 @pytest.fixture
 def job_env(monkeypatch):
     port = free_port()
-    monkeypatch.setenv(remote.ADDR_ENV, f"127.0.0.1:{port}")
-    monkeypatch.setenv(remote.KEY_ENV, "0123456789abcdef0123")
+    monkeypatch.setenv(wire.ADDR_ENV, f"127.0.0.1:{port}")
+    monkeypatch.setenv(wire.KEY_ENV, "0123456789abcdef0123")
     return ("127.0.0.1", port), b"0123456789abcdef0123"
 
 
 def start_engine_task(address, authkey, index, results, runner=scripted_runner):
     def task():
-        link = bridge.connect(address, authkey, timeout=20)
-        results[index] = bridge.serve_engine(link, index, runner)
+        link = serve.connect(address, authkey, timeout=20)
+        results[index] = serve.serve_engine(link, index, runner)
         link.close()
 
     thread = threading.Thread(target=task, daemon=True)
@@ -196,7 +202,7 @@ def test_engine_task_that_goes_away_is_dead_and_what_is_sent_to_it_is_dropped(jo
     link_box = {}
 
     def vanishing_task():
-        link = bridge.connect(address, key, timeout=20)
+        link = serve.connect(address, key, timeout=20)
         link.send(Hello(0, {"host": "test", "pid": 0}))
         link_box["init"] = link.recv()
         link.close()  # the task dies
@@ -218,11 +224,11 @@ def test_engine_task_that_goes_away_is_dead_and_what_is_sent_to_it_is_dropped(jo
 
 def test_silent_engine_counts_as_dead_after_the_timeout(job_env, monkeypatch):
     address, key = job_env
-    monkeypatch.setenv(remote.TIMEOUT_ENV, "0.5")
+    monkeypatch.setenv(wire.TIMEOUT_ENV, "0.5")
     events: queue.Queue = queue.Queue()
 
     def silent_task():  # connected, never sends a heartbeat
-        link = bridge.connect(address, key, timeout=20)
+        link = serve.connect(address, key, timeout=20)
         link.send(Hello(0, {"host": "test", "pid": 0}))
         link.recv()
         time.sleep(5)
@@ -254,7 +260,7 @@ def test_missing_engine_is_named_after_the_connect_timeout_and_bad_index_rejecte
     job_env, monkeypatch
 ):
     address, key = job_env
-    monkeypatch.setenv(remote.CONNECT_TIMEOUT_ENV, "3")
+    monkeypatch.setenv(wire.CONNECT_TIMEOUT_ENV, "3")
     results: dict[int, int] = {}
     start_engine_task(address, key, 5, results)  # out of range: rejected
     start_engine_task(address, key, 0, results)
@@ -267,9 +273,9 @@ def test_generator_entry_reports_a_missing_job_environment_and_an_absent_trainer
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "megatron_rl.launch.generator"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and bridge.ADDR_ENV in proc.stderr
+    assert proc.returncode == 2 and serve.ADDR_ENV in proc.stderr
     env.update(
-        {bridge.ADDR_ENV: f"127.0.0.1:{free_port()}", bridge.KEY_ENV: "k" * 32, "SLURM_PROCID": "3"}
+        {serve.ADDR_ENV: f"127.0.0.1:{free_port()}", serve.KEY_ENV: "k" * 32, "SLURM_PROCID": "3"}
     )
     proc = subprocess.run(
         [*cmd, "--connect-timeout", "2"], env=env, capture_output=True, text=True, timeout=60
@@ -281,7 +287,7 @@ def test_generator_entry_reports_a_missing_job_environment_and_an_absent_trainer
 def test_nccl_bucket_headers_cross_the_connection_as_they_are(job_env):
     """With weight_transport nccl only a bucket's header (vLLM's NCCL update info) goes to a
     remote engine; the tensors follow by broadcast."""
-    from megatron_rl.rollout.nccl import bucket_header, group_layout, worker_payload
+    from megatron_rl.rollout.weights.nccl import bucket_header, group_layout, worker_payload
 
     bucket = weight_bucket()
     header = bucket_header(bucket)
@@ -318,20 +324,18 @@ def test_a_remote_engine_that_reconnects_gets_its_lost_requests_exactly_once(job
     resubmits: every sample comes back once."""
     from types import SimpleNamespace
 
-    from megatron_rl.rollout import pool as pool_module
     from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.pool import GeneratorPool
 
     address, key = job_env
-    monkeypatch.setenv(remote.CONNECT_TIMEOUT_ENV, "120")
-    monkeypatch.setattr(
-        pool_module, "_text_config", lambda hf_dir: SimpleNamespace(vocab_size=100, eos_token_id=2)
-    )
+    monkeypatch.setenv(wire.CONNECT_TIMEOUT_ENV, "120")
+    hf = SimpleNamespace(vocab_size=100, eos_token_id=2)
     links, results, held = {}, {}, []
 
     def task(index, runner):
-        link = bridge.connect(address, key, timeout=120)  # the pool imports torch first
+        link = serve.connect(address, key, timeout=120)  # the pool imports torch first
         links[index] = link
-        results[index] = bridge.serve_engine(link, index, runner)
+        results[index] = serve.serve_engine(link, index, runner)
         link.close()
 
     def silent_runner(index, hf_dir, config, settings, commands, weights_get, events):
@@ -354,7 +358,7 @@ def test_a_remote_engine_that_reconnects_gets_its_lost_requests_exactly_once(job
 
     tasks = [start(0, silent_runner), start(1, answering_runner)]
     config = RolloutConfig(engines=2, placement="remote", samples_per_prompt=2)
-    pool = pool_module.GeneratorPool("/models/hf", config)
+    pool = GeneratorPool("/models/hf", config, text_config=hf)
     try:
         pool.submit([[10, 11], [12], [13]], seeds=[1, 2, 3])
         got, deadline = [], time.monotonic() + 10

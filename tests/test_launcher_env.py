@@ -30,7 +30,7 @@ def test_engines_started_by_an_srun_trainer_take_gpus_apart_from_its_ranks(monke
     """Subprocess engines of a trainer started by srun (4 trainer ranks on each 8-GPU node)
     go on GPUs 4..7: the trainer read torchrun's LOCAL_WORLD_SIZE only, counted 1 trainer
     GPU and put the engines on GPUs 1..4, three of them held by its own ranks."""
-    from megatron_rl.rollout import pool as pool_module
+    from megatron_rl.rollout import pool as pool_package
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.trainer import loop
 
@@ -41,7 +41,7 @@ def test_engines_started_by_an_srun_trainer_take_gpus_apart_from_its_ranks(monke
     monkeypatch.setattr(loop, "get_platform", lambda: SimpleNamespace(is_gpu=True))
     started = []
     monkeypatch.setattr(
-        pool_module, "GeneratorPool", lambda hf, rollout, **kw: started.append(rollout.gpu_ids)
+        pool_package, "GeneratorPool", lambda hf, rollout, **kw: started.append(rollout.gpu_ids)
     )
     rollout = RolloutConfig(placement="subprocess", engines=4, tensor_parallel=1)
     config = SimpleNamespace(

@@ -9,8 +9,9 @@ import math
 import numpy as np
 import pytest
 
+from megatron_rl.scaling.records import plot_reward_curve, read_records
 from megatron_rl.trainer.compute import ComputeClock, generation_share, run_devices
-from megatron_rl.trainer.metrics import MetricsLogger, plot_reward_curve, read_records
+from megatron_rl.trainer.metrics import MetricsLogger
 
 
 def test_records_are_lines_flushed_as_written(tmp_path):

@@ -8,7 +8,7 @@ import torch
 
 
 def test_the_nccl_sender_makes_its_device_current_on_the_helper_thread(monkeypatch):
-    """The pool runs ``connect`` and ``send`` on helper threads (``GeneratorPool._watched``),
+    """The pool runs ``connect`` and ``send`` on helper threads (``WeightPusher.watched``),
     whose current CUDA device is 0 whatever the main thread set; vLLM's communicator is
     made on the current device and PyNccl asserts tensors are on it. The sender makes its
     own device (the main thread's cuda:LOCAL_RANK, here 3) current in that thread first.
@@ -18,7 +18,7 @@ def test_the_nccl_sender_makes_its_device_current_on_the_helper_thread(monkeypat
     import vllm.distributed.weight_transfer.packed_tensor as packed_tensor
 
     import megatron_rl.platform.device as platform_device
-    from megatron_rl.rollout.nccl import NcclSender
+    from megatron_rl.rollout.weights.nccl import NcclSender
 
     current = threading.local()  # each thread starts on device 0, as CUDA's threads do
     made_current = []

@@ -24,7 +24,7 @@ import transformers
 from megatron_rl.conversion.weight_stream import iter_hf_weights
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.parity import logprob_deltas, megatron_from_hf, perturb_
-from megatron_rl.rollout.push import push_megatron_weights
+from megatron_rl.rollout.weights.push import push_megatron_weights
 
 BUCKET = 256 * 1024
 
@@ -118,8 +118,8 @@ def test_tied_head_follows_the_pushed_embedding(tiny_hf_dirs, megatron_single_ra
     """A model with ``tie_word_embeddings``: the engine's lm_head is the embedding's parameter,
     never loaded itself; vLLM 0.32 CPU kept its GEMM packed from the first load, so the
     generator sampled from a stale head after every push (fixed in rollout.transport)."""
-    from megatron_rl.rollout import transport
     from megatron_rl.rollout.pool import GeneratorPool
+    from megatron_rl.rollout.weights import cpu_backend as transport
 
     hf_dir = tiny_hf_dirs["tiny-llama-tied"]
     model = megatron_from_hf(hf_dir)
@@ -263,11 +263,13 @@ def test_an_engine_joins_its_weight_transport_again_and_still_loads_pushes(dense
     from megatron_rl.rollout.messages import JoinTransport
 
     model, pool = dense.model, dense.pool
-    pool._transport_acks = set()
-    for engine in pool._engines:
-        engine.handle.send(JoinTransport({}))
-    pool._wait_joined()
-    assert pool._transport_acks == {0, 1}
+    for handle in pool.engine_handles():
+        handle.send(JoinTransport({}))
+    deadline = time.monotonic() + 120
+    while pool.joined_transport != {0, 1}:
+        assert time.monotonic() < deadline, "the engines never joined again"
+        pool.poll()
+        time.sleep(0.1)
     perturb_(model, seed=3, noise=0.5)
     assert logprob_deltas(model, pool.generate(prompts(4))).mean() > 0.05
     push_megatron_weights(pool, model, bucket_bytes=BUCKET)

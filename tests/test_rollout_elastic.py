@@ -16,16 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl.rollout import pool as pool_module
+from megatron_rl.rollout.client import WeightsNeeded
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.elastic import (
-    EventChannels,
-    EventWriter,
-    RestartBudget,
-    WeightsNeeded,
-    refusal_message,
-)
-from megatron_rl.rollout.fanout import Fanout
 from megatron_rl.rollout.messages import (
     Event,
     JoinTransport,
@@ -38,7 +30,11 @@ from megatron_rl.rollout.messages import (
     Submit,
     TransportJoined,
 )
+from megatron_rl.rollout.pool import GeneratorPool
+from megatron_rl.rollout.pool.fanout import Fanout
+from megatron_rl.rollout.pool.restarts import RestartBudget, refusal_message
 from megatron_rl.rollout.samples import Sample
+from megatron_rl.rollout.wire import EventChannels, EventWriter
 
 
 def _channel(channels: EventChannels, index: int) -> EventWriter:
@@ -223,28 +219,41 @@ class FakeEngines:
     def kill(self, pool, index, half: Event | None = None):
         """The process dies; ``half``: an event it was writing at that moment."""
         _die_writing(self.writers.pop(index), half)
-        pool._engines[index].handle.alive = False
+        pool.engine_handles()[index].alive = False
+
+
+HF = SimpleNamespace(vocab_size=100, eos_token_id=2)
 
 
 @pytest.fixture
-def fake_pool(tmp_path, monkeypatch):
-    fakes = FakeEngines(tmp_path)
-    hf = SimpleNamespace(vocab_size=100, eos_token_id=2)
-    monkeypatch.setattr(pool_module, "_text_config", lambda hf_dir: hf)
-    monkeypatch.setattr(pool_module, "engine_launcher", lambda hf_dir, config, settings: fakes)
-    config = RolloutConfig(
-        engines=2, placement="subprocess", samples_per_prompt=2, engine_max_restarts=1
-    )
-    pool = pool_module.GeneratorPool("unused", config)
-    yield pool, fakes
-    pool.close()
+def make_fake_pool(tmp_path):
+    """The real pool over :class:`FakeEngines`: ``make_fake_pool(**pool_kwargs)``."""
+    made = []
+
+    def make(**kwargs):
+        fakes = FakeEngines(tmp_path)
+        config = RolloutConfig(
+            engines=2, placement="subprocess", samples_per_prompt=2, engine_max_restarts=1
+        )
+        made.append(GeneratorPool("unused", config, launcher=fakes, text_config=HF, **kwargs))
+        return made[-1], fakes
+
+    yield make
+    for pool in made:
+        pool.close()
 
 
-def _submitted(engine) -> list:
+@pytest.fixture
+def fake_pool(make_fake_pool):
+    return make_fake_pool()
+
+
+def _submitted(handle) -> list:
+    """The requests handed to an engine (its handle) since the last look."""
     specs = []
     while True:
         try:
-            command = engine.handle.commands.get_nowait()
+            command = handle.commands.get_nowait()
         except queue.Empty:
             return specs
         if isinstance(command, Submit):
@@ -259,7 +268,7 @@ def _returned(spec, version: int) -> Sample:
 
 def _serve_one_push(pool, fakes, index, pushes):
     """The restarted engine's side of a push: the command, the buckets, the ack."""
-    handle = pool._engines[index].handle
+    handle = pool.engine_handles()[index]
 
     def run():
         command = handle.commands.get(timeout=30)
@@ -274,13 +283,24 @@ def _serve_one_push(pool, fakes, index, pushes):
     return thread
 
 
-def test_a_dead_engines_requests_are_resubmitted_exactly_once_each(fake_pool):
+def _push_to_both(pool, fakes):
+    """A push served by both engines: the HF directory's weights are stale from now on."""
     import torch
 
-    pool, fakes = fake_pool
-    pool._pushed, pool.version = True, 4  # the HF directory's weights are stale now
+    threads = [_serve_one_push(pool, fakes, index, []) for index in (0, 1)]
+    pool.push_weights(iter([[("w", torch.zeros(4))]]))
+    for thread in threads:
+        thread.join(30)
+
+
+def test_a_dead_engines_requests_are_resubmitted_exactly_once_each(make_fake_pool):
+    import torch
+
+    pool, fakes = make_fake_pool(initial_version=3)
+    _push_to_both(pool, fakes)  # version 4: the HF directory's weights are stale now
     indices = pool.submit([[10, 11], [12], [13, 14, 15]], seeds=[7, 8, 9])
-    by_engine = {e.index: _submitted(e) for e in pool._engines}
+    handles = pool.engine_handles()
+    by_engine = {i: _submitted(h) for i, h in enumerate(handles)}
     assert sorted(len(s) for s in by_engine.values()) == [2, 4]
     victim = max(by_engine, key=lambda i: len(by_engine[i]))
     survivor = 1 - victim
@@ -293,19 +313,19 @@ def test_a_dead_engines_requests_are_resubmitted_exactly_once_each(fake_pool):
         (lost[0].prompt_index, lost[0].sample_index)
     ]
     assert fakes.spawned == [0, 1, victim] and pool.restarts == 1
-    resubmitted = _submitted(pool._engines[survivor])
+    resubmitted = _submitted(handles[survivor])
     assert resubmitted == lost[1:]  # the same requests (seeds, budgets), none twice
     assert pool.in_flight == len(lost) - 1 + len(by_engine[survivor])
     # the restarted engine is up but runs stale weights: it takes nothing until reweighed
     pool.poll(timeout=0.5)
-    assert pool.needs_weights() and not pool._engines[victim].current
+    assert pool.needs_weights() and victim in pool.stale_engines
     pushes = []
     thread = _serve_one_push(pool, fakes, victim, pushes)
     stats = pool.reweigh(iter([[("w", torch.zeros(4))]]))
     thread.join(30)
     assert pushes == [4] and stats.version == pool.version == 4  # the current version
-    assert not pool.needs_weights() and pool._engines[victim].current
-    assert _submitted(pool._engines[survivor]) == []  # the reweigh went to the restarted only
+    assert not pool.needs_weights() and pool.stale_engines == []
+    assert _submitted(handles[survivor]) == []  # the reweigh went to the restarted only
     # everything comes back once: the survivor returns its own and the resubmitted requests
     todo = by_engine[survivor] + resubmitted
     fakes.writers[survivor].put(SamplesDone(survivor, [_returned(s, 4) for s in todo], 4))
@@ -317,18 +337,18 @@ def test_a_dead_engines_requests_are_resubmitted_exactly_once_each(fake_pool):
 
 def test_requests_wait_when_no_engine_runs_the_current_weights(fake_pool):
     pool, fakes = fake_pool
-    pool._pushed = True
+    _push_to_both(pool, fakes)
     pool.submit([[10]], seeds=[1])
-    owner = next(e.index for e in pool._engines if _submitted(e))
+    owner = next(i for i, h in enumerate(pool.engine_handles()) if _submitted(h))
     for index in (0, 1):
         fakes.kill(pool, index)
     pool.poll(timeout=0.5)  # both restarted: the request waits in the pool
-    assert pool.restarts == 2 and pool.in_flight == 2 and len(pool._pending) == 2
-    assert all(_submitted(e) == [] for e in pool._engines)
+    assert pool.restarts == 2 and pool.in_flight == 2 and pool.pending_requests == 2
+    assert all(_submitted(h) == [] for h in pool.engine_handles())
     pool.poll(timeout=0.5)  # the restarted engines are ready, with stale weights
     with pytest.raises(WeightsNeeded):
         pool.generate([[20]])
-    assert len(pool._pending) == 2 and pool.in_flight == 2  # generate's request withdrawn
+    assert pool.pending_requests == 2 and pool.in_flight == 2  # generate's request withdrawn
     assert owner in (0, 1)
 
 
@@ -356,24 +376,28 @@ def test_an_unknown_event_fails_the_pool_naming_its_type(fake_pool):
     fakes.writers[1].flush()
     with pytest.raises(TypeError, match=r"generator pool: unknown message .*Gossip\(engine=1\)"):
         pool.poll(timeout=2)
-    assert pool._closed
+    assert pool.closed
 
 
 def test_in_process_engines_are_not_restarted():
-    from megatron_rl.rollout.handles import ThreadLauncher
-    from megatron_rl.rollout.senders import transport_for
+    class DeadThreads:  # the in-process launcher's rule, with an engine thread that died
+        restartable = False
+        events = queue.Queue()
 
-    pool = pool_module.GeneratorPool.__new__(pool_module.GeneratorPool)
-    pool.config = RolloutConfig(placement="in_process", weight_transport="host")
-    pool._transport = transport_for(pool.config)
-    pool._launcher = ThreadLauncher("unused", pool.config, None)
-    pool._closed, pool._events = False, pool._launcher.events
-    pool._restarts, pool._group_busy = RestartBudget(3, 60.0), None
-    dead = FakeHandle(0, EventChannels())
-    dead.alive = False
-    pool._engines = [pool_module._Engine(0, dead)]
+        def start(self, count):
+            dead = FakeHandle(0, EventChannels())
+            dead.alive = False
+            return [dead]
+
+        def restart(self, index):
+            raise AssertionError("an in-process engine was restarted")
+
+        def close(self):
+            pass
+
+    config = RolloutConfig(placement="in_process", weight_transport="host", engines=1)
     with pytest.raises(RuntimeError, match="vLLM engine 0 exited unexpectedly.*in_process"):
-        pool._check_alive()
+        GeneratorPool("unused", config, launcher=DeadThreads(), text_config=HF)
 
 
 def test_an_engine_process_output_goes_to_its_console_and_its_log(tmp_path):
@@ -387,7 +411,7 @@ def test_an_engine_process_output_goes_to_its_console_and_its_log(tmp_path):
     log = tmp_path / "engine-0.log"
     code = (
         "import os, sys, time\n"
-        "from megatron_rl.rollout.elastic import tee_output\n"
+        "from megatron_rl.rollout.engine.output import tee_output\n"
         f"tee_output({str(log)!r})\n"
         "print('from python', flush=True)\n"
         "os.write(1, b'half ')\n"
@@ -475,10 +499,10 @@ class GroupSender:
 
 
 @pytest.fixture
-def group_pool(tmp_path, monkeypatch):
+def group_pool(tmp_path):
     """The real pool over fake engines, with a group transport (joins on the pool's
     ``JoinTransport``, as ``nccl`` does) whose opener records each formation."""
-    from megatron_rl.rollout.senders import Transport
+    from megatron_rl.rollout.weights.senders import Transport
 
     fakes = GroupEngines(tmp_path)
     senders: list[GroupSender] = []
@@ -491,13 +515,10 @@ def group_pool(tmp_path, monkeypatch):
         return senders[-1]
 
     group = Transport("group", lambda config: "megatron_rl_cpu", False, open_group)
-    monkeypatch.setattr(pool_module, "transport_for", lambda config: group)
-    monkeypatch.setattr(pool_module, "_text_config", lambda hf_dir: SimpleNamespace(vocab_size=100))
-    monkeypatch.setattr(pool_module, "engine_launcher", lambda hf_dir, config, settings: fakes)
     config = RolloutConfig(
         engines=2, placement="subprocess", samples_per_prompt=2, push_timeout_seconds=20
     )
-    pool = pool_module.GeneratorPool("unused", config)
+    pool = GeneratorPool("unused", config, launcher=fakes, transport=group, text_config=HF)
     yield pool, fakes, senders
     pool.close()
 
@@ -510,7 +531,7 @@ def _bucket():
 
 def test_a_group_is_formed_anew_of_the_survivors_then_with_the_restarted_engine(group_pool):
     pool, fakes, senders = group_pool
-    first = [e.handle for e in pool._engines]
+    first = pool.engine_handles()
     assert [s.members for s in senders] == [[0, 1]]  # formed once the engines were up
     pool.push_weights(iter([_bucket(), _bucket()]))
     assert [s.members for s in senders] == [[0, 1]] and senders[0].sent == 2  # same group
@@ -522,12 +543,12 @@ def test_a_group_is_formed_anew_of_the_survivors_then_with_the_restarted_engine(
     # of the survivor alone, before the push: the old group closed, engine 0 joined again
     assert [s.members for s in senders] == [[0, 1], [0]] and senders[0].closed
     assert fakes.joins[id(first[0])] == 2 and senders[1].sent == 1
-    assert pool.version == 2 and pool._engines[0].current
+    assert pool.version == 2 and 0 not in pool.stale_engines
     fakes.make_ready(1)
     pool.poll(timeout=0.5)
     assert pool.needs_weights()
     pool.reweigh(iter([_bucket()]))  # a group of the restarted engine alone
-    restarted = pool._engines[1].handle
+    restarted = pool.engine_handles()[1]
     assert [s.members for s in senders][2:] == [[1]] and senders[1].closed
     assert fakes.joins[id(restarted)] == 1 and not pool.needs_weights()
     pool.push_weights(iter([_bucket()]))  # everyone again
@@ -549,21 +570,16 @@ def test_a_death_during_a_group_broadcast_fails_at_once_naming_why(group_pool):
     pool, fakes, senders = group_pool
     released = threading.Event()
 
-    class Broadcast(GroupSender):  # blocks until every member received: one never will
-        blocking = True
+    def send(bucket):  # a broadcast blocks until every member received: one never will
+        fakes.kill(pool, 1)
+        released.wait(60)
 
-        def send(self, bucket):
-            fakes.kill(pool, 1)
-            released.wait(60)
-
-        def close(self):
-            released.set()
-
-    pool._sender = Broadcast([0, 1])
+    broadcast = senders[-1]  # the group's sender end, made a blocking broadcast
+    broadcast.blocking, broadcast.send, broadcast.close = True, send, released.set
     start = time.monotonic()
     with pytest.raises(RuntimeError) as err:
         pool.push_weights(iter([_bucket()]))
-    assert time.monotonic() - start < 10 and released.is_set() and pool._closed
+    assert time.monotonic() - start < 10 and released.is_set() and pool.closed
     text = str(err.value)
     assert "vLLM engine 1 (placement subprocess, devices cpu) exited while a weight push" in text
     assert "cannot abort" in text and "resume it from its last checkpoint" in text
@@ -592,7 +608,7 @@ def test_a_death_during_a_groups_rendezvous_fails_at_once_naming_why(group_pool)
     with pytest.raises(RuntimeError) as err:
         pool.push_weights(iter([_bucket()]))
     released.set()
-    assert time.monotonic() - start < 10 and pool._closed
+    assert time.monotonic() - start < 10 and pool.closed
     assert (
         "vLLM engine 0 (placement subprocess, devices cpu) exited while forming the "
         "weight-transfer group" in str(err.value)
@@ -611,7 +627,7 @@ def test_the_nccl_group_is_formed_anew_with_the_ranks_vllm_expects(tmp_path, mon
 
     import megatron_rl.platform.device as device
     from megatron_rl.platform import get_platform
-    from megatron_rl.rollout.nccl import NcclSender
+    from megatron_rl.rollout.weights.nccl import NcclSender
 
     get_platform()  # on CPU: the torch.cuda stream stand-ins every run has
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
@@ -634,8 +650,6 @@ def test_the_nccl_group_is_formed_anew_with_the_ranks_vllm_expects(tmp_path, mon
 
     monkeypatch.setattr(NcclSender, "connect", connect)
     fakes = GroupEngines(tmp_path)
-    monkeypatch.setattr(pool_module, "_text_config", lambda hf_dir: SimpleNamespace(vocab_size=100))
-    monkeypatch.setattr(pool_module, "engine_launcher", lambda hf_dir, config, settings: fakes)
     config = RolloutConfig(
         engines=3,
         placement="subprocess",
@@ -643,7 +657,7 @@ def test_the_nccl_group_is_formed_anew_with_the_ranks_vllm_expects(tmp_path, mon
         nccl_address="127.0.0.1",
         push_timeout_seconds=20,
     )
-    pool = pool_module.GeneratorPool("unused", config)
+    pool = GeneratorPool("unused", config, launcher=fakes, text_config=HF)
     try:
         vllm = NCCLWeightTransferEngine.__new__(NCCLWeightTransferEngine)
 

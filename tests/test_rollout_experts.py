@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_rl.rollout.buckets import HostSender
-from megatron_rl.rollout.experts import (
+from megatron_rl.rollout.weights.buckets import HostSender
+from megatron_rl.rollout.weights.experts import (
     ExpertPlacement,
     held_experts,
     own_part,
@@ -231,7 +231,7 @@ def test_engine_rank_takes_its_own_part_and_checks_the_placement():
 
 def test_engine_args_ask_vllm_for_expert_parallelism(tiny_hf_dirs):
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.engine import engine_args
+    from megatron_rl.rollout.engine.vllm_engine import engine_args
 
     config = RolloutConfig(tensor_parallel=2, expert_parallel=True)
     args = engine_args(tiny_hf_dirs["tiny-llama4"], config, 0)
@@ -243,8 +243,8 @@ def test_engine_args_ask_vllm_for_expert_parallelism(tiny_hf_dirs):
     # factory (registered by our vLLM plugin) in every worker
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    from megatron_rl.rollout.nccl import ExpertParallelNcclEngine
-    from megatron_rl.rollout.transport import register_backend
+    from megatron_rl.rollout.weights.cpu_backend import register_backend
+    from megatron_rl.rollout.weights.nccl import ExpertParallelNcclEngine
 
     nccl = dataclasses.replace(config, weight_transport="nccl", placement="subprocess")
     backend = engine_args(tiny_hf_dirs["tiny-llama4"], nccl, 0).weight_transfer_config.backend
@@ -268,10 +268,10 @@ def test_two_worker_ep_engine_loads_only_its_experts_and_matches_megatron(
     from safetensors import safe_open
 
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.engine import VLLMEngine
+    from megatron_rl.rollout.engine.vllm_engine import VLLMEngine
     from megatron_rl.rollout.parity import logprob_deltas, megatron_from_hf, perturb_
     from megatron_rl.rollout.pool import GeneratorPool
-    from megatron_rl.rollout.push import push_megatron_weights
+    from megatron_rl.rollout.weights.push import push_megatron_weights
 
     hf_dir = tiny_hf_dirs["tiny-llama4"]
     dense = experts = 0
@@ -315,7 +315,11 @@ def test_nccl_init_infos_and_headers_of_ep_engines_are_accepted_by_vllm():
         NCCLWeightTransferUpdateInfo,
     )
 
-    from megatron_rl.rollout.nccl import ExpertParallelNcclEngine, NcclSender, worker_payloads
+    from megatron_rl.rollout.weights.nccl import (
+        ExpertParallelNcclEngine,
+        NcclSender,
+        worker_payloads,
+    )
 
     vllm_engine = NCCLWeightTransferEngine.__new__(NCCLWeightTransferEngine)
     ours = ExpertParallelNcclEngine.__new__(ExpertParallelNcclEngine)
@@ -355,8 +359,8 @@ def test_the_nccl_transport_opens_an_ep_group_per_rank_up_to_the_rendezvous(
     import megatron_rl.platform.device as device
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.rollout.messages import JoinTransport
-    from megatron_rl.rollout.nccl import ExpertParallelNcclEngine, NcclSender
-    from megatron_rl.rollout.senders import transport_for
+    from megatron_rl.rollout.weights.nccl import ExpertParallelNcclEngine, NcclSender
+    from megatron_rl.rollout.weights.senders import transport_for
 
     monkeypatch.setattr(device, "get_platform", lambda: device.Platform("cuda", "nccl", False))
     monkeypatch.setattr(device.Platform, "torch_device", lambda self: torch.device("cpu"))
@@ -420,7 +424,7 @@ def test_nccl_ep_push_sends_each_expert_only_to_its_ranks_group(monkeypatch, exp
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
     from megatron_rl.platform import get_platform
-    from megatron_rl.rollout.nccl import ExpertParallelNcclEngine, NcclSender
+    from megatron_rl.rollout.weights.nccl import ExpertParallelNcclEngine, NcclSender
 
     get_platform()  # on CPU: the torch.cuda stream stand-ins every run has
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
@@ -501,7 +505,7 @@ def test_cpu_moe_kernel_on_an_ep_rank_computes_only_its_experts(on_input):
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    from megatron_rl.rollout.experts import fix_cpu_moe_expert_map
+    from megatron_rl.rollout.weights.experts import fix_cpu_moe_expert_map
 
     experts, ep, tokens = 4, 2, 12
     g = torch.Generator().manual_seed(3)

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from megatron_rl.rollout.config import DEFAULT_INTERRUPTION_TEXT, InterruptionConfig, RolloutConfig
-from megatron_rl.rollout.interruption import count_subsequence
+from megatron_rl.rollout.engine.interruption import count_subsequence
 
 LO, HI, ANSWER, MAX_TOKENS = 8, 12, 6, 20
 

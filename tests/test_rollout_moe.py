@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.rollout import transport
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.parity import logprob_deltas, megatron_from_hf, perturb_
-from megatron_rl.rollout.push import push_megatron_weights
+from megatron_rl.rollout.weights import cpu_backend as transport
+from megatron_rl.rollout.weights.push import push_megatron_weights
 
 BUCKET = 256 * 1024
 EOS = 2

@@ -67,7 +67,7 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.pool import GeneratorPool
 if __name__ == "__main__":
     pool = GeneratorPool(sys.argv[1], RolloutConfig(placement="subprocess", max_tokens=8))
-    print("HELPER_PID", pool._engines[0].handle.pid, flush=True)
+    print("HELPER_PID", pool.engine_handles()[0].pid, flush=True)
     time.sleep(600)
 """
 

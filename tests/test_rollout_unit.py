@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from megatron_rl.rollout.config import InterruptionConfig, RolloutConfig
-from megatron_rl.rollout.engine import TokenDelta
-from megatron_rl.rollout.interruption import (
+from megatron_rl.rollout.engine.interruption import (
     InterruptionPolicy,
     count_subsequence,
     find_subsequence,
 )
+from megatron_rl.rollout.engine.runner import EngineRunner
+from megatron_rl.rollout.engine.vllm_engine import TokenDelta
 from megatron_rl.rollout.messages import (
     Push,
     Pushed,
@@ -31,7 +32,6 @@ from megatron_rl.rollout.messages import (
     Stop,
     Submit,
 )
-from megatron_rl.rollout.runner import EngineRunner
 
 TEXT = (90, 91, 92)  # interruption text
 CLOSE = (70, 71)  # think-close marker (two tokens: it can straddle a step boundary)
@@ -242,7 +242,7 @@ def test_an_engine_generates_until_the_pushs_first_bucket_arrives():
 def test_fanout_feeds_every_engine_while_one_engine_takes_nothing():
     """Each item goes to every engine's queue on a lane of its own: an engine whose queue is
     full (it takes nothing) does not hold the others up, and all get the same objects."""
-    from megatron_rl.rollout.fanout import Fanout
+    from megatron_rl.rollout.pool.fanout import Fanout
 
     stuck, free = queue.Queue(maxsize=2), queue.Queue()
     engines = [
@@ -259,7 +259,7 @@ def test_fanout_feeds_every_engine_while_one_engine_takes_nothing():
 
 
 def test_fanout_raises_a_lanes_failure_on_the_callers_thread():
-    from megatron_rl.rollout.fanout import Fanout
+    from megatron_rl.rollout.pool.fanout import Fanout
 
     class Gone:
         def put(self, item, timeout=None):
@@ -297,7 +297,7 @@ def test_interrupted_sample_routing_is_the_thinking_requests_up_to_the_cut_then_
 
 
 def test_recorder_files_rows_by_position_and_keeps_the_first_routing():
-    from megatron_rl.rollout.routing import RoutingRecorder
+    from megatron_rl.rollout.engine.routing import RoutingRecorder
 
     recorder = RoutingRecorder(num_layers=3, topk=2, num_experts=8)
 
@@ -383,7 +383,7 @@ def test_rollout_config_imports_no_torch():
 
 
 def test_shared_buffer_roundtrip_is_exact_for_mixed_dtypes():
-    from megatron_rl.rollout.buckets import shared_update, tensors_update
+    from megatron_rl.rollout.weights.buckets import shared_update, tensors_update
 
     gen = torch.Generator().manual_seed(0)
     bucket = [
@@ -395,7 +395,7 @@ def test_shared_buffer_roundtrip_is_exact_for_mixed_dtypes():
     update = shared_update(bucket)
     assert update["buffer"].is_shared()
     assert all(offset % 64 == 0 for offset in update["offsets"])
-    from megatron_rl.rollout.transport import CpuTransferUpdateInfo
+    from megatron_rl.rollout.weights.cpu_backend import CpuTransferUpdateInfo
 
     unpacked = CpuTransferUpdateInfo(**update).weights()
     assert [n for n, _ in unpacked] == ["a", "b", "c", "d"]
@@ -409,7 +409,7 @@ def test_shared_buffer_roundtrip_is_exact_for_mixed_dtypes():
 
 
 def test_cpu_engine_workers_get_a_core_each(tiny_hf_dirs, monkeypatch):
-    from megatron_rl.rollout import engine
+    from megatron_rl.rollout.engine import vllm_engine as engine
     from megatron_rl.rollout.pool import GeneratorPool
 
     if torch.cuda.is_available():
@@ -430,7 +430,7 @@ def test_pushes_do_not_print_the_rotary_embeddings_expected_reload_warning():
 
     from vllm.model_executor.model_loader.reload import layerwise
 
-    from megatron_rl.rollout.engine import _quiet_expected_reload_warnings
+    from megatron_rl.rollout.engine.vllm_engine import _quiet_expected_reload_warnings
 
     records = []
     handler = logging.Handler()
@@ -482,7 +482,7 @@ def test_an_in_process_engine_starts_after_the_trainers_process_group_is_made_an
 
     from megatron_rl.platform import ParallelConfig, init_distributed
     from megatron_rl.platform.parallel import destroy_distributed
-    from megatron_rl.rollout.engine import VLLMEngine
+    from megatron_rl.rollout.engine.vllm_engine import VLLMEngine
 
     hf_dir = tiny_hf_dirs["tiny-llama"]
     config = RolloutConfig(max_tokens=6, dtype="float32", stop_token_ids=[])

@@ -20,7 +20,7 @@ import torch
 from megatron_rl.algorithms.config import AlgorithmConfig
 from megatron_rl.rollout.config import InterruptionConfig, RolloutConfig
 from megatron_rl.rollout.parity import megatron_from_hf, perturb_
-from megatron_rl.rollout.push import push_megatron_weights
+from megatron_rl.rollout.weights.push import push_megatron_weights
 from megatron_rl.trainer import routing_replay
 from megatron_rl.trainer.batch import TrainSample, plan_micro_batches
 from megatron_rl.trainer.optim import wrap_model

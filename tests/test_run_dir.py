@@ -143,7 +143,7 @@ def _env() -> dict[str, str]:
 
 
 def _steps(run_dir: Path) -> list[int]:
-    from megatron_rl.trainer.metrics import read_records
+    from megatron_rl.scaling.records import read_records
 
     return [r["step"] for r in read_records(run_dir / "metrics.jsonl") if "reward_mean" in r]
 

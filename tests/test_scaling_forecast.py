@@ -299,9 +299,10 @@ def test_live_forecast_logs_and_plots_each_domain(tmp_path, monkeypatch):
     TensorBoard; the plot draws each domain's fit and band in the colour of its line."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_rl.trainer import metrics as metrics_module
+    from megatron_rl.scaling import records as metrics_module
+    from megatron_rl.scaling.records import plot_reward_curve, read_records
     from megatron_rl.trainer.live_forecast import LiveForecast
-    from megatron_rl.trainer.metrics import MetricsLogger, plot_reward_curve, read_records
+    from megatron_rl.trainer.metrics import MetricsLogger
 
     run_dir = write_mixed_run(tmp_path / "run", n_evals=20)
     config = ForecastConfig(min_gpu_hours=0, grid="auto", bootstrap=5)

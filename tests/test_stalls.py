@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl.rollout import pool as pool_module
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.messages import Alive
 
 ROOT = Path(__file__).resolve().parents[1]
+POOL_LOGGER = "megatron_rl.rollout.pool"  # the pool's and its supervisor's
 
 
 def test_engine_stall_timeout_is_checked():
@@ -27,18 +27,18 @@ def test_engine_stall_timeout_is_checked():
 
 
 @pytest.fixture
-def beating_pool(tmp_path, monkeypatch):
+def beating_pool(tmp_path):
     """The real pool over fake engine "processes" on real pipes (test_rollout_elastic's)."""
     from test_rollout_elastic import FakeEngines
 
+    from megatron_rl.rollout.pool import GeneratorPool
+
     fakes = FakeEngines(tmp_path)
     hf = SimpleNamespace(vocab_size=100, eos_token_id=2)
-    monkeypatch.setattr(pool_module, "_text_config", lambda hf_dir: hf)
-    monkeypatch.setattr(pool_module, "engine_launcher", lambda hf_dir, config, settings: fakes)
     config = RolloutConfig(
         engines=2, placement="subprocess", samples_per_prompt=2, engine_stall_timeout=1.0
     )
-    pool = pool_module.GeneratorPool("unused", config)
+    pool = GeneratorPool("unused", config, launcher=fakes, text_config=hf)
     yield pool, fakes
     pool.close()
 
@@ -65,10 +65,12 @@ def test_silence_or_one_endless_step_counts_as_a_stall(beating_pool, caplog):
     """Engine 1 beats but reports one step under way for longer than the timeout (a frozen
     worker); engine 0 goes silent after its first beats (SIGSTOP): both are restarted,
     and the requests they held are resubmitted."""
+    from test_rollout_elastic import _submitted
+
     pool, fakes = beating_pool
     pool.submit([[10, 11], [12]], seeds=[1, 2])
-    held = {e.index: dict(e.specs) for e in pool._engines}
-    with caplog.at_level(logging.WARNING, logger=pool_module.__name__):
+    held = {(s.prompt_index, s.sample_index) for h in pool.engine_handles() for s in _submitted(h)}
+    with caplog.at_level(logging.WARNING, logger=POOL_LOGGER):
         start = time.monotonic()
         fakes.writers[0].put(Alive(0, 0.0))  # engine 0 beats once, then falls silent
         fakes.writers[1].put(Alive(1, 5.0))  # engine 1: one step of 5 s > 1 s
@@ -84,8 +86,9 @@ def test_silence_or_one_endless_step_counts_as_a_stall(beating_pool, caplog):
     assert fakes.spawned == [0, 1, 1, 0]
     assert "vLLM engine 0 (pid -1) sent nothing for 1 s" in caplog.text
     assert "rollout.engine_stall_timeout 1 s): stalled" in caplog.text
-    resubmitted = {k for e in pool._engines for k in e.specs}
-    assert resubmitted == {k for specs in held.values() for k in specs}
+    handles = pool.engine_handles()  # both restarted: what they were given is what was held
+    resubmitted = {(s.prompt_index, s.sample_index) for h in handles for s in _submitted(h)}
+    assert resubmitted == held
     stopped._conn.close()
 
 
@@ -108,12 +111,12 @@ def test_a_stopped_engine_process_is_killed_restarted_and_its_samples_come_back(
     )
     with GeneratorPool(tiny_hf_dirs["tiny-llama"], config) as pool:
         assert pool.generate([[1, 2, 3]])  # up and generating
-        pid = pool._engines[0].handle.pid
+        pid = pool.engine_handles()[0].pid
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
         indices = pool.submit([[1, 2, 3], [4, 5], [6, 7, 8, 9]], seeds=[1, 2, 3])
         got = []
-        with caplog.at_level(logging.WARNING, logger=pool_module.__name__):
+        with caplog.at_level(logging.WARNING, logger=POOL_LOGGER):
             while pool.restarts == 0:
                 assert time.monotonic() - stopped < timeout + 30, "the stall went unnoticed"
                 got += pool.poll(timeout=1.0)
@@ -122,7 +125,7 @@ def test_a_stopped_engine_process_is_killed_restarted_and_its_samples_come_back(
         assert f"vLLM engine 0 (pid {pid}) sent nothing for" in caplog.text
         with pytest.raises(ProcessLookupError):  # killed (and reaped)
             os.kill(pid, 0)
-        assert pool._engines[0].handle.pid != pid
+        assert pool.engine_handles()[0].pid != pid
         deadline = time.monotonic() + 300
         while pool.in_flight:
             assert time.monotonic() < deadline, "the resubmitted requests never came back"

@@ -6,11 +6,12 @@ import threading
 
 import pytest
 
+from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.samples import Sample
 from megatron_rl.trainer.rollout_source import RolloutSource
 
 
-class SimulatedPool:
+class SimulatedPool(RolloutClient):  # engines that never restart: the defaults
     """Requests progress one token per ``poll``; prompt p's samples need ``length(p)`` tokens.
     Tokens carry the version current when they were produced, as in-flight pushes do."""
 
@@ -386,7 +387,7 @@ def test_dynamic_sampling_resume_regenerates_exactly_the_prompts_in_flight(mode)
 # -- continuous generation (PipelineRL) ---------------------------------------------------------
 
 
-class ClockPool:
+class ClockPool(RolloutClient):
     """A pool on a tick clock: prompt p's samples finish ``length(p)`` ticks after submission
     (tokens carry the version current at each tick). Time passes by ``advance`` (the trainer's
     update) and by waiting polls (``poll(timeout > 0)``: one tick). Every submission checks,
@@ -545,7 +546,7 @@ def test_next_batch_after_weights_needed_goes_on_without_drawing_again(mode):
     """Elastic engines: while a batch is awaited the pool asks for weights (a restarted
     engine); the trainer re-sends them and asks again. The second call resumes the first:
     PPO submits its k x B prompts once, PipelineRL tops up within the same bound."""
-    from megatron_rl.rollout.elastic import WeightsNeeded
+    from megatron_rl.rollout.client import WeightsNeeded
 
     pool = SimulatedPool(lambda pid: 3)
     answers = iter([False, True])  # the second wait for samples finds an engine waiting

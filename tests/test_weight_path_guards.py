@@ -34,7 +34,7 @@ def test_every_nccl_header_is_accepted_by_vllms_engine():
         NCCLWeightTransferUpdateInfo,
     )
 
-    from megatron_rl.rollout.nccl import bucket_header
+    from megatron_rl.rollout.weights.nccl import bucket_header
 
     engine = NCCLWeightTransferEngine.__new__(NCCLWeightTransferEngine)  # no GPU group
     header = bucket_header(MIXED_BUCKET)
@@ -51,7 +51,7 @@ def test_nccl_sender_moves_every_tensor_to_its_device_before_packing():
     per-tensor hook, on the meta device standing in for CUDA."""
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    from megatron_rl.rollout.nccl import NcclSender
+    from megatron_rl.rollout.weights.nccl import NcclSender
 
     sender = NcclSender("127.0.0.1", 1, 2, 2**20, device=torch.device("meta"))
     moved = []
@@ -110,10 +110,10 @@ def test_an_nccl_push_packs_each_header_once_and_vllms_consumers_decode_the_broa
     from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_NUM_BUFFERS
 
     from megatron_rl.platform import get_platform
-    from megatron_rl.rollout.messages import Pushed
-    from megatron_rl.rollout.nccl import NcclSender
-    from megatron_rl.rollout.pool import GeneratorPool, _Engine
-    from megatron_rl.rollout.senders import TRANSPORTS
+    from megatron_rl.rollout.messages import Pushed, Ready
+    from megatron_rl.rollout.pool import GeneratorPool
+    from megatron_rl.rollout.weights.nccl import NcclSender
+    from megatron_rl.rollout.weights.senders import TRANSPORTS, Transport
 
     get_platform()  # on CPU: the torch.cuda stream stand-ins every run has
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
@@ -150,23 +150,38 @@ def test_an_nccl_push_packs_each_header_once_and_vllms_consumers_decode_the_broa
         events.put(Pushed(index, version, 0.0, len(loaded), 0, None))
         finished.wait(60)
 
-    pool = GeneratorPool.__new__(GeneratorPool)
-    pool.config = RolloutConfig(placement="subprocess", push_timeout_seconds=60)
-    pool.version, pool._closed, pool._acks, pool._events = 0, False, {}, queue.Queue()
-    pool._engines, pool._pending = [], []
-    for index in range(2):
-        commands, weights = queue.Queue(), queue.Queue(2)
-        args = (index, commands, weights, pool._events)
-        worker = threading.Thread(target=engine, args=args, daemon=True)
-        worker.start()
-        handle = SimpleNamespace(
-            index=index, send=commands.put, put_weights=weights.put, is_alive=worker.is_alive
-        )
-        pool._engines.append(_Engine(index, handle, ready=True))
-    pool._sender = NcclSender("127.0.0.1", 1, 3, chunk_bytes, device=torch.device("cpu"))
-    pool._sender.group = Wire()
-    # the group those two engines formed (GeneratorPool._form): this push re-forms nothing
-    pool._transport, pool._members = TRANSPORTS["nccl"], list(pool._engines)
+    events: queue.Queue = queue.Queue()
+
+    def start(count):
+        handles = []
+        for index in range(count):
+            commands, weights = queue.Queue(), queue.Queue(2)
+            args = (index, commands, weights, events)
+            worker = threading.Thread(target=engine, args=args, daemon=True)
+            worker.start()
+            events.put(Ready(index, 64))
+            handles.append(
+                SimpleNamespace(
+                    index=index,
+                    send=commands.put,
+                    put_weights=weights.put,
+                    is_alive=worker.is_alive,
+                )
+            )
+        return handles
+
+    engines = SimpleNamespace(events=events, restartable=False, start=start)
+
+    def open_group(config, hf_config, handles, wait_joined):  # the group those two formed
+        sender = NcclSender("127.0.0.1", 1, 3, chunk_bytes, device=torch.device("cpu"))
+        sender.group = Wire()
+        return sender
+
+    nccl = Transport("nccl", TRANSPORTS["nccl"].backend, False, open_group)
+    config = RolloutConfig(engines=2, placement="subprocess", push_timeout_seconds=60)
+    hf = SimpleNamespace(vocab_size=100, eos_token_id=2)
+    # the group is formed of both engines once they are up: this push re-forms nothing
+    pool = GeneratorPool("unused", config, launcher=engines, transport=nccl, text_config=hf)
     try:
         stats = pool.push_weights(iter([MIXED_BUCKET[:2], MIXED_BUCKET[2:]]))
     finally:
@@ -268,12 +283,12 @@ def test_an_engine_killed_mid_push_is_restarted_and_reweighed(engine_process, ti
     from safetensors.torch import load_file
 
     pool = engine_process
-    pid = pool._engines[0].handle.pid
+    pid = pool.engine_handles()[0].pid
     start = time.monotonic()
     stats = pool.push_weights(_buckets_then(lambda: os.kill(pid, signal.SIGKILL)))
     assert time.monotonic() - start < 30
     assert stats.version == pool.version == 1 and pool.restarts == 1
-    assert pool._engines[0].handle.pid != pid
+    assert pool.engine_handles()[0].pid != pid
     deadline = time.monotonic() + 180
     while not pool.needs_weights():  # the new engine process starts
         assert time.monotonic() < deadline, "the restarted engine never became ready"
@@ -287,12 +302,13 @@ def test_an_engine_killed_mid_push_is_restarted_and_reweighed(engine_process, ti
 
 
 @pytest.mark.timeout(300)
-def test_an_engine_failing_during_an_nccl_push_raises_instead_of_hanging(engine_process):
+def test_an_engine_failing_during_an_nccl_push_raises_instead_of_hanging(tiny_hf_dirs):
     """The NCCL producer blocks until every engine received the broadcast; an engine that
     fails to take the header never will. The pool watches the engines meanwhile."""
-    from megatron_rl.rollout.nccl import NcclSender
+    from megatron_rl.rollout.pool import GeneratorPool
+    from megatron_rl.rollout.weights.nccl import NcclSender
+    from megatron_rl.rollout.weights.senders import TRANSPORTS, Transport
 
-    pool = engine_process
     released = threading.Event()
 
     class StuckSender(NcclSender):  # vLLM's producer waiting in synchronize() for a receiver
@@ -302,11 +318,20 @@ def test_an_engine_failing_during_an_nccl_push_raises_instead_of_hanging(engine_
         def close(self):
             released.set()
 
-    # the engine gets NCCL headers (NcclSender.pack) that its CPU backend cannot load
-    pool._sender = StuckSender("127.0.0.1", 1, 2, 2**20, device=torch.device("meta"))
-    handle = pool._engines[0].handle
+    def open_stuck(config, hf_config, engines, wait_joined):
+        return StuckSender("127.0.0.1", 1, 2, 2**20, device=torch.device("meta"))
+
+    # the host transport's engines, which get NCCL headers (NcclSender.pack) that their CPU
+    # backend cannot load
+    host = TRANSPORTS["host"]
+    stuck = Transport(host.name, host.backend, host.joins_at_build, open_stuck)
+    config = RolloutConfig(
+        placement="subprocess", max_tokens=8, dtype="float32", push_timeout_seconds=60
+    )
+    pool = GeneratorPool(tiny_hf_dirs["tiny-llama"], config, transport=stuck)
+    handle = pool.engine_handles()[0]
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="vLLM engine 0 failed"):
+    with pytest.raises(RuntimeError, match="vLLM engine 0 failed"), pool:
         pool.push_weights(iter([MIXED_BUCKET]))
     assert time.monotonic() - start < 60
     # the closing pool ended the push the failed engine waited in: it stopped by itself
@@ -314,17 +339,25 @@ def test_an_engine_failing_during_an_nccl_push_raises_instead_of_hanging(engine_
     assert not handle.is_alive() and handle.exitcode == 0, handle.exitcode
 
 
-def test_a_push_that_makes_no_progress_times_out(monkeypatch):
+def test_a_push_that_makes_no_progress_times_out():
     """An engine alive but stuck: the deadline (rollout.push_timeout_seconds) raises."""
-    from megatron_rl.rollout.pool import GeneratorPool
+    from megatron_rl.rollout.pool.pusher import WeightPusher
+    from megatron_rl.rollout.weights.senders import TRANSPORTS
 
-    pool = GeneratorPool.__new__(GeneratorPool)
-    pool.config = RolloutConfig(push_timeout_seconds=1)
-    pool._engines, pool._closed = [], False
-    monkeypatch.setattr(pool, "_pump", lambda timeout: time.sleep(0.05))
+    config = RolloutConfig(push_timeout_seconds=1)
+    closed = []
+    pusher = WeightPusher(
+        config,
+        TRANSPORTS["nccl"],
+        None,
+        pump=lambda timeout: time.sleep(0.05),  # the engines: alive, saying nothing
+        is_current=lambda engine: True,
+        closed=lambda: bool(closed),
+        close=lambda: closed.append(True),
+    )
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="push_timeout_seconds"):
-        pool._watched(lambda: time.sleep(30), time.monotonic() + 1, "NCCL broadcast")
+        pusher.watched(lambda: time.sleep(30), time.monotonic() + 1, "NCCL broadcast")
     assert time.monotonic() - start < 5
 
 

@@ -6,7 +6,7 @@
   :mod:`megatron_rl.launch.template`; ``python -m megatron_rl.launch.render --write``
   regenerates the checked-in scripts in ``slurm/``.
 - :mod:`megatron_rl.launch.cli`: ``megatron-rl launch RECIPE [overrides] [--dry-run]``.
-- :mod:`megatron_rl.launch.bridge` and :mod:`megatron_rl.launch.generator`: the generator
-  role as its own Slurm task (``rollout.placement: remote``): the engine runner of the pool,
-  reached by the trainer over TCP.
+- :mod:`megatron_rl.launch.generator`: the generator role as its own Slurm task
+  (``rollout.placement: remote``): it serves one engine of the pool
+  (:mod:`megatron_rl.rollout.engine.serve`), reached by the trainer over TCP.
 """

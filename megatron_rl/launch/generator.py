@@ -29,8 +29,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from megatron_rl.launch import bridge
 from megatron_rl.platform.config import LAUNCHER_VARS
+from megatron_rl.rollout.engine import serve
 
 logger = logging.getLogger("megatron_rl.launch.generator")
 
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--connect",
         type=_parse_address,
         default=None,
-        help=f"the trainer's HOST:PORT (default: ${bridge.ADDR_ENV})",
+        help=f"the trainer's HOST:PORT (default: ${serve.ADDR_ENV})",
     )
     parser.add_argument(
         "--engine",
@@ -67,8 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--connect-timeout",
         type=float,
         default=None,
-        help=f"seconds to wait for the trainer (default: ${bridge.CONNECT_TIMEOUT_ENV} or "
-        f"{bridge.DEFAULT_CONNECT_TIMEOUT:.0f})",
+        help=f"seconds to wait for the trainer (default: ${serve.CONNECT_TIMEOUT_ENV} or "
+        f"{serve.DEFAULT_CONNECT_TIMEOUT:.0f})",
     )
     parser.add_argument(
         "--no-supervise",
@@ -92,18 +92,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     exit_with_parent()  # a supervisor killed with SIGKILL takes its engine process along
     try:
-        address = args.connect or bridge.address_from_env()
-        authkey = bridge.authkey_from_env()
-        timeout = args.connect_timeout or bridge.seconds_from_env(
-            bridge.CONNECT_TIMEOUT_ENV, bridge.DEFAULT_CONNECT_TIMEOUT
+        address = args.connect or serve.address_from_env()
+        authkey = serve.authkey_from_env()
+        timeout = args.connect_timeout or serve.seconds_from_env(
+            serve.CONNECT_TIMEOUT_ENV, serve.DEFAULT_CONNECT_TIMEOUT
         )
         logger.info("engine %d: connecting to the trainer at %s:%d", args.engine, *address)
-        link = bridge.connect(address, authkey, timeout)
+        link = serve.connect(address, authkey, timeout)
     except (ValueError, ConnectionError) as err:
         logger.error("engine %d: %s", args.engine, err)
         return 2
     try:
-        status = bridge.serve_engine(link, args.engine)
+        status = serve.serve_engine(link, args.engine)
     finally:
         link.close()
     logger.info("engine %d: exiting with status %d", args.engine, status)

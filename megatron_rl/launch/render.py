@@ -36,7 +36,7 @@ CHECKED_IN: dict[str, str] = {
     "recipes/scalerl_8b.yaml": "slurm/scalerl_8b.sbatch",
     "recipes/scalerl_scout.yaml": "slurm/scalerl_scout.sbatch",
 }
-# The trainer reaches its generator tasks over TCP (megatron_rl.launch.bridge).
+# The trainer reaches its generator tasks over TCP (megatron_rl.rollout.engine.serve).
 PLACEMENT_OVERRIDE = "rollout.placement=remote"
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 

@@ -6,13 +6,13 @@
   placed whole instead, ``tensor_parallel`` GPUs sharing them (the fullest GPU is counted). The FP32 head costs nothing extra on CUDA: vLLM keeps the
   head weight in the model dtype and accumulates in fp32 (GPU.md), and the trainer pushes it
   in the model dtype.
-- KV cache: ``rollout.kv_cache_gb`` GiB, which ``megatron_rl.rollout.engine`` hands vLLM as
+- KV cache: ``rollout.kv_cache_gb`` GiB, which ``megatron_rl.rollout.engine.vllm_engine`` hands vLLM as
   ``kv_cache_memory_bytes`` ("Size of KV Cache per GPU in bytes", vllm/config/cache.py).
   The plan also says how many full-length sequences that holds against ``max_num_seqs``.
 - Receive buffers of a weight push: vLLM's packed NCCL consumer
   (``weight_transfer/packed_tensor.py``) keeps ``packed_num_buffers`` = 2 buffers, each at
   least the bucket size and overshooting it by at most one tensor; the host path queues 2
-  buckets per engine (``rollout.handles.WEIGHT_QUEUE_DEPTH``). Counted as 2 x (bucket +
+  buckets per engine (``rollout.pool.launchers.WEIGHT_QUEUE_DEPTH``). Counted as 2 x (bucket +
   largest pushed tensor).
 - Forward workspace (estimate): vLLM's profile run at ``max_num_batched_tokens`` (16384 on
   GPUs with >= 70 GB, vllm/engine/arg_utils.py) and fp32 sampler logits for

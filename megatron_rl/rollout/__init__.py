@@ -17,7 +17,7 @@ _EXPORTS: dict[str, str] = {
     "GeneratorPool": "megatron_rl.rollout.pool",
     "PushStats": "megatron_rl.rollout.samples",
     "Sample": "megatron_rl.rollout.samples",
-    "push_megatron_weights": "megatron_rl.rollout.push",
+    "push_megatron_weights": "megatron_rl.rollout.weights.push",
 }
 
 __all__ = [
@@ -31,14 +31,13 @@ __all__ = [
 
 if TYPE_CHECKING:
     from megatron_rl.rollout.pool import GeneratorPool
-    from megatron_rl.rollout.push import push_megatron_weights
     from megatron_rl.rollout.samples import PushStats, Sample
+    from megatron_rl.rollout.weights.push import push_megatron_weights
 
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    # Not cached: tests replace names in the defining modules (``pool.GeneratorPool``).
     return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 

@@ -67,7 +67,7 @@ class RolloutConfig:
             have one rank, and dense and MoE engines cannot mix), "subprocess" (one
             process per engine; on GPU each engine owns ``tensor_parallel`` GPUs) or "remote"
             (engines are tasks of their own, e.g. on other nodes of a Slurm job, that connect
-            to the pool: ``megatron_rl.rollout.remote``).
+            to the pool: ``megatron_rl.rollout.pool.remote``).
         temperature / top_p: sampling settings.
         samples_per_prompt: n samples drawn for every prompt.
         max_tokens: response length cap (with interruptions: for samples that close their
@@ -88,7 +88,7 @@ class RolloutConfig:
             engines; each bucket packed once and sent to all engines at the same time; vLLM
             backend ``megatron_rl_cpu``), "nccl" (GPU: one NCCL broadcast from the trainer's
             sender to every engine worker, vLLM's ``nccl`` backend; needs ``placement``
-            subprocess or remote, see ``megatron_rl.rollout.nccl``) or "auto" (the default:
+            subprocess or remote, see ``megatron_rl.rollout.weights.nccl``) or "auto" (the default:
             "nccl" on a GPU machine when the engines have GPUs of their own, ``placement``
             subprocess or remote without ``colocate``; else "host": see :meth:`resolved`).
         nccl_address: the sender's address for the NCCL rendezvous (None: this host's name).
@@ -101,7 +101,7 @@ class RolloutConfig:
             splitting every expert's width over them (vLLM ``enable_expert_parallel``; the EP
             size is ``tensor_parallel``, attention stays tensor-parallel). Which experts a GPU
             holds is vLLM's own placement (``determine_expert_map``, linear), and a weight push
-            hands each GPU only those experts (``megatron_rl.rollout.experts``). Needs
+            hands each GPU only those experts (``megatron_rl.rollout.weights.experts``). Needs
             ``tensor_parallel`` >= 2 and a model with routed experts.
         gpu_ids: GPUs of the engine processes: engine i gets ``gpu_ids[i * tp : (i + 1) * tp]``
             (``CUDA_VISIBLE_DEVICES``); None: with ``placement: subprocess`` the GPUs after
@@ -137,7 +137,7 @@ class RolloutConfig:
             so its routing would be missing).
         return_routed_experts: every sample carries the experts each of its positions was
             routed to (``Sample.routed_experts``, MoE models; see
-            ``megatron_rl.rollout.routing``). Set by ``algorithm.routing_replay``.
+            ``megatron_rl.rollout.engine.routing``). Set by ``algorithm.routing_replay``.
         enforce_eager: no CUDA graphs / torch.compile (fast start; the CPU default).
         seed: engine sampling seed (engine i uses seed + i).
     """

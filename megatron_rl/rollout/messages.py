@@ -1,8 +1,8 @@
 """Every message between the generator pool and its engines, as frozen dataclasses.
 
 They cross thread queues (``placement: in_process``), an engine process's pipe
-(``subprocess``, framed by :mod:`megatron_rl.rollout.elastic`) and a TCP connection
-(``remote``, :mod:`megatron_rl.rollout.remote`): all of them pickle (plain fields, slots),
+(``subprocess``, framed by :mod:`megatron_rl.rollout.wire`) and a TCP connection
+(``remote``, :mod:`megatron_rl.rollout.wire`): all of them pickle (plain fields, slots),
 and a sample list is carried as is, never copied into another form.
 
 - Commands (pool -> engine): :class:`Submit`, :class:`Push`, :class:`AskStatus`,
@@ -17,7 +17,7 @@ and a sample list is carried as is, never copied into another form.
   :class:`WeightsEnd`).
 
 A push's buckets do not travel as messages: the engine's weights queue gets the packed
-bucket itself (:class:`~megatron_rl.rollout.buckets.WeightSender`), then None at its end.
+bucket itself (:class:`~megatron_rl.rollout.weights.buckets.WeightSender`), then None at its end.
 This module imports no torch.
 """
 
@@ -203,7 +203,7 @@ class Heartbeat:
 
 @_message
 class BucketBytes:
-    """A bucket's layout (:class:`~megatron_rl.rollout.buckets.FlatBucket` header); its raw
+    """A bucket's layout (:class:`~megatron_rl.rollout.weights.buckets.FlatBucket` header); its raw
     tensor bytes follow as one frame per non-empty tensor."""
 
     header: dict[str, Any]

@@ -183,7 +183,7 @@ def parity_rank(world: int, options: ParityOptions) -> ParityResult | None:
     from megatron_rl.platform import ParallelConfig, init_distributed
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.rollout.pool import GeneratorPool
-    from megatron_rl.rollout.push import push_megatron_weights
+    from megatron_rl.rollout.weights.push import push_megatron_weights
 
     nccl = options.transport == "nccl"
     placement = options.placement or ("in_process" if world == 1 and not nccl else "subprocess")

@@ -25,7 +25,7 @@ class Sample:
 
     ``routed_experts [P, layers, topk]`` (engines that return them, MoE models): the experts
     position ``p`` of ``prompt_ids + response_ids`` was routed to in every layer when the
-    generator processed it (``megatron_rl.rollout.routing``); ``P`` is at most the sequence
+    generator processed it (``megatron_rl.rollout.engine.routing``); ``P`` is at most the sequence
     length (the last token is never processed). An interrupted sample's rows are those of its
     first request up to the cut, then those of the answer request.
     """
@@ -73,7 +73,7 @@ class Sample:
     def add_routed_experts(self, rows: np.ndarray | None) -> None:
         """Add a request's routed-expert rows (from position 0): positions this sample has
         rows for keep them (the routing they were generated with), later ones are appended."""
-        from megatron_rl.rollout.routing import merge_rows
+        from megatron_rl.rollout.engine.routing import merge_rows
 
         self.routed_experts = merge_rows(self.routed_experts, rows)
 

@@ -24,10 +24,10 @@ from megatron_rl.scaling.forecast import (
     forecast_metrics,
     resolve_budget,
 )
+from megatron_rl.scaling.records import METRICS_FILE
 
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 
 
@@ -76,7 +76,7 @@ class Refresh:
 def refresh(run_dir: Path, settings: WatchSettings, plot: Path | None) -> Refresh:
     """Read the run's metrics, fit the forecast, redraw ``plot``; never raises on a run that
     has too little to fit yet (the line says why)."""
-    from megatron_rl.trainer.metrics import plot_reward_curve, read_records
+    from megatron_rl.scaling.records import plot_reward_curve, read_records
 
     metrics = run_dir / METRICS_FILE
     if not metrics.is_file():

@@ -1,9 +1,10 @@
 """Emulated vLLM engines and a pool of them on a simulated clock (no torch import).
 
-``EmulatedPool`` implements the part of ``megatron_rl.rollout.pool.GeneratorPool`` that the
-``RolloutSource`` uses (``submit``, ``poll``, ``version``, ``in_flight``,
-``oldest_version_in_flight``, ``staleness``, ``engine_status``) plus ``push_weights`` and
-``advance`` for the trainer emulator. It schedules as the real pool does: each prompt's G
+``EmulatedPool`` is a :class:`~megatron_rl.rollout.client.RolloutClient`, as
+``megatron_rl.rollout.pool.GeneratorPool`` is (``submit``, ``poll``, ``version``,
+``push_weights``; its engines never restart), plus ``in_flight``,
+``oldest_version_in_flight``, ``staleness``, ``engine_status`` and ``advance`` for the
+trainer emulator. It schedules as the real pool does: each prompt's G
 samples go to the engine with the fewest outstanding samples.
 
 Each engine emulates vLLM's continuous batching: at most ``max_num_seqs`` running sequences,
@@ -26,9 +27,11 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from megatron_rl.rollout.samples import Sample
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.rollout.samples import PushStats, Sample
 from megatron_rl.simulation.costs import CostModel
 from megatron_rl.simulation.workload import LengthModel
 
@@ -189,8 +192,8 @@ class EmulatedEngine:
         self.version = version
 
 
-class EmulatedPool:
-    """The GeneratorPool interface the RolloutSource uses, over emulated engines."""
+class EmulatedPool(RolloutClient):
+    """A rollout client over emulated engines (the real pool's scheduling)."""
 
     def __init__(
         self,
@@ -218,12 +221,17 @@ class EmulatedPool:
     def submit(
         self,
         prompts: Sequence[Sequence[int]],
-        samples_per_prompt: int,
+        samples_per_prompt: int | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
         seeds: Sequence[int] | None = None,
-        **_: object,
     ) -> list[int]:
         """Queue ``samples_per_prompt`` samples of each prompt on the least-loaded engine (as
-        ``GeneratorPool.submit``); their lengths follow the length model, seeded by ``seeds``."""
+        ``GeneratorPool.submit``); their lengths follow the length model, seeded by ``seeds``
+        (the sampling settings are the length model's)."""
+        if samples_per_prompt is None:
+            raise ValueError("EmulatedPool.submit needs samples_per_prompt (it has no config)")
         indices = []
         for p, prompt in enumerate(prompts):
             index = self._next_prompt
@@ -285,9 +293,17 @@ class EmulatedPool:
         for engine in self.engines:
             engine.advance_to(self.now)
 
-    def push_weights(self, version: int | None = None) -> float:
-        """Push new weights (``version``, default the next): every engine pauses for the push's
-        duration, then generates with them. Returns the push's seconds."""
+    def push_weights(
+        self,
+        buckets: Iterable[Any],
+        kv_on_push: str | None = None,
+        between: Callable[[], None] | None = None,
+        *,
+        version: int | None = None,
+    ) -> PushStats:
+        """Push new weights (``version``, default the next; the emulator's trainer counts
+        its updates): every engine pauses for the push's duration (the cost model's, whatever
+        ``buckets`` hold), then generates with them."""
         seconds = self.costs.push()
         for engine in self.engines:
             engine.advance_to(self.now)
@@ -298,7 +314,11 @@ class EmulatedPool:
             engine.load_weights(self.version)
         self.push_seconds += seconds
         self.pushes += 1
-        return seconds
+        return PushStats(self.version, 0, 0, 0, seconds=seconds, load_seconds=seconds)
+
+    def reweigh(self, buckets: Iterable[Any]) -> PushStats:
+        """Emulated engines never restart: no engine waits for weights."""
+        return PushStats(self.version, 0, 0, 0, seconds=0.0, load_seconds=0.0)
 
     def _gather(self) -> None:
         for engine in self.engines:

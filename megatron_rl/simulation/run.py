@@ -206,7 +206,7 @@ def simulate(costs: CostModel, lengths: LengthModel, settings: SimSettings) -> S
             samples += len(sequence_lengths)
             tokens += sum(sequence_lengths)
         if source.wants_push():
-            pool.push_weights(version)
+            pool.push_weights((), version=version)
     wall = pool.now - start
     engines = len(pool.engines)
     busy = sum(e.busy_seconds for e in pool.engines) - busy0

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.scaling.forecast import ForecastConfig, RunForecast
-from megatron_rl.trainer.metrics import read_records
+from megatron_rl.scaling.records import read_records
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def forecast_job(
     """The worker's job: fit the run's validation points (overall and per domain), redraw
     the plot, return the forecast. Raises ValueError when there is nothing to fit yet."""
     from megatron_rl.scaling.forecast import forecast_metrics
-    from megatron_rl.trainer.metrics import plot_reward_curve
+    from megatron_rl.scaling.records import plot_reward_curve
 
     forecast = forecast_metrics(metrics_path, config, budget, growing=True)
     if png is not None:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.platform import collectives, get_platform, watchdog
-from megatron_rl.rollout.elastic import WeightsNeeded
+from megatron_rl.rollout.client import WeightsNeeded
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer import hf_export
 from megatron_rl.trainer.batch import TrainSample, token_multiple
@@ -542,7 +542,7 @@ def push_weights(run: Run, pool, reweigh: bool = False, between=None):
     calls this (the gathers are collectives); ``pool`` is None off the main rank.
     ``between``: called by the pool whenever the push waits or a bucket went out (the
     rollout source's ``feed``: the pool stays topped up through the push)."""
-    from megatron_rl.rollout.push import push_megatron_weights
+    from megatron_rl.rollout.weights.push import push_megatron_weights
 
     bucket_bytes = run.config.rollout.weight_bucket_bytes
     with torch.no_grad():
@@ -676,7 +676,7 @@ def _budget_spent(run: Run) -> bool:
 
 
 def _plot(run: Run) -> None:
-    from megatron_rl.trainer.metrics import plot_reward_curve
+    from megatron_rl.scaling.records import plot_reward_curve
 
     try:
         latest = run.forecast.latest if run.forecast is not None else None

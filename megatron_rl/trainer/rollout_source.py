@@ -98,7 +98,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from megatron_rl.data.sampler import has_reward_variance
-from megatron_rl.rollout.elastic import WeightsNeeded
+from megatron_rl.rollout.client import RolloutClient, WeightsNeeded
 from megatron_rl.rollout.load import InFlightClock
 from megatron_rl.rollout.samples import Sample
 
@@ -166,7 +166,7 @@ class RolloutSource:
 
     def __init__(
         self,
-        pool,
+        pool: RolloutClient,
         next_prompt_ids: Callable[[int], list[int]],
         encode: Callable[[int], list[int]],
         batch_prompts: int,
@@ -209,10 +209,6 @@ class RolloutSource:
         self._lock = threading.RLock()  # one thread drives the pool at a time
         self._feeder: threading.Thread | None = None
         self._ppo_generating = False  # PPO: the k x B prompts of a generation are submitted
-        # pools without restartable engines (emulators, fakes) need not say
-        self._needs_weights = getattr(pool, "needs_weights", lambda: False)
-        self._engine_idle = getattr(pool, "engine_idle_fractions", list)
-        self._reset_engine_load = getattr(pool, "reset_engine_load", lambda: None)
 
     def _draw(self, n: int) -> list[int]:
         if self.exhausted or n <= 0:
@@ -363,7 +359,7 @@ class RolloutSource:
         with self._lock:
             self._load.observe(self._in_flight)
             mean, idle = self._load.averages()
-            per_engine = self._engine_idle()
+            per_engine = self.pool.engine_idle_fractions()
         load = {"generator_idle_fraction": idle}
         if per_engine:
             load["engine_idle_fraction_mean"] = sum(per_engine) / len(per_engine)
@@ -378,7 +374,7 @@ class RolloutSource:
         assert self._feeder is None, "next_batch() inside feeding()"
         with self._lock:
             self._load.reset(self._in_flight)
-            self._reset_engine_load()
+            self.pool.reset_engine_load()
             if self.mode == "ppo":
                 if not self._ppo_generating:  # else: called again after WeightsNeeded
                     self._begin(batches=0 if self._ppo_queue else self.k)
@@ -429,7 +425,7 @@ class RolloutSource:
 
     def _check_weights(self) -> None:
         """Raise ``WeightsNeeded`` when restarted engines wait for the current weights."""
-        if self._needs_weights():
+        if self.pool.needs_weights():
             raise WeightsNeeded()
 
     def wants_push(self) -> bool:

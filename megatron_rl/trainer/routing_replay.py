@@ -1,7 +1,7 @@
 """Routing replay (R3): the policy forward routes every token to the experts the generator used.
 
 The generator's routing travels with each sample (``Sample.routed_experts [P, layers, topk]``,
-``megatron_rl.rollout.routing``). In a micro-batch it becomes ``routing [b, s, layers, topk]``
+``megatron_rl.rollout.engine.routing``). In a micro-batch it becomes ``routing [b, s, layers, topk]``
 (:func:`routing_tensor`). Before each forward, :func:`set_routing` hands every MoE router of
 this rank its slice through megatron-core's own replay (``moe_enable_routing_replay``,
 ``megatron.core.transformer.moe.router_replay``): the router takes the given top-k indices

@@ -1,9 +1,9 @@
 """Buckets of HF-named tensors as update infos of the ``megatron_rl_cpu`` weight transport.
 
-The trainer side of :mod:`megatron_rl.rollout.transport` (this module does not import vLLM):
+The trainer side of :mod:`megatron_rl.rollout.weights.cpu_backend` (this module does not import vLLM):
 a bucket is handed over as the tensors themselves (engine in the same process), copied into
 one flat shared-memory buffer (engine in another process), or flattened into raw byte chunks
-for a byte stream (remote engine: :mod:`megatron_rl.rollout.remote`). Each form is made once
+for a byte stream (remote engine: :mod:`megatron_rl.rollout.wire`). Each form is made once
 per bucket and handed to every engine (:class:`HostSender`).
 """
 
@@ -15,7 +15,11 @@ from typing import Any, Protocol
 import torch
 
 from megatron_rl.conversion.weight_stream import WeightBucket
-from megatron_rl.rollout.experts import ExpertPlacement, expert_parallel_update, split_bucket
+from megatron_rl.rollout.weights.experts import (
+    ExpertPlacement,
+    expert_parallel_update,
+    split_bucket,
+)
 
 ALIGN = 64  # byte alignment of tensors inside a flat buffer
 CPU_BACKEND = "megatron_rl_cpu"  # the vLLM weight-transfer backend of the host transport

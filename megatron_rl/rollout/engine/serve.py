@@ -2,10 +2,10 @@
 
 The engine task (``python -m megatron_rl.launch.generator``) connects to the pool, says
 :class:`~megatron_rl.rollout.messages.Hello`, receives its start-up data and runs the
-pool's ordinary engine loop (:func:`megatron_rl.rollout.runner.run_engine`) on local queues
-that this module fills from the connection and drains into it. The wire, the pool's end and
-the job's environment variables are in :mod:`megatron_rl.rollout.remote` (``launch`` imports
-``rollout``, never the reverse).
+pool's ordinary engine loop (:func:`megatron_rl.rollout.engine.runner.run_engine`) on local
+queues that this module fills from the connection and drains into it. The wire and the job's
+environment variables are in :mod:`megatron_rl.rollout.wire`, the pool's end in
+:mod:`megatron_rl.rollout.pool.remote`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from megatron_rl.rollout.messages import (
     WeightsEnd,
     unknown_message,
 )
-from megatron_rl.rollout.remote import (
+from megatron_rl.rollout.wire import (
     ADDR_ENV,
     CONNECT_TIMEOUT_ENV,
     DEFAULT_CONNECT_TIMEOUT,
@@ -127,7 +127,7 @@ def serve_engine(
     engine failed (the trainer got the traceback), 3 when the trainer went away, 4 when it
     rejected this task."""
     if runner is None:
-        from megatron_rl.rollout.runner import run_engine as runner
+        from megatron_rl.rollout.engine.runner import run_engine as runner
     link.send(Hello(index, {"host": socket.gethostname(), "pid": os.getpid()}))
     init = link.recv()
     if isinstance(init, Reject):

@@ -14,7 +14,7 @@ both talk to the pool through queues:
   ``Pushed``, ``StatusReport``, ``TransportJoined``, ``Failed``, ``Stopped``, and ``Alive``
   from a thread of an engine process: ``rollout.engine_stall_timeout``); one queue
   shared by in-process and remote engines, a pipe of its own for an engine process
-  (:mod:`megatron_rl.rollout.elastic`).
+  (:mod:`megatron_rl.rollout.wire`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 from megatron_rl.platform.config import LAUNCHER_VARS
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.interruption import find_subsequence
+from megatron_rl.rollout.engine.interruption import find_subsequence
 from megatron_rl.rollout.messages import (
     Alive,
     AskStatus,
@@ -309,7 +309,7 @@ def run_engine(
             target=_beat, args=(index, events, runner, done, beat_seconds), daemon=True
         ).start()
     try:
-        from megatron_rl.rollout.engine import VLLMEngine
+        from megatron_rl.rollout.engine.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(hf_dir, config, index)
         runner.append(EngineRunner(index, engine, settings, events))
@@ -346,7 +346,7 @@ def subprocess_main(
     log_path: str | None = None,
 ) -> None:
     """Entry point of an engine process (``placement: subprocess``). ``events``: the write
-    end of this engine's event pipe (:mod:`megatron_rl.rollout.elastic`); ``log_path``: a
+    end of this engine's event pipe (:mod:`megatron_rl.rollout.wire`); ``log_path``: a
     file that gets a copy of the process's output (its tail names the cause of a death)."""
     # Its own process group: a dead engine's helpers (vLLM workers) go with it on restart.
     os.setpgrp()
@@ -356,7 +356,7 @@ def subprocess_main(
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
     if log_path is not None:
-        from megatron_rl.rollout.elastic import tee_output
+        from megatron_rl.rollout.engine.output import tee_output
 
         tee_output(log_path)
     # The engine forms its own one-process world; the trainer's launcher variables would
@@ -367,7 +367,7 @@ def subprocess_main(
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine_devices(config, index))
     logging.basicConfig(level=logging.WARNING)
     from megatron_rl.platform import exit_with_parent
-    from megatron_rl.rollout.elastic import EventWriter
+    from megatron_rl.rollout.wire import EventWriter
 
     exit_with_parent()
     writer = EventWriter(events)

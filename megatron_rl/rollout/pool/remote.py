@@ -4,21 +4,21 @@ Under Slurm the generator engines are their own tasks (``python -m
 megatron_rl.launch.generator``), on other nodes than the trainer. Each engine task connects
 to the trainer's generator pool (``multiprocessing.connection`` over TCP, authenticated with a
 key of the job) and runs the pool's ordinary engine loop
-(:func:`megatron_rl.rollout.runner.run_engine`) on local queues that
-:mod:`megatron_rl.launch.bridge` fills from the connection, and drains into it:
+(:func:`megatron_rl.rollout.engine.runner.run_engine`) on local queues that
+:mod:`megatron_rl.rollout.engine.serve` fills from the connection, and drains into it:
 
     trainer (pool)                                generator task (engine i)
     RemoteEngine.send(command)       --command-->  commands queue -> EngineRunner
     RemoteEngine.put_weights(bucket) --weights-->  weights queue (bucket as one flat buffer)
     pool events queue                <--event---   events.put(...)   (+ heartbeats)
 
-This module owns the wire (:class:`Link`: the messages of :mod:`megatron_rl.rollout.messages`,
-pickled; the connection is authenticated: only tasks of the job that know its key can
-connect), the trainer's end (:class:`RemoteEngine`, an
-:class:`~megatron_rl.rollout.handles.EngineHandle`; :func:`accept_engines`) and the job's
-environment variables. Weight buckets travel as raw bytes, flattened once by the pool and
-streamed to every engine task at the same time (``megatron_rl.rollout.fanout``). A connection
-that closes, or stays silent for longer than the heartbeat timeout, counts as a dead engine.
+This module is the trainer's end (:class:`RemoteEngine`, an
+:class:`~megatron_rl.rollout.pool.launchers.EngineHandle`; :func:`accept_engines`); the wire
+(:class:`~megatron_rl.rollout.wire.Link`: the messages of :mod:`megatron_rl.rollout.messages`,
+pickled; the connection is authenticated: only tasks of the job that know its key can connect)
+and the job's environment variables are in :mod:`megatron_rl.rollout.wire`. Weight buckets
+travel as raw bytes, flattened once by the pool and streamed to every engine task at the same
+time (:mod:`megatron_rl.rollout.pool.fanout`). A connection that closes, or stays silent for longer than the heartbeat timeout, counts as a dead engine.
 The pool restarts it as it restarts an engine process (:class:`RemoteLauncher`): the engine
 task, which supervises its engine process, starts a new one that reconnects; a task that does
 not reconnect in time (it is gone) fails the run, the trainer exits with the message, and
@@ -28,7 +28,6 @@ Slurm ends the job.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import queue
 import socket
@@ -40,7 +39,6 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl.rollout.messages import (
-    BucketBytes,
     BucketHeader,
     Command,
     Event,
@@ -53,125 +51,30 @@ from megatron_rl.rollout.messages import (
     Stop,
     WeightsEnd,
 )
+from megatron_rl.rollout.wire import (
+    CONNECT_TIMEOUT_ENV,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_RECONNECT_TIMEOUT,
+    DEFAULT_SILENCE_TIMEOUT,
+    RECONNECT_TIMEOUT_ENV,
+    TIMEOUT_ENV,
+    Link,
+    address_from_env,
+    authkey_from_env,
+    seconds_from_env,
+)
 
 if TYPE_CHECKING:
-    from megatron_rl.rollout.buckets import FlatBucket
     from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.weights.buckets import FlatBucket
 
 logger = logging.getLogger(__name__)
-
-ADDR_ENV = "MEGATRON_RL_GENERATOR_ADDR"  # host:port of the trainer's pool (set by the job)
-KEY_ENV = "MEGATRON_RL_GENERATOR_KEY"  # the job's authentication key
-TIMEOUT_ENV = "MEGATRON_RL_GENERATOR_TIMEOUT"  # seconds of silence before an engine is dead
-CONNECT_TIMEOUT_ENV = "MEGATRON_RL_GENERATOR_CONNECT_TIMEOUT"  # seconds to wait for the other
-# seconds a lost engine's task has to restart its engine process and reconnect
-RECONNECT_TIMEOUT_ENV = "MEGATRON_RL_GENERATOR_RECONNECT_TIMEOUT"
-HEARTBEAT_SECONDS = 5.0
-DEFAULT_SILENCE_TIMEOUT = 300.0
-DEFAULT_CONNECT_TIMEOUT = 3600.0
-DEFAULT_RECONNECT_TIMEOUT = 60.0
-
-
-def address_from_env() -> tuple[str, int]:
-    """(host, port) of the trainer's pool from ``$MEGATRON_RL_GENERATOR_ADDR``."""
-    value = os.environ.get(ADDR_ENV, "")
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(
-            f"rollout.placement 'remote' needs ${ADDR_ENV}=host:port (the sbatch script of "
-            f"`megatron-rl launch` sets it), got {value!r}"
-        )
-    return host, int(port)
-
-
-def authkey_from_env() -> bytes:
-    """The job's key from ``$MEGATRON_RL_GENERATOR_KEY``."""
-    key = os.environ.get(KEY_ENV, "")
-    if len(key) < 16:
-        raise ValueError(f"${KEY_ENV} must hold a key of at least 16 characters (set by the job)")
-    return key.encode()
-
-
-def seconds_from_env(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"${name} must be a number of seconds, got {value!r}") from None
-    if seconds <= 0:
-        raise ValueError(f"${name} must be > 0, got {value!r}")
-    return seconds
-
-
-# -- wire format ---------------------------------------------------------------------------------
-
-
-class Link:
-    """One end of a connection: pickled messages and weight buckets, sends serialised."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self._send_lock = threading.Lock()
-
-    def send(self, message: object) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            self.conn.send_bytes(data)
-
-    def recv(self) -> object:
-        return pickle.loads(self.conn.recv_bytes())
-
-    def send_update(self, update: FlatBucket | dict[str, Any]) -> None:
-        """Send one bucket (flattened once for every engine by the pool, or an update info of
-        the ``megatron_rl_cpu`` transport, with ``tensors`` or a flat ``buffer``): a header,
-        then the raw bytes of every tensor."""
-        from megatron_rl.rollout.buckets import FlatBucket, flat_update  # imports torch
-
-        flat = update if isinstance(update, FlatBucket) else flat_update(update)
-        with self._send_lock:
-            self.conn.send_bytes(pickle.dumps(BucketBytes(flat.header), pickle.HIGHEST_PROTOCOL))
-            for chunk in flat.chunks:
-                self.conn.send_bytes(chunk)
-
-    def recv_update(self, header: dict[str, Any]) -> dict[str, Any]:
-        """The bucket announced by ``header``, as a flat-buffer update info."""
-        import torch
-
-        buffer = torch.empty(max(header["total"], 1), dtype=torch.uint8)
-        view = memoryview(buffer.numpy())
-        for offset, nbytes in zip(header["offsets"], header["nbytes"]):
-            got = self.conn.recv_bytes_into(view[: offset + nbytes], offset) if nbytes else 0
-            if nbytes and got != nbytes:
-                raise ConnectionError(f"weight bucket: expected {nbytes} bytes, got {got}")
-        return {
-            "names": header["names"],
-            "buffer": buffer,
-            "dtype_names": header["dtype_names"],
-            "shapes": header["shapes"],
-            "offsets": header["offsets"],
-        }
-
-    def close(self) -> None:
-        """Shut the socket down (which wakes a thread blocked reading it; a plain close
-        would not), then close it. Idempotent."""
-        try:
-            with socket.fromfd(self.conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
-                dup.shutdown(socket.SHUT_RDWR)
-        except OSError:  # already closed or never connected
-            pass
-        try:
-            self.conn.close()
-        except OSError:
-            pass
-
 
 # -- trainer side ------------------------------------------------------------------------------
 
 
 class RemoteEngine:
-    """The pool's handle on one engine task (an :class:`~megatron_rl.rollout.handles.EngineHandle`):
+    """The pool's handle on one engine task (an :class:`~megatron_rl.rollout.pool.launchers.EngineHandle`):
     commands and buckets go over the connection; its events arrive in the pool's events
     queue (a reader thread forwards every message but heartbeats).
 

@@ -6,11 +6,11 @@ where it can, and owns the one event source the pool reads all their events from
 
 - ``in_process``: :class:`ThreadEngine`, a thread of this process (events: one queue);
 - ``subprocess``: :class:`ProcessEngine`, a spawned process with an event pipe of its own
-  (:mod:`megatron_rl.rollout.elastic`), restartable;
-- ``remote``: :class:`~megatron_rl.rollout.remote.RemoteEngine`, an engine task connected
-  over TCP (:mod:`megatron_rl.rollout.remote`).
+  (:mod:`megatron_rl.rollout.wire`), restartable;
+- ``remote``: :class:`~megatron_rl.rollout.pool.remote.RemoteEngine`, an engine task connected
+  over TCP (:mod:`megatron_rl.rollout.pool.remote`).
 
-Every engine runs :func:`megatron_rl.rollout.runner.run_engine`.
+Every engine runs :func:`megatron_rl.rollout.engine.runner.run_engine`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.elastic import EventChannels
+from megatron_rl.rollout.engine.runner import run_engine, subprocess_main
 from megatron_rl.rollout.messages import Command, Event, RunnerSettings
-from megatron_rl.rollout.runner import run_engine, subprocess_main
+from megatron_rl.rollout.wire import EventChannels
 
 WEIGHT_QUEUE_DEPTH = 2  # buckets queued per engine: bounds the push's extra memory
 
@@ -250,7 +250,7 @@ class ProcessLauncher:
 
 
 def _remote_launcher(hf_dir: str, config: RolloutConfig, settings: RunnerSettings):
-    from megatron_rl.rollout.remote import RemoteLauncher
+    from megatron_rl.rollout.pool.remote import RemoteLauncher
 
     return RemoteLauncher(hf_dir, config, settings)
 
@@ -276,3 +276,37 @@ def _check_one_rank_world() -> None:
             f"one-rank torch.distributed world (this one has {dist.get_world_size()}); "
             "use placement: subprocess"
         )
+
+
+def runner_settings(config: RolloutConfig, hf_config: Any, policy: Any = None) -> RunnerSettings:
+    """What every engine's runner needs besides the config: the stop tokens (the config's,
+    else the model's EOS) and the interruption ``policy``'s token ids, if any."""
+    stop = config.stop_token_ids
+    if stop is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+        stop = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    if policy is None:
+        return RunnerSettings(tuple(stop))
+    return RunnerSettings(tuple(stop), policy.text_ids, policy.close_ids, policy.answer_budget)
+
+
+def hf_text_config(hf_dir: str) -> Any:
+    """The HF config of ``hf_dir``'s text model."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    return getattr(config, "text_config", config)
+
+
+def hf_encoder(hf_dir: str) -> Callable[[str], list[int]]:
+    """Text -> token ids (no special tokens) by ``hf_dir``'s tokenizer."""
+    from pathlib import Path
+
+    if not any(Path(hf_dir).glob("tokenizer*")):
+        raise ValueError(
+            "rollout.interruption needs a tokenizer: pass encode= or put one in the model dir"
+        )
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)

@@ -13,7 +13,7 @@ until the header arrives; requests in flight stay in vLLM's scheduler meanwhile,
 CPU path.
 
 Expert-parallel engines (``rollout.expert_parallel``) get each routed expert only on the GPU
-that holds it (vLLM's placement, :mod:`megatron_rl.rollout.experts`). A broadcast hands every
+that holds it (vLLM's placement, :mod:`megatron_rl.rollout.weights.experts`). A broadcast hands every
 member of a group the same bytes, so there is a group per EP rank ``r``: the sender and worker
 ``r`` of every engine (``expert_group_layout``). Dense tensors still go once to the group of
 all workers; each rank's experts go to its group only. The sender emits every byte once either
@@ -23,7 +23,7 @@ instead of the whole model. The engines run vLLM's ``nccl`` backend with two cha
 joins its EP rank's group, and receives its experts there.
 
 A group's ranks are fixed: after an engine dies, the pool forms the group anew of the engines
-its next push goes to (``GeneratorPool._form``), on fresh ports; every worker first leaves its
+its next push goes to (``WeightPusher.form``), on fresh ports; every worker first leaves its
 old group (vLLM's ``shutdown_weight_transfer_engine``, which aborts the communicator).
 
 Engines must own GPUs other than the sender's (NCCL has one rank per device), so this path
@@ -51,8 +51,13 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 )
 
 from megatron_rl.conversion.weight_stream import WeightBucket
-from megatron_rl.rollout.experts import ExpertPlacement, model_rank_experts, own_part, split_experts
-from megatron_rl.rollout.transport import NCCL_EP_BACKEND
+from megatron_rl.rollout.weights.cpu_backend import NCCL_EP_BACKEND
+from megatron_rl.rollout.weights.experts import (
+    ExpertPlacement,
+    model_rank_experts,
+    own_part,
+    split_experts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +224,7 @@ class ExpertParallelNcclEngine(NCCLWeightTransferEngine):
 
 class NcclSender:
     """The trainer end of the transfer groups (rank 0 of each), a
-    :class:`~megatron_rl.rollout.buckets.WeightSender`: every engine gets a bucket's header
+    :class:`~megatron_rl.rollout.weights.buckets.WeightSender`: every engine gets a bucket's header
     (``pack``), then its tensors by broadcast (``send``): one broadcast to every worker, or
     for expert-parallel engines (``experts``) the dense tensors to every worker and each EP
     rank's experts in its own group (on ``expert_ports[r]``). ``connect`` blocks until every

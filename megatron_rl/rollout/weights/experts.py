@@ -20,7 +20,7 @@ A weight push then hands rank r only its experts (:func:`rank_bucket`):
   rank does not hold (``RoutedExperts.weight_loader``: ``expert_id == -1`` returns), so the
   per-expert names load on every placement.
 
-The engine side (:mod:`megatron_rl.rollout.transport`; on GPU :mod:`megatron_rl.rollout.nccl`,
+The engine side (:mod:`megatron_rl.rollout.weights.cpu_backend`; on GPU :mod:`megatron_rl.rollout.weights.nccl`,
 which broadcasts each rank's experts in a group of its own) picks its rank's part of an update
 and checks that its layers' expert maps are the placement the sender split for.
 

@@ -1,6 +1,6 @@
 """One vLLM engine, stepped by its owner (``LLMEngine`` with the engine core in-process).
 
-The owner (an :class:`~megatron_rl.rollout.runner.EngineRunner`) calls :meth:`step` in a
+The owner (an :class:`~megatron_rl.rollout.engine.runner.EngineRunner`) calls :meth:`step` in a
 loop and loads weights between two steps: requests in flight stay in vLLM's scheduler
 across a load, which is what makes weight pushes in-flight (PipelineRL).
 """
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.experts import routed_expert_count
-from megatron_rl.rollout.senders import transport_for
+from megatron_rl.rollout.weights.experts import routed_expert_count
+from megatron_rl.rollout.weights.senders import transport_for
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ _live_engines = 0  # engines of this process (vLLM's parallel state is process-w
 class TokenDelta:
     """New tokens of one request after a step: ``token_ids [k]``, ``logprobs [k]``; when it
     finished in an engine that returns routed experts, ``routed_experts [positions, layers,
-    topk]`` of its whole sequence (see ``megatron_rl.rollout.routing``)."""
+    topk]`` of its whole sequence (see ``megatron_rl.rollout.engine.routing``)."""
 
     request_id: str
     token_ids: list[int]
@@ -159,7 +159,7 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
     if config.expert_parallel and not routed_expert_count(text):
         raise ValueError(f"rollout.expert_parallel: {hf_dir} has no routed experts")
     if config.return_routed_experts:
-        from megatron_rl.rollout.routing import WORKER_EXTENSION
+        from megatron_rl.rollout.engine.routing import WORKER_EXTENSION
 
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
     overrides = {}
@@ -270,7 +270,7 @@ class VLLMEngine:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         from megatron_rl.platform import get_platform
-        from megatron_rl.rollout.transport import register_backend
+        from megatron_rl.rollout.weights.cpu_backend import register_backend
 
         register_backend()
         _quiet_expected_reload_warnings()

@@ -2,11 +2,11 @@
 
 A :class:`Transport` says what both ends of one transport need: the vLLM weight-transfer
 backend the engines build, whether they join it when built or when the pool says so (a group
-of fixed members, which the pool forms anew when they change: ``GeneratorPool._form``), and
+of fixed members, which the pool forms anew when they change: ``WeightPusher.form``), and
 how the pool opens its sender end (a
-:class:`~megatron_rl.rollout.buckets.WeightSender`). ``TRANSPORTS`` holds the two: ``host``
-(buckets through host memory, :class:`~megatron_rl.rollout.buckets.HostSender`) and ``nccl``
-(one broadcast from the trainer, :class:`~megatron_rl.rollout.nccl.NcclSender`).
+:class:`~megatron_rl.rollout.weights.buckets.WeightSender`). ``TRANSPORTS`` holds the two: ``host``
+(buckets through host memory, :class:`~megatron_rl.rollout.weights.buckets.HostSender`) and ``nccl``
+(one broadcast from the trainer, :class:`~megatron_rl.rollout.weights.nccl.NcclSender`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl.rollout.buckets import CPU_BACKEND, HostSender, WeightSender
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.experts import engine_placement
 from megatron_rl.rollout.messages import JoinTransport
-from megatron_rl.rollout.nccl import engine_backend
+from megatron_rl.rollout.weights.buckets import CPU_BACKEND, HostSender, WeightSender
+from megatron_rl.rollout.weights.experts import engine_placement
+from megatron_rl.rollout.weights.nccl import engine_backend
 
 # open(config, hf text config, engines (EngineHandle), wait_joined) -> the sender end;
 # ``wait_joined(connect)`` runs ``connect`` (the sender's side of a group's rendezvous, which
@@ -50,7 +50,7 @@ def _open_nccl(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> W
     goes to after a death): their workers (each leaves its previous group first:
     ``VLLMEngine.init_transport``), then this sender, on fresh ports."""
     from megatron_rl.platform import free_port, get_platform
-    from megatron_rl.rollout.nccl import NcclSender, group_layout, worker_payloads
+    from megatron_rl.rollout.weights.nccl import NcclSender, group_layout, worker_payloads
 
     if not get_platform().is_gpu:
         raise ValueError("rollout.weight_transport 'nccl' needs GPUs; this machine has none")

@@ -36,13 +36,15 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megatron_rl.rollout.buckets import CPU_BACKEND, unpack_views
-from megatron_rl.rollout.experts import fix_cpu_moe_expert_map, own_part
+from megatron_rl.rollout.weights.buckets import CPU_BACKEND, unpack_views
+from megatron_rl.rollout.weights.experts import fix_cpu_moe_expert_map, own_part
 
 logger = logging.getLogger(__name__)
 
 BACKEND = CPU_BACKEND
-NCCL_EP_BACKEND = "megatron_rl_nccl_ep"  # GPU, expert-parallel engines: megatron_rl.rollout.nccl
+NCCL_EP_BACKEND = (
+    "megatron_rl_nccl_ep"  # GPU, expert-parallel engines: megatron_rl.rollout.weights.nccl
+)
 
 
 @dataclass
@@ -162,5 +164,5 @@ def register_backend() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND, CpuWeightTransferEngine)
     if NCCL_EP_BACKEND not in WeightTransferEngineFactory._registry:  # loaded when used
         WeightTransferEngineFactory.register_engine(
-            NCCL_EP_BACKEND, "megatron_rl.rollout.nccl", "ExpertParallelNcclEngine"
+            NCCL_EP_BACKEND, "megatron_rl.rollout.weights.nccl", "ExpertParallelNcclEngine"
         )

@@ -1,6 +1,6 @@
 """The fan-out of a weight push: each packed bucket goes to every engine at the same time.
 
-The pool packs a bucket once (:class:`~megatron_rl.rollout.buckets.WeightSender`) and hands
+The pool packs a bucket once (:class:`~megatron_rl.rollout.weights.buckets.WeightSender`) and hands
 that one object to a lane per engine: a thread that moves the lane's items, in order, into
 the engine's weights queue (``EngineHandle.put_weights``: a bounded queue for in-process and
 subprocess engines; for a remote engine a TCP connection, which returns once the bytes are
@@ -24,7 +24,7 @@ _DONE = object()  # a lane's last item
 class Fanout:
     """Lanes to the weights queues of ``engines`` (objects with ``index`` and
     ``put_weights(item, timeout=...)``, which raises ``queue.Full`` on timeout or blocks until
-    sent: :class:`~megatron_rl.rollout.handles.EngineHandle`).
+    sent: :class:`~megatron_rl.rollout.pool.launchers.EngineHandle`).
 
     ``wait(index)`` runs on the caller's thread whenever it waits for engine ``index``'s lane;
     it is where the caller notices a failed engine or a deadline (by raising). Use as a

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-WORKER_EXTENSION = "megatron_rl.rollout.routing.RoutingWorkerExtension"
+WORKER_EXTENSION = "megatron_rl.rollout.engine.routing.RoutingWorkerExtension"
 
 
 class RoutingRecorder:
