@@ -168,8 +168,9 @@ class Trainer:
     def __init__(
         self, config: RunConfig, run_dir: Path, restart: bool = False, allow_changes: bool = False
     ) -> None:
-        self.config, self.main = config, _is_main()
+        self.config = config
         self.run = run = build_run(config, run_dir, restart, allow_changes)  # rundir.py claims
+        self.main = _is_main()  # once build_run has joined the process group
         self.in_flight = InFlight()
         self.optim, self.step = resume_or_warm_start(run, self.in_flight)
         # Engines can take many minutes to load (Scout); the other ranks wait meanwhile on a
