@@ -211,14 +211,12 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
         forecast=None,
         encode=lambda i: [i],
     )
-    # Before the fix the loop had no waits of its own: the world's group (the fallback).
-    if hasattr(loop, "rank_zero_waits"):
-        run.waits = loop.rank_zero_waits(config)
+    waits = loop.rank_zero_waits(config)
     pool = Pool() if rank == 0 else None
     outcomes = []
     start = time.monotonic()
     try:
-        rate = loop.validate(run, pool, step=0, main=rank == 0)
+        rate = loop.validate(run, pool, step=0, main=rank == 0, waits=waits)
         collectives.any_rank(False)  # the loop's next world collective: all in step again
         outcomes.append(("passed", time.monotonic() - start, rate))
     except Exception as err:  # noqa: BLE001 - the outcome is the test's finding
@@ -226,7 +224,7 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
     if rank == 1 and outcomes[0][0] == "passed":
         start = time.monotonic()
         try:  # rank 0 never starts this pass
-            loop.validate(run, None, step=1, main=False)
+            loop.validate(run, None, step=1, main=False, waits=waits)
             outcomes.append(("passed", time.monotonic() - start, None))
         except Exception as err:  # noqa: BLE001
             outcomes.append((f"{type(err).__name__}: {err}", time.monotonic() - start, None))

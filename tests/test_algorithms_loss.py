@@ -360,3 +360,42 @@ def test_bad_input_is_reported():
         policy_loss("cispo", lp, glp[:-1], adv, mask, sids, pids)
     with pytest.raises(ValueError, match="loss_mask"):
         policy_loss("cispo", lp, glp, adv, mask.long(), sids, pids)
+
+
+def test_gspo_defaults_to_a_sample_average_that_keeps_its_length_normalisation(caplog):
+    """GSPO's term is the same for every token of a sample (a length-normalised sequence
+    ratio): a prompt average weighs each sample by its length, undoing that normalisation.
+    A recipe that leaves algorithm.aggregation unset gets the sample average (the other
+    losses keep ScaleRL's prompt average); a recipe that sets prompt with GSPO is warned.
+    On-policy, one prompt: sample 0 has 1 token and A = +1, sample 1 has 3 tokens and A = -1;
+    by hand the gradient of the loss summed over a sample's tokens is -A_i / 2 under the
+    sample average (length-free) and -A_i n_i / 4 under the prompt average."""
+    import logging
+
+    from megatron_rl.algorithms.config import AlgorithmConfig
+    from megatron_rl.config.loader import from_dict
+
+    assert from_dict(AlgorithmConfig, {"loss": "gspo"}, "algorithm").aggregation == "sample"
+    assert from_dict(AlgorithmConfig, {}, "algorithm").aggregation == "prompt"
+    assert from_dict(AlgorithmConfig, {"loss": "ppo_clip"}, "algorithm").aggregation == "prompt"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.algorithms.config"):
+        explicit = from_dict(AlgorithmConfig, {"loss": "gspo", "aggregation": "prompt"})
+    assert explicit.aggregation == "prompt"  # honoured, but warned about
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "algorithm.aggregation prompt" in warning and "length" in warning
+
+    lengths, adv_of = [1, 3], [1.0, -1.0]
+    sids = torch.tensor([0, 1, 1, 1])
+    adv = torch.tensor([adv_of[i] for i in sids.tolist()], dtype=torch.float64)
+    glp = torch.log(torch.tensor([0.5, 0.25, 0.4, 0.1], dtype=torch.float64))
+    mask, pids = torch.ones(4, dtype=torch.bool), torch.zeros(4, dtype=torch.long)
+    per_sample = {}
+    for aggregation in (AlgorithmConfig(loss="gspo").aggregation, "prompt"):
+        lp = glp.clone().requires_grad_(True)
+        loss, _ = policy_loss("gspo", lp, glp, adv, mask, sids, pids, aggregation)
+        loss.backward()
+        per_sample[aggregation] = [lp.grad[sids == i].sum().item() for i in range(2)]
+    assert per_sample["sample"] == pytest.approx([-a / 2 for a in adv_of], abs=1e-12)
+    weighted = [-a * n / sum(lengths) for a, n in zip(adv_of, lengths)]
+    assert per_sample["prompt"] == pytest.approx(weighted, abs=1e-12)

@@ -300,8 +300,11 @@ def test_checkpoint_check_needs_the_saved_weights_back(tmp_path, monkeypatch, re
     monkeypatch.setattr(_FakeCheckpoints, "restores", restores)
     monkeypatch.setattr(state, "CheckpointManager", _FakeCheckpoints)
     model = torch.nn.Linear(64, 64)
-    run = SimpleNamespace(model=model, optim=SimpleNamespace(optimizer=None), hf_dir=tmp_path)
-    out = check_checkpoint(PreflightContext(_config(), tmp_path, tmp_path / "w", run=run))
+    run = SimpleNamespace(model=model, hf_dir=tmp_path)
+    optim = SimpleNamespace(optimizer=None)
+    out = check_checkpoint(
+        PreflightContext(_config(), tmp_path, tmp_path / "w", run=run, optim=optim)
+    )
     assert out.passed is restores
     assert out.details["bytes"] > 64 * 64 * 4 and out.details["save_gb_per_s"] > 0
     assert not (tmp_path / "w" / "checkpoints").exists()  # removed after the check
@@ -325,10 +328,9 @@ def test_update_check_fails_on_a_non_finite_loss(tmp_path, monkeypatch):
 
     monkeypatch.setattr(step, "policy_update", update)
     monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda: 2)
-    run = SimpleNamespace(
-        tokenizer=list(range(128)), ddp=None, optim=SimpleNamespace(optimizer=None)
-    )
-    out = check_update(PreflightContext(_config(), tmp_path, tmp_path, run=run))
+    run = SimpleNamespace(tokenizer=list(range(128)), ddp=None)
+    optim = SimpleNamespace(optimizer=None)
+    out = check_update(PreflightContext(_config(), tmp_path, tmp_path, run=run, optim=optim))
     assert not out.passed and "loss nan" in out.message
     assert len(seen[0]) == 2 * 64  # one micro-batch per data-parallel rank
     assert out.limit.endswith("(GPU only)")

@@ -200,11 +200,53 @@ PPO_ARGS = (
 )
 
 
+# The CLI with ``train`` wrapped: the RunConfig it hands to train() must compare equal, once
+# the run is over, to a deep copy taken before (what the run derives, such as the HF directory
+# of a preset, the engines' dtype or their GPUs, lives in the run's own state). The outcome
+# goes to the file named by $CONFIG_CHECK.
+KEEPS_ITS_CONFIG = """
+import copy, json, os, sys
+import megatron_rl.trainer.loop as loop
+from megatron_rl.config.loader import to_dict
+from megatron_rl.config.schema import diff_keys
+
+real = loop.train
+
+
+def train(config, *args, **kwargs):
+    before = copy.deepcopy(config)
+    try:
+        return real(config, *args, **kwargs)
+    finally:
+        changed = sorted(diff_keys(to_dict(before), to_dict(config)))
+        with open(os.environ["CONFIG_CHECK"], "w") as out:
+            json.dump({"equal": config == before, "changed": changed}, out)
+
+
+loop.train = train
+from megatron_rl.cli import main
+
+sys.exit(main())
+"""
+
+
 @pytest.fixture(scope="module")
 def ppo_full_run(tmp_path_factory):
+    """The PPO run (through the CLI, train() wrapped by KEEPS_ITS_CONFIG)."""
     run_dir = tmp_path_factory.mktemp("ppo") / "full"
-    run_train(run_dir, *PPO_ARGS)
+    args = train_cmd(run_dir, *PPO_ARGS)
+    env = {**train_env(), "CONFIG_CHECK": str(run_dir.parent / "config_check.json")}
+    cmd = [sys.executable, "-c", KEEPS_ITS_CONFIG, *args[3:]]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
+
+
+def test_the_run_leaves_its_config_as_loaded(ppo_full_run):
+    """train() never writes into the RunConfig it is handed (issue 29): the loop used to set
+    model.hf_path (a preset's RUN_DIR/hf_init) and rollout.dtype (auto -> the trainer's)."""
+    check = json.loads((ppo_full_run.parent / "config_check.json").read_text())
+    assert check == {"equal": True, "changed": []}
 
 
 def test_ppo_run_learns_from_its_batches(ppo_full_run):

@@ -351,7 +351,7 @@ def test_dropped_groups_count_in_the_no_positive_resampling_history(history):
 
 @pytest.mark.parametrize("mode", ["pipeline_rl", "ppo"])
 def test_dynamic_sampling_resume_regenerates_exactly_the_prompts_in_flight(mode):
-    """A checkpoint records the in-flight prompt ids (loop._save_checkpoint) and the
+    """A checkpoint records the in-flight prompt ids (loop.checkpointed: InFlight) and the
     sampler's position; a resumed source regenerates those: every drawn prompt is trained
     on or dropped exactly once over the two runs."""
     from megatron_rl.trainer.rollout_source import DynamicSampling

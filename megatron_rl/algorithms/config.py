@@ -9,10 +9,13 @@ source, not configured here.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 from megatron_rl.config.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # Names of the registries in megatron_rl.algorithms (kept here so that the config schema
 # imports no torch; tests check that they match the registries).
@@ -21,6 +24,13 @@ AGGREGATION_NAMES: tuple[str, ...] = ("prompt", "sample", "token")
 NORMALIZATION_NAMES: tuple[str, ...] = ("batch", "group", "none")
 NPR_HISTORY_NAMES: tuple[str, ...] = ("cumulative", "latest")
 LENGTH_PENALTY_ON: tuple[str, ...] = ("correct", "all")
+
+# Aggregation when the recipe leaves it unset, by loss (others: "prompt", ScaleRL's). GSPO's
+# objective is a mean over sequences of a sequence-level term (arXiv 2507.18071, eq. 5): the
+# same value for every token of a sample. A prompt or token average would weigh each sample
+# by its length, undoing the 1/|y| normalisation of its ratio; a sample average keeps it (TRL
+# reproduces the paper with its per-sequence mean, loss_type "grpo").
+DEFAULT_AGGREGATION: dict[str, str] = {"gspo": "sample"}
 
 # Default clip ranges when the recipe leaves eps_low / eps_high unset.
 # PPO-clip: GRPO's symmetric 0.2 / 0.2. GSPO: the sequence-level scale of the GSPO paper.
@@ -39,7 +49,9 @@ class AlgorithmConfig:
         eps_max: CISPO truncation of the importance ratio (the paper found 4, 5, 8 equal).
         eps_low: lower clip (ratio >= 1 - eps_low) for ppo_clip / gspo; None = loss default.
         eps_high: upper clip (ratio <= 1 + eps_high) for ppo_clip / gspo; None = loss default.
-        aggregation: how token objectives are averaged, one of AGGREGATION_NAMES.
+        aggregation: how token objectives are averaged, one of AGGREGATION_NAMES; unset
+            (None): the loss's own, ``sample`` for gspo (see DEFAULT_AGGREGATION), else
+            ``prompt`` (ScaleRL). Resolved at construction: the loaded config holds a name.
         advantage_normalization: one of NORMALIZATION_NAMES.
         zero_variance_filter: groups whose rewards are all equal get no loss and no share of
             the loss normalisers (no refill). With ``data.dynamic_sampling`` such groups are
@@ -63,7 +75,7 @@ class AlgorithmConfig:
     eps_max: float = 4.0
     eps_low: float | None = None
     eps_high: float | None = None
-    aggregation: str = "prompt"
+    aggregation: str | None = None
     advantage_normalization: str = "batch"
     zero_variance_filter: bool = True
     npr_threshold: float | None = 0.9
@@ -74,10 +86,21 @@ class AlgorithmConfig:
     length_penalty_on: str = "correct"
     routing_replay: bool = False
 
+    def __post_init__(self) -> None:
+        if self.aggregation is None:
+            self.aggregation = DEFAULT_AGGREGATION.get(self.loss, "prompt")
+
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field."""
         _check_choice("loss", self.loss, LOSS_NAMES)
         _check_choice("aggregation", self.aggregation, AGGREGATION_NAMES)
+        if self.loss == "gspo" and self.aggregation != "sample":
+            logger.warning(
+                "algorithm.loss gspo with algorithm.aggregation %s weighs each sample by its "
+                "length, undoing GSPO's 1/|y| length normalisation (its objective is a mean "
+                "over sequences); leave aggregation unset or set it to sample",
+                self.aggregation,
+            )
         _check_choice("advantage_normalization", self.advantage_normalization, NORMALIZATION_NAMES)
         _check_choice("npr_history", self.npr_history, NPR_HISTORY_NAMES)
         _check_choice("length_penalty_on", self.length_penalty_on, LENGTH_PENALTY_ON)

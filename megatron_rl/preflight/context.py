@@ -52,6 +52,7 @@ class PreflightContext:
     main: bool = True
     free_bytes: Callable[[Path], int] = free_bytes
     run: Any = None  # megatron_rl.trainer.setup.Run, built by the "trainer" check
+    optim: Any = None  # its megatron_rl.trainer.optim.Optimizer, built by the "trainer" check
     pool: Any = None  # the generator pool (main rank), started by the "engines" check
     measured: dict[str, Any] = field(default_factory=dict)  # shared between checks
 

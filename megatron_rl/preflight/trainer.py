@@ -26,7 +26,7 @@ def check_trainer(ctx: PreflightContext) -> Outcome:
     from megatron_rl.trainer.setup import build_run
 
     ctx.run = build_run(ctx.config, ctx.work_dir)
-    ctx.run.optim = build_optimizer(ctx.run.ddp, ctx.config.optimizer)
+    ctx.optim = build_optimizer(ctx.run.ddp, ctx.config.optimizer)
     params = sum(p.numel() for p in ctx.run.model.parameters())
     layout = (
         f"TP {ps.get_tensor_model_parallel_world_size()} PP "
@@ -100,7 +100,7 @@ def check_update(ctx: PreflightContext) -> Outcome:
     t0 = time.perf_counter()
     result = policy_update(
         run.ddp,
-        run.optim.optimizer,
+        ctx.optim.optimizer,
         samples,
         config.algorithm,
         config.batch.micro_batch_size,
@@ -166,7 +166,7 @@ def check_checkpoint(ctx: PreflightContext) -> Outcome:
     manager = CheckpointManager(ctx.work_dir, keep_last=1, hf_source_dir=run.hf_dir)
     saved = _checksum(run.model)
     t0 = time.perf_counter()
-    path = manager.save(1, run.model, {"preflight": True}, optimizer=run.optim.optimizer)
+    path = manager.save(1, run.model, {"preflight": True}, optimizer=ctx.optim.optimizer)
     synchronize()
     save_seconds = time.perf_counter() - t0
     size = collectives.broadcast_object(_directory_bytes(path) if ctx.main else None)
@@ -174,7 +174,7 @@ def check_checkpoint(ctx: PreflightContext) -> Outcome:
         for p in run.model.parameters():
             p.add_(1.0)
     t0 = time.perf_counter()
-    manager.load(run.model, path, optimizer=run.optim.optimizer, restore_rng=False)
+    manager.load(run.model, path, optimizer=ctx.optim.optimizer, restore_rng=False)
     synchronize()
     load_seconds = time.perf_counter() - t0
     loaded = _checksum(run.model)

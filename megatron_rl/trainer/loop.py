@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -32,7 +32,17 @@ from megatron_rl.trainer.rollout_source import (
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update
 
+if TYPE_CHECKING:
+    from megatron_rl.rollout import GeneratorPool, PushStats, RolloutConfig
+    from megatron_rl.trainer.live_forecast import LiveForecast
+    from megatron_rl.trainer.metrics import MetricsLogger
+    from megatron_rl.trainer.optim import Optimizer
+    from megatron_rl.trainer.probe import ProbeResult
+    from megatron_rl.trainer.setup import NullMetrics
+    from megatron_rl.trainer.step import StepResult
+
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def train(
@@ -43,152 +53,305 @@ def train(
     The main rank (global rank 0) owns the generator pool, the rollout source, rewards,
     validation and metrics; each step it broadcasts the scored batch to all ranks, which
     update together (TP inside the model, DP by groups) and push weights collectively.
+    ``config`` is never changed: what the run derives from it lives in the :class:`Trainer`.
     """
-    run = build_run(config, Path(run_dir), restart, allow_changes)  # claims run_dir: rundir.py
-    step, carry = resume_or_warm_start(run)
-    run.step = step
-    main = _is_main()
-    # Engines can take many minutes to load (Scout); the other ranks wait meanwhile on a gloo
-    # group whose timeout is the start-up's, not in a collective with the world's timeout.
-    wait = config.rollout.startup_timeout_minutes
-    startup = collectives.timed_group(wait)
-    pool = start_generators(run, step) if main else None
-    collectives.barrier(startup, wait, timeout_key="rollout.startup_timeout_minutes")
-    run.waits = rank_zero_waits(config)
-    push_weights(run, pool)  # warm-started or resumed weights
-    run.forecast = start_forecast(run) if main else None
-    source = None
-    if main:
-        source = RolloutSource(
-            pool,
-            run.sampler.next_prompts,
-            run.encode,
+    # claims run_dir; resumes or warm-starts; starts the engines with the trainer's weights
+    trainer = Trainer(config, Path(run_dir), restart, allow_changes)
+    if trainer.step == 0 and config.validation.enabled and config.validation.at_start:
+        trainer.validate()
+    trainer.begin()  # the x axis (training compute) starts; progress bar; hang watchdog
+    finished = False
+    try:
+        while trainer.step < config.training.max_steps:
+            t0 = time.perf_counter()
+            batch = trainer.next_batch()  # generated and rewarded by the main rank, shared
+            if batch is None:  # every prompt retired, or the GPU-hour budget spent
+                break
+            t1 = time.perf_counter()
+            result = trainer.update(batch)  # one optimizer step (the engines keep generating)
+            t2 = time.perf_counter()
+            push, probed = trainer.push_weights(batch.wants_push)  # in flight, then probed
+            trainer.log_step(batch, result, push, probed, (t0, t1, t2))
+            watchdog.beat(f"step {trainer.step}: validation and checkpoint")
+            if config.validation.enabled and trainer.step % config.validation.every_steps == 0:
+                trainer.validate()
+            trainer.finalize_checkpoint()  # an async save whose write is done completes
+            signalled = collectives.any_rank(trainer.stop.requested is not None)  # any rank's
+            if _due(trainer.step, config.checkpoint.every_steps) or signalled:
+                trainer.save_checkpoint(wait=signalled)
+            if signalled:
+                signal_name = trainer.stop.requested or "a signal to another rank"
+                logger.info("stopping on %s after checkpointing step %d", signal_name, trainer.step)
+                return 0
+        trainer.finish()  # validation and checkpoint of the last step, unless done already
+        finished = True
+    finally:
+        trainer.close(finished)
+    return 0
+
+
+class Stateful(Protocol):
+    """What a checkpoint saves and restores (torch's ``Stateful``)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class MetricsPosition:
+    """The metrics file's length at a checkpoint: a resumed run cuts the records after it."""
+
+    def __init__(self, metrics: MetricsLogger | NullMetrics) -> None:
+        self.metrics = metrics
+
+    def state_dict(self) -> int:
+        return self.metrics.position()
+
+    def load_state_dict(self, position: int) -> None:
+        self.metrics.truncate(position)
+
+
+class InFlight:
+    """The prompts in flight at a checkpoint (their samples die with the engines): saved from
+    the rollout source (main rank), regenerated by the resumed run (``prompt_ids``)."""
+
+    def __init__(self, source: RolloutSource | None = None) -> None:
+        self.source = source
+        self.prompt_ids: list[int] = []
+
+    def state_dict(self) -> list[int]:
+        return self.source.in_flight_prompt_ids() if self.source is not None else []
+
+    def load_state_dict(self, prompt_ids: list[int]) -> None:
+        self.prompt_ids = list(prompt_ids)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's training batch, the same on every rank (``next_batch``)."""
+
+    samples: list[TrainSample]
+    info: dict[str, Any]  # the step's batch metrics (rewards, staleness, counts ...)
+    wants_push: bool  # the update is pushed to the engines (PipelineRL: always)
+    generator_version: int  # the policy version the engines held when the batch was taken
+
+
+@dataclass(frozen=True)
+class Reweigh:
+    """The main rank's answer instead of a value (``on_every_rank``): restarted engines wait
+    for the weights of ``version``; every rank streams them, then the main rank asks again."""
+
+    version: int
+
+
+class Trainer:
+    """One training run on this rank, built and synced (torchtitan's ``Trainer``): the run's
+    components (``run``), the optimizer, the engines and the rollout source (main rank), the
+    loop's own state. What a checkpoint holds beside the model and optimizer is declared once,
+    in :func:`checkpointed`; ``config`` is read, never written."""
+
+    config: RunConfig
+    main: bool  # global rank 0: owns the pool, the source, rewards, validation, metrics
+    run: Run
+    optim: Optimizer  # built after the warm start (its main parameters copy those weights)
+    step: int  # optimizer steps done
+    in_flight: InFlight  # prompts to regenerate on resume
+    pool: GeneratorPool | None  # main rank
+    waits: RankZeroWaits
+    forecast: LiveForecast | None  # main rank, forecast.enabled with validation
+    source: RolloutSource | None  # main rank
+    synced: bool  # the trainer holds the generator's current policy (after a push)
+    gap_limit: float | None  # training.max_logprob_gap in force
+    token_multiple: int  # sequence padding (FP8)
+    probe: LogprobProbe
+    stop: StopFlag
+    bar: tqdm | None  # from begin() on
+
+    def __init__(
+        self, config: RunConfig, run_dir: Path, restart: bool = False, allow_changes: bool = False
+    ) -> None:
+        self.config = config
+        self.run = run = build_run(config, run_dir, restart, allow_changes)  # rundir.py claims
+        self.main = _is_main()  # once build_run has joined the process group
+        self.in_flight = InFlight()
+        self.optim, self.step = resume_or_warm_start(run, self.in_flight)
+        # Engines can take many minutes to load (Scout); the other ranks wait meanwhile on a
+        # gloo group whose timeout is the start-up's, not in a collective with the world's.
+        wait = config.rollout.startup_timeout_minutes
+        startup = collectives.timed_group(wait)
+        self.pool = start_generators(run, self.step) if self.main else None
+        collectives.barrier(startup, wait, timeout_key="rollout.startup_timeout_minutes")
+        self.waits = rank_zero_waits(config)
+        push_weights(run, self.pool)  # warm-started or resumed weights
+        self.forecast = start_forecast(run) if self.main else None
+        self.source = self._rollout_source() if self.main else None
+        if self.source is not None:  # prompts in flight at the last checkpoint are regenerated
+            self.source.submit(self.in_flight.prompt_ids)
+        self.in_flight.source = self.source
+        # The trainer's weights are those of the generator's current policy version right
+        # after a push; an update without a push (PPO-off-policy-k) puts the trainer ahead of
+        # every sample, and the log-prob gap monitor then has nothing exact to compare.
+        self.synced = True
+        self.gap_limit = config.training.logprob_gap_limit(config.model.dtype)
+        parallel = config.parallel
+        self.token_multiple = token_multiple(
+            config.model.fp8_scaling, parallel.tensor, parallel.sequence_parallel
+        )
+        # The monitor above sees only the first PipelineRL batch: probe pushes as well.
+        self.probe = LogprobProbe.from_run(run, self.step, self.token_multiple)
+        self.stop = StopFlag(config.checkpoint.on_signals)
+        self.bar = None
+
+    def _rollout_source(self) -> RolloutSource:
+        config = self.config
+        return RolloutSource(
+            self.pool,
+            self.run.sampler.next_prompts,
+            self.run.encode,
             config.batch.prompts_per_step,
             config.batch.samples_per_prompt,
             config.off_policy.mode,
             _lag(config),
-            seed_of=lambda prompt_id: _sampling_seed(config.seed, prompt_id, run.step),
+            seed_of=lambda prompt_id: _sampling_seed(config.seed, prompt_id, self.step),
             shuffle_seed=config.seed,
-            dynamic=dynamic_sampling(run),
+            dynamic=dynamic_sampling(self.run),
             capacity=config.rollout.engines * config.rollout.max_num_seqs,
             fill=config.off_policy.pool_fill,
         )
-        source.submit(carry)  # prompts in flight at the last checkpoint are regenerated
-    # The trainer's weights are those of the generator's current policy version right after
-    # a push; an update without a push (PPO-off-policy-k) puts the trainer ahead of every
-    # sample, and the log-prob gap monitor then has nothing exact to compare.
-    synced = True
-    gap_limit = config.training.logprob_gap_limit(config.model.dtype)
-    multiple = token_multiple(
-        config.model.fp8_scaling, config.parallel.tensor, config.parallel.sequence_parallel
-    )
-    # The monitor above sees only the first PipelineRL batch: probe pushes as well.
-    probe = LogprobProbe.from_run(run, step, multiple)
-    stop = _StopFlag(config.checkpoint.on_signals)
-    if step == 0 and config.validation.enabled and config.validation.at_start:
-        validate(run, pool, step, main)
-    run.clock.begin("train")  # the x axis: from here on, but for validation and checkpoints
-    finished = False
-    bar = tqdm(
-        total=config.training.max_steps,
-        initial=step,
-        desc="train",
-        disable=not (main and config.logging.progress_bar),
-    )
-    # a rank stuck outside a collective exits with a stack dump: a requeue, not a lost day
-    watchdog.arm(config.training.hang_timeout_minutes, run.run_dir, _rank())
-    try:
-        while step < config.training.max_steps:
-            watchdog.beat(f"step {step + 1}: batch")
-            t0 = time.perf_counter()
-            batch = on_every_rank(run, pool, main, lambda: next_batch(run, source, pool))
-            if batch is None:  # every prompt retired, or the GPU-hour budget spent
-                break
-            samples, info, wants_push = batch
-            info["lr"] = run.optim.lr  # the rate of this update (the scheduler moves on after)
-            t1 = time.perf_counter()
-            watchdog.beat(f"step {step + 1}: update")
-            # PipelineRL: the main rank's feeder keeps the engines topped up during the update
-            with source.feeding() if main else contextlib.nullcontext():
-                result = policy_update(
-                    run.ddp,
-                    run.optim.optimizer,
-                    samples,
-                    config.algorithm,
-                    config.batch.micro_batch_size,
-                    micro_batch_tokens=config.batch.micro_batch_tokens,
-                    temperature=config.rollout.temperature,
-                    monitor_version=info["generator_version"] if synced else None,
-                    max_logprob_gap=gap_limit,
-                    token_multiple=multiple,
-                )
-            synced = wants_push
-            run.optim.scheduler.step(increment=1)
-            step = run.step = step + 1
-            t2 = time.perf_counter()
-            watchdog.beat(f"step {step}: push")
-            # ... and during the push (requests in flight keep decoding; see push_weights)
-            feed = source.feed if main else None
-            push = push_weights(run, pool, between=feed) if wants_push else None
-            probed = probe.after_push(
-                run.ddp, pool, step, wants_push, lambda make: on_every_rank(run, pool, main, make)
+
+    def begin(self) -> None:
+        """The training steps begin: the x axis (all but validation and checkpoints from here
+        on), the progress bar, the hang watchdog (a rank stuck outside a collective exits with
+        a stack dump: a requeue, not a lost day)."""
+        self.run.clock.begin("train")
+        self.bar = tqdm(
+            total=self.config.training.max_steps,
+            initial=self.step,
+            desc="train",
+            disable=not (self.main and self.config.logging.progress_bar),
+        )
+        watchdog.arm(self.config.training.hang_timeout_minutes, self.run.run_dir, _rank())
+
+    def next_batch(self) -> Batch | None:
+        """The next step's batch on every rank (generated and rewarded on the main rank), or
+        None when training must end."""
+        watchdog.beat(f"step {self.step + 1}: batch")
+        batch = self._on_every_rank(lambda: next_batch(self.run, self.source, self.pool, self.step))
+        if batch is not None:
+            batch.info["lr"] = self.optim.lr  # the rate of this update (the scheduler moves on)
+        return batch
+
+    def update(self, batch: Batch) -> StepResult:
+        """One optimizer step on ``batch``; the main rank's feeder keeps the engines topped up
+        meanwhile (PipelineRL)."""
+        config = self.config
+        watchdog.beat(f"step {self.step + 1}: update")
+        with self.source.feeding() if self.source is not None else contextlib.nullcontext():
+            result = policy_update(
+                self.run.ddp,
+                self.optim.optimizer,
+                batch.samples,
+                config.algorithm,
+                config.batch.micro_batch_size,
+                micro_batch_tokens=config.batch.micro_batch_tokens,
+                temperature=config.rollout.temperature,
+                monitor_version=batch.generator_version if self.synced else None,
+                max_logprob_gap=self.gap_limit,
+                token_multiple=self.token_multiple,
             )
-            if main:
-                record = step_record(run, step, info, result, t0, t1, t2, push, pool)
-                record.update(source.generator_load())  # over this step
-                run.metrics.log({**record, **(probed.metrics() if probed else {})})
-                if result.expert_load is not None:
-                    run.metrics.log_tensorboard(step, result.expert_load.per_layer())
-            probe.check(probed)  # on every rank, after the record: the failing gap is logged
-            if main:
-                bar.update(1)
-                bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
-                if run.forecast is not None:
-                    run.forecast.poll({"step": step, **run.clock.summary()})
-                if run.exporter is not None:
-                    run.exporter.poll()
-            watchdog.beat(f"step {step}: validation and checkpoint")
-            if config.validation.enabled and step % config.validation.every_steps == 0:
-                validate(run, pool, step, main)
-            with run.clock.window("checkpoint"):
-                run.checkpoints.finalize()  # an async save whose write is done completes
-            # only some ranks may have got the signal
-            signalled = collectives.any_rank(stop.requested is not None)
-            if _due(step, config.checkpoint.every_steps) or signalled:
-                save_checkpoint(run, step, source, wait=signalled)
-            if signalled:
-                signal_name = stop.requested or "a signal to another rank"
-                logger.info("stopping on %s after checkpointing step %d", signal_name, step)
-                return 0
-        validated_at_end = config.validation.enabled and step % config.validation.every_steps != 0
+        self.synced = batch.wants_push
+        self.optim.scheduler.step(increment=1)
+        self.step += 1
+        return result
+
+    def push_weights(self, wanted: bool) -> tuple[PushStats | None, ProbeResult | None]:
+        """Push the update's weights into the engines (``wanted``) while the source keeps them
+        fed (requests in flight keep decoding); then the post-push log-prob probe, if due."""
+        watchdog.beat(f"step {self.step}: push")
+        feed = self.source.feed if self.source is not None else None
+        push = push_weights(self.run, self.pool, between=feed) if wanted else None
+        probed = self.probe.after_push(
+            self.run.ddp, self.pool, self.step, wanted, lambda make: self._on_every_rank(make)
+        )
+        return push, probed
+
+    def log_step(
+        self,
+        batch: Batch,
+        result: StepResult,
+        push: PushStats | None,
+        probed: ProbeResult | None,
+        times: tuple[float, float, float],
+    ) -> None:
+        """The step's record (main rank); the probe's verdict (every rank, after the record:
+        the failing gap is logged); progress and the live forecast."""
+        run, step = self.run, self.step
+        if self.main:
+            record = step_record(run, step, batch.info, result, *times, push, self.pool)
+            record.update(self.source.generator_load())  # over this step
+            run.metrics.log({**record, **(probed.metrics() if probed else {})})
+            if result.expert_load is not None:
+                run.metrics.log_tensorboard(step, result.expert_load.per_layer())
+        self.probe.check(probed)
+        if self.main:
+            self.bar.update(1)
+            info = batch.info
+            self.bar.set_postfix(reward=f"{info['reward_mean']:.2f}", lag=info["staleness_max"])
+            if self.forecast is not None:
+                self.forecast.poll({"step": step, **run.clock.summary()})
+            if run.exporter is not None:
+                run.exporter.poll()
+
+    def validate(self) -> float:
+        return validate(self.run, self.pool, self.step, self.main, self.waits, self.forecast)
+
+    def save_checkpoint(self, wait: bool = False) -> None:
+        """Checkpoint this step: in the background if ``checkpoint.async_save`` unless
+        ``wait`` (a save on a signal or at the end must be complete before the process
+        exits); its HF export, if due, once the save is complete."""
+        states = checkpointed(self.run, self.optim, self.in_flight)
+        save_checkpoint(self.run, self.step, self.optim, states, wait)
+
+    def finalize_checkpoint(self, blocking: bool = False) -> None:
+        """Complete an async save whose write is done (``blocking``: wait for it); on every
+        rank (a collective while a save is in flight)."""
+        with self.run.clock.window("checkpoint"):
+            self.run.checkpoints.finalize(blocking=blocking)
+
+    def finish(self) -> None:
+        """At the end: validation and a checkpoint of the last step, unless done already."""
+        validation, checkpoint = self.config.validation, self.config.checkpoint
+        validated_at_end = validation.enabled and self.step % validation.every_steps != 0
         if validated_at_end:
-            validate(run, pool, step, main)
+            self.validate()
         # The loop's own checkpoint of this step holds everything unless validation ran since.
-        saved = step > 0 and _due(step, config.checkpoint.every_steps) and not validated_at_end
-        if config.checkpoint.save_at_end and not saved:
-            save_checkpoint(run, step, source, wait=True)
-        with run.clock.window("checkpoint"):
-            run.checkpoints.finalize(blocking=True)
-        finished = True
-    finally:
+        saved = self.step > 0 and _due(self.step, checkpoint.every_steps) and not validated_at_end
+        if checkpoint.save_at_end and not saved:
+            self.save_checkpoint(wait=True)
+        self.finalize_checkpoint(blocking=True)
+
+    def close(self, finished: bool) -> None:
+        """Stop the engines, the reward workers and the metrics (``finished``: a normal end,
+        the ``run_finished`` record); the reward curve on the main rank."""
+        run = self.run
         watchdog.disarm()
         run.checkpoints.abandon()  # an error's path: no collective (a normal end finalized)
         run.clock.begin("shutdown")
-        bar.close()
-        if pool is not None:
-            pool.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.pool is not None:
+            self.pool.close()
         run.rewards.close()
         if run.exporter is not None:  # a stop on a signal does not wait for an export
             run.exporter.close(hf_export.FINAL_WAIT_SECONDS if finished else 0.0)
-        if main:
-            finish_metrics(run, step, finished)
+        if self.main:
+            finish_metrics(run, self.forecast, self.step, finished)
         run.metrics.close()
-    if main:
-        _plot(run)
-    return 0
+        if finished and self.main:
+            _plot(run, self.forecast)
 
-
-REWEIGH = "reweigh"  # the main rank's answer instead of a value: restarted engines wait
+    def _on_every_rank(self, make: Callable[[], T]) -> T | None:
+        return on_every_rank(self.run, self.pool, self.main, make, self.waits.batch)
 
 
 @dataclass(frozen=True)
@@ -213,64 +376,58 @@ def rank_zero_waits(config: RunConfig) -> RankZeroWaits:
 
 def on_every_rank(
     run: Run,
-    pool,
+    pool: GeneratorPool | None,
     main: bool,
-    make: Callable[[], Any],
+    make: Callable[[], T],
+    wait: collectives.RankZeroWait | None = None,
     share: bool = True,
-    validation: bool = False,
-) -> Any:
+) -> T | None:
     """``make()`` on the main rank (it drives the pool), broadcast to every rank (``share``;
     else it stays on the main rank and the others get None). While the main rank waits on
     the pool, restarted engines may wait for the current weights (elastic engines,
     ``WeightsNeeded``): then every rank streams the weights again into those engines (a
     collective, like a push), and ``make`` is called again (it resumes). The other ranks
-    wait under ``run.waits`` (``validation``: a validation pass's bound, else a batch's)."""
-    waits = getattr(run, "waits", None)
-    wait = (waits.validation if validation else waits.batch) if waits is not None else None
+    wait under ``wait`` (a batch's or a validation pass's bound; None: the world's)."""
     broadcast = wait.broadcast_object if wait is not None else collectives.broadcast_object
     while True:
         value = _or_reweigh(make, pool) if main else None
         # The other ranks wait here for the main rank's long work (a batch, validation), under
-        # its own bound (run.waits); the main rank is judged meanwhile (its waits on the pool
+        # its own bound (``wait``); the main rank is judged meanwhile (its waits on the pool
         # beat), and so is its wait here for another rank that stopped.
         waiting = (
             watchdog.paused("waiting for the main rank") if not main else contextlib.nullcontext()
         )
         with waiting:
-            sent = broadcast(value if share or _is_reweigh(value) else None)
-        if not _is_reweigh(sent):
+            sent = broadcast(value if share or isinstance(value, Reweigh) else None)
+        if not isinstance(sent, Reweigh):
             return value if main else sent
         push_weights(run, pool, reweigh=True)
 
 
-def _is_reweigh(value: Any) -> bool:
-    return isinstance(value, str) and value == REWEIGH
-
-
-def _or_reweigh(make: Callable[[], Any], pool) -> Any:
+def _or_reweigh(make: Callable[[], T], pool: GeneratorPool) -> T | Reweigh:
     try:
         return make()
     except WeightsNeeded:
         logger.info("re-sending the weights of version %d to restarted engines", pool.version)
-        return REWEIGH
+        return Reweigh(pool.version)
 
 
-def next_batch(run: Run, source: RolloutSource, pool):
-    """(samples, info, wants_push) of the next step, or None when training must end (main
-    rank only); raises ``WeightsNeeded`` (see :func:`on_every_rank`)."""
+def next_batch(run: Run, source: RolloutSource, pool: GeneratorPool, step: int = 0) -> Batch | None:
+    """The batch of step ``step + 1``, or None when training must end (main rank only);
+    raises ``WeightsNeeded`` (see :func:`on_every_rank`)."""
     if _budget_spent(run):
-        logger.info("GPU-hour budget spent: stopping at step %d", run.step)
+        logger.info("GPU-hour budget spent: stopping at step %d", step)
         return None
     try:
         groups = source.next_batch(pool.version)
     except PromptsExhausted:
-        logger.info("every training prompt is retired: stopping at step %d", run.step)
+        logger.info("every training prompt is retired: stopping at step %d", step)
         return None
     samples, info = score_groups(run, groups, pool.version)
     info["staleness_hist"] = token_lag_histogram(groups, pool.version, _lag(run.config))
     info["generator_version"] = pool.version  # of the weights the generator holds now
     info.update(source.counts)  # prompts drawn this step; dynamic sampling's kept / dropped
-    return samples, info, source.wants_push()
+    return Batch(samples, info, source.wants_push(), pool.version)
 
 
 def dynamic_sampling(run: Run) -> DynamicSampling | None:
@@ -371,14 +528,23 @@ def _by_domain(key: str, domains: list[str], rewards: list[float], mean: bool) -
     return out
 
 
-def validate(run: Run, pool, step: int, main: bool = True) -> float:
+def validate(
+    run: Run,
+    pool: GeneratorPool | None,
+    step: int,
+    main: bool = True,
+    waits: RankZeroWaits | None = None,
+    forecast: LiveForecast | None = None,
+) -> float:
     """mean@G pass rate on the held-out split with the current weights; logged overall
     (``val_pass_rate``) and, for a mixture of sources, per domain
     (``val_pass_rate/<domain>``). Every rank calls it: the main rank generates and scores;
     the others take part when restarted engines wait for the weights (``on_every_rank``:
-    a death with every engine down mid-validation), and return NaN."""
+    a death with every engine down mid-validation), and return NaN. ``waits``: the other
+    ranks' bound (None: the world's); ``forecast``: the live forecast to update."""
+    wait = waits.validation if waits is not None else None
     if not main:  # waits for the whole pass, scoring included
-        on_every_rank(run, pool, False, lambda: None, share=False, validation=True)
+        on_every_rank(run, pool, False, lambda: None, wait, share=False)
         return float("nan")
     cfg = run.config.validation
     # ``num_prompts`` counts per domain, so a cap never leaves a domain out.
@@ -409,7 +575,7 @@ def validate(run: Run, pool, step: int, main: bool = True) -> float:
 
     with run.clock.window("validation") as window:
         tokens_before = pool.generated_tokens()
-        scored = on_every_rank(run, pool, True, score, share=False, validation=True)
+        scored = on_every_rank(run, pool, True, score, wait, share=False)
         if scored is None:
             return float("nan")
         samples, kinds, rewards = scored
@@ -438,7 +604,7 @@ def validate(run: Run, pool, step: int, main: bool = True) -> float:
     logger.info(
         "step %d: validation pass rate %.3f (%s%d samples)", step, rate, domains, len(rewards)
     )
-    if run.forecast is not None:
+    if forecast is not None:
         training = run.config.training
         budget = resolve_budget(
             run.config.forecast,
@@ -447,15 +613,31 @@ def validate(run: Run, pool, step: int, main: bool = True) -> float:
             step,
             hours["gpu_hours"],
         )
-        run.forecast.submit(step, budget, hours["gpu_hours"])
+        forecast.submit(step, budget, hours["gpu_hours"])
     return rate
 
 
 # -- set-up helpers ---------------------------------------------------------------------------
 
 
-def resume_or_warm_start(run: Run) -> tuple[int, list[int]]:
-    """Resume from the latest checkpoint (step, prompts to regenerate), or warm-start.
+def checkpointed(run: Run, optim: Optimizer, in_flight: InFlight) -> dict[str, Stateful | None]:
+    """The loop state a checkpoint's extras hold beside the model and optimizer, by key:
+    each entry's ``state_dict()`` is saved under it and comes back through its
+    ``load_state_dict()`` (None: nothing to keep, e.g. no pass-rate history)."""
+    return {
+        "scheduler": optim.scheduler,
+        "sampler": run.sampler,
+        "tracker": run.tracker,  # No-Positive-Resampling's pass-rate history
+        "clock": run.clock,
+        "metrics_position": MetricsPosition(run.metrics),
+        "in_flight": in_flight,
+    }
+
+
+def resume_or_warm_start(run: Run, in_flight: InFlight) -> tuple[Optimizer, int]:
+    """The RL optimizer and the step: resumed from the latest checkpoint (with the loop state
+    of :func:`checkpointed`, the prompts to regenerate into ``in_flight``), or step 0 after
+    the warm start.
 
     The RL optimizer is built after the warm start (its fp32 main parameters copy the
     weights it starts from), or before loading a checkpoint's state into it.
@@ -465,19 +647,14 @@ def resume_or_warm_start(run: Run) -> tuple[int, list[int]]:
     if run.checkpoints.latest() is None:
         run.metrics.truncate(0)
         warm_start(run)
-        run.optim = build_optimizer(run.ddp, run.config.optimizer)
-        return 0, []
-    run.optim = build_optimizer(run.ddp, run.config.optimizer)
-    ckpt = run.checkpoints.load(run.model, optimizer=run.optim.optimizer)
-    extra = ckpt.extra
-    run.optim.scheduler.load_state_dict(extra["scheduler"])
-    run.sampler.load_state_dict(extra["sampler"])
-    if run.tracker is not None:
-        run.tracker.load_state_dict(extra["tracker"])
-    run.clock.load_state_dict(extra["clock"])
-    run.metrics.truncate(extra["metrics_position"])
+        return build_optimizer(run.ddp, run.config.optimizer), 0
+    optim = build_optimizer(run.ddp, run.config.optimizer)
+    ckpt = run.checkpoints.load(run.model, optimizer=optim.optimizer)
+    for key, state in checkpointed(run, optim, in_flight).items():
+        if state is not None:
+            state.load_state_dict(ckpt.extra[key])
     logger.info("resumed from %s at step %d", ckpt.path, ckpt.step)
-    return ckpt.step, list(extra["in_flight"])
+    return optim, ckpt.step
 
 
 def warm_start(run: Run) -> None:
@@ -510,33 +687,49 @@ def warm_start(run: Run) -> None:
     run.metrics.log({"step": 0, **run.clock.summary(), "warm_start_loss": losses[-1]})
 
 
-def start_generators(run: Run, step: int):
-    """The vLLM pool, started from the run's HF directory and synced to the trainer's weights
-    (policy version ``step + 1`` after the first push, so a resumed run numbers as before)."""
-    from megatron_rl.rollout.pool import GeneratorPool
+def engine_config(config: RunConfig) -> RolloutConfig:
+    """``config.rollout`` with what the run derives for its engines (a copy; the recipe's
+    config is left as loaded): ``dtype: auto`` -> the trainer's, routed experts returned for
+    routing replay, and on a GPU the engines' own GPUs (``placement: subprocess``)."""
+    import dataclasses
 
-    tok = run.tokenizer
-    rollout = run.config.rollout
-    if rollout.dtype == "auto":  # generate in the trainer's dtype, or log-probs disagree
-        rollout.dtype = run.config.model.dtype
-    rollout.return_routed_experts |= run.config.algorithm.routing_replay
+    rollout = config.rollout
+    derived = {
+        # generate in the trainer's dtype, or log-probs disagree
+        "dtype": config.model.dtype if rollout.dtype == "auto" else rollout.dtype,
+        "return_routed_experts": rollout.return_routed_experts or config.algorithm.routing_replay,
+    }
     if rollout.placement == "subprocess" and get_platform().is_gpu:
         from megatron_rl.platform import local_world_size
         from megatron_rl.rollout.config import engine_gpus
 
         # Engines on GPUs of their own, after this node's trainer ranks (torchrun's or srun's).
         local_trainers = local_world_size()
-        rollout.gpu_ids = engine_gpus(rollout, local_trainers, run.config.cluster.gpus_per_node)
-    pool = GeneratorPool(
+        derived["gpu_ids"] = engine_gpus(rollout, local_trainers, config.cluster.gpus_per_node)
+    return dataclasses.replace(rollout, **derived)
+
+
+def start_generators(run: Run, step: int) -> GeneratorPool:
+    """The vLLM pool (:func:`engine_config`), started from the run's HF directory and synced
+    to the trainer's weights (policy version ``step + 1`` after the first push, so a resumed
+    run numbers as before)."""
+    from megatron_rl.rollout.pool import GeneratorPool
+
+    tok = run.tokenizer
+    return GeneratorPool(
         str(run.hf_dir),
-        run.config.rollout,
+        engine_config(run.config),
         encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
         initial_version=step,
     )
-    return pool
 
 
-def push_weights(run: Run, pool, reweigh: bool = False, between=None):
+def push_weights(
+    run: Run,
+    pool: GeneratorPool | None,
+    reweigh: bool = False,
+    between: Callable[[], None] | None = None,
+) -> PushStats | None:
     """Stream the trainer's weights (HF names, full tensors, bounded buckets) into the pool
     (``reweigh``: into restarted engines only, see ``GeneratorPool.reweigh``). Every rank
     calls this (the gathers are collectives); ``pool`` is None off the main rank.
@@ -551,39 +744,32 @@ def push_weights(run: Run, pool, reweigh: bool = False, between=None):
         )
 
 
-def save_checkpoint(run: Run, step: int, source: RolloutSource, wait: bool = False) -> None:
-    """Checkpoint ``step``: in the background if ``checkpoint.async_save`` unless ``wait``
-    (a save on a signal or at the end must be complete before the process exits)."""
-    with run.clock.window("checkpoint"):
-        _save_checkpoint(run, step, source, wait)
-
-
-def _save_checkpoint(run: Run, step: int, source: RolloutSource, wait: bool = False) -> None:
-    extra = {
-        "scheduler": run.optim.scheduler.state_dict(),
-        "sampler": run.sampler.state_dict(),
-        "tracker": run.tracker.state_dict() if run.tracker is not None else None,
-        "clock": run.clock.state_dict(),
-        "metrics_position": run.metrics.position(),
-        "in_flight": source.in_flight_prompt_ids() if source is not None else [],
-    }
-    async_save = False if wait else None  # None: checkpoint.async_save
+def save_checkpoint(
+    run: Run, step: int, optim: Optimizer, states: dict[str, Stateful | None], wait: bool = False
+) -> None:
+    """Checkpoint ``step``: the model, the optimizer and ``states`` (:func:`checkpointed`); in
+    the background if ``checkpoint.async_save`` unless ``wait``. The HF export of an export
+    step (``checkpoint.export_hf_every``) starts once the checkpoint is complete."""
     export = None
-    if run.exporter is not None and run.exporter.wants(step):  # once the save is complete
+    if run.exporter is not None and run.exporter.wants(step):
         notes = {"gpu_hours": run.clock.summary()["gpu_hours"]}
         exporter = run.exporter
 
         def export(path: Path) -> None:
             exporter.submit(step, path, notes)
 
-    run.checkpoints.save(
-        step,
-        run.model,
-        extra,
-        optimizer=run.optim.optimizer,
-        async_save=async_save,
-        on_complete=export,
-    )
+    with run.clock.window("checkpoint"):
+        extra = {
+            key: None if state is None else state.state_dict() for key, state in states.items()
+        }
+        run.checkpoints.save(
+            step,
+            run.model,
+            extra,
+            optimizer=optim.optimizer,
+            async_save=False if wait else None,  # None: checkpoint.async_save
+            on_complete=export,
+        )
 
 
 def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool) -> dict:
@@ -630,14 +816,14 @@ def start_forecast(run: Run):
     )
 
 
-def finish_metrics(run: Run, step: int, finished: bool) -> None:
+def finish_metrics(run: Run, forecast: LiveForecast | None, step: int, finished: bool) -> None:
     """The last forecast (waited for at a normal end only) and, at a normal end, the
     ``run_finished`` record that tells ``megatron-rl fit --watch`` to stop."""
     from megatron_rl.trainer.live_forecast import FINAL_WAIT_SECONDS
 
-    if run.forecast is not None:
+    if forecast is not None:
         fields = lambda: {"step": step, **run.clock.summary()}  # noqa: E731
-        run.forecast.close(fields, FINAL_WAIT_SECONDS if finished else 0.0)
+        forecast.close(fields, FINAL_WAIT_SECONDS if finished else 0.0)
     if finished:
         run.metrics.log({"step": step, **run.clock.summary(), "run_finished": True})
 
@@ -675,11 +861,11 @@ def _budget_spent(run: Run) -> bool:
     return limit is not None and run.clock.gpu_hours >= limit
 
 
-def _plot(run: Run) -> None:
+def _plot(run: Run, forecast: LiveForecast | None) -> None:
     from megatron_rl.scaling.records import plot_reward_curve
 
     try:
-        latest = run.forecast.latest if run.forecast is not None else None
+        latest = forecast.latest if forecast is not None else None
         png = run.run_dir / "reward_curve.png"
         plot_reward_curve(
             run.metrics.path,
@@ -692,7 +878,7 @@ def _plot(run: Run) -> None:
         logger.warning("could not plot the reward curve: %s", err)
 
 
-class _StopFlag:
+class StopFlag:
     """Set by SIGTERM / SIGUSR1 (Slurm preemption): checkpoint at the next step, then exit."""
 
     def __init__(self, names) -> None:

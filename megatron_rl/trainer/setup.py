@@ -2,44 +2,55 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron_rl.config.checks import check_start_weights
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.trainer.hf_export import HFExporter
 
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from transformers import PreTrainedTokenizerBase
+
+    from megatron_rl.algorithms.pass_rate import PassRateTracker
+    from megatron_rl.data import MixedPromptSampler, PromptData, PromptSampler
+    from megatron_rl.rewards import RewardPool
+    from megatron_rl.trainer.compute import ComputeClock
+    from megatron_rl.trainer.metrics import MetricsLogger
+    from megatron_rl.trainer.rundir import Claim
+    from megatron_rl.trainer.state import CheckpointManager
+
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
-    """The live objects of one training run."""
+    """The components of one training run on this rank, built once by :func:`build_run`
+    (the loop's own state, such as the optimizer built after the warm start, lives in
+    ``trainer.loop.Trainer``)."""
 
-    config: RunConfig
+    config: RunConfig  # as loaded: never changed (what the run derives lives beside it)
     run_dir: Path
-    hf_dir: Path
-    tokenizer: Any
-    model: Any  # this rank's megatron GPTModel (weights, checkpoints, pushes)
-    ddp: Any  # the model in megatron's DistributedDataParallel (training)
-    data: Any
-    sampler: Any
-    tracker: Any
-    rewards: Any
-    checkpoints: Any
-    metrics: Any
-    clock: Any
-    prompt_tokens: dict[int, list[int]]
+    hf_dir: Path  # the HF directory the run starts from: model.hf_path, or RUN_DIR/hf_init
+    tokenizer: PreTrainedTokenizerBase
+    model: GPTModel  # this rank's part (weights, checkpoints, pushes)
+    ddp: DistributedDataParallel  # the model in megatron's DDP wrapper (training)
+    data: PromptData
+    sampler: PromptSampler | MixedPromptSampler
+    tracker: PassRateTracker | None  # No-Positive-Resampling (algorithm.npr_threshold)
+    rewards: RewardPool
+    checkpoints: CheckpointManager
+    metrics: MetricsLogger | NullMetrics  # NullMetrics off the main rank
+    clock: ComputeClock
     encode: Callable[[int], list[int]]  # prompt id -> prompt token ids (cached)
-    optim: Any = None  # trainer.optim.Optimizer, built after the warm start (or to resume)
-    step: int = 0  # optimizer steps done
-    forecast: Any = None  # trainer.live_forecast.LiveForecast on the main rank, if enabled
-    exporter: HFExporter | None = None  # background HF exports (main rank, export_hf_every)
-    waits: Any = None  # trainer.loop.RankZeroWaits: the other ranks' waits on the main rank
-    claim: Any = None  # trainer.rundir.Claim on the main rank: the run directory's lock
+    claim: Claim | None  # the main rank's hold on the run directory (its lock)
+    exporter: HFExporter | None  # background HF exports (main rank, export_hf_every)
 
 
 class NullMetrics:
@@ -152,8 +163,8 @@ def build_run(
     collectives.barrier()
     hf_dir = prepare_hf_dir(config, run_dir)  # now only finds it
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    model_cfg = config.model
-    model_cfg.hf_path = str(hf_dir)
+    # the model as the HF directory holds it (a preset's random init: RUN_DIR/hf_init)
+    model_cfg = dataclasses.replace(config.model, hf_path=str(hf_dir))
     model = build_model(model_cfg, config.parallel)
     load_hf_weights(model, hf_dir, DTYPES[model_cfg.dtype])
     if config.algorithm.routing_replay:
@@ -167,7 +178,7 @@ def build_run(
         from megatron_rl.rewards.isolation import box_for
 
         box_for(config.reward)  # no code sandbox: fail now, not at the first code batch
-    prompt_tokens = {}
+    prompt_tokens: dict[int, list[int]] = {}
 
     def encode(prompt_id: int) -> list[int]:
         if prompt_id not in prompt_tokens:
@@ -215,7 +226,6 @@ def build_run(
             else NullMetrics()
         ),
         clock=ComputeClock(devices),
-        prompt_tokens=prompt_tokens,
         encode=encode,
         claim=claim,
         exporter=(
