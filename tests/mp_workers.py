@@ -208,6 +208,7 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
         rewards=SimpleNamespace(score_batch=score_batch, last_counts={"timeout": 0}),
         clock=ComputeClock(1),
         metrics=SimpleNamespace(log=lambda record: None),
+        exporter=None,
         forecast=None,
         encode=lambda i: [i],
     )

@@ -275,6 +275,7 @@ def _validation_run(joint, tmp_path):
         clock=ComputeClock(1),
         metrics=MetricsLogger(tmp_path, tensorboard=True),
         forecast=None,
+        exporter=None,
         encode=lambda i: [i],
     )
     return run, ids

@@ -341,9 +341,16 @@ def routed_tokens(samples, layout: dict, micro_batch_size: int, world: int) -> f
     rewards: dict[int, set[float]] = {}
     for s in samples:
         rewards.setdefault(s.group, set()).add(s.reward)
+    # Which rank trains which group is trainer/balance.py's choice (tested in test_balance.py;
+    # here only the counting is under test): the same partition of the trained groups.
+    from megatron_rl.trainer.balance import assign_groups
+
+    kept = [len(rewards[s.group]) > 1 for s in samples]
+    lengths = [len(s.prompt_tokens) + len(s.response_tokens) for s in samples]
+    owner = assign_groups([s.group for s in samples], lengths, kept, [False] * len(samples), dp)
     per_rank = []
     for r in range(dp):
-        mine = [s for s in samples if s.group % dp == r and len(rewards[s.group]) > 1]
+        mine = [s for s in samples if owner[s.group] == r and len(rewards[s.group]) > 1]
         mine.sort(key=lambda s: -(len(s.prompt_tokens) + len(s.response_tokens)))
         chunks = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
         per_rank.append(

@@ -334,7 +334,7 @@ class WandbTracker:
                 self._png_mtime = mtime
                 out["reward_curve"] = wandb.Image(str(png))
             if record.get("val_pass_rate") is not None:
-                from megatron_rl.trainer.metrics import METRICS_FILE, plot_reward_curve
+                from megatron_rl.scaling.records import METRICS_FILE, plot_reward_curve
 
                 own = plot_reward_curve(
                     self.run_dir / METRICS_FILE, self.dir / "reward_curve.png", title=self.name
