@@ -155,3 +155,29 @@ def test_export_steps_must_be_checkpoint_steps():
         load_run_config(recipe, ["checkpoint.every_steps=20", "checkpoint.export_hf_every=30"])
     config = load_run_config(recipe, ["checkpoint.every_steps=20", "checkpoint.export_hf_every=40"])
     assert config.checkpoint.export_hf_every == 40
+
+
+def test_an_export_carries_the_validation_of_its_own_step(tmp_path):
+    # An async save completes steps later, perhaps after another validation: the README must
+    # still give the pass rate as of the checkpoint's step (CI once caught step 6's on step 3).
+    from types import SimpleNamespace
+
+    from megatron_rl.trainer import loop
+    from megatron_rl.trainer.compute import ComputeClock
+
+    exporter = HFExporter(tmp_path, every=3, keep_last=2)
+    submitted, completions = [], []
+    exporter.submit = lambda step, path, notes: submitted.append((step, notes))
+    checkpoints = SimpleNamespace(
+        save=lambda step, model, extra, optimizer, async_save, on_complete: completions.append(
+            on_complete
+        )
+    )
+    run = SimpleNamespace(
+        exporter=exporter, clock=ComputeClock(1), checkpoints=checkpoints, model=None
+    )
+    exporter.val_pass_rate = 0.25  # the validation of step 3
+    loop.save_checkpoint(run, 3, SimpleNamespace(optimizer=None), {})
+    exporter.val_pass_rate = 0.5  # step 6's, before step 3's save completes
+    completions[0](tmp_path / "checkpoints" / "step_00000003")
+    assert submitted == [(3, {"gpu_hours": 0.0, "val_pass_rate": 0.25})]

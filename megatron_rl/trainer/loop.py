@@ -752,8 +752,12 @@ def save_checkpoint(
     step (``checkpoint.export_hf_every``) starts once the checkpoint is complete."""
     export = None
     if run.exporter is not None and run.exporter.wants(step):
-        notes = {"gpu_hours": run.clock.summary()["gpu_hours"]}
+        # as of this step: an async save completes steps later, maybe after another validation
         exporter = run.exporter
+        notes = {
+            "gpu_hours": run.clock.summary()["gpu_hours"],
+            "val_pass_rate": exporter.val_pass_rate,
+        }
 
         def export(path: Path) -> None:
             exporter.submit(step, path, notes)
