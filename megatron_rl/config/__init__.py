@@ -6,8 +6,7 @@ imported on first use, because the component configs it gathers live in other pa
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from megatron_rl.config.loader import (
     ConfigError,
@@ -17,6 +16,7 @@ from megatron_rl.config.loader import (
     read_recipe,
     to_dict,
 )
+from megatron_rl.lazy import lazy_exports
 
 # public name -> defining module (imported lazily)
 _SECTIONS = (
@@ -93,13 +93,4 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

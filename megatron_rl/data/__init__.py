@@ -8,8 +8,7 @@ names below but the configs are imported on first use (the run-config schema rea
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from megatron_rl.data.config import (
     DataConfig,
@@ -17,6 +16,7 @@ from megatron_rl.data.config import (
     SyntheticCodeConfig,
     SyntheticConfig,
 )
+from megatron_rl.lazy import lazy_exports
 
 # public name -> defining module (imported lazily)
 _EXPORTS: dict[str, str] = {
@@ -79,13 +79,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

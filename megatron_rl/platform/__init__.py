@@ -7,8 +7,7 @@ in torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_rl.lazy import lazy_exports
 
 _EXPORTS = {
     "LAUNCHER_VARS": "megatron_rl.platform.config",
@@ -32,7 +31,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'megatron_rl.platform' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__, _ = lazy_exports(globals(), _EXPORTS, cache=False)

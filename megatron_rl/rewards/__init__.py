@@ -8,9 +8,9 @@ so that ``RewardConfig`` (part of the run-config schema) loads alone.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from megatron_rl.lazy import lazy_exports
 from megatron_rl.rewards.config import RewardConfig
 
 _EXPORTS: dict[str, str] = {"RewardPool": "megatron_rl.rewards.pool"}
@@ -21,13 +21,4 @@ if TYPE_CHECKING:
     from megatron_rl.rewards.pool import RewardPool
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

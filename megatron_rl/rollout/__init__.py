@@ -7,9 +7,9 @@ but the config is imported on first use, so that reading configs stays light (no
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from megatron_rl.lazy import lazy_exports
 from megatron_rl.rollout.config import InterruptionConfig, RolloutConfig
 
 # public name -> defining module
@@ -35,11 +35,4 @@ if TYPE_CHECKING:
     from megatron_rl.rollout.weights.push import push_megatron_weights
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS, cache=False)

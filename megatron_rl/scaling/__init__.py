@@ -19,8 +19,9 @@ numpy or scipy.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from megatron_rl.lazy import lazy_exports
 
 # public name -> defining module
 _EXPORTS: dict[str, str] = {
@@ -84,13 +85,4 @@ if TYPE_CHECKING:
     from megatron_rl.scaling.synthetic import synthetic_run
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
