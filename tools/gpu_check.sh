@@ -7,7 +7,7 @@
 # tools/gpu_check.py (control collectives, a 4-layer llama3-8b slice at 16k tokens
 # extrapolated to recipes/scalerl_8b.yaml's layout by megatron_rl/planning, bucket packing GB/s,
 # FP32 vs BF16-rounded head), chunked attention at Scout per-rank shapes
-# (tools/bench_chunked_attention.py), then runs tests/test_gpu_paths.py (TE, vLLM and
+# (tools/bench_chunked_attention.py), then runs tests/unit/models/test_gpu_paths.py (TE, vLLM and
 # two-GPU tests skip there) and the train-step benchmark; logs to $OUT, one status line per
 # step in $OUT/steps.txt; exit status 1 when a step failed.
 #
@@ -15,7 +15,7 @@
 #     PYTHON_VERSION=3.11 bash tools/gpu_wheels.sh
 #     PYTHON=/path/to/venv/bin/python bash tools/gpu_check.sh --smoke
 set -uo pipefail
-BUDGET_S=480  # the device tool's timeout_s for this script (tests/test_gpu_check.py checks it)
+BUDGET_S=480  # the device tool's timeout_s for this script (tests/unit/project/test_gpu_check.py checks it)
 SMOKE=0
 [ "${1:-}" = "--smoke" ] && SMOKE=1
 # The limits below are the GPU run's; a CPU smoke run (slow, shared cores) gets 4 times each.
@@ -77,7 +77,7 @@ fi
 # pyproject's addopts ask for pytest-xdist (-n 2 --dist loadgroup), which the check machine
 # lacks: replace them and keep the plugin out even where it is installed.
 step tests 120 "$PY" -m pytest -p no:xdist -o 'addopts=-ra' -q -p no:cacheprovider -rs \
-    tests/test_gpu_paths.py
+    tests/unit/models/test_gpu_paths.py
 if [ "$SMOKE" = 1 ]; then
     step bench 40 "$PY" tools/bench_train_step.py --dtype float32 --preset tiny-llama \
         --groups 2 --samples 4 --steps 2

@@ -11,7 +11,7 @@ value; where it is silent the default is documented as ours.
 ``RunConfig.validate()`` checks combinations across sections (pure, no I/O); the checks that
 need the model's shapes live in :mod:`megatron_rl.config.checks`. ``load_run_config`` runs
 both. Importing it loads no torch, transformers, scipy or numpy (the packages' ``__init__``
-files load their heavy modules on first use; ``tests/test_config_import.py`` guards it).
+files load their heavy modules on first use; ``tests/unit/config/test_config_errors.py`` guards it).
 """
 
 from __future__ import annotations

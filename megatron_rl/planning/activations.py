@@ -39,7 +39,7 @@ Full recompute (megatron ``recompute_granularity="full"``, uniform, one layer pe
 saves only each layer's input h d and recomputes one layer at a time during the backward.
 Pipeline parallelism (1F1B) keeps PP - stage micro-batches in flight on a stage.
 
-``tests/test_plan.py`` measures the saved tensors of a real forward on CPU (saved-tensor
+``tests/unit/planning/test_plan.py`` measures the saved tensors of a real forward on CPU (saved-tensor
 hooks, unique storages) and compares.
 """
 

@@ -5,7 +5,7 @@
 layout: MoE, RoPE, qk-norm, chunked attention); ``rank_parameters`` lists the parameters
 megatron's ``GPTModel`` creates on one rank of a TP / PP / EP layout, in the order of
 ``named_parameters()`` (which fixes megatron's gradient-buffer layout and padding).
-``tests/test_plan.py`` checks both against a real megatron model.
+``tests/unit/planning/test_plan.py`` checks both against a real megatron model.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ outside ``write_dirs``. Every blocked event is recorded, so a test can prove tha
 was attempted, not merely that it failed.
 
 It is a second line, and no security boundary (a program written to defeat it can: see
-tests/test_rewards_sandbox.py): math workers never evaluate model text, and sandboxed
+tests/unit/rewards/test_rewards_sandbox.py): math workers never evaluate model text, and sandboxed
 programs run in an unprivileged bubblewrap box under resource limits
 (``megatron_rl.rewards.isolation``, ``megatron_rl.rewards.sandbox``). This file is stdlib-only and self-contained: the
 sandbox prepends its source to the harness that runs model programs.

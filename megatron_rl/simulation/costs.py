@@ -41,7 +41,7 @@ What-if switches for this project's own code (issue 31, items 2-4): ``push_bytes
 the calibrated MFU is that of a trainer with them) and, in ``run.SimSettings``, how groups go to
 data-parallel ranks (``dp_assignment``).
 
-Every constant cites its source or says ``assumption``; ``tests/test_simulation.py`` checks.
+Every constant cites its source or says ``assumption``; ``tests/unit/simulation/test_simulation.py`` checks.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Hardware:
 
 
 # Every number below carries its source ("source:") or says it is ours ("assumption:"), on its
-# line or in the comment right above it; tests/test_simulation.py checks that none is bare.
+# line or in the comment right above it; tests/unit/simulation/test_simulation.py checks that none is bare.
 # Links are per GPU and per direction (NVLink's datasheet figures count both directions).
 HARDWARE: dict[str, Hardware] = {
     "gb200": Hardware(

@@ -16,7 +16,7 @@ same batch (ties go to the lower group id and rank).
 
 On 48 groups of 16 samples with lognormal lengths (sigma 1), half kept, 8 ranks, the busiest
 rank carries a median 1.65x the mean tokens with ``group % ranks``, 1.09x with LPT alone and
-1.01x with the swaps (500 draws; ``tests/test_balance.py``).
+1.01x with the swaps (500 draws; ``tests/unit/trainer/test_balance.py``).
 """
 
 from __future__ import annotations

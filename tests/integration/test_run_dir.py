@@ -1,0 +1,249 @@
+"""The run directory: one owner (lock), no silent restart over history, config changes on
+resume, and a preempted run (SIGTERM to its whole process group) that checkpoints and resumes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import load_run_config, save_run_config, to_yaml
+from megatron_rl.trainer.rundir import RunDirError, check_changes, claim_run_dir, save_config
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
+
+
+def _config(*overrides: str):
+    return load_run_config(RECIPE, list(overrides), check_model=False)
+
+
+def _hold_lock(run_dir: Path) -> subprocess.Popen:
+    """Another process that holds the run directory's lock until killed."""
+    code = (
+        "import sys, time; from pathlib import Path; from megatron_rl.trainer.rundir import "
+        "RunLock; lock = RunLock(Path(sys.argv[1])); print('LOCKED', flush=True); "
+        "time.sleep(600)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "LOCKED"
+    return proc
+
+
+def test_a_second_run_in_a_locked_run_dir_is_refused_naming_the_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = _hold_lock(run_dir)
+    try:
+        with pytest.raises(RunDirError) as info:
+            claim_run_dir(_config(), run_dir)
+        message = str(info.value)
+        assert f"pid {holder.pid}" in message and socket.gethostname() in message
+        assert "in use by another run" in message
+    finally:
+        holder.kill()
+        holder.wait()
+    claim = claim_run_dir(_config(), run_dir)  # the holder is gone: the lock is free
+    assert f"pid {os.getpid()}" in (run_dir / "run.lock").read_text()
+    claim.lock.release()
+
+
+def test_history_without_a_checkpoint_is_refused_unless_restart(tmp_path):
+    """No intact checkpoint but metrics and checkpoint directories: a new run would rewrite
+    metrics.jsonl from step 0 and later overwrite the old checkpoints, silently. Refused,
+    naming what is there; --restart moves it aside and starts over."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_00000003.tmp").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000002").mkdir()  # no meta.json: not intact
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n' * 5)
+    with pytest.raises(RunDirError) as info:
+        claim_run_dir(_config(), run_dir)
+    message = str(info.value)
+    assert "metrics.jsonl (5 records)" in message
+    assert "step_00000002, step_00000003.tmp" in message and "--restart" in message
+    assert (run_dir / "metrics.jsonl").is_file()  # nothing touched
+
+    claim = claim_run_dir(_config(), run_dir, restart=True)
+    (aside,) = run_dir.glob("previous_*")
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n' * 5
+    assert (aside / "checkpoints" / "step_00000003.tmp").is_dir()
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+    claim.lock.release()
+    # A fresh directory has no history: no --restart needed.
+    claim_run_dir(_config(), tmp_path / "fresh").lock.release()
+
+
+def test_changed_settings_on_resume_need_allow_changes(tmp_path, caplog):
+    path = tmp_path / "config.yaml"
+    save_run_config(_config(), path)
+    safe = to_yaml(_config("training.max_steps=500", "logging.tensorboard=false"))
+    with caplog.at_level("WARNING"):
+        changes = check_changes(path, safe, allow_changes=False)
+    assert changes == {"training.max_steps": (120, 500), "logging.tensorboard": (True, False)}
+    assert "training.max_steps changed from 120 to 500" in caplog.text
+
+    unsafe = to_yaml(_config("optimizer.lr=2e-4", "training.max_steps=500"))
+    with pytest.raises(RunDirError) as info:
+        check_changes(path, unsafe, allow_changes=False)
+    message = str(info.value)
+    assert "optimizer.lr: 0.0001 -> 0.0002" in message and "--allow-changes" in message
+    assert "training.max_steps:" not in message  # safe: not among the refused
+    assert set(check_changes(path, unsafe, allow_changes=True)) == {
+        "optimizer.lr",
+        "training.max_steps",
+    }
+
+
+def test_config_yaml_is_written_only_by_save_config(tmp_path):
+    """The claim checks; the config is written once the run is built (save_config)."""
+    run_dir = tmp_path / "run"
+    claim = claim_run_dir(_config("optimizer.lr=3e-4"), run_dir)
+    assert not (run_dir / "config.yaml").exists()
+    save_config(claim, run_dir)
+    assert load_run_config(run_dir / "config.yaml", check_model=False).optimizer.lr == 3e-4
+    claim.lock.release()
+    with pytest.raises(RunDirError, match="is a file, not a directory"):
+        claim_run_dir(_config(), run_dir / "config.yaml")
+
+
+# -- whole runs (the CLI in a subprocess) -------------------------------------------------
+
+SMALL = [
+    "warm_start.steps=5",
+    "data.val_size=16",
+    "data.synthetic.num_problems=200",
+    "batch.prompts_per_step=4",
+    "batch.samples_per_prompt=4",
+    "validation.enabled=false",
+    "checkpoint.every_steps=2",
+    "logging.tensorboard=false",
+    "logging.progress_bar=false",
+]
+
+
+def _cmd(run_dir: Path, *overrides: str) -> list[str]:
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE), *SMALL, *overrides]
+    return [*cmd, "--run-dir", str(run_dir)]
+
+
+def _env() -> dict[str, str]:
+    from megatron_rl.platform import LAUNCHER_VARS
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return {**env, "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def _steps(run_dir: Path) -> list[int]:
+    from megatron_rl.scaling.records import read_records
+
+    return [r["step"] for r in read_records(run_dir / "metrics.jsonl") if "reward_mean" in r]
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """A run SIGTERMed as a whole process group (scancel, preemption) after its checkpoint
+    at step 2: (run_dir, exit status, output)."""
+    run_dir = tmp_path_factory.mktemp("preempted") / "run"
+    log = run_dir.parent / "output.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            _cmd(run_dir, "training.max_steps=40"),
+            cwd=ROOT,
+            env=_env(),
+            stdout=out,
+            stderr=out,
+            start_new_session=True,  # its own group, as a job's processes under srun
+        )
+        meta = run_dir / "checkpoints" / "step_00000002" / "meta.json"
+        deadline = time.monotonic() + 400
+        while not meta.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert meta.is_file(), log.read_text()[-3000:]
+        time.sleep(2)  # every helper of the first save (and of the step after) is up
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            status = proc.wait(timeout=300)
+        finally:
+            proc.kill()
+    return run_dir, status, log.read_text()
+
+
+@pytest.mark.timeout(900)  # ~70 s for the run, ~60 s for the resume on a quiet machine
+def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes(preempted, tmp_path):
+    """The checkpoint the signal asks for completes (it failed with BrokenPipeError: the
+    group's SIGTERM had killed megatron's checkpoint helper process) and the resumed run
+    continues from it, not from the periodic checkpoint before."""
+    run_dir, status, output = preempted
+    assert status == 0, output[-3000:]
+    signalled = max(_steps(run_dir))
+    assert signalled > 2
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert f"step_{signalled:08d}" in ckpts, ckpts
+    assert not [name for name in ckpts if name.endswith(".tmp")], ckpts
+    assert f"stopping on SIGTERM after checkpointing step {signalled}" in output
+    # checkpoint.async_save: the periodic save of step 2 was written while training went on,
+    # completed at a later step's finalize; the signal's save was synchronous
+    step2 = run_dir / "checkpoints" / "step_00000002"
+    assert f"checkpoint {step2}: writing in the background" in output
+    assert f"saved checkpoint {step2} (written in the background" in output
+    assert f"saved checkpoint {run_dir}/checkpoints/step_{signalled:08d} in " in output
+
+    resumed = tmp_path / "run"
+    shutil.copytree(run_dir, resumed)
+    proc = subprocess.run(
+        _cmd(resumed, f"training.max_steps={signalled + 1}"),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {resumed}/checkpoints/step_{signalled:08d}" in proc.stderr
+    assert _steps(resumed) == list(range(1, signalled + 2))  # every step once
+
+
+@pytest.mark.timeout(600)
+def test_the_cli_refuses_a_locked_run_dir_and_changed_settings(preempted, tmp_path):
+    """A run directory in use (a requeued job while the old one lives) and a resume with a
+    changed learning rate are refused by `megatron-rl train` (exit status 2, one line
+    naming the holder / the key); config.yaml keeps the run's settings."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(preempted[0], run_dir)
+    config = (run_dir / "config.yaml").read_bytes()
+    holder = _hold_lock(run_dir)
+    try:
+        proc = subprocess.run(
+            _cmd(run_dir, "training.max_steps=40"),
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"in use by another run (host {socket.gethostname()} pid {holder.pid}" in proc.stderr
+
+    proc = subprocess.run(
+        _cmd(run_dir, "training.max_steps=40", "optimizer.lr=5e-4"),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "optimizer.lr: 0.0001 -> 0.0005" in proc.stderr
+    assert (run_dir / "config.yaml").read_bytes() == config

@@ -1,0 +1,546 @@
+"""Math reward: equivalence, answer extraction, and hostile model outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.rewards import RewardConfig, RewardPool
+from megatron_rl.rewards import math as math_reward
+from megatron_rl.rewards.extraction import (
+    answer_section,
+    extract_math_answer,
+    final_boxed,
+    last_boxed,
+    nesting_depth,
+    unsafe_reason,
+)
+from megatron_rl.rewards.workers import WorkerPool
+
+TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(RewardConfig(num_workers=2, timeout_s=TIMEOUT_S)) as reward_pool:
+        yield reward_pool
+
+
+def respond(answer: str) -> str:
+    return f"<think>some reasoning</think>The final answer is $\\boxed{{{answer}}}$."
+
+
+# (model answer, reference): equivalent pairs, each a different kind of equivalence.
+EQUIVALENT = [
+    ("0.5", "\\frac{1}{2}"),  # decimal vs fraction
+    ("1/2", "\\frac12"),  # slash vs \frac
+    ("\\dfrac{3}{4}", "0.75"),
+    ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"),
+    ("30^\\circ", "30"),  # degrees
+    ("30^{\\circ}", "30"),
+    ("5\\text{ cm}", "5"),  # units
+    ("10\\%", "0.1"),  # percent
+    ("(1,2]", "(1, 2]"),  # interval, spacing
+    ("(-\\infty, 3)", "(-\\infty,3)"),
+    ("\\{1,2\\}", "\\{2,1\\}"),  # sets: order does not matter
+    ("x^2+2x+1", "(x+1)^2"),  # symbolic
+    ("x=3", "3"),  # "x = answer"
+    ("1,000", "1000"),  # thousands separator
+    ("  42 ", "42"),  # spacing
+    ("\\boxed{7}", "7"),  # nested \boxed
+    ("\\frac{1}{\\frac{1}{2}}", "2"),  # nested braces
+]
+
+NOT_EQUIVALENT = [
+    ("3", "4"),
+    ("\\frac{1}{3}", "0.333"),
+    ("[1,2)", "(1,2]"),  # interval ends differ
+    ("\\{1,2\\}", "\\{1,3\\}"),
+    ("x^2+1", "(x+1)^2"),
+    ("-5", "5"),
+    ("\\sqrt{3}", "\\sqrt{2}"),
+]
+
+
+def test_equivalent_answers_score_plus_one_and_others_minus_one(pool):
+    pairs = EQUIVALENT + NOT_EQUIVALENT
+    rewards = pool.score_batch([respond(a) for a, _ in pairs], [ref for _, ref in pairs])
+    expected = [1.0] * len(EQUIVALENT) + [-1.0] * len(NOT_EQUIVALENT)
+    assert dict(zip(pairs, rewards)) == dict(zip(pairs, expected))
+
+
+def test_thinking_is_stripped_and_must_be_closed(pool):
+    responses = [
+        "<think>maybe \\boxed{4}</think> so \\boxed{5}",  # only the part after </think>
+        "<think>the answer is \\boxed{5} but I keep thinking",  # never closes: incorrect
+        "<think>a</think><think>b \\boxed{9}</think> \\boxed{5}",  # last </think> counts
+        "<think>x</think> no box, but the answer is 5",  # fallback pattern
+        "<think>x</think> nothing at all",
+    ]
+    assert pool.score_batch(responses, ["5"] * 5) == [1.0, -1.0, 1.0, 1.0, -1.0]
+
+
+def test_without_required_thinking_the_whole_response_is_the_answer():
+    config = RewardConfig(require_think_end=False)
+    assert extract_math_answer("so \\boxed{12}", config) == "12"
+    assert extract_math_answer("so \\boxed{12}", RewardConfig()) is None
+
+
+def test_configured_rewards_and_pattern():
+    config = RewardConfig(correct_reward=1.0, incorrect_reward=0.0, answer_pattern=r"ANS=(\d+)")
+    with RewardPool(config) as custom:
+        rewards = custom.score_batch(["</think> ANS=12", "</think> ANS=13"], ["12", "12"])
+        assert custom._math is None  # plain integers are decided without a worker
+    assert rewards == [1.0, 0.0]
+
+
+def test_stated_final_answers_are_read_without_a_box():
+    # Each was misread by the old "answer (is|:)" regex ("The final answer is", ": 42", "**").
+    config = RewardConfig()
+    stated = {
+        "Final Answer: The final answer is $\\frac{14}{3}$. I hope it is correct.": "\\frac{14}{3}",
+        "The answer is: 42": "42",
+        "**Final Answer:** $\\frac12$": "\\frac12",
+        "Final Answer: The largest $n$ is 34.": "34",
+        "The final answer is 12,000,023. I hope it is correct.": "12,000,023",
+        "Answer \\[ 9 \\]": "9",
+        'The final answer is "$12 $ and $13 $". I hope it is correct.': "12,13",
+        "So the answer is $ \\frac{1}{2} \\$ = \\frac{10}{9} $": "\\frac{1}{2} \\$ = \\frac{10}{9}",
+    }
+    for text, answer in stated.items():
+        assert extract_math_answer("<think>x</think>" + text, config) == answer, text
+    # An inline span does not cross lines (as in Math-Verify); no answer stated at all.
+    assert extract_math_answer("</think>Answer $ \n 9 \n $", config) is None
+    assert extract_math_answer("</think>I am not sure about the answer.", config) is None
+    # A "final answer" after the last box wins (the rightmost, as in Math-Verify).
+    late = "</think>so \\boxed{255} in interest. Final Answer: The final answer is $10,455$."
+    assert extract_math_answer(late, config) == "10,455"
+    assert extract_math_answer(late, RewardConfig(stated_answer=False)) == "255"
+
+
+def _extract(text: str, **overrides) -> str | None:
+    return extract_math_answer("<think>x</think>" + text, RewardConfig(**overrides))
+
+
+def test_prose_after_the_box_does_not_override_it():
+    # A "final answer" sentence that states no math is no answer (issue 28, Math 1).
+    boxed = {
+        "the area is $\\boxed{12\\sqrt{3}}$ square units. The final answer is given in simplest "
+        "radical form.": "12\\sqrt{3}",
+        "Therefore $x = \\boxed{-4}$. This final answer is consistent with the check above.": "-4",
+        "The probability is \\boxed{\\frac{5}{36}}. I double-checked, and the final answer is "
+        "reduced to lowest terms.": "\\frac{5}{36}",
+        "So \\boxed{9}. The final answer is above.": "9",
+    }
+    # Without a box, a clause is skipped for an earlier anchor that states math, and a
+    # clause after a comma is not part of the answer.
+    stated = {
+        "The answer is $42$. I believe this answer is correct and complete.": "42",
+        "The answer is 3/8, and the final answer is exact.": "3/8",
+        "The answer is 250 meters. Note that the answer is rounded to the nearest meter.": "250 meters",
+        "The answer is yes.": "yes",  # a single word, when nothing states math
+    }
+    for text, answer in {**boxed, **stated}.items():
+        assert _extract(text) == answer, text
+    # A later "final answer" that states math still wins over the box (Math-Verify's rule).
+    assert _extract("\\boxed{5}. Wait, the final answer is $6$.") == "6"
+    assert _extract("The answer is correct to the nearest tenth.") is None
+
+
+def test_an_empty_box_is_an_instruction_not_part_of_the_answer():
+    # Issue 28, Math 2: "\boxed{}: $\boxed{144}$" was read as the set ",144".
+    cases = {
+        "As asked, I put the result in \\boxed{}: $\\boxed{27}$.": "27",
+        "The final answer (format: \\boxed{ }) is \\boxed{x^2-1}": "x^2-1",
+        "\\boxed{}\\boxed{0.5}": "0.5",
+        "\\fbox{} \\boxed{\\frac{2}{3}}": "\\frac{2}{3}",
+        "Remember to write \\boxed{} around it. The answer is 8.": "8",
+    }
+    for text, answer in cases.items():
+        assert _extract(text) == answer, text
+    assert final_boxed("$\\boxed{1}$ and $\\boxed{}$ and $\\boxed{-2}$") == "1,-2"
+
+
+def test_markdown_emphasis_around_a_stated_answer_is_taken_off():
+    # Issue 28, Math 3: "**33**", "9**" and "*x* = 2" reached the verifier with the marks.
+    cases = {
+        "**Answer:** **-7**": "-7",
+        "The final answer is ***12***.": "12",
+        "**Final Answer: 0.125**": "0.125",
+        "Final Answer: *n* = 15": "15",
+        "The answer is __0.25__": "0.25",
+        "The answer is `17`.": "17",
+        "Final Answer: the total is **64**.": "64",
+        "The answer is *$\\sqrt{5}$*": "\\sqrt{5}",
+    }
+    for text, answer in cases.items():
+        assert _extract(text) == answer, text
+    # Stars that are not emphasis stay: a product, and equations with more than one "=".
+    assert _extract("The answer is 2*3*4.") == "2*3*4"
+    assert _extract("The answer is x = 1, y = 2") == "x = 1, y = 2"
+
+
+def test_answer_tags_hold_the_answer():
+    # Issue 28, Math 4: R1-Zero's "<answer>28</answer>" was read as ">".
+    cases = {
+        "<answer>28</answer>": "28",
+        " <answer>\n$\\frac{7}{2}$\n</answer>": "\\frac{7}{2}",
+        "<answer>The answer is 5</answer>": "5",
+        "<answer>\\boxed{5}</answer>": "5",
+        "<answer>x = -3</answer>": "-3",
+        "<answer>The number of ways is 120.</answer>": "120",
+        "<answer>3</answer> wait, no: <answer>4</answer>": "4",  # the last tag
+        "I think \\boxed{3}. <answer>4</answer>": "4",  # the tag holds the answer
+        "<answer>11": "11",  # cut off before the closing tag
+    }
+    for text, answer in cases.items():
+        assert _extract(text) == answer, text
+    # Without the tag the response is read as before; another tag name; no tag at all:
+    # the word "answer" in a tag is no anchor of a stated answer.
+    assert _extract("So \\boxed{12}.") == "12"
+    assert _extract("<final>12</final>", answer_tag="final") == "12"
+    assert _extract("<answer>28</answer>", answer_tag="") is None
+    for bad in ("<answer>", "an swer", 7):
+        with pytest.raises(ValueError, match="answer_tag"):
+            RewardConfig(answer_tag=bad).validate()
+
+
+def test_answer_tag_responses_score_plus_one(pool):
+    responses = [
+        "<think>7 * 4</think> <answer>28</answer>",
+        "<think>7 * 4</think> <answer>The answer is $\\frac{56}{2}$</answer>",
+        "<think>7 * 4</think> <answer>27</answer>",
+    ]
+    assert pool.score_batch(responses, ["28"] * 3) == [1.0, 1.0, -1.0]
+
+
+def test_bold_and_parenthesised_choices_are_unwrapped():
+    # Issue 28, Math 5: "\boxed{\textbf{(073)}}" did not match "073".
+    cases = {
+        "\\boxed{\\textbf{(073)}}": "073",
+        "\\boxed{\\mathbf{(C)}}": "C",
+        "\\boxed{(204)}": "204",
+        "\\boxed{\\textbf{E}}": "E",
+        "\\boxed{\\textbf{(A) }}": "A",
+        "The answer is $\\textbf{(D)}$.": "D",
+        # Tuples, intervals and products stay as they are.
+        "\\boxed{(1,2)}": "(1,2)",
+        "\\boxed{(0;5)}": "(0;5)",
+        "\\boxed{(x+1)(x-1)}": "(x+1)(x-1)",
+        "\\boxed{(-\\infty, 3)}": "(-\\infty, 3)",
+    }
+    for text, answer in cases.items():
+        assert _extract(text) == answer, text
+    assert math_reward.reference_answer("$\\boxed{\\textbf{(B)}}$") == "B"
+
+
+def test_bold_choices_score_against_plain_references(pool):
+    responses = [respond("\\textbf{(073)}"), respond("\\mathbf{(072)}"), respond("\\textbf{(1,2)}")]
+    assert pool.score_batch(responses, ["073", "073", "(1,2)"]) == [1.0, -1.0, 1.0]
+
+
+def test_extraction_stays_linear_on_hostile_text():
+    # Many boxes took 12-15 s (quadratic: each box searched the rest of the text for the
+    # absent "\\fbox"); the other texts aim at the tag, markdown and unwrapping reads.
+    config = RewardConfig()
+    hostile = [
+        "</think>" + "\\boxed{1}" * 29_000,
+        "</think>" + "\\boxed{}" * 30_000,
+        "</think>" + "<answer>" * 30_000,
+        "</think>" + "<answer>The answer is " * 5_000 + "</answer>" * 5_000,
+        "</think>The answer is " + "*" * 200_000,
+        "</think>The answer is " + "*a" * 100_000,
+        "</think>The answer is " + ", and the" * 20_000,
+        "</think>\\boxed{" + "\\textbf{(" * 20_000 + "1" + ")}" * 20_000 + "}",
+        "</think>\\boxed{" + "(" * 100_000 + "1" + ")" * 100_000 + "}",
+        "</think>" + "final answer is x = " * 10_000,
+    ]
+    for text in hostile:
+        assert len(text) <= config.max_response_chars
+        started = time.monotonic()
+        extract_math_answer(text, config)
+        assert time.monotonic() - started < 3.0, text[:40]
+
+
+def test_minerva_response_scores_plus_one(pool):
+    minerva = (
+        "<think>work</think>Final Answer: The final answer is $\\frac{2}{4}$. I hope it is correct."
+    )
+    assert pool.score_batch([minerva, minerva], ["0.5", "\\frac13"]) == [1.0, -1.0]
+
+
+def test_several_boxes_form_one_set_in_responses_and_references(pool):
+    assert final_boxed("so $\\boxed{1}$ and $\\boxed{-2}$.") == "1,-2"
+    assert final_boxed("\\boxed{(1, 2)}, \\boxed{(2, 1)}") == "(1, 2),(2, 1)"
+    # A repeated answer counts once; a box far from the last one is not part of it.
+    repeated = "\\boxed{004} is the correct answer.\n\n**Final Answer**\n\\boxed{004}"
+    assert final_boxed(repeated) == "004"
+    assert final_boxed("first \\boxed{3}." + " reasoning" * 10 + " so \\boxed{5}") == "5"
+    assert math_reward.reference_answer("\\(\\boxed{1}\\) and \\(\\boxed{-2}\\).") == "1,-2"
+    reference = "The roots are $\\boxed{1}$ and $\\boxed{-2}$."
+    responses = [
+        respond("-2, 1"),  # the set, in another order
+        "<think>x</think>The integers are \\boxed{-2} and \\boxed{1}.",  # boxes too
+        respond("-2"),  # one of the two: not the answer
+        respond("1"),
+    ]
+    assert pool.score_batch(responses, [reference] * 4) == [1.0, 1.0, -1.0, -1.0]
+    # Boxing several candidates does not earn the reward of the one that is right.
+    hedge = "<think>x</think>It is \\boxed{1}, \\boxed{2} or \\boxed{3}."
+    assert pool.score_batch([hedge], ["2"]) == [-1.0]
+
+
+def _spin_once_then_parse(real):
+    calls = []
+
+    def parse_target(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            # CPU-bound, as a sympy simplification that takes too long. Bounded, so that a
+            # CPU alarm that never fires fails the test (a parse, not TIMEOUT) within a
+            # minute instead of hanging it (CI once ran this into pytest-timeout's 600 s).
+            deadline = time.monotonic() + 60.0
+            while time.monotonic() < deadline:
+                pass
+        return real(*args, **kwargs)
+
+    return parse_target
+
+
+@pytest.mark.timeout(180)  # ~1 s; the spin above gives up after 60 s
+def test_verification_out_of_time_is_timeout_and_not_cached(monkeypatch):
+    # Math-Verify's own limit reported this as False, and the failed reference parse was
+    # cached: every later response to the prompt scored -1 in that worker.
+    import math_verify.parser
+
+    real = math_verify.parser.extract_target_from_pred
+    monkeypatch.setattr(math_verify.parser, "extract_target_from_pred", _spin_once_then_parse(real))
+    reference = "\\frac{7}{13}"  # parsed by no other test in this process
+    started = time.process_time()
+    assert math_reward.verify("7/13", reference, 2.0) == math_reward.TIMEOUT
+    assert time.process_time() - started < 2.0  # the CPU budget, not an endless loop
+    assert math_reward.verify("7/13", reference, 2.0) == math_reward.CORRECT
+    assert math_reward.verify("7/12", reference, 2.0) == math_reward.WRONG
+
+
+def test_timeouts_are_a_status_of_their_own():
+    with RewardPool(RewardConfig(num_workers=1, timeout_s=1.0)) as one:
+        rewards = one.score_batch(
+            [respond("10^{100000}!"), respond("\\frac{1}{2}"), respond("3"), "</think>none"],
+            ["5", "0.5", "4", "4"],
+        )
+        assert rewards == [-1.0, 1.0, -1.0, -1.0]
+        assert one.last_statuses == ["timeout", "correct", "in_process", "in_process"]
+        assert one.last_counts["timeout"] == 1
+
+
+def test_extraction_helpers():
+    assert last_boxed("\\boxed{1} then \\boxed{\\frac{2}{3}}") == "\\frac{2}{3}"
+    assert last_boxed("\\boxed{\\boxed{a}+b}") == "\\boxed{a}+b"
+    assert last_boxed("\\boxed{\\{1,2\\}}") == "\\{1,2\\}"
+    assert last_boxed("\\boxed{5} and an unclosed \\boxed{6") == "5"
+    assert last_boxed("\\fbox{8}") == "8"
+    assert last_boxed("no box") is None
+    assert answer_section("<think>a</think>b</think>c", "</think>", True) == "c"
+    assert nesting_depth("{(a)[b]}") == 2
+
+
+def test_unsafe_reasons():
+    config = RewardConfig()
+    assert unsafe_reason("9^{9^{9^9}}", config) is not None  # power in an exponent
+    assert unsafe_reason("9^9^9", config) is not None  # power tower
+    assert unsafe_reason("2^{1000001}", config) is not None  # exponent over the limit
+    assert unsafe_reason("123456!", config) is not None  # factorial over the limit
+    assert unsafe_reason("1" * 500, config) is not None  # literal with too many digits
+    assert unsafe_reason("{" * 40 + "}" * 40, config) is not None
+    assert unsafe_reason("x" * 2000, config) is not None
+    for fine in ("2^{10}", "x^{n+1}", "\\frac{1}{2}", "10!", "(1,2]", "e^{i\\pi}"):
+        assert unsafe_reason(fine, config) is None, fine
+
+
+def _payloads(canary: str) -> list[str]:
+    return [
+        f"__import__('os').system('touch {canary}')",
+        f"__import__('pathlib').Path('{canary}').touch()",
+        f"(lambda: open('{canary}', 'w').write('x'))()",
+        f"exec(\"open('{canary}', 'w')\")",
+        f'eval(\'__import__("os").system("touch {canary}")\')',
+        f"getattr(__builtins__, '__import__')('os').system('touch {canary}')",
+    ]
+
+
+def test_payloads_would_create_the_canary_if_executed(tmp_path):
+    # The payloads are real: evaluated as Python they create the canary.
+    for i, payload in enumerate(_payloads(str(tmp_path / "canary"))):
+        canary = tmp_path / f"canary{i}"
+        code = payload.replace(str(tmp_path / "canary"), str(canary))
+        subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, timeout=30)
+        assert canary.exists(), payload
+
+
+def test_hostile_outputs_score_minus_one_fast_and_execute_nothing(pool, tmp_path):
+    canary = tmp_path / "canary"
+    answers = _payloads(str(canary)) + [
+        "9^{9^{9^9}}",
+        "10^{10^{10}}",
+        "{" * 10_000 + "1" + "}" * 10_000,
+        "(" * 10_000 + "1" + ")" * 10_000,
+        "1" * 1_000_000,
+        "\\frac{1}{2}" * 100_000,
+        "10^{100000}!",  # passes the static checks, then hits the worker's time limit
+    ]
+    responses = [respond(a) for a in answers] + [
+        "x" * 1_000_000,  # 1 MB of text, no answer
+        "<think>" + "\\boxed{" * 100_000 + "</think>\\boxed{" * 50_000,  # unclosed boxes
+        "</think>" + "\\left(" * 100_000,
+    ]
+    assert pool.score_batch([respond("0.5")], ["\\frac12"]) == [1.0]  # workers started
+    started = time.monotonic()
+    rewards = pool.score_batch(responses, ["1"] * len(responses))
+    elapsed = time.monotonic() - started
+    assert rewards == [-1.0] * len(responses)
+    assert not canary.exists()
+    assert pool.stats["blocked_events"] == 0  # nothing was even attempted
+    # Everything is rejected up front except the last answer, which costs at most one
+    # time limit (of CPU time: more on a loaded machine) plus a worker restart.
+    assert elapsed < TIMEOUT_S + 15, elapsed
+
+
+def test_stuck_verification_times_out_and_the_next_answer_is_verified():
+    # The worker's CPU budget (or the parent's kill, for a stall in C code) ends it.
+    with RewardPool(RewardConfig(num_workers=1, timeout_s=1.0)) as one:
+        assert one.score_batch([respond("\\frac{1}{4}")], ["0.25"]) == [1.0]
+        started = time.monotonic()
+        rewards = one.score_batch([respond("10^{100000}!"), respond("\\frac{1}{2}")], ["5", "0.5"])
+        assert rewards == [-1.0, 1.0]  # the next answer still gets verified
+        assert time.monotonic() - started < 20
+        assert one.stats["verify_timeout"] == 1
+
+
+def test_score_batch_works_from_another_thread(pool):
+    results = []
+    thread = threading.Thread(
+        target=lambda: results.append(pool.score_batch([respond("0.5")], ["\\frac12"]))
+    )
+    thread.start()
+    thread.join(timeout=60)
+    assert results == [[1.0]]
+
+
+def test_public_one_shot_score():
+    assert math_reward.score(respond("\\frac{2}{4}"), "0.5") == 1.0
+    assert math_reward.score(respond("9^{9^{9^9}}"), "0.5") == -1.0
+    assert math_reward.score("<think>\\boxed{0.5}", "0.5") == -1.0
+
+
+def test_batch_validation(pool):
+    with pytest.raises(ValueError, match="differ in length"):
+        pool.score_batch(["a"], [])
+    with pytest.raises(ValueError, match="unknown reward kinds"):
+        pool.score_batch(["a"], ["1"], kinds=["poetry"])
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def _crash() -> None:
+    os._exit(3)
+
+
+def _double(x: int) -> int:
+    return 2 * x
+
+
+def _sleep(seconds: float) -> str:
+    time.sleep(seconds)
+    return "slept"
+
+
+def test_worker_pool_limits_cpu_time_with_a_wall_clock_backstop():
+    # Waiting (as a worker starved by load does) uses no CPU: only the backstop ends it.
+    with WorkerPool(num_workers=1, timeout_s=0.5, wall_timeout_s=3.0) as workers:
+        assert workers.map(_sleep, [(1.5,)])[0].value == "slept"
+        started = time.monotonic()
+        assert workers.map(_sleep, [(60,)])[0].status == "timeout"
+        assert 3.0 <= time.monotonic() - started < 10
+    with pytest.raises(ValueError, match="wall_timeout_s"):
+        RewardConfig(timeout_s=5, wall_timeout_s=1).validate()
+
+
+def test_worker_pool_timeout_crash_and_order():
+    with WorkerPool(num_workers=2, timeout_s=1.0) as workers:
+        results = workers.map(_double, [(i,) for i in range(6)])
+        assert [r.value for r in results] == [0, 2, 4, 6, 8, 10]
+        started = time.monotonic()
+        mixed = workers.map(_spin, [()] * 2)
+        assert [r.status for r in mixed] == ["timeout", "timeout"]
+        assert time.monotonic() - started < 15  # 1 s of CPU each, on a loaded machine
+        assert workers.map(_crash, [()])[0].status == "crashed"
+        assert [r.value for r in workers.map(_double, [(5,)])] == [10]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="kind"):
+        RewardConfig(kind="poetry").validate()
+    with pytest.raises(ValueError, match="correct_reward"):
+        RewardConfig(correct_reward=-1.0, incorrect_reward=1.0).validate()
+    with pytest.raises(ValueError, match="answer_pattern"):
+        RewardConfig(answer_pattern="(unclosed").validate()
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardConfig(timeout_s=0).validate()
+    RewardConfig().validate()
+
+
+SUITE = Path(__file__).resolve().parents[2] / "data" / "math_verify_suite.jsonl"
+
+
+def _suite_cases(forms: tuple[str, ...] = ("boxed", "stated")) -> list[dict]:
+    """Math-Verify's public test cases as responses (see tests/data/README.md)."""
+    with open(SUITE) as f:
+        cases = [json.loads(line) for line in f if line.strip() and not line.startswith("#")]
+    return [c for c in cases if c["answer_form"] in forms]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # ~40-90 s on 2 shared cores
+def test_agreement_with_math_verify_suite():
+    # The expected verdicts are Math-Verify's own, written in its tests.
+    cases = _suite_cases()
+    with RewardPool(RewardConfig(num_workers=2)) as two:
+        rewards = two.score_batch([c["response"] for c in cases], [c["reference"] for c in cases])
+        assert two.last_counts["timeout"] == 0
+    agree = [(r > 0) == bool(c["expected"]) for c, r in zip(cases, rewards)]
+    assert len(cases) >= 200
+    assert sum(agree) / len(cases) >= 0.95, [c["id"] for c, a in zip(cases, agree) if not a]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # ~40-120 s on 2 shared cores
+def test_same_rewards_with_one_and_two_workers_under_load():
+    # Several responses per reference (as in a group), in an order that differs per run.
+    cases = _suite_cases()[::8]
+    responses = [c["response"] for c in cases] * 2
+    references = [c["reference"] for c in cases] * 2
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        results = {}
+        for workers in (1, 2):
+            with RewardPool(RewardConfig(num_workers=workers)) as scoring:
+                results[workers] = scoring.score_batch(responses, references)
+                assert scoring.last_counts["timeout"] == 0, workers
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert results[1] == results[2]
+    assert results[1][: len(cases)] == results[1][len(cases) :]
+    assert 0 < sum(r > 0 for r in results[1]) < len(responses)  # not all one verdict

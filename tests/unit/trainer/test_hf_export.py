@@ -1,0 +1,183 @@
+"""HF exports during training (trainer/hf_export.py): a background process converts complete
+checkpoints into RUN_DIR/hf/step_N, equal to an offline `megatron-rl convert mcore-to-hf`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.platform import LAUNCHER_VARS
+from megatron_rl.trainer.hf_export import HFExporter, readme_line
+from megatron_rl.trainer.state import CheckpointManager
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _checkpoint(run_dir: Path, preset: str, step: int, keep_last: int = 3) -> Path:
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig
+
+    torch.manual_seed(step)
+    model = build_model(ModelConfig(preset=preset, dtype="float32"), ParallelConfig())
+    source = run_dir.parent / "hf_source"  # the run's tokenizer files go with each checkpoint
+    source.mkdir(parents=True, exist_ok=True)
+    (source / "tokenizer_config.json").write_text('{"model_max_length": 512}')
+    manager = CheckpointManager(run_dir, keep_last=keep_last, hf_source_dir=source)
+    return manager.save(step, model, {})
+
+
+def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
+def _offline(checkpoint: Path, out: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "convert", "mcore-to-hf"]
+    proc = subprocess.run([*cmd, str(checkpoint / "model"), str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # two conversions: 20-40 s each here (80 s loaded)
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama4"])
+def test_background_export_equals_the_offline_conversion(megatron_single_rank, tmp_path, preset):
+    run_dir = tmp_path / "run"
+    checkpoint = _checkpoint(run_dir, preset, 4, keep_last=1)
+    exporter = HFExporter(run_dir, every=2, keep_last=2)
+    assert exporter.wants(4) and not exporter.wants(3) and not exporter.wants(0)
+    exporter.submit(4, checkpoint, {"gpu_hours": 0.125, "val_pass_rate": 0.5})
+    assert exporter.busy  # submit returns while the conversion runs
+    # The checkpoint is pruned meanwhile (keep_last 1): the export reads its hard links.
+    _checkpoint(run_dir, preset, 6, keep_last=1)
+    assert not checkpoint.exists()
+    exporter.close(timeout_s=300)
+    assert exporter.exported == [4] and exporter.failed == []
+    exported = run_dir / "hf" / "step_00000004"
+    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == ["step_00000004"]
+    assert (exported / "README.md").read_text().strip() == (
+        "megatron_rl checkpoint, step 4, 0.125 GPU-hours, val pass rate 0.5"
+    )
+    assert (exported / "config.json").is_file() and (exported / "tokenizer_config.json").is_file()
+    mine = _tensors(exported)
+    # The same checkpoint converted offline (saved again from the same seed) is equal; step
+    # 6's model (another seed), which replaced it meanwhile, would not be.
+    again = _checkpoint(tmp_path / "again", preset, 4)
+    _offline(again, tmp_path / "offline4")
+    reference = _tensors(tmp_path / "offline4")
+    assert mine.keys() == reference.keys() and len(mine) > 5
+    for key in mine:
+        assert torch.equal(mine[key], reference[key]), key
+
+
+def test_a_failed_export_is_logged_and_the_next_one_runs(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    exporter = HFExporter(run_dir, every=1, keep_last=1)
+    missing = run_dir / "checkpoints" / "step_00000001"  # no such checkpoint
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.trainer.hf_export"):
+        exporter.submit(1, missing, {})
+        exporter.close(timeout_s=120)
+    assert exporter.failed == [1] and exporter.exported == []
+    assert "HF export of step 1 failed" in caplog.text and "step_00000001.log" in caplog.text
+    assert not (run_dir / "hf" / "step_00000001").exists()
+    assert not (run_dir / "hf" / "step_00000001.tmp").exists()
+
+
+def test_one_export_at_a_time_the_newest_request_waits(tmp_path, monkeypatch):
+    started = []
+
+    class Proc:  # a conversion that has not ended until told
+        def __init__(self, command, **kwargs):
+            self.out = Path(command[-1])
+            self.returncode = None
+            self.pid = 1
+            started.append(int(self.out.name[5:13]))
+
+        def poll(self):
+            return self.returncode
+
+        def wait(self, timeout=None):
+            self.end()
+            return 0
+
+        def end(self):
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text("{}")
+            self.returncode = 0
+
+    procs = []
+    monkeypatch.setattr(
+        "megatron_rl.trainer.hf_export.subprocess.Popen",
+        lambda *a, **k: procs.append(Proc(*a, **k)) or procs[-1],
+    )
+    exporter = HFExporter(tmp_path, every=1, keep_last=2)
+    for step in (1, 2, 3):
+        exporter.submit(step, tmp_path / "checkpoints" / f"step_{step:08d}", {})
+    assert started == [1]  # 2 was superseded by 3 while 1 ran
+    procs[0].end()
+    exporter.poll()
+    assert started == [1, 3] and exporter.exported == [1]
+    exporter.submit(4, tmp_path / "checkpoints" / "step_00000004", {})
+    exporter.close()
+    assert started == [1, 3, 4] and exporter.exported == [1, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["step_00000003", "step_00000004"]
+
+
+def test_leftovers_of_a_killed_export_are_removed_at_start(tmp_path):
+    for name in ("step_00000002.tmp", "step_00000002.src", "step_00000001"):
+        (tmp_path / "hf" / name).mkdir(parents=True)
+    HFExporter(tmp_path, every=1, keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["step_00000001"]
+
+
+def test_readme_line():
+    assert (
+        readme_line(7, {}) == "megatron_rl checkpoint, step 7, GPU-hours unknown, not validated yet"
+    )
+
+
+def test_export_steps_must_be_checkpoint_steps():
+    from megatron_rl.config import ConfigError, load_run_config
+
+    recipe = ROOT / "recipes" / "tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match=r"'checkpoint.export_hf_every': must be a multiple"):
+        load_run_config(recipe, ["checkpoint.every_steps=20", "checkpoint.export_hf_every=30"])
+    config = load_run_config(recipe, ["checkpoint.every_steps=20", "checkpoint.export_hf_every=40"])
+    assert config.checkpoint.export_hf_every == 40
+
+
+def test_an_export_carries_the_validation_of_its_own_step(tmp_path):
+    # An async save completes steps later, perhaps after another validation: the README must
+    # still give the pass rate as of the checkpoint's step (CI once caught step 6's on step 3).
+    from types import SimpleNamespace
+
+    from megatron_rl.trainer import loop
+    from megatron_rl.trainer.compute import ComputeClock
+
+    exporter = HFExporter(tmp_path, every=3, keep_last=2)
+    submitted, completions = [], []
+    exporter.submit = lambda step, path, notes: submitted.append((step, notes))
+    checkpoints = SimpleNamespace(
+        save=lambda step, model, extra, optimizer, async_save, on_complete: completions.append(
+            on_complete
+        )
+    )
+    run = SimpleNamespace(
+        exporter=exporter, clock=ComputeClock(1), checkpoints=checkpoints, model=None
+    )
+    exporter.val_pass_rate = 0.25  # the validation of step 3
+    loop.save_checkpoint(run, 3, SimpleNamespace(optimizer=None), {})
+    exporter.val_pass_rate = 0.5  # step 6's, before step 3's save completes
+    completions[0](tmp_path / "checkpoints" / "step_00000003")
+    assert submitted == [(3, {"gpu_hours": 0.0, "val_pass_rate": 0.25})]
