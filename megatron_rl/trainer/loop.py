@@ -687,10 +687,11 @@ def warm_start(run: Run) -> None:
     run.metrics.log({"step": 0, **run.clock.summary(), "warm_start_loss": losses[-1]})
 
 
-def engine_config(config: RunConfig) -> RolloutConfig:
+def engine_config(config: RunConfig, on_gpu: bool | None = None) -> RolloutConfig:
     """``config.rollout`` with what the run derives for its engines (a copy; the recipe's
     config is left as loaded): ``dtype: auto`` -> the trainer's, routed experts returned for
-    routing replay, and on a GPU the engines' own GPUs (``placement: subprocess``)."""
+    routing replay, and on a GPU the engines' own GPUs (``placement: subprocess``).
+    ``on_gpu``: whether the run is on GPUs (None: the platform's answer)."""
     import dataclasses
 
     rollout = config.rollout
@@ -699,7 +700,9 @@ def engine_config(config: RunConfig) -> RolloutConfig:
         "dtype": config.model.dtype if rollout.dtype == "auto" else rollout.dtype,
         "return_routed_experts": rollout.return_routed_experts or config.algorithm.routing_replay,
     }
-    if rollout.placement == "subprocess" and get_platform().is_gpu:
+    if on_gpu is None:
+        on_gpu = get_platform().is_gpu
+    if rollout.placement == "subprocess" and on_gpu:
         from megatron_rl.platform import local_world_size
         from megatron_rl.rollout.config import engine_gpus
 
@@ -709,16 +712,23 @@ def engine_config(config: RunConfig) -> RolloutConfig:
     return dataclasses.replace(rollout, **derived)
 
 
-def start_generators(run: Run, step: int) -> GeneratorPool:
+def start_generators(
+    run: Run,
+    step: int,
+    make_pool: Callable[..., GeneratorPool] | None = None,
+    on_gpu: bool | None = None,
+) -> GeneratorPool:
     """The vLLM pool (:func:`engine_config`), started from the run's HF directory and synced
     to the trainer's weights (policy version ``step + 1`` after the first push, so a resumed
-    run numbers as before)."""
+    run numbers as before). ``make_pool``: called as ``GeneratorPool`` is (None: it);
+    ``on_gpu``: see :func:`engine_config`."""
     from megatron_rl.rollout.pool import GeneratorPool
 
+    make_pool = make_pool or GeneratorPool
     tok = run.tokenizer
-    return GeneratorPool(
+    return make_pool(
         str(run.hf_dir),
-        engine_config(run.config),
+        engine_config(run.config, on_gpu),
         encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
         initial_version=step,
     )
