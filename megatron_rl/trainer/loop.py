@@ -23,12 +23,11 @@ from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.compute import generation_share
 from megatron_rl.trainer.probe import LogprobProbe
 from megatron_rl.trainer.rollout_source import (
-    DynamicSampling,
-    Group,
     PromptsExhausted,
     RolloutSource,
     token_lag_histogram,
 )
+from megatron_rl.trainer.scoring import by_domain, dynamic_sampling, score_groups
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update
 
@@ -430,104 +429,6 @@ def next_batch(run: Run, source: RolloutSource, pool: GeneratorPool, step: int =
     return Batch(samples, info, source.wants_push(), pool.version)
 
 
-def dynamic_sampling(run: Run) -> DynamicSampling | None:
-    """The rollout source's dynamic sampling (``data.dynamic_sampling``), else None."""
-    data = run.config.data
-    if not data.dynamic_sampling:
-        return None
-    return DynamicSampling(
-        score=lambda groups: reward_groups(run, groups),
-        discard=lambda groups: record_pass_rates(run, groups),
-        max_rounds=data.dynamic_sampling_max_rounds,
-    )
-
-
-def reward_groups(run: Run, groups: list[Group]) -> None:
-    """Score the samples of every group not scored yet (sets ``rewards``, ``reward_timeouts``)."""
-    todo = [g for g in groups if g.rewards is None]
-    flat = [(g, s) for g in todo for s in g.samples]
-    if not flat:
-        return
-    texts = [run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for _, s in flat]
-    prompts = [run.data.get(g.prompt_id) for g, _ in flat]
-    rewards = run.rewards.score_batch(
-        texts, [p.reference for p in prompts], [p.kind for p in prompts]
-    )
-    statuses = list(run.rewards.last_statuses)
-    start = 0
-    for g in todo:
-        end = start + len(g.samples)
-        g.rewards = [float(r) for r in rewards[start:end]]
-        g.reward_timeouts = statuses[start:end].count("timeout")
-        start = end
-
-
-def record_pass_rates(run: Run, groups: list[Group]) -> None:
-    """No-Positive-Resampling history: the scored groups' rewards, trained on or dropped."""
-    if run.tracker is not None:
-        ids = [g.prompt_id for g in groups for _ in g.rewards]
-        run.tracker.update(ids, [r for g in groups for r in g.rewards])
-
-
-def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[TrainSample], dict]:
-    """Rewards for every sample, pass-rate history (No-Positive-Resampling), batch stats."""
-    reward_groups(run, groups)  # those that dynamic sampling has not scored already
-    record_pass_rates(run, groups)
-    flat = [(g, i, s, r) for i, g in enumerate(groups) for s, r in zip(g.samples, g.rewards)]
-    prompts = [run.data.get(g.prompt_id) for g, _, _, _ in flat]
-    rewards = [r for _, _, _, r in flat]
-    samples = [
-        TrainSample(
-            prompt_id=g.prompt_id,
-            group=i,
-            prompt_tokens=list(s.prompt_ids),
-            response_tokens=list(s.response_ids),
-            gen_logprobs=list(s.logprobs),
-            policy_mask=list(s.mask),
-            reward=r,
-            versions=list(s.versions),
-            truncated=s.finish_reason == "length",
-            interrupted=s.interrupted,
-            routed_experts=s.routed_experts,
-        )
-        for g, i, s, r in flat
-    ]
-    lags = [version - min(s.versions) for s in samples if s.versions]
-    n = max(len(samples), 1)
-    info = {
-        "reward_mean": sum(s.reward for s in samples) / n,
-        "pass_rate": sum(s.reward > 0 for s in samples) / n,
-        "truncation_rate": sum(s.truncated for s in samples) / n,
-        "interruption_rate": sum(s.interrupted for s in samples) / n,
-        "response_tokens": sum(len(s.response_tokens) for s in samples),
-        "staleness_mean": sum(lags) / max(len(lags), 1),
-        "staleness_max": max(lags, default=0),
-        "samples": len(samples),
-        # Verifications that ran out of time score incorrect; counted so they never pass
-        # for wrong answers unseen.
-        "reward_timeouts": sum(g.reward_timeouts for g in groups),
-        "prompt_ids": [g.prompt_id for g in groups],
-        "group_pass_rates": [
-            sum(s.reward > 0 for s in samples if s.group == i) / max(len(g.samples), 1)
-            for i, g in enumerate(groups)
-        ],
-    }
-    if len(run.data.sources) > 1:  # a mixture: the training reward of each domain too
-        info.update(_by_domain("reward_mean", [p.kind for p in prompts], rewards, mean=True))
-    return samples, info
-
-
-def _by_domain(key: str, domains: list[str], rewards: list[float], mean: bool) -> dict:
-    """``{key/<domain>: mean reward (mean) or pass rate}`` over the items of each domain."""
-    out = {}
-    for domain in dict.fromkeys(domains):
-        values = [r for d, r in zip(domains, rewards) if d == domain]
-        out[f"{key}/{domain}"] = (
-            sum(values) / len(values) if mean else sum(r > 0 for r in values) / len(values)
-        )
-    return out
-
-
 def validate(
     run: Run,
     pool: GeneratorPool | None,
@@ -587,7 +488,7 @@ def validate(
         run.exporter.val_pass_rate = rate  # for the README of the next export
     # A mixture (math + code) also logs each domain's pass rate: one curve per domain.
     mixture = len(run.data.sources) > 1
-    per_domain = _by_domain("val_pass_rate", kinds, rewards, mean=False) if mixture else {}
+    per_domain = by_domain("val_pass_rate", kinds, rewards, mean=False) if mixture else {}
     run.metrics.log(
         {
             "step": step,
@@ -687,10 +588,11 @@ def warm_start(run: Run) -> None:
     run.metrics.log({"step": 0, **run.clock.summary(), "warm_start_loss": losses[-1]})
 
 
-def engine_config(config: RunConfig) -> RolloutConfig:
+def engine_config(config: RunConfig, on_gpu: bool | None = None) -> RolloutConfig:
     """``config.rollout`` with what the run derives for its engines (a copy; the recipe's
     config is left as loaded): ``dtype: auto`` -> the trainer's, routed experts returned for
-    routing replay, and on a GPU the engines' own GPUs (``placement: subprocess``)."""
+    routing replay, and on a GPU the engines' own GPUs (``placement: subprocess``).
+    ``on_gpu``: whether the run is on GPUs (None: the platform's answer)."""
     import dataclasses
 
     rollout = config.rollout
@@ -699,7 +601,9 @@ def engine_config(config: RunConfig) -> RolloutConfig:
         "dtype": config.model.dtype if rollout.dtype == "auto" else rollout.dtype,
         "return_routed_experts": rollout.return_routed_experts or config.algorithm.routing_replay,
     }
-    if rollout.placement == "subprocess" and get_platform().is_gpu:
+    if on_gpu is None:
+        on_gpu = get_platform().is_gpu
+    if rollout.placement == "subprocess" and on_gpu:
         from megatron_rl.platform import local_world_size
         from megatron_rl.rollout.config import engine_gpus
 
@@ -709,16 +613,23 @@ def engine_config(config: RunConfig) -> RolloutConfig:
     return dataclasses.replace(rollout, **derived)
 
 
-def start_generators(run: Run, step: int) -> GeneratorPool:
+def start_generators(
+    run: Run,
+    step: int,
+    make_pool: Callable[..., GeneratorPool] | None = None,
+    on_gpu: bool | None = None,
+) -> GeneratorPool:
     """The vLLM pool (:func:`engine_config`), started from the run's HF directory and synced
     to the trainer's weights (policy version ``step + 1`` after the first push, so a resumed
-    run numbers as before)."""
+    run numbers as before). ``make_pool``: called as ``GeneratorPool`` is (None: it);
+    ``on_gpu``: see :func:`engine_config`."""
     from megatron_rl.rollout.pool import GeneratorPool
 
+    make_pool = make_pool or GeneratorPool
     tok = run.tokenizer
-    return GeneratorPool(
+    return make_pool(
         str(run.hf_dir),
-        engine_config(run.config),
+        engine_config(run.config, on_gpu),
         encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
         initial_version=step,
     )

@@ -54,6 +54,33 @@ class StepResult:
     expert_load: ExpertLoad | None = None  # MoE models: the step's expert-load statistics
     dp_token_imbalance: float = 1.0  # the busiest data-parallel rank's trained tokens / the mean
 
+    @classmethod
+    def of(
+        cls,
+        sums: UpdateSums,
+        grad_norm: float | None,
+        rho_max: torch.Tensor,
+        effective: float,
+        expert_load: ExpertLoad | None,
+        loads: list[float],
+    ) -> StepResult:
+        """The update's global ``sums``, its gradient norm, ``rho_max``, the fraction of the
+        batch ``effective`` (trained on), and the tokens each data-parallel rank trained."""
+        return cls(
+            loss=sums.loss,
+            grad_norm=float(grad_norm or 0.0),
+            effective_batch_fraction=effective,
+            rho_mean=sums.mean(sums.rho),
+            rho_max=float(rho_max),
+            clip_frac=sums.mean(sums.clip_frac),
+            abs_logprob_diff=sums.mean(sums.abs_log_ratio),
+            num_tokens=int(sums.num_tokens),
+            logprob_gap=sums.logprob_gap,
+            logprob_gap_tokens=int(sums.gap_tokens),
+            expert_load=expert_load,
+            dp_token_imbalance=imbalance(loads),
+        )
+
 
 @dataclass(frozen=True)
 class UpdateSums:
@@ -81,6 +108,12 @@ class UpdateSums:
     def mean(self, total: float) -> float:
         """``total`` per token with a loss (0 without tokens)."""
         return total / max(self.num_tokens, 1.0)
+
+    @property
+    def logprob_gap(self) -> float:
+        """Mean |trainer - generator| log-prob over the monitored tokens (NaN without)."""
+        gap_tokens = int(self.gap_tokens)
+        return self.gap / gap_tokens if gap_tokens else float("nan")
 
 
 UPDATE_SUMS = len(fields(UpdateSums))
@@ -164,26 +197,120 @@ def policy_update(
     adv, keep = advantages_and_keep(samples, algo)
     effective = float(keep.float().mean()) if len(samples) else 0.0
     dp_group = parallel_state.get_data_parallel_group()
-    size, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-    # Whole groups to ranks by their tokens (trainer/balance.py), the same on every rank.
-    kept_all = keep.tolist()
-    watched_all = [not k and is_on_policy(s, monitor_version) for s, k in zip(samples, kept_all)]
-    lengths = [len(s.prompt_tokens) + len(s.response_tokens) for s in samples]
-    owner = assign_groups([s.group for s in samples], lengths, kept_all, watched_all, size)
-    loads = [0.0] * size  # trained tokens per rank
-    for s, n, k in zip(samples, lengths, kept_all):
-        loads[owner[s.group]] += n if k else 0
-    mine = [i for i, s in enumerate(samples) if owner[s.group] == rank]
-    samples, adv, keep = [samples[i] for i in mine], adv[mine], keep[mine]
+    share = RankShare.of(samples, adv, keep, monitor_version, dp_group)  # whole groups
     if routing_replay.is_enabled(model):
-        routing_replay.require_routing(samples)
-    flat = flat_response_tensors(samples, adv, keep, mine)
+        routing_replay.require_routing(share.samples)
+    norms = batch_normalizers(share, dp_group)
+    loss_fn = update_loss(algo, norms, temperature)
+
+    def micro_batches(local: list[int]) -> list:  # of these indices into the rank's share
+        return share.micro_batches(
+            local, micro_batch_size, micro_batch_tokens, monitor_version, token_multiple
+        )
+
+    # First the zero-variance samples' log-prob gap: a forward alone (no loss: only the gap sums).
+    watched = micro_batches(share.watched(monitor_version))
+    gap_sums = forward_sums(model, watched, loss_fn, token_multiple)
+    trained = micro_batches(share.trained())
+    sums, rho_max, expert_load = backward_sums(model, optimizer, trained, loss_fn, token_multiple)
+    sums = UpdateSums.of(sums + gap_sums)
+    # The sums are global: every rank raises, or none does.
+    check_logprob_gap(sums, max_logprob_gap, monitor_version)
+    # A global token count: every rank steps, or none does.
+    grad_norm = optimizer.step()[1] if norms.num_tokens else 0.0
+    return StepResult.of(sums, grad_norm, rho_max, effective, expert_load, share.loads)
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """This data-parallel rank's part of the step's batch: whole groups, assigned to ranks by
+    their tokens (:func:`~megatron_rl.trainer.balance.assign_groups`, the same on every
+    rank)."""
+
+    samples: list[TrainSample]
+    advantages: torch.Tensor  # [S_rank]
+    keep: torch.Tensor  # [S_rank] bool: in a group with reward variance (trained on)
+    ids: list[int]  # each sample's index in the whole batch
+    loads: list[float]  # [DP]: the tokens each rank trains on
+
+    @classmethod
+    def of(
+        cls,
+        samples: Sequence[TrainSample],
+        adv: torch.Tensor,
+        keep: torch.Tensor,
+        monitor_version: int | None,
+        dp_group,
+    ) -> RankShare:
+        """This rank's share of ``samples`` (``adv``, ``keep``: ``[S]`` of the whole batch);
+        forward-only work (the monitored zero-variance samples) counts in the assignment."""
+        size, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        kept_all = keep.tolist()
+        watched_all = [
+            not k and is_on_policy(s, monitor_version) for s, k in zip(samples, kept_all)
+        ]
+        lengths = [len(s.prompt_tokens) + len(s.response_tokens) for s in samples]
+        owner = assign_groups([s.group for s in samples], lengths, kept_all, watched_all, size)
+        loads = [0.0] * size  # trained tokens per rank
+        for s, n, k in zip(samples, lengths, kept_all):
+            loads[owner[s.group]] += n if k else 0
+        mine = [i for i, s in enumerate(samples) if owner[s.group] == rank]
+        return cls([samples[i] for i in mine], adv[mine], keep[mine], mine, loads)
+
+    def trained(self) -> list[int]:
+        """The samples trained on (indices into the share)."""
+        return [i for i, k in enumerate(self.keep.tolist()) if k]
+
+    def watched(self, monitor_version: int | None) -> list[int]:
+        """The zero-variance samples generated by ``monitor_version``: forward alone, for the
+        log-prob gap (indices into the share)."""
+        kept = self.keep.tolist()
+        return [
+            i
+            for i, k in enumerate(kept)
+            if not k and is_on_policy(self.samples[i], monitor_version)
+        ]
+
+    def micro_batches(
+        self,
+        local: list[int],
+        micro_batch_size: int | None,
+        micro_batch_tokens: int | None,
+        monitor_version: int | None,
+        token_multiple: int,
+    ) -> list:
+        """The micro-batches of the samples ``local`` (indices into the share)."""
+        return make_micro_batches(
+            [self.samples[i] for i in local],
+            self.advantages[local],
+            self.keep[local],
+            micro_batch_size,
+            ids=[self.ids[i] for i in local],
+            monitor_version=monitor_version,
+            multiple=token_multiple,
+            micro_batch_tokens=micro_batch_tokens,
+        )
+
+
+def batch_normalizers(share: RankShare, dp_group):
+    """The loss normalisers of the whole batch (token counts per sample and prompt, summed
+    over the data-parallel ranks' shares), on the device the loss runs on."""
+    from megatron.core import parallel_state
+
+    size = dist.get_world_size(dp_group)
+    flat = flat_response_tensors(share.samples, share.advantages, share.keep, share.ids)
     # Counted on the CPU: over the gloo twin of the DP group where the default one is NCCL.
     count_group = parallel_state.get_data_parallel_group_gloo() if _is_gpu() else dp_group
     norms = compute_loss_normalizers(
         flat["mask"], flat["sid"], flat["pid"], group=count_group if size > 1 else None
     )
-    norms = _normalizers_to(norms, get_platform().torch_device())
+    return _normalizers_to(norms, get_platform().torch_device())
+
+
+def update_loss(algo: AlgorithmConfig, norms, temperature: float):
+    """The update's ``loss_fn(mb, logits) -> (loss, sums [UPDATE_SUMS], rho_max [1])`` for
+    :func:`forward_backward`: ``algo``'s policy loss under the batch's ``norms``, the
+    :class:`UpdateSums` terms, and the log-prob gap over the micro-batch's monitored tokens."""
     params = algo.loss_params()
 
     def loss_fn(mb, logits):
@@ -214,72 +341,55 @@ def policy_update(
         rho_max = stats["rho_max"].float() if n > 0 else torch.zeros(())
         return loss + 0.0 * logprobs.sum(), sums, rho_max.reshape(1)
 
-    def micro_batches(local: list[int]):  # of these indices into this rank's samples
-        return make_micro_batches(
-            [samples[i] for i in local],
-            adv[local],
-            keep[local],
-            micro_batch_size,
-            ids=[mine[i] for i in local],
-            monitor_version=monitor_version,
-            multiple=token_multiple,
-            micro_batch_tokens=micro_batch_tokens,
-        )
+    return loss_fn
 
-    kept = keep.tolist()
-    trained = [i for i, k in enumerate(kept) if k]
-    watched = [i for i, k in enumerate(kept) if not k and is_on_policy(samples[i], monitor_version)]
-    # First the zero-variance samples' log-prob gap: a forward alone (no loss: only the gap sums).
+
+def forward_sums(model, micro_batches: list, loss_fn, token_multiple: int) -> torch.Tensor:
+    """``[UPDATE_SUMS]``: ``loss_fn``'s sums over ``micro_batches`` by a forward alone (no
+    gradients), over every rank."""
     with torch.no_grad():
-        gap_sums, _ = forward_backward(
+        sums, _ = forward_backward(
             model,
             None,
-            micro_batches(watched),
+            micro_batches,
             loss_fn,
             UPDATE_SUMS,
             num_maxes=1,
             token_multiple=token_multiple,
             forward_only=True,
         )
+    return sums
+
+
+def backward_sums(
+    model, optimizer, micro_batches: list, loss_fn, token_multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, ExpertLoad | None]:
+    """Forward and backward over ``micro_batches`` (gradients reduced over the
+    data-parallel ranks, the optimizer not stepped): ``loss_fn``'s ``[UPDATE_SUMS]`` sums and
+    its ``rho_max`` over every rank, and a MoE model's expert load (None for a dense one)."""
     monitor = expert_load_monitor(model)  # None for a dense model
     with monitor.recording() if monitor else contextlib.nullcontext():
         sums, maxes = forward_backward(
             model,
             optimizer,
-            micro_batches(trained),
+            micro_batches,
             loss_fn,
             UPDATE_SUMS,
             num_maxes=1,
             token_multiple=token_multiple,
         )
-    expert_load = monitor.reduce() if monitor else None
-    sums = UpdateSums.of(sums + gap_sums)
+    return sums, maxes[0], monitor.reduce() if monitor else None
+
+
+def check_logprob_gap(sums: UpdateSums, limit: float | None, version: int | None) -> None:
+    """Raise :class:`LogprobGapError` when the measured gap exceeds ``limit`` (None: none)."""
     gap_tokens = int(sums.gap_tokens)
-    gap = sums.gap / gap_tokens if gap_tokens else float("nan")
-    # The sums are global: every rank raises, or none does.
-    if max_logprob_gap is not None and gap_tokens and gap > max_logprob_gap:
+    if limit is not None and gap_tokens and sums.logprob_gap > limit:
         raise LogprobGapError(
-            f"trainer vs generator log-prob gap {gap:.3g} (mean over {gap_tokens} tokens "
-            f"sampled with the trainer's current weights, policy version {monitor_version}) "
-            f"exceeds training.max_logprob_gap {max_logprob_gap:g}; the update was not applied. "
-            + GAP_CAUSES
+            f"trainer vs generator log-prob gap {sums.logprob_gap:.3g} (mean over {gap_tokens} "
+            f"tokens sampled with the trainer's current weights, policy version {version}) "
+            f"exceeds training.max_logprob_gap {limit:g}; the update was not applied. " + GAP_CAUSES
         )
-    # A global token count: every rank steps, or none does.
-    grad_norm = optimizer.step()[1] if norms.num_tokens else 0.0
-    return StepResult(
-        loss=sums.loss,
-        grad_norm=float(grad_norm or 0.0),
-        effective_batch_fraction=effective,
-        rho_mean=sums.mean(sums.rho),
-        rho_max=float(maxes[0]),
-        clip_frac=sums.mean(sums.clip_frac),
-        abs_logprob_diff=sums.mean(sums.abs_log_ratio),
-        num_tokens=int(sums.num_tokens),
-        logprob_gap=gap,
-        logprob_gap_tokens=gap_tokens,
-        expert_load=expert_load,
-        dp_token_imbalance=imbalance(loads),
-    )
 
 
 def forward_backward(

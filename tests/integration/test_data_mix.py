@@ -212,8 +212,8 @@ def answer_of(prompt) -> str:
 
 def test_score_groups_routes_rewards_by_domain(joint):
     from megatron_rl.rollout.samples import Sample
-    from megatron_rl.trainer.loop import score_groups
     from megatron_rl.trainer.rollout_source import Group
+    from megatron_rl.trainer.scoring import score_groups
 
     data, rewards = joint
     tok = TextTokenizer()

@@ -21,14 +21,16 @@ The pool is a front over three collaborators that do not know each other:
 :class:`~.supervisor.EngineSupervisor` (the engines: events, deaths and stalls, restarts: an
 engine is cattle), :class:`~.requests.RequestBook` (which engine holds which request, to
 resubmit a dead engine's exactly as submitted) and :class:`~.pusher.WeightPusher` (the
-transport's sender end, its group, a push's phases). A restarted engine takes requests once
-it runs the current policy version: at the next ``push_weights``, or earlier by ``reweigh``
-(the trainer re-sends its weights to that engine only; the pool keeps no copy of them).
-Every token thus still carries a known version.
+transport's sender end, its group, a push's phases); its
+:class:`~.scheduler.RequestScheduler` hands requests to the engines over the first two. A
+restarted engine takes requests once it runs the current policy version: at the next
+``push_weights``, or earlier by ``reweigh`` (the trainer re-sends its weights to that engine
+only; the pool keeps no copy of them). Every token thus still carries a known version.
 
 Modules: :mod:`.generator_pool` (the front), :mod:`.supervisor`, :mod:`.requests`,
-:mod:`.pusher` (its collaborators), :mod:`.launchers` (an engine handle and launcher per
-placement), :mod:`.remote` (the pool's end of remote engines), :mod:`.fanout` (a push's
+:mod:`.pusher` (its collaborators), :mod:`.scheduler` (requests to engines),
+:mod:`.launchers` (an engine handle and launcher per placement), :mod:`.remote` (the pool's
+end of remote engines) and :mod:`.listener` (its listening socket), :mod:`.fanout` (a push's
 buckets to every engine at once), :mod:`.restarts` (how often an engine may be restarted).
 """
 

@@ -21,7 +21,6 @@ from megatron_rl.rollout.messages import (
     SamplesDone,
     StatusReport,
     Stopped,
-    Submit,
     TransportJoined,
     unknown_message,
 )
@@ -34,8 +33,9 @@ from megatron_rl.rollout.pool.launchers import (
     runner_settings,
 )
 from megatron_rl.rollout.pool.pusher import WeightPusher, Weights
-from megatron_rl.rollout.pool.requests import RequestBook, Sampling, check_prompt
+from megatron_rl.rollout.pool.requests import RequestBook, Sampling
 from megatron_rl.rollout.pool.restarts import broken_group_message
+from megatron_rl.rollout.pool.scheduler import RequestScheduler
 from megatron_rl.rollout.pool.supervisor import (
     POLL_SECONDS,
     EngineEvents,
@@ -102,6 +102,9 @@ class GeneratorPool(RolloutClient):
         )
         handler = EngineEvents(self._on_event, self._on_death, self._on_restart)
         self._engines = EngineSupervisor(config, launcher, handler)
+        self._scheduler = RequestScheduler(
+            self._engines, self._requests, self._hf.vocab_size, lambda: self.version
+        )
         self._pusher = WeightPusher(
             config,
             transport,
@@ -143,35 +146,7 @@ class GeneratorPool(RolloutClient):
         uses the seeds derived from (s, j), whichever engine runs it and whatever else runs."""
         self._check_open()
         sampling = Sampling.of(self.config, samples_per_prompt, max_tokens, temperature, top_p)
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        limit = min(e.max_model_len for e in self._engines.engines)
-        indices = []
-        for p, prompt in enumerate(prompts):
-            ids = check_prompt(prompt, self._hf.vocab_size, limit)
-            specs = self._requests.new_prompt(ids, sampling, None if seeds is None else seeds[p])
-            self._assign(specs)
-            indices.append(specs[0].prompt_index)
-        return indices
-
-    def _assign(self, specs: list) -> None:
-        """Hand one prompt's requests to the least loaded engine that runs the current
-        weights; without one they wait in the book (see :meth:`_dispatch_pending`)."""
-        usable = [e.index for e in self._engines.engines if e.current]
-        index = self._requests.least_loaded(usable)
-        if index is None:
-            self._requests.wait(specs)
-            return
-        engine = self._engines.engines[index]
-        engine.handle.send(Submit(tuple(specs)))
-        self._requests.hold(index, specs)
-        if engine.oldest is None:
-            engine.oldest = self.version
-
-    def _dispatch_pending(self) -> None:
-        """Resubmit the waiting requests, a prompt's samples together, in their order."""
-        for specs in self._requests.take_pending():
-            self._assign(specs)
+        return self._scheduler.submit(prompts, sampling, seeds)
 
     def poll(self, timeout: float = 0.0) -> list[Sample]:
         """Finished samples not returned yet, waiting up to ``timeout`` s for the first."""
@@ -244,12 +219,7 @@ class GeneratorPool(RolloutClient):
         """The oldest policy version that produced a token still in flight (a lower bound:
         engines report it whenever samples finish or weights load); None when idle."""
         self._pump(0.0)
-        versions = [
-            e.oldest
-            for e in self._engines.engines
-            if self._requests.outstanding(e.index) and e.oldest is not None
-        ]
-        return min(versions, default=None)
+        return self._scheduler.oldest_version_in_flight()
 
     @property
     def staleness(self) -> int:
@@ -344,7 +314,7 @@ class GeneratorPool(RolloutClient):
         for engine in targets:
             if engine.index in done.acks and self._engines.is_current(engine):
                 engine.current = True
-        self._dispatch_pending()
+        self._scheduler.resubmit()
         return done.stats
 
     # -- the engines' events (the supervisor's handler) -----------------------------------
@@ -397,7 +367,7 @@ class GeneratorPool(RolloutClient):
             self.config.engine_restart_window_minutes,
             len(specs),
         )
-        self._dispatch_pending()
+        self._scheduler.resubmit()
 
     # -- checks and shutdown ----------------------------------------------------------------
     def _check_open(self) -> None:

@@ -13,7 +13,9 @@ key of the job) and runs the pool's ordinary engine loop
     pool events queue                <--event---   events.put(...)   (+ heartbeats)
 
 This module is the trainer's end (:class:`RemoteEngine`, an
-:class:`~megatron_rl.rollout.pool.launchers.EngineHandle`; :func:`accept_engines`); the wire
+:class:`~megatron_rl.rollout.pool.launchers.EngineHandle`; :func:`accept_engines`); its
+listening socket, which authenticates the engine tasks and sends each its ``Init``, is
+:class:`~megatron_rl.rollout.pool.listener.Listener`; the wire
 (:class:`~megatron_rl.rollout.wire.Link`: the messages of :mod:`megatron_rl.rollout.messages`,
 pickled; the connection is authenticated: only tasks of the job that know its key can connect)
 and the job's environment variables are in :mod:`megatron_rl.rollout.wire`. Weight buckets
@@ -28,14 +30,10 @@ Slurm ends the job.
 from __future__ import annotations
 
 import logging
-import pickle
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl.rollout.messages import (
@@ -44,23 +42,18 @@ from megatron_rl.rollout.messages import (
     Event,
     Failed,
     Heartbeat,
-    Hello,
     Init,
-    Reject,
     RunnerSettings,
     Stop,
     WeightsEnd,
 )
+from megatron_rl.rollout.pool.listener import Listener
 from megatron_rl.rollout.wire import (
-    CONNECT_TIMEOUT_ENV,
-    DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_RECONNECT_TIMEOUT,
     DEFAULT_SILENCE_TIMEOUT,
     RECONNECT_TIMEOUT_ENV,
     TIMEOUT_ENV,
     Link,
-    address_from_env,
-    authkey_from_env,
     seconds_from_env,
 )
 
@@ -236,80 +229,6 @@ class RemoteEngine:
                 self._link.close()
 
 
-class Listener:
-    """The pool's listening socket (``$MEGATRON_RL_GENERATOR_ADDR``'s port): authenticated
-    engine tasks that say :class:`Hello` with an index in ``0..count-1``."""
-
-    def __init__(self, count: int) -> None:
-        _, port = address_from_env()
-        self.count = count
-        self.port = port
-        self._authkey = authkey_from_env()
-        self._server = socket.create_server(("", port), backlog=count + 8)
-
-    def hello(self, deadline: float) -> tuple[int, Link, dict[str, Any]] | None:
-        """The next engine task's (index, link, peer); None for a connection refused (not a
-        task of this job) or rejected (bad index). Raises TimeoutError at the deadline."""
-        try:
-            conn = _accept(self._server, self._authkey, deadline)
-        except TimeoutError:
-            raise
-        except (AuthenticationError, EOFError, OSError) as err:  # not a task of this job
-            if self._server.fileno() < 0:  # closed
-                raise
-            logger.warning("generator connection refused: %s: %s", type(err).__name__, err)
-            return None
-        link = Link(conn)
-        try:
-            hello = link.recv()
-        except (EOFError, OSError, pickle.UnpicklingError) as err:
-            logger.warning("generator connection closed before its hello: %s", err)
-            link.close()
-            return None
-        index = hello.engine if isinstance(hello, Hello) else -1
-        if not 0 <= index < self.count:
-            self.reject(link, index)
-            return None
-        return index, link, hello.peer
-
-    def reject(self, link: Link, index: int) -> None:
-        reason = f"engine index {index} is not one of 0..{self.count - 1} or is taken"
-        link.send(Reject(reason))
-        link.close()
-        logger.error("generator connection rejected: %s", reason)
-
-    def accept_all(
-        self, hf_dir: str, config: Any, settings: Any, events: queue.Queue
-    ) -> list[RemoteEngine]:
-        """Engine tasks 0..count-1, each sent its :class:`Init` (see :func:`accept_engines`)."""
-        timeout = seconds_from_env(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT)
-        deadline = time.monotonic() + timeout
-        engines: dict[int, RemoteEngine] = {}
-        logger.info("waiting for %d generator engine(s) on port %d", self.count, self.port)
-        while len(engines) < self.count:
-            try:
-                got = self.hello(deadline)
-            except TimeoutError:
-                missing = sorted(set(range(self.count)) - set(engines))
-                raise RuntimeError(
-                    f"generator engine(s) {missing} did not connect within {timeout:.0f} s "
-                    f"(${CONNECT_TIMEOUT_ENV}); see the generator log"
-                ) from None
-            if got is None:
-                continue
-            index, link, peer = got
-            if index in engines:
-                self.reject(link, index)
-                continue
-            link.send(Init(hf_dir, config, settings))
-            engines[index] = RemoteEngine(index, events, link, peer)
-            logger.info("generator engine %d connected from %s", index, peer.get("host"))
-        return [engines[i] for i in range(self.count)]
-
-    def close(self) -> None:
-        self._server.close()
-
-
 def accept_engines(
     count: int, hf_dir: str, config: Any, settings: Any, events: queue.Queue
 ) -> list[RemoteEngine]:
@@ -319,7 +238,7 @@ def accept_engines(
     within ``$MEGATRON_RL_GENERATOR_CONNECT_TIMEOUT`` seconds."""
     listener = Listener(count)
     try:
-        return listener.accept_all(hf_dir, config, settings, events)
+        return listener.accept_all(Init(hf_dir, config, settings), _handles(events))
     finally:
         listener.close()
 
@@ -345,9 +264,8 @@ class RemoteLauncher:
     def start(self, count: int) -> list[RemoteEngine]:
         self._listener = Listener(count)
         try:
-            engines = self._listener.accept_all(
-                self.hf_dir, self.config, self.settings, self.events
-            )
+            init = Init(self.hf_dir, self.config, self.settings)
+            engines = self._listener.accept_all(init, _handles(self.events))
         except BaseException:
             self._listener.close()
             raise
@@ -403,16 +321,6 @@ class RemoteLauncher:
             self._arrived.clear()
 
 
-def _accept(server: socket.socket, authkey: bytes, deadline: float) -> Connection:
-    """The next authenticated connection (what ``Listener.accept`` does, with a deadline)."""
-    server.settimeout(max(deadline - time.monotonic(), 1e-3))
-    sock, _ = server.accept()  # TimeoutError at the deadline
-    sock.setblocking(True)
-    conn = Connection(sock.detach())
-    try:
-        deliver_challenge(conn, authkey)
-        answer_challenge(conn, authkey)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+def _handles(events: queue.Queue) -> Callable[[int, Link, dict[str, Any]], RemoteEngine]:
+    """A connected engine task's handle, its events into ``events``."""
+    return lambda index, link, peer: RemoteEngine(index, events, link, peer)

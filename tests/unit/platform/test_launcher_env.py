@@ -30,7 +30,6 @@ def test_engines_started_by_an_srun_trainer_take_gpus_apart_from_its_ranks(monke
     """Subprocess engines of a trainer started by srun (4 trainer ranks on each 8-GPU node)
     go on GPUs 4..7: the trainer read torchrun's LOCAL_WORLD_SIZE only, counted 1 trainer
     GPU and put the engines on GPUs 1..4, three of them held by its own ranks."""
-    from megatron_rl.rollout import pool as pool_package
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.trainer import loop
 
@@ -38,11 +37,11 @@ def test_engines_started_by_an_srun_trainer_take_gpus_apart_from_its_ranks(monke
         monkeypatch.delenv(name, raising=False)
     for name, value in SRUN_TASK_5.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(loop, "get_platform", lambda: SimpleNamespace(is_gpu=True))
     started = []
-    monkeypatch.setattr(
-        pool_package, "GeneratorPool", lambda hf, rollout, **kw: started.append(rollout.gpu_ids)
-    )
+
+    def make_pool(hf_dir, rollout, **kw):  # in place of GeneratorPool: what it is handed
+        started.append(rollout.gpu_ids)
+
     rollout = RolloutConfig(placement="subprocess", engines=4, tensor_parallel=1)
     config = SimpleNamespace(
         rollout=rollout,
@@ -51,7 +50,7 @@ def test_engines_started_by_an_srun_trainer_take_gpus_apart_from_its_ranks(monke
         cluster=SimpleNamespace(gpus_per_node=8),
     )
     run = SimpleNamespace(config=config, tokenizer=None, hf_dir="/hf")
-    loop.start_generators(run, 0)
+    loop.start_generators(run, 0, make_pool=make_pool, on_gpu=True)
     trainer_gpus = set(range(4))  # LOCAL_RANK 0..3 of this node
     assert started == [[4, 5, 6, 7]]
     assert not trainer_gpus & set(started[0])

@@ -312,7 +312,7 @@ def test_dropped_groups_count_in_the_no_positive_resampling_history(history):
 
     from megatron_rl.algorithms.pass_rate import PassRateTracker
     from megatron_rl.data.sampler import PromptSampler
-    from megatron_rl.trainer.loop import dynamic_sampling, score_groups
+    from megatron_rl.trainer.scoring import dynamic_sampling, score_groups
 
     tracker = PassRateTracker(0.9, history=history)
     sampler = PromptSampler(list(range(4)), shuffle=False, tracker=tracker)

@@ -1,0 +1,116 @@
+"""A step's groups scored: rewards (the verifiers), pass-rate history, the batch's stats.
+
+The main rank's half of a step after generation (``loop.next_batch``): every sample of the
+rollout source's groups is rewarded (once: dynamic sampling may have scored a group already),
+the No-Positive-Resampling history records every scored group (trained on or dropped), and
+the samples become :class:`~megatron_rl.trainer.batch.TrainSample` with the step's batch
+metrics (rewards, pass and truncation rates, staleness; per domain for a mixture).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megatron_rl.trainer.batch import TrainSample
+from megatron_rl.trainer.rollout_source import DynamicSampling, Group
+
+if TYPE_CHECKING:
+    from megatron_rl.trainer.setup import Run
+
+
+def dynamic_sampling(run: Run) -> DynamicSampling | None:
+    """The rollout source's dynamic sampling (``data.dynamic_sampling``), else None."""
+    data = run.config.data
+    if not data.dynamic_sampling:
+        return None
+    return DynamicSampling(
+        score=lambda groups: reward_groups(run, groups),
+        discard=lambda groups: record_pass_rates(run, groups),
+        max_rounds=data.dynamic_sampling_max_rounds,
+    )
+
+
+def reward_groups(run: Run, groups: list[Group]) -> None:
+    """Score the samples of every group not scored yet (sets ``rewards``, ``reward_timeouts``)."""
+    todo = [g for g in groups if g.rewards is None]
+    flat = [(g, s) for g in todo for s in g.samples]
+    if not flat:
+        return
+    texts = [run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for _, s in flat]
+    prompts = [run.data.get(g.prompt_id) for g, _ in flat]
+    rewards = run.rewards.score_batch(
+        texts, [p.reference for p in prompts], [p.kind for p in prompts]
+    )
+    statuses = list(run.rewards.last_statuses)
+    start = 0
+    for g in todo:
+        end = start + len(g.samples)
+        g.rewards = [float(r) for r in rewards[start:end]]
+        g.reward_timeouts = statuses[start:end].count("timeout")
+        start = end
+
+
+def record_pass_rates(run: Run, groups: list[Group]) -> None:
+    """No-Positive-Resampling history: the scored groups' rewards, trained on or dropped."""
+    if run.tracker is not None:
+        ids = [g.prompt_id for g in groups for _ in g.rewards]
+        run.tracker.update(ids, [r for g in groups for r in g.rewards])
+
+
+def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[TrainSample], dict]:
+    """Rewards for every sample, pass-rate history (No-Positive-Resampling), batch stats."""
+    reward_groups(run, groups)  # those that dynamic sampling has not scored already
+    record_pass_rates(run, groups)
+    flat = [(g, i, s, r) for i, g in enumerate(groups) for s, r in zip(g.samples, g.rewards)]
+    prompts = [run.data.get(g.prompt_id) for g, _, _, _ in flat]
+    rewards = [r for _, _, _, r in flat]
+    samples = [
+        TrainSample(
+            prompt_id=g.prompt_id,
+            group=i,
+            prompt_tokens=list(s.prompt_ids),
+            response_tokens=list(s.response_ids),
+            gen_logprobs=list(s.logprobs),
+            policy_mask=list(s.mask),
+            reward=r,
+            versions=list(s.versions),
+            truncated=s.finish_reason == "length",
+            interrupted=s.interrupted,
+            routed_experts=s.routed_experts,
+        )
+        for g, i, s, r in flat
+    ]
+    lags = [version - min(s.versions) for s in samples if s.versions]
+    n = max(len(samples), 1)
+    info = {
+        "reward_mean": sum(s.reward for s in samples) / n,
+        "pass_rate": sum(s.reward > 0 for s in samples) / n,
+        "truncation_rate": sum(s.truncated for s in samples) / n,
+        "interruption_rate": sum(s.interrupted for s in samples) / n,
+        "response_tokens": sum(len(s.response_tokens) for s in samples),
+        "staleness_mean": sum(lags) / max(len(lags), 1),
+        "staleness_max": max(lags, default=0),
+        "samples": len(samples),
+        # Verifications that ran out of time score incorrect; counted so they never pass
+        # for wrong answers unseen.
+        "reward_timeouts": sum(g.reward_timeouts for g in groups),
+        "prompt_ids": [g.prompt_id for g in groups],
+        "group_pass_rates": [
+            sum(s.reward > 0 for s in samples if s.group == i) / max(len(g.samples), 1)
+            for i, g in enumerate(groups)
+        ],
+    }
+    if len(run.data.sources) > 1:  # a mixture: the training reward of each domain too
+        info.update(by_domain("reward_mean", [p.kind for p in prompts], rewards, mean=True))
+    return samples, info
+
+
+def by_domain(key: str, domains: list[str], rewards: list[float], mean: bool) -> dict:
+    """``{key/<domain>: mean reward (mean) or pass rate}`` over the items of each domain."""
+    out = {}
+    for domain in dict.fromkeys(domains):
+        values = [r for d, r in zip(domains, rewards) if d == domain]
+        out[f"{key}/{domain}"] = (
+            sum(values) / len(values) if mean else sum(r > 0 for r in values) / len(values)
+        )
+    return out
