@@ -4,9 +4,11 @@ A :class:`Transport` says what both ends of one transport need: the vLLM weight-
 backend the engines build, whether they join it when built or when the pool says so (a group
 of fixed members, which the pool forms anew when they change: ``WeightPusher.form``), and
 how the pool opens its sender end (a
-:class:`~megatron_rl.rollout.weights.buckets.WeightSender`). ``TRANSPORTS`` holds the two: ``host``
-(buckets through host memory, :class:`~megatron_rl.rollout.weights.buckets.HostSender`) and ``nccl``
-(one broadcast from the trainer, :class:`~megatron_rl.rollout.weights.nccl.NcclSender`).
+:class:`~megatron_rl.rollout.weights.buckets.WeightSender`). ``TRANSPORTS`` holds three: ``host``
+(buckets through host memory, :class:`~megatron_rl.rollout.weights.buckets.HostSender`), ``nccl``
+(one broadcast from the trainer, :class:`~megatron_rl.rollout.weights.nccl.NcclSender`) and
+``nccl_m2n`` (every trainer rank sends its own shards, :mod:`megatron_rl.rollout.weights.m2n`;
+its sender end is not wired to the push yet and refuses to open, saying why).
 """
 
 from __future__ import annotations
@@ -68,12 +70,25 @@ def _open_nccl(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> W
     return sender
 
 
+def _open_m2n(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> WeightSender:
+    """vLLM's ``nccl_m2n``: GPUs and the ``nccl.m2n`` runtime first (errors name the key)."""
+    from megatron_rl.platform import get_platform
+    from megatron_rl.rollout.weights.m2n import open_unwired
+
+    if not get_platform().is_gpu:
+        raise ValueError("rollout.weight_transport 'nccl_m2n' needs GPUs; this machine has none")
+    return open_unwired(config)
+
+
 TRANSPORTS: dict[str, Transport] = {
     "host": Transport("host", lambda config: CPU_BACKEND, True, _open_host),
     # an NCCL group has a fixed set of ranks: a dead one blocks every later broadcast
     "nccl": Transport(
         "nccl", lambda config: engine_backend(config.expert_parallel), False, _open_nccl
     ),
+    # vLLM's own engine (its fallback load_weights places experts on EP engines), one group
+    # per engine (vLLM ranks a worker by its place in its own engine): see m2n.py
+    "nccl_m2n": Transport("nccl_m2n", lambda config: "nccl_m2n", False, _open_m2n),
 }
 
 

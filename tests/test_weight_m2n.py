@@ -1,0 +1,298 @@
+"""``rollout.weight_transport: nccl_m2n`` on CPU, up to the NCCL calls: the placements and
+local blocks our Megatron shards publish (real TP=2 / EP=2 shards on two gloo ranks) against
+the transformers model's own tensors, and vLLM's own layout checks, wire types, worker-side
+planning and trainer engine on them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from vllm.distributed.weight_transfer.m2n_common import REPLICATE, M2NMesh, M2NParamMeta
+from vllm.distributed.weight_transfer.m2n_source import M2NWeightSource
+
+from megatron_rl.platform import run_local_ranks
+from megatron_rl.rollout.weights import m2n
+
+LAYOUTS = {  # (model, tensor, expert): two ranks each
+    "dense-tp2": ("tiny-llama", 2, 1),
+    "dense-dp2": ("tiny-llama", 1, 1),
+    "tied-tp2": ("tiny-llama-tied", 2, 1),
+    "llama4-tp2": ("tiny-llama4", 2, 1),
+    "llama4-ep2": ("tiny-llama4", 1, 2),
+}
+
+
+def _meta_tuple(meta: M2NParamMeta) -> tuple:
+    return (meta.name, str(meta.dtype), tuple(meta.shape), meta.placements)
+
+
+def m2n_layouts_rank(hf_dirs: dict) -> dict:
+    """On each rank, for each layout: its source layout, the metadata it publishes and its
+    local blocks (as iterated), plus a block read again after a parameter changed."""
+    import transformers
+
+    from megatron_rl.conversion.hf import load_hf_weights
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig, init_distributed
+
+    results = {}
+    for key, (name, tensor, expert) in LAYOUTS.items():
+        parallel = ParallelConfig(tensor=tensor, expert=expert)
+        init_distributed(parallel)
+        model = build_model(ModelConfig(hf_path=hf_dirs[name], dtype="float32"), parallel)
+        load_hf_weights(model, hf_dirs[name], torch.float32)
+        layout = m2n.megatron_source_layout()
+        if layout is None:
+            results[key] = None
+            continue
+        arch = transformers.AutoConfig.from_pretrained(hf_dirs[name]).architectures[0]
+        source = m2n.MegatronM2NSource(model, layout, arch)
+        blocks = {n: t.detach().clone() for n, t in source}
+        with torch.no_grad():
+            model.embedding.word_embeddings.weight.add_(1.0)
+        again = dict(source)["model.embed_tokens.weight"].detach().clone()
+        results[key] = {
+            "layout": dataclasses.asdict(layout),
+            "mesh": source.mesh().dims,
+            "metas": [_meta_tuple(m) for m in source.metadata()],
+            "order": [n for n, _ in source],
+            "blocks": blocks,
+            "embed_after_update": again,
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def published(tiny_hf_dirs):
+    return run_local_ranks(m2n_layouts_rank, 2, dict(tiny_hf_dirs))
+
+
+def _expected_block(full: torch.Tensor, placements, size: int, rank: int) -> torch.Tensor:
+    """The block of ``full`` a rank holds under ``placements`` over an ``(size, 1)`` mesh
+    (m2n / DTensor semantics: Shard(d) on axis 0 = ``size`` equal pieces of dim d in rank
+    order; axis 1 has one rank)."""
+    if placements is None:
+        return full
+    dim, other = placements
+    assert other == REPLICATE
+    return full.chunk(size, dim)[rank]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("key", list(LAYOUTS))
+def test_published_blocks_reassemble_the_hf_tensors(published, tiny_hf_dirs, key):
+    """Every source rank's block of every HF tensor is exactly the slice its placement names
+    of the transformers model's tensor (float64), names and shapes as in the HF file, the
+    same metadata on every source rank, iteration in metadata order, blocks read live.
+    (dense-dp2: one source rank holding two query groups, which its q/k/v split must keep
+    apart; the TP=2 layouts hold one group per rank.)"""
+    name, tensor, expert = LAYOUTS[key]
+    ref = {n: t.double() for n, t in load_file(f"{tiny_hf_dirs[name]}/model.safetensors").items()}
+    ranks = [published[r][key] for r in range(2) if published[r][key] is not None]
+    size = len(ranks)
+    assert all(r["metas"] == ranks[0]["metas"] for r in ranks)
+    assert [r["layout"]["rank"] for r in ranks] == list(range(size))
+    assert ranks[0]["mesh"] == (size, 1)
+    metas = ranks[0]["metas"]
+    assert sorted(m[0] for m in metas) == sorted(ref)  # every HF tensor, once
+    assert ranks[0]["order"] == [m[0] for m in metas]
+    sharded = 0
+    for meta_name, dtype, shape, placements in metas:
+        assert shape == tuple(ref[meta_name].shape), meta_name
+        assert dtype == "torch.float32"
+        for rank in range(size):
+            block = ranks[rank]["blocks"][meta_name].double()
+            expected = _expected_block(ref[meta_name], placements, size, rank)
+            assert torch.equal(block, expected), (meta_name, rank, placements)
+        sharded += placements is not None
+    by_name = {m[0]: m[3] for m in metas}
+    if tensor == 2:  # TP: column-parallel rows, row-parallel columns, vocab rows
+        for proj, dim in (("q_proj", 0), ("k_proj", 0), ("v_proj", 0), ("o_proj", 1)):
+            assert by_name[f"model.layers.0.self_attn.{proj}.weight"] == (dim, REPLICATE)
+        assert by_name["model.embed_tokens.weight"] == (0, REPLICATE)
+    if expert == 2:  # EP: whole experts; the dense tensors are replicated
+        assert by_name["model.layers.1.feed_forward.experts.gate_up_proj"] == (0, REPLICATE)
+        assert by_name["model.layers.1.self_attn.q_proj.weight"] is None
+    elif name == "tiny-llama4":  # TP only: the experts are replicated (expert TP is 1)
+        assert by_name["model.layers.1.feed_forward.experts.down_proj"] is None
+    assert sharded > 0 or size == 1
+    embed = by_name["model.embed_tokens.weight"]
+    updated = (ref["model.embed_tokens.weight"].float() + 1.0).double()  # the fp32 add
+    for rank in range(size):  # read at iteration time, not captured at construction
+        expected = _expected_block(updated, embed, size, rank)
+        assert torch.equal(ranks[rank]["embed_after_update"].double(), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_data_parallel_replicas_are_not_source_ranks(published):
+    """TP=EP=1 on two ranks: the first is the whole source mesh (everything replicated), the
+    replica takes no part."""
+    first, replica = published[0]["dense-dp2"], published[1]["dense-dp2"]
+    assert replica is None
+    assert first["mesh"] == (1, 1) and all(m[3] is None for m in first["metas"])
+
+
+class _Source(M2NWeightSource):
+    """Published metadata, as a source for vLLM's trainer-side code."""
+
+    def __init__(self, dims: tuple[int, int], metas: list[tuple]) -> None:
+        self._mesh = M2NMesh(dims, 0)
+        self._metas = [
+            M2NParamMeta(n, getattr(torch, d.removeprefix("torch.")), s, p) for n, d, s, p in metas
+        ]
+
+    def mesh(self) -> M2NMesh:
+        return self._mesh
+
+    def metadata(self) -> list[M2NParamMeta]:
+        return list(self._metas)
+
+    def __iter__(self):
+        raise AssertionError("nothing is sent in these tests")
+
+
+def _source(published, key: str) -> _Source:
+    return _Source(published[0][key]["mesh"], published[0][key]["metas"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("key", ["dense-tp2", "llama4-ep2"])
+def test_vllm_checks_and_wire_types_accept_the_published_plan(published, key):
+    """vLLM's own source checks and plan limits pass; our init infos are vLLM's dataclasses
+    and the worker payload equals the one vLLM's trainer engine builds for the same source."""
+    from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferInitInfo
+    from vllm.distributed.weight_transfer.m2n_trainer import M2NTrainerWeightTransferEngine
+
+    source = _source(published, key)
+    for meta in source.metadata():
+        m2n.check_source_entry(source.mesh(), meta)
+    layout = m2n.SourceLayout(**published[0][key]["layout"])
+    info = m2n.trainer_init_info(layout, "127.0.0.1", 29555, engine_tensor_parallel=2)
+    assert (info.world_size, info.num_trainer_ranks, info.destination_mesh_dims) == (4, 2, (1, 2))
+    m2n.check_plan(source, M2NMesh(info.destination_mesh_dims, info.num_trainer_ranks))
+    ours = m2n.worker_payload(m2n.worker_init_info(source, info))
+    vllm_engine = M2NTrainerWeightTransferEngine(
+        client=None, source=source, is_controller=True, num_trainer_ranks=2
+    )
+    vllm_engine._src_mesh, vllm_engine._metas = source.mesh(), source.metadata()
+    theirs = vllm_engine._worker_init_info(info)  # what vLLM's own trainer sends the engines
+    assert ours == theirs
+    M2NWeightTransferInitInfo(**ours)  # the engines' parse
+    names = [m.name for m in source.metadata()]
+    assert m2n.update_payload(names) == {"names": names}
+
+
+def test_layouts_m2n_cannot_describe_are_refused_naming_the_parallel_key():
+    with pytest.raises(ValueError, match="parallel.pipeline"):
+        m2n.source_layout(0, tensor=2, expert=1, pipeline=2)
+    with pytest.raises(ValueError, match="parallel.expert_tensor"):
+        m2n.source_layout(0, tensor=1, expert=2, expert_tensor=2)
+    with pytest.raises(ValueError, match="parallel.tensor=2"):  # TP 2 over a mesh of EP 4
+        m2n.source_layout(0, tensor=2, expert=4)
+    assert m2n.source_layout(3, tensor=2, expert=2) is None  # a data-parallel replica
+    assert m2n.source_layout(1, tensor=4, expert=4) == m2n.SourceLayout(1, 4, 4, 4)
+
+
+def test_an_unmapped_megatron_parameter_is_refused_by_name(tiny_hf_dirs, megatron_single_rank):
+    """A parameter the map does not know (here a bias on o_proj) must not be left out
+    silently: the engines would keep stale weights."""
+    from megatron_rl.conversion.hf import load_hf_weights
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig
+
+    hf_dir = tiny_hf_dirs["tiny-llama"]
+    model = build_model(ModelConfig(hf_path=hf_dir, dtype="float32"), ParallelConfig())
+    load_hf_weights(model, hf_dir, torch.float32)
+    layout = m2n.SourceLayout(0, 1, 1, 1)
+    source = m2n.MegatronM2NSource(model, layout, "LlamaForCausalLM", dtype=torch.bfloat16)
+    dtypes = {m.name: m.dtype for m in source.metadata()}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+    assert dtypes["lm_head.weight"] == torch.float32  # the head keeps its dtype
+    assert dict(source)["model.norm.weight"].dtype == torch.bfloat16
+    proj = model.decoder.layers[0].self_attention.linear_proj
+    proj.bias = torch.nn.Parameter(torch.zeros(proj.weight.shape[0]))
+    with pytest.raises(ValueError, match=r"decoder\.layers\.0\.self_attention\.linear_proj\.bias"):
+        m2n.MegatronM2NSource(model, layout, "LlamaForCausalLM")
+
+
+class _Client:
+    """A ``VLLMWeightSyncClient`` that records what it was asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def init_weight_transfer_engine(self, init_info):
+        self.calls.append("init_weight_transfer_engine")
+
+    def start_weight_update(self):
+        self.calls.append("start_weight_update")
+
+    def update_weights(self, update_info):
+        self.calls.append("update_weights")
+
+    def finish_weight_update(self, weight_version=None):
+        self.calls.append("finish_weight_update")
+
+
+def _no_runtime() -> None:
+    try:
+        import nccl.m2n  # noqa: F401
+    except ImportError:
+        return
+    pytest.skip("nccl.m2n is installed here")
+
+
+def test_the_trainer_engine_refuses_without_nccl_m2n_before_calling_the_engines():
+    """vLLM's trainer engine raises its ImportError before any rendezvous or engine call; our
+    entry point says which recipe key asked for it."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    _no_runtime()
+    layout = m2n.SourceLayout(0, 1, 1, 1)
+    source = _Source((1, 1), [("model.norm.weight", "torch.float32", (8,), None)])
+    info = m2n.trainer_init_info(layout, "127.0.0.1", 29555, engine_tensor_parallel=1)
+    client = _Client()
+    with pytest.raises(ImportError, match="nccl"):
+        WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    with pytest.raises(ValueError, match="rollout.weight_transport 'nccl_m2n'.*nccl.m2n"):
+        m2n.start_trainer_engine(source, info, client)
+    assert client.calls == []
+
+
+def test_the_transport_is_selectable_and_refuses_cleanly(monkeypatch):
+    """``nccl_m2n`` is a recipe choice that ``auto`` never makes, with the NCCL transport's
+    placement rules; its sender end refuses on CPU, then without the runtime, naming the key."""
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.platform import Platform, device
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.weights.senders import TRANSPORTS, transport_for
+
+    config = RolloutConfig(placement="subprocess", weight_transport="nccl_m2n")
+    config.validate()
+    transport = transport_for(config.resolved())
+    assert transport is TRANSPORTS["nccl_m2n"] and not transport.joins_at_build
+    assert transport.backend(config) == "nccl_m2n"  # vLLM's registered engine
+    for keys, key in (
+        ({}, "placement"),
+        ({"placement": "subprocess", "colocate": True}, "colocate"),
+    ):
+        with pytest.raises(ConfigError, match=key):
+            RolloutConfig(weight_transport="nccl_m2n", **keys).validate()
+    for platform in (Platform("cuda", "nccl", False), Platform("cpu", "gloo", False)):
+        monkeypatch.setattr(device, "get_platform", lambda p=platform: p)
+        assert RolloutConfig(placement="subprocess").resolved().weight_transport != "nccl_m2n"
+    monkeypatch.setattr(device, "get_platform", lambda: Platform("cpu", "gloo", False))
+    with pytest.raises(ValueError, match="rollout.weight_transport 'nccl_m2n' needs GPUs"):
+        transport.open(config, None, [], None)
+    _no_runtime()
+    monkeypatch.setattr(device, "get_platform", lambda: Platform("cuda", "nccl", False))
+    with pytest.raises(ValueError, match="rollout.weight_transport 'nccl_m2n' needs the nccl.m2n"):
+        transport.open(config, None, [], None)
