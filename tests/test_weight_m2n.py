@@ -10,7 +10,13 @@ import dataclasses
 import pytest
 import torch
 from safetensors.torch import load_file
-from vllm.distributed.weight_transfer.m2n_common import REPLICATE, M2NMesh, M2NParamMeta
+from vllm.distributed.weight_transfer.m2n_common import (
+    REPLICATE,
+    M2NMesh,
+    M2NParamMeta,
+    resolve_layout,
+    validate_layout,
+)
 from vllm.distributed.weight_transfer.m2n_source import M2NWeightSource
 
 from megatron_rl.platform import run_local_ranks
@@ -296,3 +302,74 @@ def test_the_transport_is_selectable_and_refuses_cleanly(monkeypatch):
     monkeypatch.setattr(device, "get_platform", lambda: Platform("cuda", "nccl", False))
     with pytest.raises(ValueError, match="rollout.weight_transport 'nccl_m2n' needs the nccl.m2n"):
         transport.open(config, None, [], None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllms_worker_plans_the_published_tp2_source_on_its_model_up_to_nccl(
+    published, tiny_hf_dirs, monkeypatch
+):
+    """A vLLM CPU engine built with the transport's backend (vLLM's own ``nccl_m2n`` engine)
+    takes our TP=2 plan through our ``init_transport``: it parses the payload, re-checks every
+    source layout, resolves a destination for every name against its live model
+    (``resolve_parameter_destinations``), validates them and the plan limits, and gets as far
+    as joining the communicator (stood in: that and the runtime import are the NCCL part)."""
+    from vllm.distributed.weight_transfer import m2n_engine
+
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.engine.vllm_engine import VLLMEngine
+
+    source = _source(published, "dense-tp2")
+    layout = m2n.SourceLayout(**published[0]["dense-tp2"]["layout"])
+    info = m2n.trainer_init_info(layout, "127.0.0.1", 29555, engine_tensor_parallel=1)
+    payload = m2n.worker_payload(m2n.worker_init_info(source, info))
+
+    class ReachedNccl(Exception):
+        pass
+
+    joined = []
+
+    def join(init_info, parallel_config):
+        joined.append((init_info.rank_offset, init_info.world_size))
+        raise ReachedNccl
+
+    monkeypatch.setattr(m2n_engine, "import_m2n", lambda: object())
+    monkeypatch.setattr(m2n_engine, "worker_init_process_group", join)
+    # weight_transport is all the engine reads; validate() would refuse in_process for it
+    config = RolloutConfig(weight_transport="nccl_m2n", dtype="float32", max_num_seqs=4)
+    engine = VLLMEngine(tiny_hf_dirs["tiny-llama"], config)
+    try:
+        with pytest.raises(Exception) as raised:
+            engine.init_transport(payload)
+        assert any(isinstance(e, ReachedNccl) for e in _chain(raised.value)), raised.value
+        assert joined == [(2, 3)]
+
+        def plan(worker):
+            wte = worker.weight_transfer_engine
+            params = dict(wte.model.named_parameters())
+            return (
+                type(wte).__name__,
+                [(d.name, d.placements, d.direct) for d in wte._parameter_destinations],
+                {n: tuple(p.shape) for n, p in params.items()},
+            )
+
+        [(engine_type, destinations, vllm_params)] = engine.engine.collective_rpc(plan)
+    finally:
+        engine.close()
+    assert engine_type == "M2NWeightTransferEngine"
+    names = [m.name for m in source.metadata()]
+    assert [d[0] for d in destinations] == names  # one destination per name, in order
+    shapes = {m.name: m.shape for m in source.metadata()}
+    for name, placements, direct in destinations:
+        validate_layout(*resolve_layout(M2NMesh((1, 1), 2), placements), shapes[name], "dest")
+        if direct:  # straight into a live parameter: the same name and whole shape (TP 1)
+            assert vllm_params[name] == shapes[name]
+    # vLLM fuses q/k/v and gate/up: those names go through its load_weights (full tensors)
+    fused = [n for n in names if n.split(".")[-2] in ("q_proj", "k_proj", "gate_proj")]
+    assert fused and all(not d[2] for d in destinations if d[0] in fused)
+
+
+def _chain(err: BaseException):
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
