@@ -234,15 +234,18 @@ class _Client:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.payloads: list[dict] = []
 
     def init_weight_transfer_engine(self, init_info):
         self.calls.append("init_weight_transfer_engine")
+        self.payloads.append(init_info)
 
     def start_weight_update(self):
         self.calls.append("start_weight_update")
 
     def update_weights(self, update_info):
         self.calls.append("update_weights")
+        self.payloads.append(update_info)
 
     def finish_weight_update(self, weight_version=None):
         self.calls.append("finish_weight_update")
@@ -373,3 +376,117 @@ def _chain(err: BaseException):
     while err is not None:
         yield err
         err = err.__cause__ or err.__context__
+
+
+def trainer_engine_rank(hf_dir: str) -> dict:
+    """vLLM's own trainer engine (``start_trainer_engine``: the factory's ``trainer_init``,
+    then ``send_weights``) on each TP=2 rank with our real source, up to the NCCL calls: the
+    rendezvous, the destination-plan broadcast, the raw communicator and ``nccl.m2n`` itself
+    are stand-ins that record what vLLM hands them (and two CUDA-only calls are no-ops)."""
+    from vllm.distributed.weight_transfer import m2n_trainer
+    from vllm.distributed.weight_transfer.m2n_common import REPLICATED
+
+    from megatron_rl.conversion.hf import load_hf_weights
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig, init_distributed
+
+    parallel = ParallelConfig(tensor=2)
+    init_distributed(parallel)
+    model = build_model(ModelConfig(hf_path=hf_dir, dtype="float32"), parallel)
+    load_hf_weights(model, hf_dir, torch.float32)
+    layout = m2n.megatron_source_layout()
+    source = m2n.MegatronM2NSource(model, layout, "LlamaForCausalLM")
+    reshards, events = [], []
+
+    class Runtime:  # nccl.m2n
+        Config = staticmethod(lambda max_cta=None: ("config", max_cta))
+        Mesh = staticmethod(lambda dims, start_rank: ("mesh", tuple(dims), start_rank))
+        Replicate = staticmethod(lambda: "R")
+        Shard = staticmethod(lambda dim: ("S", dim))
+
+        class Handle:
+            @staticmethod
+            def create(config):
+                events.append("handle")
+                return Runtime.Handle()
+
+            def destroy(self):
+                events.append("handle destroyed")
+
+        @staticmethod
+        def reshard(src, dst, comm, stream, **layout):
+            assert dst is None and comm == 1234  # the trainer only sends
+            reshards.append((src.clone(), {k: v for k, v in layout.items() if k != "handle"}))
+
+    class Comm:
+        def destroy(self):
+            events.append("group destroyed")
+
+    def join(info, rank):
+        events.append(("join", info["world_size"], rank))
+        return Comm()
+
+    def plan(comm, first_worker_rank, placements, count):
+        events.append(("plan from", first_worker_rank))
+        return [REPLICATED] * count  # what every worker plans on CPU (the fallback)
+
+    m2n_trainer.import_m2n = m2n.import_m2n = lambda: Runtime
+    m2n_trainer.trainer_init = join
+    m2n_trainer.publish_destination_placements = plan
+    m2n_trainer.comm_ptr = lambda comm: 1234
+    torch.Tensor.record_stream = lambda self, stream: None  # CUDA-only
+    torch.accelerator.synchronize = lambda *a: None  # CUDA-only
+    client = _Client()
+    info = m2n.trainer_init_info(layout, "127.0.0.1", 29555, engine_tensor_parallel=2)
+    engine = m2n.start_trainer_engine(source, info, client)
+    engine.send_weights()
+    engine.shutdown()
+    return {
+        "calls": client.calls,
+        "payloads": client.payloads,
+        "expected_init": m2n.worker_payload(m2n.worker_init_info(source, info)),
+        "metas": [_meta_tuple(m) for m in source.metadata()],
+        "reshards": reshards,
+        "events": events,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllms_trainer_engine_sends_each_ranks_own_blocks(tiny_hf_dirs):
+    """Through vLLM's trainer engine, each TP rank joins as its own rank, only rank 0 calls
+    the engines (init, start, one update naming every tensor in order, finish), and every
+    rank hands ``nccl.m2n`` one reshard per tensor, in metadata order, with its own block
+    (the placement's slice of the transformers tensor) and vLLM's meshes for our plan."""
+    hf_dir = tiny_hf_dirs["tiny-llama"]
+    ref = {n: t.double() for n, t in load_file(f"{hf_dir}/model.safetensors").items()}
+    ranks = run_local_ranks(trainer_engine_rank, 2, hf_dir)
+    metas = ranks[0]["metas"]
+    names = [m[0] for m in metas]
+    assert ranks[0]["calls"] == [
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ]
+    assert ranks[0]["payloads"] == [ranks[0]["expected_init"], {"names": names}]
+    assert ranks[1]["calls"] == []
+    whole = {"src_mesh": ("mesh", (2, 1), 0), "src_placements": ["R", ("S", 0)]}
+    dst = {"dst_mesh": ("mesh", (2, 1), 2), "dst_placements": ["R", ("S", 0)]}
+    for rank, result in enumerate(ranks):
+        assert result["events"][:2] == [("join", 4, rank), ("plan from", 2)]
+        assert result["events"][-2:] == ["handle destroyed", "group destroyed"]
+        assert len(result["reshards"]) == len(metas)
+        for (name, _, _, placements), (block, layout) in zip(metas, result["reshards"]):
+            expected = _expected_block(ref[name], placements, 2, rank)
+            assert torch.equal(block.double(), expected), (name, rank)
+            src = (
+                whole
+                if placements is None
+                else {
+                    "src_mesh": ("mesh", (2, 1), 0),
+                    "src_placements": [("S", placements[0]), "R"],
+                }
+            )
+            assert layout == {**src, **dst}, name
