@@ -56,17 +56,39 @@ Runtime: ``nccl.m2n`` from NVIDIA's nccl-extensions (with ``nccl4py``, NCCL >= 2
 vLLM dependency. :func:`require_runtime` turns its absence into an error naming the recipe key.
 
 Verified (CPU, ``tests/test_weight_m2n.py``): the placements and local blocks we publish for
-TP=2 dense Llama, TP=2 Llama-4 and EP=2 Llama-4 (real megatron shards on two gloo ranks)
-reassemble the transformers model's tensors exactly; vLLM's own layout checks
-(``check_transferable``, ``resolve_layout``, ``validate_layout``, ``check_plan_limits``), its
-init info dataclasses and its trainer engine's handshake payload accept them; vLLM's
-``resolve_parameter_destinations`` plans every name against a vLLM CPU model; vLLM's trainer
-engine refuses to start without ``nccl.m2n`` before it calls the engines. Not verified: any
-NCCL call (the reshard itself, the rendezvous, the destination-plan broadcast): this machine has
-no GPU, the lent one has a single GPU and no ``nccl.m2n``. Not wired: the pool's push loop
-drives one sender rank and its buckets; m2n needs every source rank in every reshard, so the
-transport's sender end refuses to open (with the reason) until the push path drives the
-source ranks (``push_megatron_weights`` on every rank).
+TP=2 dense and tied Llama, TP=2 Llama-4, EP=2 Llama-4 and a TP=1 rank with two query groups
+(real megatron shards, two gloo ranks) are exactly their placements' slices of the
+transformers model's tensors; vLLM's own layout checks (``check_transferable``,
+``resolve_layout``, ``validate_layout``, ``check_plan_limits``) and init info dataclasses accept
+them, and our worker payload equals the one vLLM's trainer engine builds; a vLLM CPU engine
+built with this backend takes our TP=2 plan through ``init_transport`` and plans a destination
+for every name against its live model (all full-tensor fallbacks on CPU, whose build repacks
+the linear weights; on GPU its RowParallelLinear loaders may take o_proj / down_proj directly:
+not checked); vLLM's trainer engine, run with our source on both TP ranks, hands ``nccl.m2n``
+each rank's own blocks in order with the meshes we declared, calls the engines from rank 0
+only, and refuses to start without ``nccl.m2n`` before calling them. Stand-ins in those tests: the rendezvous, the
+destination-plan broadcast and ``nccl.m2n``. Not verified: any NCCL call: this machine has no
+GPU, the lent one has a single GPU, no vLLM and no ``nccl.m2n``.
+
+Not wired (the transport's sender end refuses to open, saying so): the pool drives one sender
+rank, and m2n needs every source rank in every reshard. What wiring needs, as found here:
+
+- The pool forms a group transport when it starts (``WeightPusher.form`` from
+  ``GeneratorPool``), while the other trainer ranks wait on a barrier, and an engine takes
+  ``JoinTransport`` only between pushes. So source ranks 1..A-1 must join each engine's
+  communicator then: a listener per source rank on a gloo group of the source ranks, started
+  before that barrier, that executes rank 0's "join these groups" (and again after a death,
+  when the pool forms the group anew).
+- ``GeneratorPool(transport=...)`` takes a :class:`Transport`: one whose ``open`` is bound to
+  this rank's :class:`MegatronM2NSource` is where rank 0's sender gets the plan (the engines'
+  init payload needs every name, shape and dtype before the first push).
+- Per push, rank 0 streams its source's blocks (buckets of names: ``update_payload``) and the
+  listeners reshard the same names in the same order; ``push_megatron_weights`` on ranks
+  1..A-1 must return only when rank 0's push is done (their next optimizer step would change
+  blocks still being sent).
+- One communicator per engine (see above): N engines cost the trainer N model copies of link
+  traffic, spread over its A source ranks, against one copy for the ``nccl`` broadcast after
+  its gather. m2n wins when the gather is the bottleneck (large TP / EP, few engines).
 """
 
 from __future__ import annotations
