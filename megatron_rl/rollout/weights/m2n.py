@@ -55,8 +55,8 @@ transport.
 Runtime: ``nccl.m2n`` from NVIDIA's nccl-extensions (with ``nccl4py``, NCCL >= 2.30.5); not a
 vLLM dependency. :func:`require_runtime` turns its absence into an error naming the recipe key.
 
-Verified (CPU, ``tests/unit/rollout/test_weight_m2n.py``): the placements and local blocks we publish for
-TP=2 dense and tied Llama, TP=2 Llama-4, EP=2 Llama-4 and a TP=1 rank with two query groups
+Verified (CPU, ``tests/unit/rollout/test_weight_m2n.py``): the placements and local blocks we
+publish for TP=2 dense and tied Llama, TP=2 Llama-4, EP=2 Llama-4 and a TP=1 rank with two query groups
 (real megatron shards, two gloo ranks) are exactly their placements' slices of the
 transformers model's tensors; vLLM's own layout checks (``check_transferable``,
 ``resolve_layout``, ``validate_layout``, ``check_plan_limits``) and init info dataclasses accept
