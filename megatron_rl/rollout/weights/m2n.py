@@ -70,8 +70,9 @@ only, and refuses to start without ``nccl.m2n`` before calling them. Stand-ins i
 destination-plan broadcast and ``nccl.m2n``. Not verified: any NCCL call: this machine has no
 GPU, the lent one has a single GPU, no vLLM and no ``nccl.m2n``.
 
-Not wired (the transport's sender end refuses to open, saying so): the pool drives one sender
-rank, and m2n needs every source rank in every reshard. What wiring needs, as found here:
+Not wired (the pool refuses the transport before starting engines, saying so:
+``Transport.check``): the pool drives one sender rank, and m2n needs every source rank in
+every reshard. What wiring needs, as found here:
 
 - The pool forms a group transport when it starts (``WeightPusher.form`` from
   ``GeneratorPool``), while the other trainer ranks wait on a barrier, and an engine takes
@@ -492,11 +493,11 @@ def start_trainer_engine(source: M2NWeightSource, info: M2NTrainerInitInfo, clie
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
-def open_unwired(config: Any) -> Any:
-    """The transport's sender end (``TRANSPORTS['nccl_m2n'].open``) on a machine that passed
-    the GPU check: refuses with the reason (see the module docstring: the push path does not
-    yet drive every source rank), after the runtime check so that the more basic missing
-    piece is named first."""
+def open_unwired(config: Any) -> None:
+    """The transport's check (``TRANSPORTS['nccl_m2n'].check``, run by the pool before it
+    starts engines, and by ``open``) on a machine that passed the GPU check: refuses with the
+    reason (see the module docstring: the push path does not yet drive every source rank),
+    after the runtime check so that the more basic missing piece is named first."""
     require_runtime()
     raise ValueError(
         f"{KEY} 'nccl_m2n': the trainer's source ranks are not yet driven by the weight push "

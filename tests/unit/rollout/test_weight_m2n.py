@@ -278,10 +278,12 @@ def test_the_trainer_engine_refuses_without_nccl_m2n_before_calling_the_engines(
 
 def test_the_transport_is_selectable_and_refuses_cleanly(monkeypatch):
     """``nccl_m2n`` is a recipe choice that ``auto`` never makes, with the NCCL transport's
-    placement rules; its sender end refuses on CPU, then without the runtime, naming the key."""
+    placement rules. The pool refuses it before it starts any engine: on CPU, then without the
+    runtime, then (not wired yet) saying so; each error names the key. Its ``open`` too."""
     from megatron_rl.config.errors import ConfigError
     from megatron_rl.platform import Platform, device
     from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.pool import GeneratorPool
     from megatron_rl.rollout.weights.senders import TRANSPORTS, transport_for
 
     config = RolloutConfig(placement="subprocess", weight_transport="nccl_m2n")
@@ -298,13 +300,26 @@ def test_the_transport_is_selectable_and_refuses_cleanly(monkeypatch):
     for platform in (Platform("cuda", "nccl", False), Platform("cpu", "gloo", False)):
         monkeypatch.setattr(device, "get_platform", lambda p=platform: p)
         assert RolloutConfig(placement="subprocess").resolved().weight_transport != "nccl_m2n"
+
+    class NoLaunch:  # the pool must refuse before it starts (or even reads) anything
+        def __getattr__(self, name):
+            raise AssertionError(f"launcher.{name} used")
+
+    def refused(match: str) -> None:
+        with pytest.raises(ValueError, match=f"rollout.weight_transport 'nccl_m2n'{match}"):
+            GeneratorPool("/nonexistent", config, launcher=NoLaunch())
+        with pytest.raises(ValueError, match=f"rollout.weight_transport 'nccl_m2n'{match}"):
+            transport.open(config, None, [], None)
+
     monkeypatch.setattr(device, "get_platform", lambda: Platform("cpu", "gloo", False))
-    with pytest.raises(ValueError, match="rollout.weight_transport 'nccl_m2n' needs GPUs"):
-        transport.open(config, None, [], None)
-    _no_runtime()
+    refused(" needs GPUs")
     monkeypatch.setattr(device, "get_platform", lambda: Platform("cuda", "nccl", False))
-    with pytest.raises(ValueError, match="rollout.weight_transport 'nccl_m2n' needs the nccl.m2n"):
-        transport.open(config, None, [], None)
+    try:
+        import nccl.m2n  # noqa: F401
+    except ImportError:
+        refused(" needs the nccl.m2n runtime")
+        monkeypatch.setattr(m2n, "import_m2n", lambda: object())  # as if installed
+    refused(": the trainer's source ranks are not yet driven")
 
 
 @pytest.mark.slow
