@@ -20,7 +20,7 @@ PLACEMENTS: tuple[str, ...] = ("in_process", "subprocess", "remote")
 LOGPROBS_MODES: tuple[str, ...] = ("processed_logprobs", "raw_logprobs")
 KV_ON_PUSH: tuple[str, ...] = ("keep", "recompute")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
-WEIGHT_TRANSPORTS: tuple[str, ...] = ("auto", "host", "nccl")
+WEIGHT_TRANSPORTS: tuple[str, ...] = ("auto", "host", "nccl", "nccl_m2n")
 
 
 @dataclass
@@ -91,6 +91,9 @@ class RolloutConfig:
             subprocess or remote, see ``megatron_rl.rollout.weights.nccl``) or "auto" (the default:
             "nccl" on a GPU machine when the engines have GPUs of their own, ``placement``
             subprocess or remote without ``colocate``; else "host": see :meth:`resolved`).
+            "nccl_m2n" (GPU, needs the ``nccl.m2n`` runtime; never chosen by "auto"): every
+            trainer rank sends its own shards, vLLM's ``nccl_m2n`` backend; see
+            ``megatron_rl.rollout.weights.m2n`` for what is verified and wired.
         nccl_address: the sender's address for the NCCL rendezvous (None: this host's name).
         kv_cache_gb: KV cache per engine (CPU: ``VLLM_CPU_KVCACHE_SPACE``, rounded up to whole
             GiB; GPU: bytes reserved).
@@ -155,7 +158,7 @@ class RolloutConfig:
     stop_token_ids: list[int] | None = None
     interruption: InterruptionConfig = field(default_factory=InterruptionConfig)
     weight_bucket_mb: int = 256
-    weight_transport: Literal["auto", "host", "nccl"] = "auto"
+    weight_transport: Literal["auto", "host", "nccl", "nccl_m2n"] = "auto"
     nccl_address: str | None = None
     kv_cache_gb: float = 1.0
     max_num_seqs: int = 64
@@ -185,17 +188,18 @@ class RolloutConfig:
         _check_choice("kv_on_push", self.kv_on_push, KV_ON_PUSH)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("weight_transport", self.weight_transport, WEIGHT_TRANSPORTS)
-        if self.weight_transport == "nccl" and self.placement == "in_process":
+        nccl = self.weight_transport in ("nccl", "nccl_m2n")
+        if nccl and self.placement == "in_process":
             raise ConfigError(
                 "weight_transport",
-                "'nccl' needs engines on GPUs of their own: placement 'subprocess' or "
-                "'remote', not 'in_process'",
+                f"{self.weight_transport!r} needs engines on GPUs of their own: placement "
+                "'subprocess' or 'remote', not 'in_process'",
             )
-        if self.weight_transport == "nccl" and self.colocate:
+        if nccl and self.colocate:
             raise ConfigError(
                 "weight_transport",
-                "'nccl' needs engine GPUs apart from the trainer's (NCCL has one rank per "
-                "GPU): colocate must be false",
+                f"{self.weight_transport!r} needs engine GPUs apart from the trainer's (NCCL has "
+                "one rank per GPU): colocate must be false",
             )
         if self.expert_parallel and self.tensor_parallel < 2:
             raise ConfigError(

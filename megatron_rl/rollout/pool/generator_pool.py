@@ -86,6 +86,7 @@ class GeneratorPool(RolloutClient):
         config = config.resolved()  # weight_transport "auto": decided once, here
         self.config = config
         transport = transport or transport_for(config)
+        transport.check(config)  # before any engine starts
         self.hf_dir = str(hf_dir)
         # A resumed trainer continues its numbering: the next push is initial_version + 1.
         self.version = initial_version

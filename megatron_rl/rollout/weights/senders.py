@@ -4,9 +4,11 @@ A :class:`Transport` says what both ends of one transport need: the vLLM weight-
 backend the engines build, whether they join it when built or when the pool says so (a group
 of fixed members, which the pool forms anew when they change: ``WeightPusher.form``), and
 how the pool opens its sender end (a
-:class:`~megatron_rl.rollout.weights.buckets.WeightSender`). ``TRANSPORTS`` holds the two: ``host``
-(buckets through host memory, :class:`~megatron_rl.rollout.weights.buckets.HostSender`) and ``nccl``
-(one broadcast from the trainer, :class:`~megatron_rl.rollout.weights.nccl.NcclSender`).
+:class:`~megatron_rl.rollout.weights.buckets.WeightSender`). ``TRANSPORTS`` holds three: ``host``
+(buckets through host memory, :class:`~megatron_rl.rollout.weights.buckets.HostSender`), ``nccl``
+(one broadcast from the trainer, :class:`~megatron_rl.rollout.weights.nccl.NcclSender`) and
+``nccl_m2n`` (every trainer rank sends its own shards, :mod:`megatron_rl.rollout.weights.m2n`;
+not wired to the push yet: its ``check`` refuses it, saying why, before the pool starts engines).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class Transport:
     # that the pool forms of the engines a push goes to (after a death, of them anew)
     joins_at_build: bool
     open: Opener
+    # raises (naming the recipe key) when this machine cannot run the transport: the pool
+    # calls it before it starts any engine
+    check: Callable[[RolloutConfig], None] = lambda config: None
 
 
 def _open_host(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> WeightSender:
@@ -68,12 +73,31 @@ def _open_nccl(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> W
     return sender
 
 
+def _check_m2n(config: RolloutConfig) -> None:
+    """vLLM's ``nccl_m2n``: GPUs, then the ``nccl.m2n`` runtime, then the wiring that is not
+    there yet (:func:`~megatron_rl.rollout.weights.m2n.open_unwired`); errors name the key."""
+    from megatron_rl.platform import get_platform
+    from megatron_rl.rollout.weights.m2n import open_unwired
+
+    if not get_platform().is_gpu:
+        raise ValueError("rollout.weight_transport 'nccl_m2n' needs GPUs; this machine has none")
+    open_unwired(config)
+
+
+def _open_m2n(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> WeightSender:
+    _check_m2n(config)  # raises: not wired yet
+    raise AssertionError("unreachable")
+
+
 TRANSPORTS: dict[str, Transport] = {
     "host": Transport("host", lambda config: CPU_BACKEND, True, _open_host),
     # an NCCL group has a fixed set of ranks: a dead one blocks every later broadcast
     "nccl": Transport(
         "nccl", lambda config: engine_backend(config.expert_parallel), False, _open_nccl
     ),
+    # vLLM's own engine (its fallback load_weights places experts on EP engines), one group
+    # per engine (vLLM ranks a worker by its place in its own engine): see m2n.py
+    "nccl_m2n": Transport("nccl_m2n", lambda config: "nccl_m2n", False, _open_m2n, _check_m2n),
 }
 
 
