@@ -29,7 +29,7 @@ def test_engine_stall_timeout_is_checked():
 @pytest.fixture
 def beating_pool(tmp_path):
     """The real pool over fake engine "processes" on real pipes (test_rollout_elastic's)."""
-    from test_rollout_elastic import FakeEngines
+    from support.fake_engines import FakeEngines
 
     from megatron_rl.rollout.pool import GeneratorPool
 
@@ -65,11 +65,11 @@ def test_silence_or_one_endless_step_counts_as_a_stall(beating_pool, caplog):
     """Engine 1 beats but reports one step under way for longer than the timeout (a frozen
     worker); engine 0 goes silent after its first beats (SIGSTOP): both are restarted,
     and the requests they held are resubmitted."""
-    from test_rollout_elastic import _submitted
+    from support.fake_engines import submitted
 
     pool, fakes = beating_pool
     pool.submit([[10, 11], [12]], seeds=[1, 2])
-    held = {(s.prompt_index, s.sample_index) for h in pool.engine_handles() for s in _submitted(h)}
+    held = {(s.prompt_index, s.sample_index) for h in pool.engine_handles() for s in submitted(h)}
     with caplog.at_level(logging.WARNING, logger=POOL_LOGGER):
         start = time.monotonic()
         fakes.writers[0].put(Alive(0, 0.0))  # engine 0 beats once, then falls silent
@@ -87,7 +87,7 @@ def test_silence_or_one_endless_step_counts_as_a_stall(beating_pool, caplog):
     assert "vLLM engine 0 (pid -1) sent nothing for 1 s" in caplog.text
     assert "rollout.engine_stall_timeout 1 s): stalled" in caplog.text
     handles = pool.engine_handles()  # both restarted: what they were given is what was held
-    resubmitted = {(s.prompt_index, s.sample_index) for h in handles for s in _submitted(h)}
+    resubmitted = {(s.prompt_index, s.sample_index) for h in handles for s in submitted(h)}
     assert resubmitted == held
     stopped._conn.close()
 

@@ -123,7 +123,7 @@ def test_both_pools_meet_the_rollout_client_interface():
 def test_the_emulated_pool_pushes_like_the_real_one():
     """A push advances the version by one (or to the emulator's trainer's count) and
     reports its seconds in PushStats, the cost model's; a reweigh changes nothing."""
-    from test_simulation import TINY_LENGTHS, tiny_costs
+    from support.tiny_sim import TINY_LENGTHS, tiny_costs
 
     from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.samples import PushStats
@@ -154,3 +154,15 @@ def test_no_test_reaches_into_a_pool():
             ):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_tests_import_helpers_from_support_or_their_own_directory():
+    """A test module imported by another is found only when its directory is on sys.path,
+    which depends on what else was collected: shared helpers live in tests/support/."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("test_"):
+                if not (path.parent / f"{node.module}.py").exists():
+                    offenders.append(f"{path.relative_to(ROOT)}: from {node.module} import ...")
+    assert not offenders, offenders

@@ -7,27 +7,22 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-import os
-import pickle
 import queue
-import struct
 import threading
 from types import SimpleNamespace
 
 import pytest
+from support.fake_engines import FakeEngines, FakeHandle, channel, die_writing, submitted
 
 from megatron_rl.rollout.client import WeightsNeeded
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.messages import (
-    Event,
     JoinTransport,
     Push,
     Pushed,
     Ready,
     SamplesDone,
     StatusReport,
-    Stop,
-    Submit,
     TransportJoined,
 )
 from megatron_rl.rollout.pool import GeneratorPool
@@ -37,34 +32,17 @@ from megatron_rl.rollout.samples import Sample
 from megatron_rl.rollout.wire import EventChannels, EventWriter
 
 
-def _channel(channels: EventChannels, index: int) -> EventWriter:
-    reader, writer = multiprocessing.Pipe(duplex=False)
-    channels.add(index, reader)
-    return EventWriter(writer)
-
-
-def _die_writing(writer: EventWriter, event: Event | None) -> None:
-    """The engine process is killed: what it put so far is written, then ``event`` (if any)
-    only half, then its end of the pipe closes."""
-    writer.flush()
-    if event is not None:
-        data = pickle.dumps(event)
-        frame = struct.pack("!Q", len(data)) + data
-        os.write(writer._conn.fileno(), frame[: len(frame) // 2])
-    writer._conn.close()
-
-
 def test_a_dead_writers_complete_events_are_read_and_its_half_message_dropped():
     channels = EventChannels()
     reader, conn = multiprocessing.Pipe(duplex=False)
     channels.add(0, reader)
-    other = _channel(channels, 1)
+    other = channel(channels, 1)
     writer = EventWriter(conn)
     sample = Sample(3, 1, [1, 2], [5], [-0.5], [0], [True], "stop")
     writer.put(SamplesDone(0, [sample], 0))
     writer.put(StatusReport(0, {"n": 1}))
     other.put(Ready(1, 64))
-    _die_writing(writer, SamplesDone(0, [Sample(3, 2, [1])], 0))
+    die_writing(writer, SamplesDone(0, [Sample(3, 2, [1])], 0))
     got = []
     while True:
         try:
@@ -83,7 +61,7 @@ def test_a_dead_writers_complete_events_are_read_and_its_half_message_dropped():
 
 def test_drain_returns_the_unread_events_of_one_engine_in_order():
     channels = EventChannels()
-    a, b = _channel(channels, 0), _channel(channels, 1)
+    a, b = channel(channels, 0), channel(channels, 1)
     for n in range(3):
         a.put(StatusReport(0, {"n": n}))
         b.put(StatusReport(1, {"n": n}))
@@ -153,75 +131,6 @@ def test_fanout_drops_a_dead_engines_lane_and_delivers_to_the_others():
 # -- the pool's bookkeeping, on fake engines ------------------------------------------------
 
 
-class FakeHandle:
-    """Engine i's "process" is this test, which reads its commands and writes its events
-    into a real pipe; alive until killed, or until told to stop."""
-
-    def __init__(self, index: int, channels: EventChannels, log_path: str | None = None):
-        self.index, self.log_path, self.channels = index, log_path, channels
-        self.commands, self.weights = queue.Queue(), queue.Queue(2)
-        self.alive, self.exitcode, self.pid = True, None, -1
-
-    def send(self, command):
-        self.commands.put(command)
-
-    def put_weights(self, item, timeout=None):
-        self.weights.put(item, timeout=timeout)
-
-    def is_alive(self):
-        if any(isinstance(c, Stop) for c in list(self.commands.queue)):
-            self.alive = False
-        return self.alive
-
-    def leftover_events(self):
-        return self.channels.drain(self.index)
-
-    def join(self, timeout=None):
-        pass
-
-    def terminate(self):
-        self.alive = False
-
-    def discard(self):
-        pass
-
-
-class FakeEngines:
-    """Stands in for the subprocess launcher: engine i is a :class:`FakeHandle`."""
-
-    restartable = True
-
-    def __init__(self, tmp_path):
-        self.tmp_path = tmp_path
-        self.events = EventChannels()
-        self.writers: dict[int, EventWriter] = {}
-        self.spawned: list[int] = []
-
-    def start(self, count):
-        return [self.restart(i) for i in range(count)]
-
-    def restart(self, index):
-        self.spawned.append(index)
-        self.writers[index] = _channel(self.events, index)
-        log = self.tmp_path / f"engine-{index}.log"
-        log.write_text(f"engine {index} incarnation {self.spawned.count(index)}\nboom\n")
-        handle = FakeHandle(index, self.events, str(log))
-        self._started(handle, self.writers[index])
-        return handle
-
-    def _started(self, handle, writer):
-        """The new process is up: it says so."""
-        writer.put(Ready(handle.index, 64))
-
-    def close(self):
-        self.events.close()
-
-    def kill(self, pool, index, half: Event | None = None):
-        """The process dies; ``half``: an event it was writing at that moment."""
-        _die_writing(self.writers.pop(index), half)
-        pool.engine_handles()[index].alive = False
-
-
 HF = SimpleNamespace(vocab_size=100, eos_token_id=2)
 
 
@@ -246,18 +155,6 @@ def make_fake_pool(tmp_path):
 @pytest.fixture
 def fake_pool(make_fake_pool):
     return make_fake_pool()
-
-
-def _submitted(handle) -> list:
-    """The requests handed to an engine (its handle) since the last look."""
-    specs = []
-    while True:
-        try:
-            command = handle.commands.get_nowait()
-        except queue.Empty:
-            return specs
-        if isinstance(command, Submit):
-            specs.extend(command.specs)
 
 
 def _returned(spec, version: int) -> Sample:
@@ -300,7 +197,7 @@ def test_a_dead_engines_requests_are_resubmitted_exactly_once_each(make_fake_poo
     _push_to_both(pool, fakes)  # version 4: the HF directory's weights are stale now
     indices = pool.submit([[10, 11], [12], [13, 14, 15]], seeds=[7, 8, 9])
     handles = pool.engine_handles()
-    by_engine = {i: _submitted(h) for i, h in enumerate(handles)}
+    by_engine = {i: submitted(h) for i, h in enumerate(handles)}
     assert sorted(len(s) for s in by_engine.values()) == [2, 4]
     victim = max(by_engine, key=lambda i: len(by_engine[i]))
     survivor = 1 - victim
@@ -313,7 +210,7 @@ def test_a_dead_engines_requests_are_resubmitted_exactly_once_each(make_fake_poo
         (lost[0].prompt_index, lost[0].sample_index)
     ]
     assert fakes.spawned == [0, 1, victim] and pool.restarts == 1
-    resubmitted = _submitted(handles[survivor])
+    resubmitted = submitted(handles[survivor])
     assert resubmitted == lost[1:]  # the same requests (seeds, budgets), none twice
     assert pool.in_flight == len(lost) - 1 + len(by_engine[survivor])
     # the restarted engine is up but runs stale weights: it takes nothing until reweighed
@@ -325,7 +222,7 @@ def test_a_dead_engines_requests_are_resubmitted_exactly_once_each(make_fake_poo
     thread.join(30)
     assert pushes == [4] and stats.version == pool.version == 4  # the current version
     assert not pool.needs_weights() and pool.stale_engines == []
-    assert _submitted(handles[survivor]) == []  # the reweigh went to the restarted only
+    assert submitted(handles[survivor]) == []  # the reweigh went to the restarted only
     # everything comes back once: the survivor returns its own and the resubmitted requests
     todo = by_engine[survivor] + resubmitted
     fakes.writers[survivor].put(SamplesDone(survivor, [_returned(s, 4) for s in todo], 4))
@@ -339,12 +236,12 @@ def test_requests_wait_when_no_engine_runs_the_current_weights(fake_pool):
     pool, fakes = fake_pool
     _push_to_both(pool, fakes)
     pool.submit([[10]], seeds=[1])
-    owner = next(i for i, h in enumerate(pool.engine_handles()) if _submitted(h))
+    owner = next(i for i, h in enumerate(pool.engine_handles()) if submitted(h))
     for index in (0, 1):
         fakes.kill(pool, index)
     pool.poll(timeout=0.5)  # both restarted: the request waits in the pool
     assert pool.restarts == 2 and pool.in_flight == 2 and pool.pending_requests == 2
-    assert all(_submitted(h) == [] for h in pool.engine_handles())
+    assert all(submitted(h) == [] for h in pool.engine_handles())
     pool.poll(timeout=0.5)  # the restarted engines are ready, with stale weights
     with pytest.raises(WeightsNeeded):
         pool.generate([[20]])
