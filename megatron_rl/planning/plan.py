@@ -178,7 +178,7 @@ def push_extra_bytes(shapes: ModelShapes, config) -> int:
             layer[key] = layer.get(key, 0) + p.numel * d
     head = s.vocab * s.hidden * d  # pushed in the model's dtype, like every weight
     largest, _ = largest_pushed_tensor(s, d)
-    return max([head, *layer.values()]) + config.rollout.weight_bucket_bytes + largest
+    return max([head, *layer.values()]) + config.rollout.weight_bucket_bytes_on(gpu=True) + largest
 
 
 def trainer_nvls_bytes(config, layout: Layout, dp: int, expert_dp: int) -> int:
