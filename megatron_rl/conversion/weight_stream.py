@@ -24,6 +24,11 @@ Every rank of the world must iterate the stream to the end (the gathers are coll
 other ranks yield nothing. Ranks of data-parallel replicas other than the first skip the
 gathers entirely.
 
+Where the tensors are: on the device of the model's parameters, always (the trainer's GPU,
+or the host on CPU): modelopt's rules run on the gathered shards there and nothing is copied
+to the host (:func:`_device_exporter_class`); every tensor is contiguous. The exporter is
+made once per model and dtype and reused by every later stream.
+
 Peak extra memory on the sender: one decoder layer in full (incl. all its experts) plus one
 bucket. At TP=EP=1 tensors that need no conversion alias the model's parameters (no copy):
 consume a bucket before the next optimizer step.
