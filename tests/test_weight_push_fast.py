@@ -228,3 +228,28 @@ def test_bucket_size_defaults_by_platform_and_bad_values_name_the_key(tmp_path):
         with pytest.raises(ConfigError) as err:
             load_run_config(tiny, [f"rollout.weight_bucket_mb={bad}"])
         assert "rollout.weight_bucket_mb" in str(err.value), str(err.value)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_export_stays_on_the_device_and_host_buffers_are_pinned(tiny_hf_dirs):
+    """The real device path: a CUDA model's export is CUDA tensors (no host copy); the host
+    path's buffers are pinned (shared ones registered with CUDA) and carry the values."""
+    from megatron_rl.conversion.hf import load_hf_weights
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig, host_buffer, init_distributed
+
+    init_distributed(ParallelConfig())
+    hf_dir = tiny_hf_dirs["tiny-llama"]
+    config = ModelConfig(hf_path=hf_dir, dtype="float32", layer_spec="local")
+    model = build_model(config, ParallelConfig())
+    load_hf_weights(model, hf_dir, torch.float32)
+    with torch.no_grad():
+        bucket = [item for b in iter_hf_weights(model, 2**30) for item in b]
+    assert {t.device.type for _, t in bucket} == {"cuda"}
+    assert host_buffer(1024).is_pinned() and host_buffer(1024, shared=True).is_pinned()
+    update = HostSender("subprocess").pack(bucket)
+    views = unpack_views(
+        update["buffer"], update["dtype_names"], update["shapes"], update["offsets"]
+    )
+    assert all(torch.equal(v, t.cpu()) for v, (_, t) in zip(views, bucket))
