@@ -14,9 +14,10 @@ from typing import Literal
 from megatron_rl.config.errors import ConfigError
 
 # rollout.weight_bucket_mb when unset. GPU: 1 GiB (vLLM's own packed-broadcast default; a
-# Scout push is ~850 rounds at 256 MiB, ~210 at 1 GiB). CPU: 256 MiB: the host path's
-# cost per bucket is ~1 ms (tools/bench_weight_push.py), so bigger buckets gain nothing
-# there and cost host memory (each engine process maps about two).
+# Scout push is ~850 header / broadcast rounds at 256 MiB, ~210 at 1 GiB). CPU: 256 MiB: a
+# ~500 MB fp32 push into one engine took the same time within the 2-core test machine's
+# noise at 64, 256 and 1024 MiB (tools/bench_weight_push.py --bucket-mb; vLLM's reload is
+# >90% of it), and the stream holds two buckets of gathered tensors at TP / EP > 1.
 BUCKET_MB_GPU = 1024
 BUCKET_MB_CPU = 256
 
