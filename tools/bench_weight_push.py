@@ -1,20 +1,23 @@
-"""Weight push Megatron -> vLLM engines: push time vs the number of engines (the fan-out).
+"""Weight push Megatron -> vLLM engines: push time against a memcpy of the same bytes.
 
-Builds a random Llama (default ~64 MB in fp32: bytes dominate, not per-tensor overheads) as an
-HF directory, loads it into a one-rank Megatron model, exports its weights once (HF names,
-``--bucket-mb`` buckets), then for every engine count starts a pool of that many engines and
-times full pushes of those buckets (pack + transport + every engine's vLLM reload; the export
-is timed apart, once), then checks that every engine has the trainer's weights. The push should grow well under linearly in the number of engines:
-a bucket is packed once and sent to all engines at the same time. Prints t(n) / t(1).
+For each model size (``--sizes``, MB of fp32 weights: a random Llama made as an HF directory
+and loaded into a one-rank Megatron model) and each placement, starts a pool and times full
+pushes with ``push_megatron_weights``, as the trainer pushes: the export (HF names from the
+Megatron shards), packing, transport and every engine's vLLM reload, from the first bucket
+to the last engine's ack. Prints per row: bytes, buckets, the best and median push, GB/s,
+a plain ``copy_`` of the same bytes (``parity.copy_seconds``), push / memcpy, the longest
+engine pause (vLLM's reload, the engine's part), the push beyond that pause (ours: export,
+packing, transport, commands, acks) and the export alone (the stream iterated without a
+pool), then checks that every engine serves the trainer's weights.
 
-Also prints the CPU time per push of the pool (this process: packing and sending) and of the
-engine processes together (receiving and vLLM's reload: each engine loads its own copy, so
-on a machine with fewer cores than engines this part grows with the engine count), the time
-of a plain ``copy_`` of the same bytes, and the load average: run it on a quiet machine.
+The fixed cost per push (pause, commands, acks, exporter set-up: what a push costs beyond
+its bytes) is the intercept at 0 bytes of the line through the best push times of the
+smallest and the largest size (per placement and engine count); needs two sizes.
 
-Usage: python tools/bench_weight_push.py [--engines 1,2,4] [--placement subprocess]
-           [--hidden 512] [--layers 2] [--ffn 2048] [--vocab 8000]
-           [--bucket-mb 16] [--repeats 3] [--json]
+Usage: python tools/bench_weight_push.py [--sizes 14,500] [--placements in_process,subprocess]
+           [--engines 1] [--bucket-mb N] [--repeats 5] [--json]
+Defaults run in about 3 minutes on a 2-core CPU; run it on a quiet machine (the load
+average is printed).
 """
 
 from __future__ import annotations
@@ -25,134 +28,176 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
+
+
+def model_dims(megabytes: float) -> dict[str, int]:
+    """Llama dimensions of about ``megabytes`` MB of fp32 weights (head_dim 64, as vLLM's
+    CPU attention needs; GQA 4:1): hidden 256 below 100 MB (the vocabulary grows), hidden
+    1024 above (the layers grow)."""
+    hidden, ffn = (256, 1024) if megabytes < 100 else (1024, 4096)
+    heads = hidden // 64
+    kv = max(1, heads // 4)
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv * 64 + 3 * hidden * ffn + 2 * hidden
+    params = megabytes * 1e6 / 4
+    if megabytes < 100:
+        layers = 2
+        vocab = max(256, int((params - layers * per_layer) / (2 * hidden)))
+    else:
+        vocab = 16000
+        layers = max(1, round((params - 2 * vocab * hidden) / per_layer))
+    return {
+        "hidden": hidden,
+        "ffn": ffn,
+        "heads": heads,
+        "kv": kv,
+        "layers": layers,
+        "vocab": vocab,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", default="1,2,4", help="engine counts, comma-separated")
-    parser.add_argument("--placement", choices=["in_process", "subprocess"], default="subprocess")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--bucket-mb", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sizes", default="14,500", help="model sizes in MB, comma-separated")
+    parser.add_argument("--placements", default="in_process,subprocess")
+    parser.add_argument("--engines", default="1", help="engine counts, comma-separated")
+    parser.add_argument(
+        "--bucket-mb", type=int, default=None, help="default: rollout.weight_bucket_mb's"
+    )
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    sizes = [float(s) for s in args.sizes.split(",")]
     counts = [int(n) for n in args.engines.split(",")]
+    placements = args.placements.split(",")
     if not counts or min(counts) < 1:
         parser.error(f"--engines must list engine counts >= 1, got {args.engines!r}")
+    if min(sizes) <= 0:
+        parser.error(f"--sizes must be positive, got {args.sizes!r}")
+    if not set(placements) <= {"in_process", "subprocess"}:
+        parser.error(f"--placements: in_process and/or subprocess, got {args.placements!r}")
 
-    from megatron_rl.conversion.weight_stream import iter_hf_weights
-    from megatron_rl.models import make_hf_model, preset_hf_config
     from megatron_rl.platform import ParallelConfig, init_distributed
-    from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.parity import copy_seconds, megatron_from_hf, perturb_
-    from megatron_rl.rollout.pool import GeneratorPool
 
-    heads = args.hidden // 64  # vLLM's CPU attention needs head_dim 64
-    config = preset_hf_config(
-        "tiny-llama",
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        intermediate_size=args.ffn,
-        vocab_size=args.vocab,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 4),
-    )
-    bucket_bytes = args.bucket_mb * 2**20
-    rows = []
-    with tempfile.TemporaryDirectory() as hf_dir:
-        make_hf_model(config, hf_dir, seed=0)
-        init_distributed(ParallelConfig())
-        model = megatron_from_hf(hf_dir)
-        perturb_(model, seed=1, noise=0.5)  # a push that changes what the engines generate
-        start = time.perf_counter()
-        buckets = [
-            [(name, tensor.clone()) for name, tensor in bucket]
-            for bucket in iter_hf_weights(model, bucket_bytes)
-        ]
-        export = time.perf_counter() - start
-        for count in counts:
-            rollout = RolloutConfig(
-                engines=count,
-                placement=args.placement,
-                dtype="float32",
-                max_num_seqs=4,
-                weight_bucket_mb=args.bucket_mb,
-            )
-            with GeneratorPool(hf_dir, rollout) as pool:
-                pool.push_weights(iter(buckets))  # warm-up
-                load = os.getloadavg()[0]
-                cpu = cpu_seconds(pool)
-                pushes = [pool.push_weights(iter(buckets)) for _ in range(args.repeats)]
-                pool_cpu, engines_cpu = (b - a for a, b in zip(cpu, cpu_seconds(pool)))
-                check_engines_run_the_trainers_weights(pool, model, count)
-            rows.append(
-                {
-                    "engines": count,
-                    "push_seconds": statistics.median(p.seconds for p in pushes),
-                    "best_push_seconds": min(p.seconds for p in pushes),
-                    "engine_paused_seconds": statistics.median(p.load_seconds for p in pushes),
-                    "pool_cpu_seconds": pool_cpu / args.repeats,
-                    "engines_cpu_seconds": engines_cpu / args.repeats,
-                    "load_average_1min": load,
-                }
-            )
-    nbytes = pushes[0].bytes
-    base = rows[0]["best_push_seconds"]  # the best of the repeats: least disturbed
-    for row in rows:
-        row["ratio_to_first"] = row["best_push_seconds"] / base
-    result = {
-        "bytes": nbytes,
-        "buckets": pushes[0].buckets,
-        "placement": args.placement,
-        "bucket_mb": args.bucket_mb,
-        "export_seconds": export,
-        "copy_seconds": copy_seconds(nbytes),
-        "cpus": os.cpu_count(),
-        "rows": rows,
-    }
+    init_distributed(ParallelConfig())
+    rows = [row for size in sizes for row in bench_size(size, placements, counts, args)]
+    fixed = fixed_costs(rows)
+    result = {"cpus": os.cpu_count(), "rows": rows, "fixed_ms": fixed}
     if args.json:
         print(json.dumps(result, indent=2))
         return
     print(
-        f"push of {nbytes / 1e6:.0f} MB in {result['buckets']} bucket(s) of {args.bucket_mb} MiB "
-        f"({args.placement}, {result['cpus']} CPUs); export alone {export:.3f} s, "
-        f"plain copy {result['copy_seconds']:.4f} s"
+        f"{'MB':>6} {'placement':>10} {'eng':>3} {'bytes':>11} {'bkts':>4} {'push ms':>8} "
+        f"{'median':>8} {'GB/s':>6} {'memcpy ms':>9} {'push/cp':>7} {'paused ms':>9} "
+        f"{'beyond ms':>9} {'export ms':>9} {'load':>5}"
     )
-    print(
-        f"{'engines':>7} {'push s':>8} {'best s':>8} {'t(n)/t(1st)':>11} {'paused s':>9} "
-        f"{'pool cpu s':>10} {'engines cpu s':>13} {'load avg':>8}"
-    )
-    for row in rows:
+    for r in rows:
         print(
-            f"{row['engines']:>7} {row['push_seconds']:>8.3f} {row['best_push_seconds']:>8.3f} "
-            f"{row['ratio_to_first']:>11.2f} "
-            f"{row['engine_paused_seconds']:>9.3f} {row['pool_cpu_seconds']:>10.3f} "
-            f"{row['engines_cpu_seconds']:>13.3f} {row['load_average_1min']:>8.2f}"
+            f"{r['megabytes']:>6.0f} {r['placement']:>10} {r['engines']:>3} {r['bytes']:>11} "
+            f"{r['buckets']:>4} {r['push_ms']:>8.1f} {r['median_push_ms']:>8.1f} "
+            f"{r['gb_per_second']:>6.2f} {r['copy_ms']:>9.2f} {r['push_to_copy_ratio']:>7.1f} "
+            f"{r['engine_paused_ms']:>9.1f} {r['beyond_pause_ms']:>9.1f} {r['export_ms']:>9.1f} "
+            f"{r['load_average']:>5.2f}"
         )
+    for key, ms in fixed.items():
+        print(f"fixed cost per push ({key}): {ms:.1f} ms (intercept at 0 bytes)")
     print(
-        "push s / best s: median / best wall time of a push (t(n) / t(1st): of the best); "
-        "paused s: the longest engine pause; cpu s: per push"
+        "push ms: best of the repeats (median beside it), export to the last engine's ack; "
+        "paused ms: the longest engine pause (vLLM's reload); beyond ms: the push beyond that "
+        "pause (ours: export, packing, transport, commands, acks); export ms: the stream alone"
     )
 
 
-def cpu_seconds(pool) -> tuple[float, float]:
-    """CPU time used so far by this process (the pool: packing and sending) and by all the
-    pool's engine processes together (receiving and vLLM's reload); engines in this process
-    count as this process."""
-    import resource
+def bench_size(megabytes: float, placements, counts, args) -> list[dict]:
+    """Rows for one model size: every placement x engine count."""
+    import torch
 
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    engines = 0.0
-    for engine in pool._engines:  # a tool's look inside: the engine processes' ids
-        pid = engine.handle.pid
-        if pid is not None and pid != os.getpid():
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            engines += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return usage.ru_utime + usage.ru_stime, engines
+    from megatron_rl.conversion.weight_stream import iter_hf_weights
+    from megatron_rl.models import make_hf_model, preset_hf_config
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.parity import copy_seconds, megatron_from_hf, perturb_
+    from megatron_rl.rollout.pool import GeneratorPool
+    from megatron_rl.rollout.weights.push import push_megatron_weights
+
+    dims = model_dims(megabytes)
+    config = preset_hf_config(
+        "tiny-llama",
+        hidden_size=dims["hidden"],
+        num_hidden_layers=dims["layers"],
+        intermediate_size=dims["ffn"],
+        vocab_size=dims["vocab"],
+        num_attention_heads=dims["heads"],
+        num_key_value_heads=dims["kv"],
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as hf_dir:
+        make_hf_model(config, hf_dir, seed=0)
+        model = megatron_from_hf(hf_dir)
+        perturb_(model, seed=1, noise=0.5)  # a push that changes what the engines generate
+        probe = RolloutConfig(weight_bucket_mb=args.bucket_mb)
+        bucket_bytes = probe.weight_bucket_bytes
+        exports = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            with torch.no_grad():
+                for _bucket in iter_hf_weights(model, bucket_bytes):
+                    pass
+            exports.append(time.perf_counter() - start)
+        for placement in placements:
+            for count in counts:
+                rollout = RolloutConfig(
+                    engines=count,
+                    placement=placement,
+                    dtype="float32",
+                    max_num_seqs=4,
+                    weight_bucket_mb=bucket_bytes // 2**20,
+                )
+                with GeneratorPool(hf_dir, rollout) as pool, torch.no_grad():
+                    push_megatron_weights(pool, model)  # warm-up
+                    load = os.getloadavg()[0]
+                    pushes = [push_megatron_weights(pool, model) for _ in range(args.repeats)]
+                    check_engines_run_the_trainers_weights(pool, model, count)
+                nbytes = pushes[0].bytes
+                best = min(p.seconds for p in pushes)
+                copy = copy_seconds(nbytes)
+                rows.append(
+                    {
+                        "megabytes": megabytes,
+                        "placement": placement,
+                        "engines": count,
+                        "bytes": nbytes,
+                        "buckets": pushes[0].buckets,
+                        "bucket_mb": bucket_bytes / 2**20,
+                        "push_ms": best * 1e3,
+                        "median_push_ms": statistics.median(p.seconds for p in pushes) * 1e3,
+                        "gb_per_second": nbytes / best / 1e9,
+                        "copy_ms": copy * 1e3,
+                        "push_to_copy_ratio": best / copy,
+                        "engine_paused_ms": min(p.load_seconds for p in pushes) * 1e3,
+                        # the push beyond the engine's pause: export, packing, transport,
+                        # commands and acks (the engine's reload is vLLM's)
+                        "beyond_pause_ms": min(p.seconds - p.load_seconds for p in pushes) * 1e3,
+                        "export_ms": min(exports) * 1e3,
+                        "load_average": load,
+                    }
+                )
+    return rows
+
+
+def fixed_costs(rows: list[dict]) -> dict[str, float]:
+    """Per placement and engine count: the intercept at 0 bytes (ms) of the line through the
+    best push of the smallest and of the largest size."""
+    out = {}
+    for key in sorted({(r["placement"], r["engines"]) for r in rows}):
+        mine = sorted((r for r in rows if (r["placement"], r["engines"]) == key), key=_bytes)
+        small, large = mine[0], mine[-1]
+        if large["bytes"] > small["bytes"]:
+            slope = (large["push_ms"] - small["push_ms"]) / (large["bytes"] - small["bytes"])
+            out[f"{key[0]}, {key[1]} engine(s)"] = small["push_ms"] - slope * small["bytes"]
+    return out
+
+
+def _bytes(row: dict) -> int:
+    return row["bytes"]
 
 
 def check_engines_run_the_trainers_weights(pool, model, count: int) -> None:

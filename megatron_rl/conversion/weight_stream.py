@@ -24,6 +24,11 @@ Every rank of the world must iterate the stream to the end (the gathers are coll
 other ranks yield nothing. Ranks of data-parallel replicas other than the first skip the
 gathers entirely.
 
+Where the tensors are: on the device of the model's parameters, always (the trainer's GPU,
+or the host on CPU): modelopt's rules run on the gathered shards there and nothing is copied
+to the host (:func:`_device_exporter_class`); every tensor is contiguous. The exporter is
+made once per model and dtype and reused by every later stream.
+
 Peak extra memory on the sender: one decoder layer in full (incl. all its experts) plus one
 bucket. At TP=EP=1 tensors that need no conversion alias the model's parameters (no copy):
 consume a bucket before the next optimizer step.
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import logging
 import tempfile
@@ -228,21 +234,57 @@ def _full_tensors(module: torch.nn.Module, role: _Role):
 
 
 def _make_exporter(model, dtype: torch.dtype):
-    """modelopt's GPTModelExporter for ``model`` (its HF config written to a temp dir)."""
+    """modelopt's GPTModelExporter for ``model`` (its HF config written to a temp dir), made
+    once per model and dtype and reused by every later stream (a push paid ~10 ms for the
+    config's round trip through the disk, most of the fixed cost of a tiny model's push).
+
+    The exporter is modelopt's own with one change (:func:`_device_exporter_class`): tensors
+    stay on the device they are on."""
+    cache = model.__dict__.setdefault("_megatron_rl_hf_exporters", {})
+    exporter = cache.get(dtype)
+    if exporter is None:
+        exporter = cache[dtype] = _new_exporter(model, dtype)
+    return exporter
+
+
+def _new_exporter(model, dtype: torch.dtype):
     from megatron_rl.conversion.modelopt_bridge import modelopt_export
 
     modelopt_export()  # registers our mapping fixes
-    from modelopt.torch.export.unified_export_megatron import GPTModelExporter
-
     arch = model.architecture
     config = copy.deepcopy(arch.text_config)
     config.architectures = [arch.hf_architecture]
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
         config.save_pretrained(tmp)
-        exporter = GPTModelExporter(model, tmp, dtype=dtype)
+        exporter = _device_exporter_class()(model, tmp, dtype=dtype)
     if exporter.arch != arch.hf_architecture:
         raise ValueError(f"modelopt has no export mapping for {arch.hf_architecture}")
     return exporter
+
+
+@functools.cache
+def _device_exporter_class():
+    """modelopt's GPTModelExporter whose tensors stay on their device.
+
+    modelopt 0.47.0 reads every weight as ``module.weight.to(dtype).cpu()``
+    (``GPTModelExporter._get_weight_bias``): on a GPU every tensor of every push went through
+    pageable host memory, and the Llama-4 experts were stacked and transposed on the CPU.
+    This override is that method without ``.cpu()``; every rule (names, q/k/v and gate/up
+    slicing, expert packing) stays modelopt's and now runs where the tensors live (the
+    trainer's device). Tensors already in ``dtype`` are not copied (``to`` returns them)."""
+    from modelopt.torch.export.unified_export_megatron import GPTModelExporter
+
+    class DeviceGPTModelExporter(GPTModelExporter):
+        def _get_weight_bias(self, module, dtype=torch.float16, name_to_value=None):
+            name_to_value = {} if name_to_value is None else name_to_value
+            for name in ("weight", "bias", "expert_bias"):
+                tensor = getattr(module, name, None)
+                # as modelopt: empty placeholders (MoE routing weights) are left out
+                if isinstance(tensor, torch.Tensor) and tensor.numel() > 0:
+                    name_to_value[name] = tensor.detach().to(dtype)
+            return name_to_value
+
+    return DeviceGPTModelExporter
 
 
 def _as_is(module: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -250,7 +292,9 @@ def _as_is(module: torch.nn.Module) -> contextlib.AbstractContextManager:
 
 
 def _take(exporter) -> list[tuple[str, torch.Tensor]]:
-    items = list(exporter._state_dict.items())
+    """The exporter's tensors so far (contiguous: what a flat buffer or a broadcast needs;
+    modelopt's slices and stacks already are, so this copies nothing), and a clean exporter."""
+    items = [(name, tensor.contiguous()) for name, tensor in exporter._state_dict.items()]
     exporter._state_dict.clear()
     exporter.exclude_modules.clear()
     exporter.layer_config_dict.clear()

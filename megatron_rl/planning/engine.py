@@ -140,7 +140,7 @@ def engine_bytes(
         2 * kv * s.head_dim * d * min(length, s.chunk[i] or length) for i in range(s.layers)
     )
     largest, name = largest_pushed_tensor(s, d)
-    receive = WEIGHT_BUFFERS * (rollout.weight_bucket_bytes + largest)
+    receive = WEIGHT_BUFFERS * (rollout.weight_bucket_bytes_on(gpu=True) + largest)
     ffn = max([s.ffn] + ([s.expert_ffn * s.topk + s.shared_ffn] if s.is_moe else []))
     per_token = (2 * s.hidden + (s.heads + 2 * s.kv_heads) * s.head_dim // tp + 3 * ffn // tp) * d
     workspace = VLLM_MAX_NUM_BATCHED_TOKENS * per_token

@@ -168,7 +168,9 @@ def micro_batch_shape(config) -> tuple[int, int]:
 def push_extra_bytes(shapes: ModelShapes, config) -> int:
     """Extra memory of the trainer rank that streams a weight push
     (``megatron_rl.conversion.weight_stream``): one decoder layer in full, all experts
-    included, or the full head, plus one bucket (which may overshoot by its last tensor)."""
+    included, or the full head, plus two buckets (the one being sent and the next being built,
+    ``rollout.weights.push.prefetched``; a bucket may overshoot by its last tensor), of
+    ``rollout.weight_bucket_mb``'s GPU size."""
     s, d = shapes, DTYPE_BYTES[config.model.dtype]
     full = rank_parameters(s)
     layer = {}
@@ -178,7 +180,8 @@ def push_extra_bytes(shapes: ModelShapes, config) -> int:
             layer[key] = layer.get(key, 0) + p.numel * d
     head = s.vocab * s.hidden * d  # pushed in the model's dtype, like every weight
     largest, _ = largest_pushed_tensor(s, d)
-    return max([head, *layer.values()]) + config.rollout.weight_bucket_bytes + largest
+    bucket = config.rollout.weight_bucket_bytes_on(gpu=True) + largest
+    return max([head, *layer.values()]) + 2 * bucket
 
 
 def trainer_nvls_bytes(config, layout: Layout, dp: int, expert_dp: int) -> int:

@@ -62,7 +62,7 @@ def trainer_rows(plan: Plan, trainer: TrainerPlan | None = None) -> list[Row]:
         if value * act.in_flight >= GiB // 20:  # below 0.05 GiB: in the total, not a row
             rows.append(Row(names[key], value * act.in_flight, f"saved for backward{flight}"))
     rows.append(Row("activations: transient", act.transient, act.transient_what))
-    push_note = "rank 0 streams one full layer + a bucket, between steps"
+    push_note = "rank 0 streams one full layer + two buckets, between steps"
     if t.push_extra > act.peak:
         rows.append(Row("weight push, beyond activations", t.push_extra - act.peak, push_note))
     else:

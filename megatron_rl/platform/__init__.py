@@ -19,6 +19,7 @@ _EXPORTS = {
     "destroy_distributed": "megatron_rl.platform.parallel",
     "exit_with_parent": "megatron_rl.platform.parallel",
     "free_port": "megatron_rl.platform.parallel",
+    "host_buffer": "megatron_rl.platform.device",
     "init_distributed": "megatron_rl.platform.parallel",
     "local_device_count": "megatron_rl.platform.device",
     "local_rank": "megatron_rl.platform.launcher",

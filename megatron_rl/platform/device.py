@@ -74,6 +74,29 @@ def set_thread_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def host_buffer(nbytes: int, shared: bool = False) -> torch.Tensor:
+    """A flat uint8 host buffer of ``nbytes`` for data that must pass through host memory
+    (weight buckets to engines in other processes or on other hosts). ``shared``: in shared
+    memory, sendable to another process through ``torch.multiprocessing`` (as a file
+    descriptor, no copy). On a GPU machine the buffer is pinned (page-locked: device copies
+    into it run at the link's speed, asynchronously); on a CPU machine it is plain memory.
+    Pinned shared memory stays registered with CUDA as long as the returned tensor lives."""
+    if not shared:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=get_platform().is_gpu)
+    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+    buffer = torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
+    if get_platform().is_gpu and nbytes:
+        import weakref
+
+        cudart = torch.cuda.cudart()
+        pointer = buffer.data_ptr()
+        error = cudart.cudaHostRegister(pointer, nbytes, 1)  # portable
+        if int(error) != 0:
+            raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte shared buffer: error {error}")
+        weakref.finalize(buffer, cudart.cudaHostUnregister, pointer)
+    return buffer
+
+
 def local_device_count() -> int | None:
     """GPUs on this node, for tools that start one local rank per GPU; None on CPU, where
     local ranks share the cores and any number fits."""

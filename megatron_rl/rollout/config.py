@@ -13,6 +13,14 @@ from typing import Literal
 
 from megatron_rl.config.errors import ConfigError
 
+# rollout.weight_bucket_mb when unset. GPU: 1 GiB (vLLM's own packed-broadcast default; a
+# Scout push is ~850 header / broadcast rounds at 256 MiB, ~210 at 1 GiB). CPU: 256 MiB: a
+# ~500 MB fp32 push into one engine took the same time within the 2-core test machine's
+# noise at 64, 256 and 1024 MiB (tools/bench_weight_push.py --bucket-mb; vLLM's reload is
+# >90% of it), and the stream holds two buckets of gathered tensors at TP / EP > 1.
+BUCKET_MB_GPU = 1024
+BUCKET_MB_CPU = 256
+
 DEFAULT_INTERRUPTION_TEXT = (
     "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 )
@@ -82,7 +90,11 @@ class RolloutConfig:
             KV cache is recomputed by the new weights before they continue).
         stop_token_ids: tokens that end a sample; None = the model's EOS token(s).
         interruption: forced length interruption.
-        weight_bucket_mb: size of the buckets in which weights are streamed.
+        weight_bucket_mb: size of the buckets in which weights are streamed (MiB); null (the
+            default): 1024 on a GPU machine, 256 on a CPU one (the platform layer decides:
+            ``weight_bucket_bytes``). Bigger buckets mean fewer header / load rounds per push;
+            the sender holds two buckets at a time (one sent, the next built) and each
+            engine's receive buffers hold about two.
         weight_transport: how buckets reach the engines: "host" (through host memory: the
             trainer's tensors in process, shared memory to engine processes, TCP to remote
             engines; each bucket packed once and sent to all engines at the same time; vLLM
@@ -157,7 +169,7 @@ class RolloutConfig:
     kv_on_push: Literal["keep", "recompute"] = "keep"
     stop_token_ids: list[int] | None = None
     interruption: InterruptionConfig = field(default_factory=InterruptionConfig)
-    weight_bucket_mb: int = 256
+    weight_bucket_mb: int | None = None
     weight_transport: Literal["auto", "host", "nccl", "nccl_m2n"] = "auto"
     nccl_address: str | None = None
     kv_cache_gb: float = 1.0
@@ -179,7 +191,17 @@ class RolloutConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        positive = ("engines", "samples_per_prompt", "max_tokens", "weight_bucket_mb")
+        if self.weight_bucket_mb is not None and (
+            isinstance(self.weight_bucket_mb, bool)
+            or not isinstance(self.weight_bucket_mb, int)
+            or self.weight_bucket_mb < 1
+        ):
+            raise ConfigError(
+                "weight_bucket_mb",
+                f"must be a whole number of MiB >= 1 (or null: {BUCKET_MB_GPU} on GPU, "
+                f"{BUCKET_MB_CPU} on CPU), got {self.weight_bucket_mb!r}",
+            )
+        positive = ("engines", "samples_per_prompt", "max_tokens")
         for name in (*positive, "max_num_seqs", "tensor_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
@@ -263,7 +285,20 @@ class RolloutConfig:
 
     @property
     def weight_bucket_bytes(self) -> int:
-        return self.weight_bucket_mb * 2**20
+        """``weight_bucket_mb`` in bytes; unset: this machine's default (the platform layer
+        says whether it has GPUs)."""
+        if self.weight_bucket_mb is not None:
+            return self.weight_bucket_mb * 2**20
+        from megatron_rl.platform import get_platform
+
+        return self.weight_bucket_bytes_on(get_platform().is_gpu)
+
+    def weight_bucket_bytes_on(self, gpu: bool) -> int:
+        """``weight_bucket_mb`` in bytes, unset resolved for a GPU (``gpu``) or CPU machine
+        (memory plans are made for the GPU cluster, on any machine)."""
+        if self.weight_bucket_mb is not None:
+            return self.weight_bucket_mb * 2**20
+        return (BUCKET_MB_GPU if gpu else BUCKET_MB_CPU) * 2**20
 
     def resolved(self) -> RolloutConfig:
         """This config with ``weight_transport: auto`` decided for this machine (the platform

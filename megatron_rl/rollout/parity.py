@@ -39,7 +39,7 @@ class ParityOptions:
     samples: int = 2
     prompt_tokens: int = 8
     max_tokens: int = 40
-    bucket_mb: float = 1.0
+    bucket_mb: float | None = None  # None: rollout.weight_bucket_mb's default (the platform's)
     placement: str | None = None  # default: in_process with one rank, else subprocess
     transport: str = "host"  # rollout.weight_transport; nccl: the engine gets GPU `world`
     dtype: str = "float32"  # of both sides; the LM head runs in FP32 on both
@@ -77,7 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=2, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=40)
-    parser.add_argument("--bucket-mb", type=float, default=1.0, help="weight bucket size (MiB)")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="weight bucket size (MiB); default: rollout.weight_bucket_mb's (1024 GPU, 256 CPU)",
+    )
     parser.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
@@ -208,7 +213,8 @@ def parity_rank(world: int, options: ParityOptions) -> ParityResult | None:
         pool = GeneratorPool(options.hf_dir, config)
     prompts = _prompts(options, model.architecture.vocab_size)
     before = _compare(model, pool, prompts)
-    stats = push_megatron_weights(pool, model, bucket_bytes=int(options.bucket_mb * 2**20))
+    bucket_bytes = None if options.bucket_mb is None else int(options.bucket_mb * 2**20)
+    stats = push_megatron_weights(pool, model, bucket_bytes=bucket_bytes)
     after = _compare(model, pool, prompts)
     if pool is None:
         return None

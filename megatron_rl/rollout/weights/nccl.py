@@ -283,8 +283,9 @@ class NcclSender:
         )
 
     def on_device(self, item: tuple[str, torch.Tensor]) -> torch.Tensor:
-        """A bucket tensor on the sender's device, where vLLM packs and broadcasts it (the
-        stream mixes host tensors, as modelopt's exporter returns, with CUDA ones)."""
+        """A bucket tensor on the sender's device, where vLLM packs and broadcasts it. The
+        stream's tensors are already there (``weight_stream`` keeps them on the trainer's
+        device): then this is the tensor itself, no copy."""
         return item[1].to(self.device, non_blocking=True)
 
     def pack(self, bucket: WeightBucket) -> dict[str, Any]:
