@@ -108,8 +108,11 @@ from vllm.distributed.weight_transfer.m2n_common import (
     Placements,
     check_plan_limits,
     check_transferable,
+    comm_ptr,
     import_m2n,
     resolve_layout,
+    to_mesh,
+    to_placements,
     validate_layout,
 )
 from vllm.distributed.weight_transfer.m2n_engine import (
@@ -285,6 +288,14 @@ class MegatronM2NSource(M2NWeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for entry in self._entries:
             yield entry.meta.name, entry.local()
+
+    def blocks(self, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
+        """This rank's blocks of ``names`` (in that order), read from the live parameters."""
+        by_name = {e.meta.name: e for e in self._entries}
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise ValueError(f"nccl_m2n: no HF tensor named {unknown} in this rank's source")
+        return [(n, by_name[n].local()) for n in names]
 
     # -- the map ----------------------------------------------------------------------------
     def _param(self, param: torch.Tensor) -> torch.Tensor:
@@ -493,14 +504,33 @@ def start_trainer_engine(source: M2NWeightSource, info: M2NTrainerInitInfo, clie
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
-def open_unwired(config: Any) -> None:
-    """The transport's check (``TRANSPORTS['nccl_m2n'].check``, run by the pool before it
-    starts engines, and by ``open``) on a machine that passed the GPU check: refuses with the
-    reason (see the module docstring: the push path does not yet drive every source rank),
-    after the runtime check so that the more basic missing piece is named first."""
-    require_runtime()
-    raise ValueError(
-        f"{KEY} 'nccl_m2n': the trainer's source ranks are not yet driven by the weight push "
-        "(megatron_rl.rollout.weights.m2n: placements, init infos and vLLM's trainer engine "
-        "are in place); use 'nccl'"
-    )
+def send_blocks(engine: Any, blocks: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Reshard ``blocks`` (this rank's, named as in the source's metadata) over the
+    communicator of ``engine`` (vLLM's trainer engine from :func:`start_trainer_engine`),
+    each into the destination the engine's workers planned for it: what vLLM 0.32's
+    ``M2NTrainerWeightTransferEngine._send`` does for the whole source in one round, here for
+    one bucket of it (its public ``send_weights`` would also drive the engines' update RPCs,
+    which our pool announces itself, bucket by bucket). Every source rank must call this with
+    the same names in the same order: m2n's reshard is collective over the communicator."""
+    m2n = engine._m2n
+    comm = comm_ptr(engine.group)
+    stream = torch.cuda.current_stream()
+    positions = {meta.name: i for i, meta in enumerate(engine._metas)}
+    for name, block in blocks:
+        index = positions[name]
+        shard = block.detach().contiguous()
+        src_mesh, src_placements = resolve_layout(engine._src_mesh, engine._metas[index].placements)
+        dst_mesh, dst_placements = resolve_layout(engine._dst_mesh, engine._dst_placements[index])
+        m2n.reshard(
+            shard,
+            None,
+            comm,
+            stream,
+            src_mesh=to_mesh(m2n, src_mesh),
+            src_placements=to_placements(m2n, src_placements),
+            dst_mesh=to_mesh(m2n, dst_mesh),
+            dst_placements=to_placements(m2n, dst_placements),
+            handle=engine._handle,
+        )
+        shard.record_stream(stream)  # m2n keeps the pointer for its asynchronous work
+    stream.synchronize()  # the caller may change the parameters once this returns

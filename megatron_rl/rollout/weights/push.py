@@ -27,6 +27,10 @@ def push_megatron_weights(
     passes it, the others pass None. Returns the push statistics on the sender, else None.
     ``between``: see ``GeneratorPool.push_weights`` (not used by a reweigh).
     """
+    from megatron_rl.rollout.weights import m2n_ranks
+
+    if (ranks := m2n_ranks.current()) is not None:  # nccl_m2n: own shards, no HF stream
+        return ranks.push(pool, reweigh, between)
     buckets = iter_hf_weights(model, bucket_bytes=bucket_bytes, dtype=dtype)
     if pool is None:
         for bucket in buckets:
