@@ -305,9 +305,11 @@ def test_every_source_rank_joins_each_engine_when_the_pool_forms_its_transport(r
     assert len(set(ports)) == 2
     assert _joins(first) == [("join", p, 3, 0) for p in ports]
     assert _joins(second) == [("join", p, 3, 1) for p in ports]
-    started = ranks[0]["joins"][:2]  # the first two joins, at the pool's start
-    assert [(e, inc) for e, inc, _ in started] == [(0, 1), (1, 1)]
-    for (_, _, payload), port in zip(started, ports):
+    # the engines record their joins on threads of their own: matched by port, not order
+    by_port = {p["master_port"]: (e, inc, p) for e, inc, p in ranks[0]["joins"]}
+    for engine, port in enumerate(ports):
+        assert by_port[port][:2] == (engine, 1)
+        payload = by_port[port][2]
         assert (payload["master_port"], payload["rank_offset"], payload["world_size"]) == (
             port,
             2,
@@ -377,17 +379,13 @@ def test_a_death_makes_every_source_rank_leave_and_join_the_new_group(ranks, tin
                 assert _same(sent[port], _expected(ref, metas, rank, plus=1.0)), (name, port)
         expected_joins[name] = ports
         old = ports
-    # the pool: engine 1's second incarnation and engine 0's first joined at push2, engine
-    # 0's second alone at the reweigh, both current incarnations at push3
-    joins = [(e, inc, p["master_port"]) for e, inc, p in ranks[0]["joins"]]
+    # the pool: engine 0's first incarnation and engine 1's second joined at push2, engine
+    # 0's second alone at the reweigh, both current incarnations at push3 (each engine
+    # records its join on a thread of its own: matched by port)
+    joins = {p["master_port"]: (e, inc) for e, inc, p in ranks[0]["joins"]}
+    assert len(ranks[0]["joins"]) == len(joins) == 7
     push2, reweigh, push3 = (expected_joins[n] for n in ("push2", "reweigh", "push3"))
-    assert joins[2:] == [
-        (0, 1, push2[0]),
-        (1, 2, push2[1]),
-        (0, 2, reweigh[0]),
-        (0, 2, push3[0]),
-        (1, 2, push3[1]),
-    ]
+    assert [joins[p] for p in push2 + reweigh + push3] == [(0, 1), (1, 2), (0, 2), (0, 2), (1, 2)]
     versions = {n: ranks[0]["results"][n][0] for n in ("push1", "push2", "reweigh", "push3")}
     assert versions == {"push1": 1, "push2": 2, "reweigh": 2, "push3": 3}
 
