@@ -400,3 +400,39 @@ def test_data_parallel_replicas_take_no_part(ranks):
         assert all(events == [] for events in replica["events"].values())
         assert replica["streamed"] == []
         assert set(replica["results"].values()) == {None}
+
+
+def test_an_engine_loads_m2n_update_infos_that_carry_names_only():
+    """vLLM's m2n update info is the names alone (shapes and dtypes came with the init
+    payload): our engine wrapper loads it and counts its tensors and bytes from that payload
+    (it read ``shapes`` from every update, a ``KeyError`` for this transport)."""
+    from megatron_rl.rollout.engine.vllm_engine import VLLMEngine
+
+    calls = []
+
+    class Core:  # vLLM's engine: the RPCs the wrapper makes
+        def collective_rpc(self, method, kwargs=None):
+            calls.append((method, kwargs))
+
+        def reset_prefix_cache(self, **kwargs):
+            calls.append(("reset_prefix_cache", kwargs))
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.engine, engine._joined = Core(), False
+    init = {
+        "names": ["a", "b", "c"],
+        "dtype_names": ["float32", "bfloat16", "float32"],
+        "shapes": [[4, 2], [3], [5]],
+        "rank_offset": 2,
+    }
+    engine.init_transport(init)
+    updates = [{"names": ["a", "b"]}, {"names": ["c"]}]
+    assert engine.load_weights(iter(updates)) == (3, 4 * 2 * 4 + 3 * 2 + 5 * 4)
+    assert [c[0] for c in calls] == [
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "update_weights",
+        "finish_weight_update",
+    ]
+    assert [c[1]["update_info"] for c in calls[2:4]] == updates  # as vLLM's update info
