@@ -8,7 +8,6 @@ stand-ins that record, per rank, what they were handed."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 import queue
 import threading
 import time
@@ -257,11 +256,7 @@ def _wait(ready, pool, seconds: float = 30.0) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tiny_hf_dirs):
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    start = time.monotonic()
-    results = run_local_ranks(m2n_ranks_rank, 4, tiny_hf_dirs["tiny-llama"])
-    results[0]["seconds"] = time.monotonic() - start
-    return results
+    return run_local_ranks(m2n_ranks_rank, 4, tiny_hf_dirs["tiny-llama"])
 
 
 def _joins(events) -> list[tuple]:
