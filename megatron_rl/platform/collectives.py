@@ -114,13 +114,15 @@ def barrier(group=None, timeout_minutes: float | None = None, timeout_key: str =
         ) from err
 
 
-def timed_group(timeout_minutes: float):
-    """A gloo group over the world whose every wait (the ranks' side of :func:`barrier`
-    included) is bounded by ``timeout_minutes`` instead of the world's timeout. Every rank
-    calls this, at the same point, while all are still in step (None on a one-rank world)."""
+def timed_group(timeout_minutes: float, ranks: list[int] | None = None):
+    """A gloo group over the world (or over ``ranks`` only) whose every wait (the ranks' side
+    of :func:`barrier` included) is bounded by ``timeout_minutes`` instead of the world's
+    timeout. Every rank calls this, members or not, at the same point, while all are still in
+    step (None on a one-rank world)."""
     if not _active(None):
         return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
 
 
 class RankZeroWait:

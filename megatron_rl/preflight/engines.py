@@ -19,6 +19,7 @@ def check_engines(ctx: PreflightContext) -> Outcome:
     (``push_weights``: every rank), probe: trainer vs engine log-probs of samples generated
     right after the push (``trainer.probe.LogprobProbe``) against ``training.max_logprob_gap``."""
     from megatron_rl.platform import collectives
+    from megatron_rl.rollout.weights import m2n_ranks
     from megatron_rl.trainer.batch import token_multiple
     from megatron_rl.trainer.loop import push_weights, start_generators
     from megatron_rl.trainer.probe import LogprobProbe
@@ -27,11 +28,12 @@ def check_engines(ctx: PreflightContext) -> Outcome:
     wait = config.rollout.startup_timeout_minutes
     startup = collectives.timed_group(wait)
     error, t0 = None, time.perf_counter()
-    if ctx.main:
-        try:
-            ctx.pool = start_generators(run, 0)
-        except Exception as err:  # reported as this check's failure, on every rank
-            error = f"{type(err).__name__}: {err}"
+    with m2n_ranks.serving(run.model, config.rollout):  # nccl_m2n: the source ranks follow
+        if ctx.main:
+            try:
+                ctx.pool = start_generators(run, 0)
+            except Exception as err:  # reported as this check's failure, on every rank
+                error = f"{type(err).__name__}: {err}"
     error = collectives.broadcast_object(error, group=startup)
     start_seconds = time.perf_counter() - t0
     engines = config.rollout.engines

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.platform import collectives, get_platform, watchdog
 from megatron_rl.rollout.client import WeightsNeeded
+from megatron_rl.rollout.weights import m2n_ranks
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer import hf_export
 from megatron_rl.trainer.batch import TrainSample, token_multiple
@@ -178,7 +179,8 @@ class Trainer:
         # gloo group whose timeout is the start-up's, not in a collective with the world's.
         wait = config.rollout.startup_timeout_minutes
         startup = collectives.timed_group(wait)
-        self.pool = start_generators(run, self.step) if self.main else None
+        with m2n_ranks.serving(run.model, config.rollout):  # nccl_m2n: the ranks follow
+            self.pool = start_generators(run, self.step) if self.main else None
         collectives.barrier(startup, wait, timeout_key="rollout.startup_timeout_minutes")
         self.waits = rank_zero_waits(config)
         push_weights(run, self.pool)  # warm-started or resumed weights

@@ -278,6 +278,7 @@ class VLLMEngine:
         self.config = config
         self.index = index
         self._joined = False  # init_transport ran
+        self._planned: dict[str, int] = {}  # tensor bytes announced at init (nccl_m2n)
         global _live_engines
         with _ENGINE_LOCK, _preserve_process_state():
             if _live_engines == 0:  # what an engine left unclosed, e.g. after a failed start
@@ -308,6 +309,8 @@ class VLLMEngine:
             rpc("shutdown_weight_transfer_engine")
         rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
         self._joined = True
+        # nccl_m2n announces a tensor's shape and dtype here, its updates name it only
+        self._planned = _nbytes_by_name(init_info)
 
     def close(self) -> None:
         """Shut the engine down, leaving the process's torch.distributed world alone.
@@ -434,7 +437,7 @@ class VLLMEngine:
                 parts = ([update] if "names" in update else []) + update.get("ep_ranks", [])
                 for part in parts:
                     tensors += len(part["names"])
-                    nbytes += _update_nbytes(part)
+                    nbytes += _update_nbytes(part, self._planned)
         finally:
             with _ENGINE_LOCK:
                 rpc("finish_weight_update")
@@ -443,10 +446,19 @@ class VLLMEngine:
         return tensors, nbytes
 
 
-def _update_nbytes(update: dict[str, Any]) -> int:
+def _nbytes_by_name(info: dict[str, Any]) -> dict[str, int]:
+    """Bytes of each tensor an update info (or nccl_m2n's init info) describes."""
+    return {
+        name: torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+        for name, shape, dtype in zip(
+            info.get("names", []), info.get("shapes", []), info.get("dtype_names", [])
+        )
+    }
+
+
+def _update_nbytes(update: dict[str, Any], planned: dict[str, int]) -> int:
     if update.get("tensors") is not None:
         return sum(t.numel() * t.element_size() for t in update["tensors"])
-    return sum(
-        torch.Size(shape).numel() * getattr(torch, dtype).itemsize
-        for shape, dtype in zip(update["shapes"], update["dtype_names"])
-    )
+    if "shapes" not in update:  # nccl_m2n: names only, sized by its init info (``planned``)
+        return sum(planned[name] for name in update["names"])
+    return sum(_nbytes_by_name(update).values())

@@ -55,9 +55,19 @@ transport.
 Runtime: ``nccl.m2n`` from NVIDIA's nccl-extensions (with ``nccl4py``, NCCL >= 2.30.5); not a
 vLLM dependency. :func:`require_runtime` turns its absence into an error naming the recipe key.
 
+How the push drives it (:mod:`.m2n_ranks`): the pool lives on rank 0, the other source
+ranks follow it on a gloo group of the source ranks, listening around the pool's start and
+inside ``push_megatron_weights`` (every push and reweigh). When the pool forms its group
+(start, after a death, a reweigh of restarted engines), every source rank joins one
+communicator per engine through :func:`start_trainer_engine` (rank 0's client sends the
+engine its ``JoinTransport``); per bucket, rank 0 announces the names to the engines
+(:func:`update_payload`) and every source rank reshards its own blocks of them into each
+engine's communicator in turn (:func:`send_blocks`). Ranks 1..A-1 return from the push when
+rank 0's has returned; replicas return at once; nobody streams HF buckets.
+
 Verified (CPU, ``tests/unit/rollout/test_weight_m2n.py``): the placements and local blocks we
-publish for TP=2 dense and tied Llama, TP=2 Llama-4, EP=2 Llama-4 and a TP=1 rank with two query groups
-(real megatron shards, two gloo ranks) are exactly their placements' slices of the
+publish for TP=2 dense and tied Llama, TP=2 Llama-4, EP=2 Llama-4 and a TP=1 rank with two
+query groups (real megatron shards, two gloo ranks) are exactly their placements' slices of the
 transformers model's tensors; vLLM's own layout checks (``check_transferable``,
 ``resolve_layout``, ``validate_layout``, ``check_plan_limits``) and init info dataclasses accept
 them, and our worker payload equals the one vLLM's trainer engine builds; a vLLM CPU engine
@@ -66,30 +76,25 @@ for every name against its live model (all full-tensor fallbacks on CPU, whose b
 the linear weights; on GPU its RowParallelLinear loaders may take o_proj / down_proj directly:
 not checked); vLLM's trainer engine, run with our source on both TP ranks, hands ``nccl.m2n``
 each rank's own blocks in order with the meshes we declared, calls the engines from rank 0
-only, and refuses to start without ``nccl.m2n`` before calling them. Stand-ins in those tests: the rendezvous, the
-destination-plan broadcast and ``nccl.m2n``. Not verified: any NCCL call: this machine has no
-GPU, the lent one has a single GPU, no vLLM and no ``nccl.m2n``.
+only, and refuses to start without ``nccl.m2n`` before calling them. And
+(``test_weight_m2n_ranks.py``, four gloo ranks TP 2 x DP 2, the real pool on fake engines):
+both source ranks join each engine's communicator when the pool starts, leave and join anew
+when a death or a reweigh re-forms the group, hand m2n their own blocks (live: updated weights
+in later pushes) once per engine communicator in the same order, rank 0 alone announcing every
+name once per engine; the replicas join, send and stream nothing. Stand-ins in those tests:
+the rendezvous, the destination-plan broadcast, the raw communicator and ``nccl.m2n``.
 
-Not wired (the pool refuses the transport before starting engines, saying so:
-``Transport.check``): the pool drives one sender rank, and m2n needs every source rank in
-every reshard. What wiring needs, as found here:
+Not verified: any NCCL call (no GPU here; the lent one is single, without vLLM or
+``nccl.m2n``), hence neither m2n's own checks of our plan at run time, the bytes landing in a
+CUDA engine's parameters, nor rank 0's helper-thread sends with the CUDA device and stream.
+On a failure rank 0 tells the others (``Abort``) unless they are stuck in a collective with
+the engines; they then fail by the gloo group's timeout (the longer of
+``rollout.startup_timeout_minutes`` and ``rollout.push_timeout_seconds``) or when rank 0's
+process exits.
 
-- The pool forms a group transport when it starts (``WeightPusher.form`` from
-  ``GeneratorPool``), while the other trainer ranks wait on a barrier, and an engine takes
-  ``JoinTransport`` only between pushes. So source ranks 1..A-1 must join each engine's
-  communicator then: a listener per source rank on a gloo group of the source ranks, started
-  before that barrier, that executes rank 0's "join these groups" (and again after a death,
-  when the pool forms the group anew).
-- ``GeneratorPool(transport=...)`` takes a :class:`Transport`: one whose ``open`` is bound to
-  this rank's :class:`MegatronM2NSource` is where rank 0's sender gets the plan (the engines'
-  init payload needs every name, shape and dtype before the first push).
-- Per push, rank 0 streams its source's blocks (buckets of names: ``update_payload``) and the
-  listeners reshard the same names in the same order; ``push_megatron_weights`` on ranks
-  1..A-1 must return only when rank 0's push is done (their next optimizer step would change
-  blocks still being sent).
-- One communicator per engine (see above): N engines cost the trainer N model copies of link
-  traffic, spread over its A source ranks, against one copy for the ``nccl`` broadcast after
-  its gather. m2n wins when the gather is the bottleneck (large TP / EP, few engines).
+Cost: one communicator per engine (see above): N engines cost the trainer N model copies of
+link traffic, spread over its A source ranks, against one copy for the ``nccl`` broadcast
+after its gather. m2n wins when the gather is the bottleneck (large TP / EP, few engines).
 """
 
 from __future__ import annotations
@@ -108,8 +113,11 @@ from vllm.distributed.weight_transfer.m2n_common import (
     Placements,
     check_plan_limits,
     check_transferable,
+    comm_ptr,
     import_m2n,
     resolve_layout,
+    to_mesh,
+    to_placements,
     validate_layout,
 )
 from vllm.distributed.weight_transfer.m2n_engine import (
@@ -285,6 +293,14 @@ class MegatronM2NSource(M2NWeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for entry in self._entries:
             yield entry.meta.name, entry.local()
+
+    def blocks(self, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
+        """This rank's blocks of ``names`` (in that order), read from the live parameters."""
+        by_name = {e.meta.name: e for e in self._entries}
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise ValueError(f"nccl_m2n: no HF tensor named {unknown} in this rank's source")
+        return [(n, by_name[n].local()) for n in names]
 
     # -- the map ----------------------------------------------------------------------------
     def _param(self, param: torch.Tensor) -> torch.Tensor:
@@ -493,14 +509,33 @@ def start_trainer_engine(source: M2NWeightSource, info: M2NTrainerInitInfo, clie
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
-def open_unwired(config: Any) -> None:
-    """The transport's check (``TRANSPORTS['nccl_m2n'].check``, run by the pool before it
-    starts engines, and by ``open``) on a machine that passed the GPU check: refuses with the
-    reason (see the module docstring: the push path does not yet drive every source rank),
-    after the runtime check so that the more basic missing piece is named first."""
-    require_runtime()
-    raise ValueError(
-        f"{KEY} 'nccl_m2n': the trainer's source ranks are not yet driven by the weight push "
-        "(megatron_rl.rollout.weights.m2n: placements, init infos and vLLM's trainer engine "
-        "are in place); use 'nccl'"
-    )
+def send_blocks(engine: Any, blocks: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Reshard ``blocks`` (this rank's, named as in the source's metadata) over the
+    communicator of ``engine`` (vLLM's trainer engine from :func:`start_trainer_engine`),
+    each into the destination the engine's workers planned for it: what vLLM 0.32's
+    ``M2NTrainerWeightTransferEngine._send`` does for the whole source in one round, here for
+    one bucket of it (its public ``send_weights`` would also drive the engines' update RPCs,
+    which our pool announces itself, bucket by bucket). Every source rank must call this with
+    the same names in the same order: m2n's reshard is collective over the communicator."""
+    m2n = engine._m2n
+    comm = comm_ptr(engine.group)
+    stream = torch.cuda.current_stream()
+    positions = {meta.name: i for i, meta in enumerate(engine._metas)}
+    for name, block in blocks:
+        index = positions[name]
+        shard = block.detach().contiguous()
+        src_mesh, src_placements = resolve_layout(engine._src_mesh, engine._metas[index].placements)
+        dst_mesh, dst_placements = resolve_layout(engine._dst_mesh, engine._dst_placements[index])
+        m2n.reshard(
+            shard,
+            None,
+            comm,
+            stream,
+            src_mesh=to_mesh(m2n, src_mesh),
+            src_placements=to_placements(m2n, src_placements),
+            dst_mesh=to_mesh(m2n, dst_mesh),
+            dst_placements=to_placements(m2n, dst_placements),
+            handle=engine._handle,
+        )
+        shard.record_stream(stream)  # m2n keeps the pointer for its asynchronous work
+    stream.synchronize()  # the caller may change the parameters once this returns

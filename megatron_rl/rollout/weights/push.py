@@ -34,6 +34,10 @@ def push_megatron_weights(
     while the pool sends the current one (:func:`prefetched`). ``between``: see
     ``GeneratorPool.push_weights`` (not used by a reweigh).
     """
+    from megatron_rl.rollout.weights import m2n_ranks
+
+    if (ranks := m2n_ranks.current()) is not None:  # nccl_m2n: own shards, no HF stream
+        return ranks.push(pool, reweigh, between)
     if bucket_bytes is None:
         from megatron_rl.rollout.config import RolloutConfig
 

@@ -7,8 +7,8 @@ how the pool opens its sender end (a
 :class:`~megatron_rl.rollout.weights.buckets.WeightSender`). ``TRANSPORTS`` holds three: ``host``
 (buckets through host memory, :class:`~megatron_rl.rollout.weights.buckets.HostSender`), ``nccl``
 (one broadcast from the trainer, :class:`~megatron_rl.rollout.weights.nccl.NcclSender`) and
-``nccl_m2n`` (every trainer rank sends its own shards, :mod:`megatron_rl.rollout.weights.m2n`;
-not wired to the push yet: its ``check`` refuses it, saying why, before the pool starts engines).
+``nccl_m2n`` (every trainer source rank sends its own shards, :mod:`megatron_rl.rollout.weights.m2n`,
+following rank 0's pool: :mod:`megatron_rl.rollout.weights.m2n_ranks`).
 """
 
 from __future__ import annotations
@@ -74,19 +74,25 @@ def _open_nccl(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> W
 
 
 def _check_m2n(config: RolloutConfig) -> None:
-    """vLLM's ``nccl_m2n``: GPUs, then the ``nccl.m2n`` runtime, then the wiring that is not
-    there yet (:func:`~megatron_rl.rollout.weights.m2n.open_unwired`); errors name the key."""
+    """vLLM's ``nccl_m2n``: GPUs, the ``nccl.m2n`` runtime, and the trainer's source ranks
+    on this rank (``m2n_ranks.serving``); errors name the key."""
     from megatron_rl.platform import get_platform
-    from megatron_rl.rollout.weights.m2n import open_unwired
+    from megatron_rl.rollout.weights.m2n import require_runtime
+    from megatron_rl.rollout.weights.m2n_ranks import require_leader
 
     if not get_platform().is_gpu:
         raise ValueError("rollout.weight_transport 'nccl_m2n' needs GPUs; this machine has none")
-    open_unwired(config)
+    require_runtime()
+    require_leader()
 
 
 def _open_m2n(config: RolloutConfig, hf_config: Any, engines, wait_joined) -> WeightSender:
-    _check_m2n(config)  # raises: not wired yet
-    raise AssertionError("unreachable")
+    """A communicator per engine, joined by every trainer source rank (they follow rank 0's
+    pool: :func:`~megatron_rl.rollout.weights.m2n_ranks.open_sender`)."""
+    from megatron_rl.rollout.weights.m2n_ranks import open_sender
+
+    _check_m2n(config)
+    return open_sender(config, engines, wait_joined)
 
 
 TRANSPORTS: dict[str, Transport] = {

@@ -279,7 +279,8 @@ def test_the_trainer_engine_refuses_without_nccl_m2n_before_calling_the_engines(
 def test_the_transport_is_selectable_and_refuses_cleanly(monkeypatch):
     """``nccl_m2n`` is a recipe choice that ``auto`` never makes, with the NCCL transport's
     placement rules. The pool refuses it before it starts any engine: on CPU, then without the
-    runtime, then (not wired yet) saying so; each error names the key. Its ``open`` too."""
+    runtime, then outside a trainer that set up its source ranks; each error names the key.
+    Its ``open`` too."""
     from megatron_rl.config.errors import ConfigError
     from megatron_rl.platform import Platform, device
     from megatron_rl.rollout.config import RolloutConfig
@@ -319,7 +320,7 @@ def test_the_transport_is_selectable_and_refuses_cleanly(monkeypatch):
     except ImportError:
         refused(" needs the nccl.m2n runtime")
         monkeypatch.setattr(m2n, "import_m2n", lambda: object())  # as if installed
-    refused(": the trainer's source ranks are not yet driven")
+    refused(": this pool has no trainer source ranks")  # the trainer's m2n_ranks.serving
 
 
 @pytest.mark.slow
