@@ -29,7 +29,10 @@ groups, about half of each batch; the push is fed):
       24       1.30x       1.64x      1.64x   (PipelineRL 3.23 s vs PPO 5.29 s per 768; a
                                                slower day: PPO in process 5.72 s, not 4.18)
 
-and in process alone, five more runs of 24 steps: 1.56x, 1.34x, 1.33x, 1.41x, 1.31x.
+and in process alone, five more runs of 24 steps: 1.56x, 1.34x, 1.33x, 1.41x, 1.31x. After the
+rollout and loop restructuring (issue 29), quiet machine, 24 steps: in_process 1.49x, subprocess
+1.65x (PipelineRL 2.48 s vs PPO 4.09 s per 768); beside other processes' tests (load 3-7):
+1.26x and 1.32x.
 (``OMP_WAIT_POLICY=PASSIVE`` sped both modes up by 0-17% in three of four paired runs, and
 left the ratio where it was: 1.23x, 1.35x, 1.31x.)
 

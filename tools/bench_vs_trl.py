@@ -24,7 +24,10 @@ site.addsitedir('<repo>/.venv/lib/python3.11/site-packages')``; ``trlenv/bin/pip
 --no-deps trl==1.16.0 accelerate``; run this with ``trlenv/bin/python``). On a shared machine
 the numbers mean little: run it on a quiet one. Runs on the project's 2-core machine (with
 ``TUNED``), one each: megatron_rl 127.8 vs TRL 76.5 generated tokens/s = 1.67x (before
-continuous generation); 232.7 vs 136.4 = 1.71x (with it, and elastic engines).
+continuous generation); 232.7 vs 136.4 = 1.71x (with it, and elastic engines); 208.7 vs 137.8 =
+1.51x after issue 29's restructuring and the device-side push (ours alone, same hour: 208 at
+the restructuring's start, 223 and 211 after it, 185-209 with the push's prefetch thread:
+unsettled).
 
     .venv/bin/python tools/bench_vs_trl.py [--steps 8] [--skip 2] [--only ours|trl]
         [--set KEY=VALUE ...]
