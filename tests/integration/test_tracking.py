@@ -165,7 +165,7 @@ def test_every_record_goes_to_one_offline_run_with_config_axes_curve_and_preflig
 
 KILLED_JOB = """
 import os, signal, sys, time
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {paths!r}  # this file's directory, and tests/ for support.*
 from test_tracking import _records, _tracker
 from megatron_rl.trainer import tracking
 from megatron_rl.trainer.metrics import MetricsLogger
@@ -201,7 +201,10 @@ def test_a_killed_job_resumed_from_its_checkpoint_continues_the_run_with_every_r
     after = WRITTEN_AFTER["offline"] if waited else 3600.0
     wait = after + 0.5 if waited else 0.0
     script = KILLED_JOB.format(
-        tests=str(ROOT / "tests"), run_dir=str(run_dir), wait=wait, written_after=after
+        paths=[str(Path(__file__).resolve().parent), str(ROOT / "tests")],
+        run_dir=str(run_dir),
+        wait=wait,
+        written_after=after,
     )
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=job_env(), cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL
