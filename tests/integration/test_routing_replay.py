@@ -79,13 +79,20 @@ def check_rows_across_the_push(initial, samples) -> None:
             forward_logits(initial, torch.tensor([s.prompt_ids + s.response_ids]))
         hooks.close()
         # position p produced response token p + 1 - P; prefill positions the first token
-        cut = len(s.prompt_ids) - 1 + s.versions.count(0)
+        old = s.versions.count(0)
+        # An interruption text is tagged with the version current when it was appended, but
+        # the positions that produce it run in the resubmitted request's prefill: after the
+        # push when it landed in between (CI saw it). Their weights are unknown: skipped.
+        known = old
+        while known > 0 and not s.mask[known - 1]:
+            known -= 1
+        cut, resume = len(s.prompt_ids) - 1 + known, len(s.prompt_ids) - 1 + old
         rows = torch.from_numpy(s.routed_experts.astype(np.int64))
         for layer in MOE_LAYERS:
             ours = hooks.choices[layer][: len(rows), 0]
             assert torch.equal(ours[:cut], rows[:cut, layer]), (layer, cut)
-            changed += int((ours[cut:] != rows[cut:, layer]).any(-1).sum())
-        before, after = before + cut, after + len(rows) - cut
+            changed += int((ours[resume:] != rows[resume:, layer]).any(-1).sum())
+        before, after = before + cut, after + len(rows) - resume
     assert before > 0 and after > 0 and changed > 0, (before, after, changed)
 
 
