@@ -16,45 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.fake_engines import FakeHandle
 
 from megatron_rl.platform import run_local_ranks
-from megatron_rl.rollout.messages import JoinTransport, Push, Pushed, Ready, Stop, TransportJoined
+from megatron_rl.rollout.messages import JoinTransport, Push, Pushed, Ready, TransportJoined
 from megatron_rl.rollout.wire import EventChannels, EventWriter
 
 HF = SimpleNamespace(vocab_size=128, eos_token_id=2)
-
-
-class _Handle:
-    """Engine i's "process" is a thread of the test's rank 0 (commands and weights queues, a
-    real event pipe)."""
-
-    def __init__(self, index: int, channels: EventChannels) -> None:
-        self.index, self.channels, self.log_path = index, channels, None
-        self.commands, self.weights = queue.Queue(), queue.Queue(2)
-        self.alive, self.exitcode, self.pid = True, None, -1
-
-    def send(self, command):
-        self.commands.put(command)
-
-    def put_weights(self, item, timeout=None):
-        self.weights.put(item, timeout=timeout)
-
-    def is_alive(self):
-        if any(isinstance(c, Stop) for c in list(self.commands.queue)):
-            self.alive = False
-        return self.alive
-
-    def leftover_events(self):
-        return self.channels.drain(self.index)
-
-    def join(self, timeout=None):
-        pass
-
-    def terminate(self):
-        self.alive = False
-
-    def discard(self):
-        pass
 
 
 class _Engines:
@@ -79,7 +47,7 @@ class _Engines:
         reader, conn = multiprocessing.Pipe(duplex=False)
         self.events.add(index, reader)
         writer = self.writers[index] = EventWriter(conn)
-        handle = _Handle(index, self.events)
+        handle = FakeHandle(index, self.events)
         writer.put(Ready(index, 64))
         threading.Thread(
             target=self._serve, args=(handle, writer, incarnation), daemon=True
