@@ -38,12 +38,10 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
         else:
             # A lone process: a private rendezvous. Nothing goes into os.environ, where child
             # processes (a trainer started by a test, an sbatch job) would inherit the port.
+            # Port 0: the OS picks the store's port as it binds (no pick-then-bind race).
+            store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
             dist.init_process_group(
-                backend=platform.backend,
-                init_method=f"tcp://127.0.0.1:{free_port()}",
-                rank=0,
-                world_size=1,
-                timeout=timeout,
+                backend=platform.backend, store=store, rank=0, world_size=1, timeout=timeout
             )
         collectives.init_control_group(parallel.timeout_minutes)
     world = dist.get_world_size()
@@ -139,17 +137,35 @@ def run_local_ranks(fn, world_size: int, *args) -> list:
         multiprocessing.get_context(method).set_forkserver_preload(RANK_PRELOAD)
     env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="megatron_rl_ranks_") as out_dir:
-        mp.start_processes(
-            _rank_entry,
-            args=(fn, world_size, free_port(), out_dir, args, env),
-            nprocs=world_size,
-            start_method=method,
-        )
+        for attempt in range(1, _RENDEZVOUS_ATTEMPTS + 1):
+            try:
+                mp.start_processes(
+                    _rank_entry,
+                    args=(fn, world_size, free_port(), out_dir, args, env),
+                    nprocs=world_size,
+                    start_method=method,
+                )
+                break
+            except mp.ProcessRaisedException as exc:
+                # The port was free when picked, but another process (a parallel test
+                # worker, another job) bound it before rank 0's store listened on it.
+                if attempt == _RENDEZVOUS_ATTEMPTS or not _port_taken(exc):
+                    raise
+                logger.warning("rendezvous port taken before rank 0 listened; new port (%s)", exc)
         results = []
         for rank in range(world_size):
             with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
                 results.append(pickle.load(f))
     return results
+
+
+_RENDEZVOUS_ATTEMPTS = 3
+
+
+def _port_taken(exc: BaseException) -> bool:
+    """Whether a rank failed because its rendezvous port was in use (c10d's TCPStore server:
+    "... failed to listen on any local network address ... EADDRINUSE")."""
+    return "EADDRINUSE" in str(exc)
 
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:

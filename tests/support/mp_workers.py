@@ -236,3 +236,18 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
         while not (sync / "rank1_done").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     return outcomes
+
+
+def rendezvous_worker(value: int) -> tuple[int, int]:
+    """Join the env:// world run_local_ranks set up; return (rank, the all-reduced sum of
+    ``value + rank``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    total = torch.tensor([value + dist.get_rank()])
+    dist.all_reduce(total)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return rank, int(total)
