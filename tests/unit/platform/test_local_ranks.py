@@ -40,9 +40,8 @@ def test_taken_port_is_retried(monkeypatch, taken_port):
 @pytest.mark.timeout(180)
 def test_other_failures_are_not_retried(monkeypatch):
     """A rank that fails for any other reason fails the call at once, with its traceback."""
-    from torch.multiprocessing import ProcessRaisedException
-
     from support.mp_workers import rendezvous_worker
+    from torch.multiprocessing import ProcessRaisedException
 
     picks = []
     real_free_port = parallel.free_port
