@@ -13,6 +13,7 @@ _EXPORTS = {
     "LAUNCHER_VARS": "megatron_rl.platform.config",
     "ParallelConfig": "megatron_rl.platform.config",
     "FusedKernels": "megatron_rl.platform.kernels",
+    "current_stream": "megatron_rl.platform.device",
     "Platform": "megatron_rl.platform.device",
     "get_platform": "megatron_rl.platform.device",
     "HANG_EXIT_CODE": "megatron_rl.platform.watchdog",

@@ -74,6 +74,14 @@ def set_thread_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def current_stream() -> torch.cuda.Stream | None:
+    """The calling thread's current CUDA stream, for a library that is handed one (vLLM's
+    ``nccl.m2n`` reshard); None on CPU, where nothing runs asynchronously. (On CPU,
+    ``torch.cuda.current_stream`` raises, or returns the placeholder that importing vLLM's
+    CPU worker installs process-wide: never one to hand anything.)"""
+    return torch.cuda.current_stream() if get_platform().is_gpu else None
+
+
 def host_buffer(nbytes: int, shared: bool = False) -> torch.Tensor:
     """A flat uint8 host buffer of ``nbytes`` for data that must pass through host memory
     (weight buckets to engines in other processes or on other hosts). ``shared``: in shared

@@ -517,9 +517,11 @@ def send_blocks(engine: Any, blocks: Sequence[tuple[str, torch.Tensor]]) -> None
     one bucket of it (its public ``send_weights`` would also drive the engines' update RPCs,
     which our pool announces itself, bucket by bucket). Every source rank must call this with
     the same names in the same order: m2n's reshard is collective over the communicator."""
+    from megatron_rl.platform import current_stream
+
     m2n = engine._m2n
     comm = comm_ptr(engine.group)
-    stream = torch.cuda.current_stream()
+    stream = current_stream()
     positions = {meta.name: i for i, meta in enumerate(engine._metas)}
     for name, block in blocks:
         index = positions[name]
@@ -537,5 +539,7 @@ def send_blocks(engine: Any, blocks: Sequence[tuple[str, torch.Tensor]]) -> None
             dst_placements=to_placements(m2n, dst_placements),
             handle=engine._handle,
         )
-        shard.record_stream(stream)  # m2n keeps the pointer for its asynchronous work
-    stream.synchronize()  # the caller may change the parameters once this returns
+        if stream is not None:
+            shard.record_stream(stream)  # m2n keeps the pointer for its asynchronous work
+    if stream is not None:
+        stream.synchronize()  # the caller may change the parameters once this returns

@@ -506,3 +506,56 @@ def test_vllms_trainer_engine_sends_each_ranks_own_blocks(tiny_hf_dirs):
                 }
             )
             assert layout == {**src, **dst}, name
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_send_blocks_hands_m2n_the_platforms_stream(monkeypatch, on_gpu):
+    """``send_blocks`` reshards each block, in order, over the engine's communicator with the
+    platform's current stream: on GPU the CUDA stream, which keeps every block alive
+    (``record_stream``) and is synchronised before returning; on CPU none."""
+    from vllm.distributed.weight_transfer.m2n_common import REPLICATED
+
+    from megatron_rl.platform import device
+
+    events = []
+
+    class Stream:
+        def synchronize(self):
+            events.append("synchronize")
+
+    stream = Stream()
+    platform = device.Platform("cuda" if on_gpu else "cpu", "nccl" if on_gpu else "gloo", False)
+    monkeypatch.setattr(device, "get_platform", lambda: platform)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(
+        torch.Tensor, "record_stream", lambda self, s: events.append(("record", s is stream))
+    )
+    monkeypatch.setattr(m2n, "comm_ptr", lambda group: 77)
+
+    class Runtime:
+        Mesh = staticmethod(lambda dims, start_rank: ("mesh", tuple(dims), start_rank))
+        Replicate = staticmethod(lambda: "R")
+        Shard = staticmethod(lambda dim: ("S", dim))
+
+        @staticmethod
+        def reshard(src, dst, comm, given, **layout):
+            assert dst is None and comm == 77 and layout["handle"] == "handle"
+            events.append(("reshard", src.tolist(), given is stream if on_gpu else given))
+
+    mesh = M2NMesh((1, 1), 0)
+    engine = type("Engine", (), {})()
+    engine._m2n, engine.group, engine._handle = Runtime, "group", "handle"
+    engine._src_mesh = engine._dst_mesh = mesh
+    engine._metas = [M2NParamMeta(n, torch.float32, (2,), None) for n in ("a", "b")]
+    engine._dst_placements = [REPLICATED, REPLICATED]
+    m2n.send_blocks(engine, [("b", torch.tensor([3.0, 4.0])), ("a", torch.tensor([1.0, 2.0]))])
+    if on_gpu:
+        assert events == [
+            ("reshard", [3.0, 4.0], True),
+            ("record", True),
+            ("reshard", [1.0, 2.0], True),
+            ("record", True),
+            "synchronize",
+        ]
+    else:
+        assert events == [("reshard", [3.0, 4.0], None), ("reshard", [1.0, 2.0], None)]
