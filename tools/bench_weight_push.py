@@ -10,12 +10,29 @@ engine pause (vLLM's reload, the engine's part), the push beyond that pause (our
 packing, transport, commands, acks) and the export alone (the stream iterated without a
 pool), then checks that every engine serves the trainer's weights.
 
+On CPU it also prints the floor of vLLM's own reload at each size (``--floor``, on by
+default on CPU): vLLM 0.32's layerwise reload loads every weight into freshly allocated
+parameters, then its CPU linear method packs each Linear for oneDNN (``create_onednn_mm``)
+and drops the loaded weight, so a push pays, per byte, a first touch of fresh memory twice
+and oneDNN's reorder. The floor times those two steps alone on the model's Linear weights
+(a fresh ``empty_like`` + ``copy_`` each, and ``create_onednn_mm`` each), against the memcpy.
+
+Measured on the project's 2-core machine (session 14, 500 MB, 256 MiB buckets): the floor is
+fresh memory + copy 40 ms and oneDNN packing 74 ms for 430 MB of Linear weights, 3.9x the
+29 ms memcpy of the whole model, so no push through vLLM 0.32's CPU reload reaches 3.3x; the
+pushes themselves took 293-506 ms (10-18x; the engine's pause 286-445 ms, the push beyond it
+6-34 ms). Two ways under the floor were measured and left out: keeping the weights unpacked
+(``torch.nn.functional.linear``, loaded in place: the push 1.9x memcpy) generates 2.5x slower
+(oneDNN's packed GEMM is 2-4x faster at decode sizes); transparent huge pages for the
+engine's allocations (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, ``THP_MEM_ALLOC_ENABLE=1``)
+cut page faults (the push 5.6x in process, 8.1x subprocess) but generated 3-10% slower.
+
 The fixed cost per push (pause, commands, acks, exporter set-up: what a push costs beyond
 its bytes) is the intercept at 0 bytes of the line through the best push times of the
 smallest and the largest size (per placement and engine count); needs two sizes.
 
 Usage: python tools/bench_weight_push.py [--sizes 14,500] [--placements in_process,subprocess]
-           [--engines 1] [--bucket-mb N] [--repeats 5] [--json]
+           [--engines 1] [--bucket-mb N] [--repeats 5] [--json] [--no-floor]
 Defaults run in about 3 minutes on a 2-core CPU; run it on a quiet machine (the load
 average is printed).
 """
@@ -65,6 +82,12 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time vLLM's CPU reload steps alone (default: on CPU)",
+    )
     args = parser.parse_args()
     sizes = [float(s) for s in args.sizes.split(",")]
     counts = [int(n) for n in args.engines.split(",")]
@@ -79,6 +102,10 @@ def main() -> None:
     from megatron_rl.platform import ParallelConfig, init_distributed
 
     init_distributed(ParallelConfig())
+    if args.floor is None:
+        from megatron_rl.platform import get_platform
+
+        args.floor = not get_platform().is_gpu
     rows = [row for size in sizes for row in bench_size(size, placements, counts, args)]
     fixed = fixed_costs(rows)
     result = {"cpus": os.cpu_count(), "rows": rows, "fixed_ms": fixed}
@@ -98,6 +125,15 @@ def main() -> None:
             f"{r['engine_paused_ms']:>9.1f} {r['beyond_pause_ms']:>9.1f} {r['export_ms']:>9.1f} "
             f"{r['load_average']:>5.2f}"
         )
+    for r in rows:
+        if "floor" in r:
+            f = r["floor"]
+            print(
+                f"vLLM CPU reload floor at {r['megabytes']:.0f} MB ({f['linear_bytes']} bytes of "
+                f"Linear weights): fresh memory + copy {f['fresh_copy_ms']:.1f} ms, oneDNN packing "
+                f"{f['onednn_pack_ms']:.1f} ms, together {f['floor_to_copy_ratio']:.1f}x the memcpy "
+                f"of all {r['bytes']} bytes"
+            )
     for key, ms in fixed.items():
         print(f"fixed cost per push ({key}): {ms:.1f} ms (intercept at 0 bytes)")
     print(
@@ -129,6 +165,7 @@ def bench_size(megabytes: float, placements, counts, args) -> list[dict]:
         num_key_value_heads=dims["kv"],
     )
     rows = []
+    floor = None
     with tempfile.TemporaryDirectory() as hf_dir:
         make_hf_model(config, hf_dir, seed=0)
         model = megatron_from_hf(hf_dir)
@@ -142,6 +179,8 @@ def bench_size(megabytes: float, placements, counts, args) -> list[dict]:
                 for _bucket in iter_hf_weights(model, bucket_bytes):
                     pass
             exports.append(time.perf_counter() - start)
+        if args.floor:
+            floor = reload_floor(model, bucket_bytes, args.repeats)
         for placement in placements:
             for count in counts:
                 rollout = RolloutConfig(
@@ -180,7 +219,48 @@ def bench_size(megabytes: float, placements, counts, args) -> list[dict]:
                         "load_average": load,
                     }
                 )
+                if floor is not None:
+                    rows[-1]["floor"] = {
+                        **floor,
+                        "floor_to_copy_ratio": (floor["fresh_copy_ms"] + floor["onednn_pack_ms"])
+                        / (copy * 1e3),
+                    }
     return rows
+
+
+def reload_floor(model, bucket_bytes: int, repeats: int) -> dict:
+    """The two steps of vLLM 0.32's CPU reload that scale with the bytes, timed alone on the
+    model's exported Linear weights (2-D ``*.weight`` but the embedding), best of
+    ``repeats``: loading into fresh parameters (``empty_like`` + ``copy_``, memory touched for
+    the first time) and oneDNN's packing (``vllm._custom_ops.create_onednn_mm``, as
+    ``dispatch_cpu_unquantized_gemm`` calls it). Times in ms."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    from megatron_rl.conversion.weight_stream import iter_hf_weights
+
+    with torch.no_grad():
+        weights = [
+            t.clone()
+            for bucket in iter_hf_weights(model, bucket_bytes)
+            for name, t in bucket
+            if t.ndim == 2 and name.endswith(".weight") and "embed_tokens" not in name
+        ]
+    fresh, pack = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        loaded = [torch.empty_like(t).copy_(t) for t in weights]
+        fresh.append(time.perf_counter() - start)
+        del loaded
+        start = time.perf_counter()
+        handles = [ops.create_onednn_mm(t.t(), 32) for t in weights]
+        pack.append(time.perf_counter() - start)
+        del handles
+    return {
+        "linear_bytes": sum(t.numel() * t.element_size() for t in weights),
+        "fresh_copy_ms": min(fresh) * 1e3,
+        "onednn_pack_ms": min(pack) * 1e3,
+    }
 
 
 def fixed_costs(rows: list[dict]) -> dict[str, float]:
