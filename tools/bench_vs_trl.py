@@ -26,8 +26,9 @@ the numbers mean little: run it on a quiet one. Runs on the project's 2-core mac
 ``TUNED``), one each: megatron_rl 127.8 vs TRL 76.5 generated tokens/s = 1.67x (before
 continuous generation); 232.7 vs 136.4 = 1.71x (with it, and elastic engines); 208.7 vs 137.8 =
 1.51x after issue 29's restructuring and the device-side push (ours alone, same hour: 208 at
-the restructuring's start, 223 and 211 after it, 185-209 with the push's prefetch thread:
-unsettled).
+the restructuring's start, 223 and 211 after it, 185-209 with the push's prefetch thread).
+An A/B of that thread (session 14, alternating runs of the same commit): with it 184.9 and
+205.7, without it 183.4 and 198.0 tokens/s: no effect; one commit spreads by about 10%.
 
     .venv/bin/python tools/bench_vs_trl.py [--steps 8] [--skip 2] [--only ours|trl]
         [--set KEY=VALUE ...]
