@@ -125,15 +125,15 @@ def main() -> None:
             f"{r['engine_paused_ms']:>9.1f} {r['beyond_pause_ms']:>9.1f} {r['export_ms']:>9.1f} "
             f"{r['load_average']:>5.2f}"
         )
-    for r in rows:
-        if "floor" in r:
-            f = r["floor"]
-            print(
-                f"vLLM CPU reload floor at {r['megabytes']:.0f} MB ({f['linear_bytes']} bytes of "
-                f"Linear weights): fresh memory + copy {f['fresh_copy_ms']:.1f} ms, oneDNN packing "
-                f"{f['onednn_pack_ms']:.1f} ms, together {f['floor_to_copy_ratio']:.1f}x the memcpy "
-                f"of all {r['bytes']} bytes"
-            )
+    # The floor is measured once per size: printed once per size (the JSON has it per row).
+    for r in {r["megabytes"]: r for r in rows if "floor" in r}.values():
+        f = r["floor"]
+        print(
+            f"vLLM CPU reload floor at {r['megabytes']:.0f} MB ({f['linear_bytes']} bytes of "
+            f"Linear weights): fresh memory + copy {f['fresh_copy_ms']:.1f} ms, oneDNN packing "
+            f"{f['onednn_pack_ms']:.1f} ms, together {f['floor_to_copy_ratio']:.1f}x the memcpy "
+            f"of all {r['bytes']} bytes"
+        )
     for key, ms in fixed.items():
         print(f"fixed cost per push ({key}): {ms:.1f} ms (intercept at 0 bytes)")
     print(
