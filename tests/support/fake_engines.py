@@ -110,3 +110,13 @@ def submitted(handle) -> list:
             return specs
         if isinstance(command, Submit):
             specs.extend(command.specs)
+
+
+class FakeM2NLayouts:
+    """The layout constructors of a stand-in for the ``nccl.m2n`` runtime (not installed):
+    meshes and placements as plain tuples that tests compare. A test's runtime subclasses
+    it and adds its own ``reshard`` (and ``Handle``)."""
+
+    Mesh = staticmethod(lambda dims, start_rank: ("mesh", tuple(dims), start_rank))
+    Replicate = staticmethod(lambda: "R")
+    Shard = staticmethod(lambda dim: ("S", dim))

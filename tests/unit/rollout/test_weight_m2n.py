@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.fake_engines import FakeM2NLayouts
 from vllm.distributed.weight_transfer.m2n_common import (
     REPLICATE,
     M2NMesh,
@@ -415,11 +416,8 @@ def trainer_engine_rank(hf_dir: str) -> dict:
     source = m2n.MegatronM2NSource(model, layout, "LlamaForCausalLM")
     reshards, events = [], []
 
-    class Runtime:  # nccl.m2n
+    class Runtime(FakeM2NLayouts):  # nccl.m2n
         Config = staticmethod(lambda max_cta=None: ("config", max_cta))
-        Mesh = staticmethod(lambda dims, start_rank: ("mesh", tuple(dims), start_rank))
-        Replicate = staticmethod(lambda: "R")
-        Shard = staticmethod(lambda dim: ("S", dim))
 
         class Handle:
             @staticmethod
@@ -532,11 +530,7 @@ def test_send_blocks_hands_m2n_the_platforms_stream(monkeypatch, on_gpu):
     )
     monkeypatch.setattr(m2n, "comm_ptr", lambda group: 77)
 
-    class Runtime:
-        Mesh = staticmethod(lambda dims, start_rank: ("mesh", tuple(dims), start_rank))
-        Replicate = staticmethod(lambda: "R")
-        Shard = staticmethod(lambda dim: ("S", dim))
-
+    class Runtime(FakeM2NLayouts):
         @staticmethod
         def reshard(src, dst, comm, given, **layout):
             assert dst is None and comm == 77 and layout["handle"] == "handle"

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.fake_engines import FakeHandle
+from support.fake_engines import FakeHandle, FakeM2NLayouts
 
 from megatron_rl.platform import run_local_ranks
 from megatron_rl.rollout.messages import JoinTransport, Push, Pushed, Ready, TransportJoined
@@ -89,11 +89,8 @@ def _install_stand_ins(events: list) -> None:
 
     from megatron_rl.rollout.weights import m2n
 
-    class Runtime:  # nccl.m2n
+    class Runtime(FakeM2NLayouts):  # nccl.m2n
         Config = staticmethod(lambda max_cta=None: ("config", max_cta))
-        Mesh = staticmethod(lambda dims, start_rank: ("mesh", tuple(dims), start_rank))
-        Replicate = staticmethod(lambda: "R")
-        Shard = staticmethod(lambda dim: ("S", dim))
 
         class Handle:
             @staticmethod
