@@ -3,8 +3,8 @@ preset, its tokenizer loads, and the parallel layout divides the model's shapes.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Any
 
 from megatron_rl.preflight.context import Outcome, PreflightContext
 
@@ -26,15 +26,28 @@ ARCH_FIELDS = (
 )
 
 
-def config_differences(found: dict, preset: dict) -> list[str]:
-    """'field: found X, preset Y' for every architecture field the two configs disagree on
-    (the text model's config of a multimodal Llama-4)."""
-    found = found.get("text_config", found) if isinstance(found.get("text_config"), dict) else found
-    out = []
-    for key in ARCH_FIELDS:
-        if key in preset and found.get(key) != preset[key]:
-            out.append(f"{key}: {found.get(key)!r} here, {preset[key]!r} in the preset")
-    return out
+def resolved_arch_fields(config: Any) -> dict[str, Any]:
+    """The architecture fields of an HF config object as transformers resolves them: derived
+    defaults included (Llama-3.1's config.json has no ``head_dim``; transformers derives
+    hidden_size / num_attention_heads), the text model's for a multimodal Llama-4, except
+    ``tie_word_embeddings``, read from the config of the model that holds the LM head (the
+    top level: Llama4ForConditionalGeneration ties by its own config, not text_config's)."""
+    text = config.get_text_config()
+    fields = {key: getattr(text, key) for key in ARCH_FIELDS if hasattr(text, key)}
+    fields["tie_word_embeddings"] = bool(getattr(config, "tie_word_embeddings", False))
+    return fields
+
+
+def config_differences(found: Any, preset: Any) -> list[str]:
+    """'field: found X, preset Y' for every architecture field the two HF configs (config
+    objects, as transformers builds them) resolve differently. Fields the preset's model
+    does not have (experts of a dense preset) are not compared; its ``model_type`` is."""
+    have, want = resolved_arch_fields(found), resolved_arch_fields(preset)
+    return [
+        f"{key}: {have.get(key)!r} here, {want[key]!r} in the preset"
+        for key in ARCH_FIELDS
+        if key in want and have.get(key) != want[key]
+    ]
 
 
 def _check_hf_dir(ctx: PreflightContext) -> tuple[list[str], str, dict]:
@@ -46,14 +59,18 @@ def _check_hf_dir(ctx: PreflightContext) -> tuple[list[str], str, dict]:
         what = "does not exist" if not path.exists() else "has no config.json"
         return [f"model.hf_path {path} {what}"], "missing", {}
     problems = []
-    found = json.loads((path / "config.json").read_text())
     weights = sorted(p.name for p in path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
     if not weights:
         problems.append(f"model.hf_path {path}: no *.safetensors weights")
     if model.preset is not None:
-        from megatron_rl.models.presets import PRESETS
+        from megatron_rl.models.presets import preset_hf_config
 
-        diff = config_differences(found, PRESETS.get(model.preset, {}))
+        try:
+            found = transformers.AutoConfig.from_pretrained(path)
+        except Exception as err:  # any failure to read the config is the finding
+            problems.append(f"{path / 'config.json'} does not load: {type(err).__name__}: {err}")
+            found = None
+        diff = [] if found is None else config_differences(found, preset_hf_config(model.preset))
         if diff:
             problems.append(
                 f"model.hf_path {path}'s config.json is not model.preset {model.preset!r}: "
