@@ -1,13 +1,13 @@
 """Checks of a RunConfig against the model's shapes (heads, experts, layers, vocabulary).
 
 Kept apart from the schema because they read the model's HF config: a preset's fields
-(``megatron_rl.models.presets``, which imports transformers lazily but no torch) or
-``model.hf_path``/config.json (read as JSON). Called by ``load_run_config``.
+(``megatron_rl.models.presets``, which imports transformers but no torch) or
+``model.hf_path``/config.json (read as JSON by ``megatron_rl.models.hf_config``, and
+validated by transformers as every reader of the run will). Called by ``load_run_config``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +20,18 @@ def model_fields(config: RunConfig) -> tuple[dict[str, Any], str]:
     saying where they come from."""
     model = config.model
     if model.hf_path is not None:
+        from megatron_rl.models.hf_config import config_from_dict, read_config_dict
+
         path = Path(model.hf_path) / "config.json"
         if not path.is_file():
             raise ConfigError("model.hf_path", f"no config.json in {model.hf_path}")
         try:
-            fields = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError("model.hf_path", f"unreadable {path}: {err}") from None
+            # read as every reader of the run reads it (known fields coerced), and refused
+            # here, at load, where one of them would refuse it
+            fields = read_config_dict(path)
+            config_from_dict(fields, path)
+        except ValueError as err:
+            raise ConfigError("model.hf_path", str(err)) from None
         source = f"model.hf_path {model.hf_path}"
     else:
         from megatron_rl.models.presets import PRESETS

@@ -231,7 +231,9 @@ def load_hf_config(ckpt_dir: str | Path) -> transformers.PretrainedConfig:
         raise ValueError(
             f"{ckpt_dir}: not a megatron_rl model checkpoint (no {HF_CONFIG_SUBDIR}/config.json)"
         )
-    return transformers.AutoConfig.from_pretrained(path)
+    from megatron_rl.models.hf_config import load_hf_config as read
+
+    return read(path)
 
 
 def load_model(model, ckpt_dir: str | Path) -> None:

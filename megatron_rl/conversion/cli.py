@@ -40,12 +40,11 @@ def run(args: argparse.Namespace) -> int:
         if args.direction == "hf-to-mcore":
             parallel = ParallelConfig(tensor=args.tp, pipeline=args.pp, expert=args.ep)
             parallel.validate()
-            import transformers
-
             from megatron_rl.models.arch import architecture_from_hf, check_divisibility
+            from megatron_rl.models.hf_config import load_hf_config
 
             hf.check_hf_dir(args.hf_dir)
-            arch = architecture_from_hf(transformers.AutoConfig.from_pretrained(args.hf_dir))
+            arch = architecture_from_hf(load_hf_config(args.hf_dir))
             check_divisibility(arch, parallel)
             if arch.tie_embeddings and parallel.pipeline > 1:
                 # megatron-core copies the embedding to the last stage's tied head when it

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.conversion import checkpoint
-from megatron_rl.conversion.modelopt_bridge import modelopt_export
+from megatron_rl.conversion.modelopt_bridge import importer_config, modelopt_export
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.models.provider import DTYPES
 from megatron_rl.platform import (
@@ -35,9 +35,8 @@ logger = logging.getLogger(__name__)
 
 def check_hf_dir(hf_dir: str | Path) -> Path:
     """Clear errors for an HF directory that cannot be converted."""
-    import transformers
-
     from megatron_rl.models.arch import architecture_from_hf
+    from megatron_rl.models.hf_config import load_hf_config
 
     path = Path(hf_dir)
     if not path.is_dir():
@@ -46,7 +45,7 @@ def check_hf_dir(hf_dir: str | Path) -> Path:
         raise ValueError(f"{path}: no config.json")
     if not list(path.glob("*.safetensors")):
         raise ValueError(f"{path}: no *.safetensors weights")
-    architecture_from_hf(transformers.AutoConfig.from_pretrained(path))
+    architecture_from_hf(load_hf_config(path))
     return path
 
 
@@ -72,7 +71,8 @@ def source_dtype(hf_dir: str | Path) -> str:
 def load_hf_weights(model, hf_dir: str | Path, dtype: torch.dtype) -> None:
     """Load HF weights into this rank's part of a megatron model (TP/PP/EP aware)."""
     mte = modelopt_export()
-    mte.import_mcore_gpt_from_hf(model, str(hf_dir), dtype=dtype)
+    with importer_config(hf_dir):
+        mte.import_mcore_gpt_from_hf(model, str(hf_dir), dtype=dtype)
 
 
 def hf_to_mcore(
@@ -145,7 +145,8 @@ def _streamed_import(model, hf_dir: str | Path, dtype: torch.dtype):
     modelopt_export()  # first: it fills modelopt's gaps before modelopt is imported
     from modelopt.torch.export.plugins.megatron_importer import GPTModelImporter
 
-    importer = GPTModelImporter(model, str(hf_dir), dtype=dtype)
+    with importer_config(hf_dir):
+        importer = GPTModelImporter(model, str(hf_dir), dtype=dtype)
     rules = importer.rules
     layers = list(model.decoder.layers)
     progress = tqdm(total=len(layers), desc="hf-to-mcore", disable=dist.get_rank() > 0)

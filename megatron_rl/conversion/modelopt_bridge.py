@@ -10,13 +10,19 @@ Two gaps are filled here, in one place:
    ``language_model.``) and only MoE MLPs. A text-only ``Llama4ForCausalLM`` uses the same
    tensors without the prefix, and interleaved dense layers use ``feed_forward.{gate,up,down}_proj``:
    a declarative mapping for both, registered in modelopt's own tables.
+
+And one of its reading: modelopt's importer reads the HF directory's config.json with
+``transformers.AutoConfig`` itself (:func:`importer_config` gives it ours, coerced).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 import types
+from collections.abc import Iterator
+from pathlib import Path
 
 
 def _alias_hybrid_model() -> None:
@@ -101,3 +107,30 @@ def modelopt_export():
     import modelopt.torch.export as mte
 
     return mte
+
+
+@contextlib.contextmanager
+def importer_config(hf_dir: str | Path) -> Iterator[None]:
+    """Around the construction of modelopt's ``GPTModelImporter`` for ``hf_dir``: its
+    ``transformers.AutoConfig.from_pretrained(hf_dir)`` returns the config read by
+    :func:`megatron_rl.models.hf_config.load_hf_config` (modelopt 0.47 takes no config
+    object, and transformers 5.x refuses e.g. Scout's ``attn_temperature_tuning: 4``).
+    Other paths are read by transformers as usual."""
+    import transformers
+
+    from megatron_rl.models.hf_config import load_hf_config
+
+    config = load_hf_config(hf_dir)
+    original = transformers.AutoConfig.__dict__["from_pretrained"]
+    wanted = Path(hf_dir).resolve()
+
+    def from_pretrained(cls, path, *args, **kwargs):
+        if Path(path).resolve() == wanted:
+            return config
+        return original.__func__(cls, path, *args, **kwargs)
+
+    transformers.AutoConfig.from_pretrained = classmethod(from_pretrained)
+    try:
+        yield
+    finally:
+        transformers.AutoConfig.from_pretrained = original

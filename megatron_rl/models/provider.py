@@ -13,6 +13,7 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_rl.models.arch import architecture_from_hf, transformer_config
 from megatron_rl.models.config import ModelConfig
+from megatron_rl.models.hf_config import load_hf_config as read_hf_config
 from megatron_rl.models.presets import preset_hf_config
 from megatron_rl.models.specs import decoder_block_spec
 from megatron_rl.platform import ParallelConfig, get_platform
@@ -28,7 +29,7 @@ def load_hf_config(model: ModelConfig) -> transformers.PretrainedConfig:
         path = Path(model.hf_path)
         if not (path / "config.json").is_file():
             raise ValueError(f"model.hf_path: no config.json in {path}")
-        return transformers.AutoConfig.from_pretrained(path)
+        return read_hf_config(path)
     return preset_hf_config(model.preset)
 
 

@@ -51,7 +51,7 @@ def config_differences(found: Any, preset: Any) -> list[str]:
 
 
 def _check_hf_dir(ctx: PreflightContext) -> tuple[list[str], str, dict]:
-    import transformers
+    from megatron_rl.models.hf_config import load_hf_config, load_tokenizer
 
     model = ctx.config.model
     path = Path(model.hf_path)
@@ -66,7 +66,7 @@ def _check_hf_dir(ctx: PreflightContext) -> tuple[list[str], str, dict]:
         from megatron_rl.models.presets import preset_hf_config
 
         try:
-            found = transformers.AutoConfig.from_pretrained(path)
+            found = load_hf_config(path)
         except Exception as err:  # any failure to read the config is the finding
             problems.append(f"{path / 'config.json'} does not load: {type(err).__name__}: {err}")
             found = None
@@ -77,7 +77,7 @@ def _check_hf_dir(ctx: PreflightContext) -> tuple[list[str], str, dict]:
                 + "; ".join(diff)
             )
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(path)
+        tok = load_tokenizer(path)
         tokenizer = f"{type(tok).__name__} ({len(tok)} tokens)"
     except Exception as err:  # any failure to load is the finding
         problems.append(f"the tokenizer of {path} does not load: {type(err).__name__}: {err}")

@@ -124,12 +124,11 @@ def build_run(
     The main rank first claims ``run_dir`` (lock, history, config changes: see
     :mod:`megatron_rl.trainer.rundir`; ``restart`` / ``allow_changes`` are the CLI's
     ``--restart`` / ``--allow-changes``); ``config.yaml`` is written once all is built."""
-    import transformers
-
     from megatron_rl.algorithms import PassRateTracker
     from megatron_rl.config.checks import prompt_token_limit
     from megatron_rl.conversion.hf import load_hf_weights
     from megatron_rl.data import build_sampler, load_prompt_data, render_prompt
+    from megatron_rl.models.hf_config import load_tokenizer
     from megatron_rl.models.provider import DTYPES, build_model
     from megatron_rl.platform import get_platform, init_distributed
     from megatron_rl.rewards import RewardPool
@@ -162,7 +161,7 @@ def build_run(
         prepare_hf_dir(config, run_dir)
     collectives.barrier()
     hf_dir = prepare_hf_dir(config, run_dir)  # now only finds it
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    tokenizer = load_tokenizer(hf_dir)
     # the model as the HF directory holds it (a preset's random init: RUN_DIR/hf_init)
     model_cfg = dataclasses.replace(config.model, hf_path=str(hf_dir))
     model = build_model(model_cfg, config.parallel)

@@ -129,13 +129,12 @@ def _fix_cuda_stream_stand_ins() -> None:
 
 def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
     """vLLM ``EngineArgs`` for engine ``index`` of the pool."""
-    import transformers
     from vllm import EngineArgs
 
+    from megatron_rl.models.hf_config import load_text_config, vllm_config_dir
     from megatron_rl.platform import get_platform
 
-    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
-    text = getattr(hf_config, "text_config", hf_config)
+    text = load_text_config(hf_dir)
     resolved = config.resolved()
     transport = transport_for(resolved)
     kwargs: dict[str, Any] = {}
@@ -169,6 +168,8 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         overrides["attn_temperature_tuning"] = bool(text.attn_temperature_tuning)
     return EngineArgs(
         model=hf_dir,
+        # vLLM reads config.json with transformers itself: a coerced copy where it needs one
+        hf_config_path=vllm_config_dir(hf_dir),
         skip_tokenizer_init=True,
         dtype=config.dtype,
         seed=config.seed + index,
@@ -195,13 +196,13 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
 def _check_process_layout(hf_dir: str) -> None:
     """vLLM's parallel groups are process-wide and made for the first engine's model: one
     without experts gets no expert-parallel group, and an MoE engine built next would fail."""
-    import transformers
     from vllm.distributed import parallel_state
+
+    from megatron_rl.models.hf_config import load_text_config
 
     if _live_engines == 0 or not parallel_state.model_parallel_is_initialized():
         return
-    config = transformers.AutoConfig.from_pretrained(hf_dir)
-    text = getattr(config, "text_config", config)
+    text = load_text_config(hf_dir)
     moe = routed_expert_count(text) > 0
     try:
         parallel_state.get_ep_group()

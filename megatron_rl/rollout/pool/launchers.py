@@ -292,10 +292,9 @@ def runner_settings(config: RolloutConfig, hf_config: Any, policy: Any = None) -
 
 def hf_text_config(hf_dir: str) -> Any:
     """The HF config of ``hf_dir``'s text model."""
-    import transformers
+    from megatron_rl.models.hf_config import load_text_config
 
-    config = transformers.AutoConfig.from_pretrained(hf_dir)
-    return getattr(config, "text_config", config)
+    return load_text_config(hf_dir)
 
 
 def hf_encoder(hf_dir: str) -> Callable[[str], list[int]]:
@@ -306,7 +305,7 @@ def hf_encoder(hf_dir: str) -> Callable[[str], list[int]]:
         raise ValueError(
             "rollout.interruption needs a tokenizer: pass encode= or put one in the model dir"
         )
-    import transformers
+    from megatron_rl.models.hf_config import load_tokenizer
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    tokenizer = load_tokenizer(hf_dir)
     return lambda text: tokenizer.encode(text, add_special_tokens=False)

@@ -165,7 +165,9 @@ def test_hf_path_model_is_checked_from_its_config_json(tmp_path):
         "max_position_embeddings": 256,
     }
     # Llama-4 multimodal configs nest the text model's fields.
-    (model_dir / "config.json").write_text(json.dumps({"text_config": config}))
+    (model_dir / "config.json").write_text(
+        json.dumps({"model_type": "llama4", "text_config": config})
+    )
     base = [f"model.hf_path={model_dir}", "cluster.gpus_per_node=5", "cluster.generator_gpus=1"]
     msg = error_of(TINY, [*base, "parallel.tensor=4", "cluster.trainer_gpus=4"])
     assert "6 attention heads" in msg and str(model_dir) in msg

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.hf_configs import hf_dir_with_config, llama31_8b_config, scout_config
 
 from megatron_rl.config import load_run_config
 from megatron_rl.platform.config import LAUNCHER_VARS
@@ -146,48 +147,16 @@ def test_model_check_refuses_a_production_preset_without_its_checkpoint(tmp_path
 
 
 # -- model check on the real public config files (../shared/models, tests/data/hf_configs) -------
-HF_CONFIGS = ROOT / "tests" / "data" / "hf_configs"  # copies of ../shared/models (README there)
-LLAMA31_8B = HF_CONFIGS / "Llama-3.1-8B-Instruct.config.json"
-SCOUT_TRIMMED = HF_CONFIGS / "Llama-4-Scout-17B-16E-Instruct.config.aiconfigurator-trimmed.json"
-
-
-def scout_config() -> dict:
-    """Llama-4-Scout-17B-16E-Instruct's config.json as far as the files allow: the trimmed
-    public copy (every architecture field of the text and vision models) plus the one field
-    the model check compares that the trimming dropped, ``tie_word_embeddings``, where Meta's
-    file keeps it: at the top level, not in text_config (tests/data/README.md)."""
-    config = json.loads(SCOUT_TRIMMED.read_text())
-    assert (
-        "tie_word_embeddings" not in config and "tie_word_embeddings" not in config["text_config"]
-    )
-    return {**config, "tie_word_embeddings": False}
-
-
-def _real_hf_dir(path: Path, config: dict) -> Path:
-    """An HF directory with a real config.json, the name of a weights file (the model check
-    reads no tensor) and a tokenizer that loads (the character tokenizer)."""
-    from megatron_rl.data.tokenizer import build_char_tokenizer
-
-    tok = path.parent / f"{path.name}_tok"
-    build_char_tokenizer(tok)
-    path.mkdir()
-    for file in tok.iterdir():
-        (path / file.name).write_bytes(file.read_bytes())
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    (path / "model-00001-of-00004.safetensors").write_bytes(b"")
-    return path
-
-
 def test_model_check_passes_on_metas_own_config_files(tmp_path):
     """Llama-3.1-8B's config.json has no head_dim (transformers derives 128) and Scout's keeps
     tie_word_embeddings at the top level: both are the presets as transformers reads them."""
-    llama = _real_hf_dir(tmp_path / "llama", json.loads(LLAMA31_8B.read_text()))
+    llama = hf_dir_with_config(tmp_path / "llama", llama31_8b_config())
     assert "head_dim" not in json.loads((llama / "config.json").read_text())
     out = model.check_model(
         _ctx(tmp_path, _config("model.preset=llama3-8b", f"model.hf_path={llama}"))
     )
     assert out.passed, out.message
-    scout = _real_hf_dir(tmp_path / "scout", scout_config())
+    scout = hf_dir_with_config(tmp_path / "scout", scout_config())
     out = model.check_model(
         _ctx(tmp_path, _config("model.preset=llama4-scout", f"model.hf_path={scout}"))
     )
@@ -195,7 +164,7 @@ def test_model_check_passes_on_metas_own_config_files(tmp_path):
 
 
 def test_model_check_fails_on_a_real_architecture_mismatch(tmp_path):
-    llama = _real_hf_dir(tmp_path / "llama", json.loads(LLAMA31_8B.read_text()))
+    llama = hf_dir_with_config(tmp_path / "llama", llama31_8b_config())
     out = model.check_model(
         _ctx(tmp_path, _config("model.preset=llama4-scout", f"model.hf_path={llama}"))
     )
@@ -203,15 +172,13 @@ def test_model_check_fails_on_a_real_architecture_mismatch(tmp_path):
     assert "model_type: 'llama' here, 'llama4_text' in the preset" in out.message
     assert "hidden_size: 4096 here, 5120 in the preset" in out.message
     # a head width other than the derived one: head_dim set explicitly to 64
-    narrow = _real_hf_dir(
-        tmp_path / "narrow", {**json.loads(LLAMA31_8B.read_text()), "head_dim": 64}
-    )
+    narrow = hf_dir_with_config(tmp_path / "narrow", {**llama31_8b_config(), "head_dim": 64})
     out = model.check_model(
         _ctx(tmp_path, _config("model.preset=llama3-8b", f"model.hf_path={narrow}"))
     )
     assert not out.passed and "head_dim: 64 here, 128 in the preset" in out.message
     # Scout's top-level tie_word_embeddings is the one that ties the head
-    tied = _real_hf_dir(tmp_path / "tied", {**scout_config(), "tie_word_embeddings": True})
+    tied = hf_dir_with_config(tmp_path / "tied", {**scout_config(), "tie_word_embeddings": True})
     out = model.check_model(
         _ctx(tmp_path, _config("model.preset=llama4-scout", f"model.hf_path={tied}"))
     )
@@ -535,7 +502,7 @@ def test_wrong_hf_path_fails_the_model_check(tmp_path):
 def test_preflight_cli_passes_the_model_check_on_scouts_config(tmp_path):
     """``megatron-rl preflight`` itself (the model check only) on Scout's real multimodal
     config.json against the llama4-scout preset."""
-    scout = _real_hf_dir(tmp_path / "scout", scout_config())
+    scout = hf_dir_with_config(tmp_path / "scout", scout_config())
     args = ("model.preset=llama4-scout", f"model.hf_path={scout}", "--only", "model")
     proc, report = _preflight(tmp_path / "run", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
