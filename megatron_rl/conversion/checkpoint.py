@@ -300,11 +300,41 @@ def _explicit_layer_axes(sh_ten):
     )
 
 
+# Keys a checkpoint may hold under an older name: (current, legacy) parts of a key. Before
+# models.specs kept TE's name for it, the local layer spec (every CPU run, every hf-to-mcore
+# conversion) saved the norm before a MoE layer as mlp.linear_fc1.layer_norm_weight; TE's
+# spec (GPU runs) saves and asks for pre_mlp_layernorm.weight.
+LEGACY_KEYS = (("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),)
+
+
+def with_legacy_keys(sharded_state_dict: dict, checkpoint_dir: str | Path) -> dict:
+    """``sharded_state_dict`` (in place, and returned) with each tensor the dist checkpoint in
+    ``checkpoint_dir`` lacks asked for under its legacy name (:data:`LEGACY_KEYS`) where the
+    checkpoint has that one. The one place where old checkpoint names are read."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+    stored = set(dist_checkpointing.load_tensors_metadata(str(checkpoint_dir)))
+
+    def rename(value):
+        if isinstance(value, ShardedTensor) and value.key not in stored:
+            for current, legacy in LEGACY_KEYS:
+                old = value.key.replace(current, legacy)
+                if old != value.key and old in stored:
+                    value.key = old
+                    break
+        return value
+
+    dict_list_map_inplace(rename, sharded_state_dict)
+    return sharded_state_dict
+
+
 def _load(sharded_state_dict: dict, ckpt_dir: str | Path, **kwargs) -> dict:
     path = Path(ckpt_dir) / MODEL_SUBDIR
     if not path.is_dir():
         raise ValueError(f"{ckpt_dir}: no '{MODEL_SUBDIR}/' dist checkpoint inside")
     try:
+        with_legacy_keys(sharded_state_dict, path)
         return dist_checkpointing.load(sharded_state_dict, str(path), **kwargs)
     # torch.distributed.checkpoint wraps the cause in a rank-keyed CheckpointException, which
     # derives from BaseException (not Exception).

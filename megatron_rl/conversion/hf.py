@@ -114,8 +114,9 @@ def _hf_to_mcore_rank(hf_dir: str, out_dir: str, parallel: ParallelConfig, dtype
     init_distributed(parallel)
     try:
         # Local layer specs, on the meta device: TE modules allocate on the GPU whatever the
-        # device context. Their checkpoint keys are TE's (megatron's local specs map them), so
-        # TE-spec models load the checkpoint (it holds no TE FP8 ``_extra_state``).
+        # device context. Their checkpoint keys are TE's (megatron's local specs map them, and
+        # models.specs keeps a MoE layer's pre_mlp_layernorm as TE does), so TE-spec models
+        # load the checkpoint (it holds no TE FP8 ``_extra_state``).
         cfg = ModelConfig(hf_path=hf_dir, dtype=dtype, fp32_head=False, layer_spec="local")
         model = build_model(cfg, parallel, meta=True)
         groups, materialize = _streamed_import(model, hf_dir, DTYPES[dtype])

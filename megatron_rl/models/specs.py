@@ -32,13 +32,26 @@ def _layer_spec(config: TransformerConfig, moe: bool, use_te: bool) -> ModuleSpe
         spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=config.moe_grouped_gemm
         )
-    else:
-        spec = get_gpt_layer_local_spec(
+        return copy.deepcopy(spec)
+    spec = copy.deepcopy(
+        get_gpt_layer_local_spec(
             num_experts=num_experts,
             moe_grouped_gemm=config.moe_grouped_gemm,
             normalization="RMSNorm",
         )
-    return copy.deepcopy(spec)
+    )
+    if moe:
+        # Checkpoint keys are TE's (the GPU layout). megatron-core 0.16.1's local spec maps
+        # the pre-MLP norm to the name of TE's fused norm-linear (mlp.linear_fc1.layer_norm_*)
+        # for every layer, but TE's spec fuses it only before a dense MLP: a MoE layer keeps
+        # a separate pre_mlp_layernorm (TENorm). Keep that name here too, so that either
+        # spec loads the other's checkpoints (older local-spec checkpoints:
+        # conversion.checkpoint.LEGACY_KEYS).
+        keys = spec.submodules.sharded_state_dict_keys_map
+        spec.submodules.sharded_state_dict_keys_map = {
+            old: new for old, new in keys.items() if old != "pre_mlp_layernorm."
+        }
+    return spec
 
 
 def decoder_layer_specs(

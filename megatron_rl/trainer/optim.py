@@ -167,8 +167,11 @@ def load_optimizer(optimizer, model, ckpt_dir: Path) -> None:
     """Inverse of :func:`save_optimizer`, into this rank's layout."""
     from megatron.core import dist_checkpointing
 
+    from megatron_rl.conversion.checkpoint import with_legacy_keys
+
     state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)
-    loaded = dist_checkpointing.load({"optimizer": state}, str(ckpt_dir))
+    state = with_legacy_keys({"optimizer": state}, ckpt_dir)
+    loaded = dist_checkpointing.load(state, str(ckpt_dir))
     _restore_zero_step(loaded["optimizer"])
     optimizer.load_state_dict(loaded["optimizer"])
 
