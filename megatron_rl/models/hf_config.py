@@ -79,10 +79,7 @@ def coerce_config_dict(fields: dict[str, Any], path: Path | str = CONFIG_NAME) -
     return changed
 
 
-def read_config_dict(hf_dir: str | Path) -> dict[str, Any]:
-    """``hf_dir``'s config.json (or the file itself) as a dict, known fields coerced. Raises
-    ValueError naming the file when it is missing or not a JSON object."""
-    path = _config_path(hf_dir)
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         fields = json.loads(path.read_text())
     except FileNotFoundError:
@@ -91,6 +88,14 @@ def read_config_dict(hf_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: unreadable: {err}") from None
     if not isinstance(fields, dict):
         raise ValueError(f"{path}: not a JSON object")
+    return fields
+
+
+def read_config_dict(hf_dir: str | Path) -> dict[str, Any]:
+    """``hf_dir``'s config.json (or the file itself) as a dict, known fields coerced. Raises
+    ValueError naming the file when it is missing or not a JSON object."""
+    path = _config_path(hf_dir)
+    fields = _read_json(path)
     coerce_config_dict(fields, path)
     return fields
 
@@ -158,9 +163,8 @@ def vllm_config_dir(hf_dir: str | Path) -> str | None:
     generation_config.json) in the temp directory, named by its content (made once per
     node; concurrent makers race harmlessly)."""
     path = _config_path(hf_dir)
-    raw = json.loads(path.read_text())
-    fields = read_config_dict(path)
-    if fields == raw:
+    fields = _read_json(path)
+    if not coerce_config_dict(fields, path):
         return None
     config_from_dict(fields, path)  # a config transformers refuses fails here, not in vLLM
     text = json.dumps(fields, indent=2, sort_keys=True)

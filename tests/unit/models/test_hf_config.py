@@ -164,3 +164,18 @@ def test_a_bad_value_names_the_file_and_the_key(tmp_path, where, key, value):
     with pytest.raises(ConfigError) as err:  # refused at load: plan, --dry-run, every job
         load_run_config(TINY, [f"model.hf_path={hf_dir}"])
     assert "model.hf_path" in str(err.value) and f"config.json: {dotted}: " in str(err.value)
+
+
+@pytest.mark.parametrize("value, copied", [(4, True), (1, True), (0, True), (True, False)])
+def test_vllm_gets_a_copy_exactly_when_a_field_was_coerced(tmp_path, value, copied):
+    """1 == True in Python: the copy is decided by the coercion, not by comparing values."""
+    config = scout_config()
+    config["text_config"]["attn_temperature_tuning"] = value
+    hf_dir = tmp_path / "scout"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    out = hf_config.vllm_config_dir(hf_dir)
+    assert (out is not None) == copied
+    if copied:
+        text = json.loads(Path(out, "config.json").read_text())["text_config"]
+        assert text["attn_temperature_tuning"] is bool(value)
