@@ -115,15 +115,18 @@ def config_from_dict(fields: dict[str, Any], path: Path | str = CONFIG_NAME) -> 
     the class of its ``model_type``). Raises ValueError naming ``path`` and the key on a
     value transformers refuses."""
     import transformers
-    from huggingface_hub.errors import StrictDataclassFieldValidationError
 
+    try:
+        from huggingface_hub.errors import StrictDataclassFieldValidationError as strict
+    except ImportError:  # a huggingface_hub without strict dataclasses (transformers 4.x)
+        strict = ()
     fields = dict(fields)
     model_type = fields.get("model_type")
     if model_type not in transformers.CONFIG_MAPPING:
         raise ValueError(f"{path}: model_type {model_type!r} is not one transformers knows")
     try:
         return transformers.CONFIG_MAPPING[model_type].from_dict(fields)
-    except StrictDataclassFieldValidationError as err:
+    except strict as err:
         # "Validation error for field 'X':\n    TypeError: ..."
         head, _, cause = str(err).partition("\n")
         key = head.split("'")[1] if head.count("'") >= 2 else "?"
