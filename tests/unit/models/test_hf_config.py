@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -83,12 +84,13 @@ def test_convert_cli_reads_scouts_int_tuning(scout_dir, tmp_path, capsys):
     assert "parallel.tensor=3 does not divide" in capsys.readouterr().err
 
 
-def test_engine_args_give_vllm_a_coerced_config(tmp_path, tiny_hf_dirs):
+def test_engine_args_give_vllm_a_coerced_config(tmp_path, tiny_hf_dirs, monkeypatch):
     from vllm.transformers_utils.config import get_config
 
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.rollout.engine.vllm_engine import engine_args
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the copy goes
     hf_dir = tmp_path / "tiny-llama4"
     shutil.copytree(tiny_hf_dirs["tiny-llama4"], hf_dir)
     (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
@@ -167,8 +169,9 @@ def test_a_bad_value_names_the_file_and_the_key(tmp_path, where, key, value):
 
 
 @pytest.mark.parametrize("value, copied", [(4, True), (1, True), (0, True), (True, False)])
-def test_vllm_gets_a_copy_exactly_when_a_field_was_coerced(tmp_path, value, copied):
+def test_vllm_gets_a_copy_exactly_when_a_field_was_coerced(tmp_path, monkeypatch, value, copied):
     """1 == True in Python: the copy is decided by the coercion, not by comparing values."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     config = scout_config()
     config["text_config"]["attn_temperature_tuning"] = value
     hf_dir = tmp_path / "scout"
