@@ -248,17 +248,21 @@ def test_validation_check_extrapolates_measured_decode_speed(tmp_path):
     # tiny_cpu: 64 held-out prompts x 8 samples = 512 sequences; 1 engine x 4 seqs at a time
     # (rollout.max_num_seqs 4): 128 waves of up to 64 tokens (16 + 48: the longest response
     # is 48) ... at 20 ms a decode step: 128 x 48 x 0.02 = 122.9 s, over a 1-minute timeout.
+    # The other ranks wait for the pass on validation.timeout_minutes (trainer.loop's
+    # rank_zero_waits), not on the world's parallel.timeout_minutes.
     pool = _TimedPool(capacity=4, step=0.02, tokens=100)
     ctx = _validation_ctx(tmp_path, pool, "rollout.max_num_seqs=4", "off_policy.pool_fill=2",
-                          "parallel.timeout_minutes=1")  # fmt: skip
+                          "validation.timeout_minutes=1", "parallel.timeout_minutes=60")  # fmt: skip
     out = check_validation(ctx)
     # one prompt's 8 samples (two full waves of 4) to 32 tokens, another prompt's to 1
     assert pool.asked == [(1, 8, 32), (1, 8, 1)]
     assert out.details["step_seconds"] == pytest.approx(0.02, rel=0.25)
     assert out.details["prefill_seconds"] == pytest.approx(0.02, rel=0.5)
     assert out.details["seconds"] == pytest.approx(128 * 48 * 0.02, rel=0.25)
-    assert not out.passed and "parallel.timeout_minutes" in out.message
-    ctx.config.parallel.timeout_minutes = 30
+    assert not out.passed and "validation.timeout_minutes" in out.message
+    assert "parallel.timeout_minutes" not in out.message + out.limit
+    ctx.config.validation.timeout_minutes = 3
+    ctx.config.parallel.timeout_minutes = 1  # shorter than the pass: not what the ranks wait on
     assert check_validation(ctx).passed
     ctx.config.validation.enabled = False
     assert check_validation(ctx).value == "validation off"
