@@ -98,6 +98,55 @@ def test_disk_needs_keep_last_plus_one_checkpoints(tmp_path):
     assert not short.passed and "checkpoint.keep_last" in short.message
 
 
+def _fake_checkpoint(run_dir: Path, step: int, size: int) -> None:
+    """An intact checkpoint directory of ``size`` bytes in all (CheckpointManager's parts,
+    the tensor shard sparse: no disk used)."""
+    path = run_dir / "checkpoints" / f"step_{step:08d}"
+    (path / "model" / "model").mkdir(parents=True)
+    (path / "state").mkdir()
+    (path / "state" / "loop.pt").write_bytes(b"0" * 10)
+    (path / "state" / "rng_00000.pt").write_bytes(b"0" * 10)
+    meta = json.dumps({"step": step, "world_size": 1, "format": 2, "optimizer": False})
+    (path / "meta.json").write_text(meta)
+    with open(path / "model" / "model" / "shard.distcp", "wb") as f:
+        f.truncate(size - 20 - len(meta))
+
+
+def test_disk_counts_the_runs_own_checkpoints_and_the_preflights(tmp_path):
+    # one checkpoint of tiny_cpu (fp32): TINY_PARAMS x 12 bytes = C; keep_last 2
+    one = TINY_PARAMS * 12
+    config = _config("checkpoint.keep_last=2")
+
+    def check(run_dir, free):
+        return environment.check_disk(_ctx(run_dir, config, free_bytes=lambda p: free))
+
+    # A requeued run with its two checkpoints on disk (2C): the disk peaks at 3C (two kept
+    # and one being written), so 3C - 2C = C more; the preflight's own save is C too.
+    requeued = tmp_path / "requeued"
+    _fake_checkpoint(requeued, 100, one)
+    _fake_checkpoint(requeued, 200, one)
+    out = check(requeued, one)
+    assert out.passed, out.message
+    assert out.details["needed_bytes"] == one and out.details["existing_bytes"] == [one, one]
+    assert not check(requeued, one - 1).passed
+    # One checkpoint on disk: 3C - C = 2C more.
+    resumed = tmp_path / "resumed"
+    _fake_checkpoint(resumed, 100, one)
+    assert check(resumed, 2 * one).passed and not check(resumed, 2 * one - 1).passed
+    # Three on disk with keep_last lowered to 1: the first save sits beside all three before
+    # the pruning: C more (not 2C - 3C < 0): the preflight's save and the run's first.
+    lowered = tmp_path / "lowered"
+    for step in (100, 200, 300):
+        _fake_checkpoint(lowered, step, one)
+    keep1 = _config("checkpoint.keep_last=1")
+    out = environment.check_disk(_ctx(lowered, keep1, free_bytes=lambda p: one - 1))
+    assert not out.passed and out.details["needed_bytes"] == one
+    assert "preflight's own checkpoint" in out.message
+    # An interrupted save (no meta.json) is not the run's checkpoint: it does not count.
+    (requeued / "checkpoints" / "step_00000200" / "meta.json").unlink()
+    assert check(requeued, 2 * one).passed and not check(requeued, 2 * one - 1).passed
+
+
 def test_free_bytes_override(monkeypatch, tmp_path):
     from megatron_rl.preflight.context import free_bytes
 
