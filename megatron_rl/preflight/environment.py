@@ -84,7 +84,8 @@ def check_versions(ctx: PreflightContext) -> Outcome:
 
 def check_fp8(ctx: PreflightContext) -> Outcome:
     """Transformer Engine imports on a GPU (when the layer spec wants it) and the recipe's FP8
-    setting is one this GPU supports (Hopper: delayed / tensorwise; Blackwell: MXFP8)."""
+    recipe (``model.fp8_scaling``) is one this GPU runs with this CUDA
+    (``planning.gpus.fp8_recipes``; the same check as at load against ``cluster.gpu``)."""
     from megatron_rl.platform import get_platform
     from megatron_rl.platform.inventory import device_inventory
 
@@ -102,18 +103,19 @@ def check_fp8(ctx: PreflightContext) -> Outcome:
             f"model.layer_spec {model.layer_spec!r} needs it: install the range setup.py pins "
             "for this torch, or set model.layer_spec: local (no FP8)"
         )
-    if model.fp8 is not None and not recipes:
-        problems.append(
-            f"model.fp8 {model.fp8!r}: {inv.device_name} (compute capability "
-            f"{inv.capability}) has no FP8 support"
-        )
+    from megatron_rl.config.checks import fp8_recipe_problem
+
+    where = f"{inv.device_name} (compute capability {inv.capability}, CUDA {inv.cuda})"
+    problem = fp8_recipe_problem(model, where, recipes)
+    if problem is not None:
+        problems.append(f"{problem[0]}: {problem[1]}")
     te = "TE imports" if platform.transformer_engine else "no TE"
     value = f"{inv.device_name} sm_{inv.capability[0]}{inv.capability[1]}: {te}; FP8 recipes: "
     value += ", ".join(recipes) or "none"
     return Outcome(
         not problems,
         value,
-        f"model.fp8 {model.fp8}, model.layer_spec {model.layer_spec}",
+        f"model.fp8 {model.fp8} (recipe {model.fp8_scaling}), model.layer_spec {model.layer_spec}",
         "; ".join(problems),
         {"fp8_recipes": list(recipes), "transformer_engine": platform.transformer_engine},
     )

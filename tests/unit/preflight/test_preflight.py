@@ -75,12 +75,42 @@ def test_fp8_is_not_applicable_on_cpu_and_recipes_follow_the_gpu(tmp_path):
     out = environment.check_fp8(_ctx(tmp_path, _config()))
     assert out.passed and out.value == "n/a (cpu)"
 
-    def inv(cap):
-        return DeviceInventory("t", "c", "d", "n", "gpu", cap, 1)
+    def inv(cap, cuda="12.9"):
+        return DeviceInventory("t", cuda, "d", "n", "gpu", cap, 1)
 
-    assert inv((9, 0)).fp8_recipes == ("delayed", "tensorwise")  # Hopper
+    assert inv((9, 0)).fp8_recipes == ("delayed", "tensorwise", "blockwise")  # Hopper
+    assert inv((9, 0), "12.8").fp8_recipes == ("delayed", "tensorwise")  # TE: blockwise 12.9+
     assert "mxfp8" in inv((10, 0)).fp8_recipes  # Blackwell
     assert inv((8, 0)).fp8_recipes == () and inv(None).fp8_recipes == ()  # Ampere / CPU
+
+
+@pytest.mark.parametrize(
+    ("capability", "cuda", "recipe", "passes"),
+    [
+        ((9, 0), "12.8", "mxfp8", False),  # MXFP8: Blackwell only
+        ((9, 0), "12.8", "blockwise", False),  # TE's block scaling needs CUDA 12.9
+        ((9, 0), "12.9", "blockwise", True),
+        ((10, 0), "12.9", "mxfp8", True),
+        ((9, 0), "12.8", None, True),  # delayed, the default
+    ],
+)
+def test_fp8_check_compares_the_recipe_with_this_gpus(
+    tmp_path, monkeypatch, capability, cuda, recipe, passes
+):
+    import megatron_rl.platform as platform
+    from megatron_rl.platform import inventory
+    from megatron_rl.platform.device import Platform
+
+    monkeypatch.setattr(platform, "get_platform", lambda: Platform("cuda", "nccl", True))
+    found = inventory.DeviceInventory("2.13", cuda, "580", "2.27", "H200", capability, 8)
+    monkeypatch.setattr(inventory, "device_inventory", lambda: found)
+    overrides = ["model.fp8=e4m3"] + ([f"model.fp8_recipe={recipe}"] if recipe else [])
+    # the recipe's own cluster.gpu (gb200) runs every recipe: this is the GPU found here
+    out = environment.check_fp8(_ctx(tmp_path, _config("model.dtype=bfloat16", *overrides)))
+    assert out.passed is passes, out.message
+    if not passes:
+        assert f"model.fp8_recipe: FP8 recipe '{recipe}'" in out.message
+        assert "H200" in out.message and f"CUDA {cuda}" in out.message
 
 
 def test_checkpoint_bytes_from_parameter_count():
