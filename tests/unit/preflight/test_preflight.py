@@ -453,6 +453,69 @@ def test_run_check_times_catches_and_skips(tmp_path):
     assert passed.passed and passed.value == "1 GB/s" and passed.seconds >= 0
 
 
+@pytest.mark.timeout(240)  # ~15-25 s here; a hang would be the world's 1-minute timeout
+@pytest.mark.parametrize("failing", [1, 0])  # rank 0 also serves the rendezvous store
+def test_a_check_that_raises_on_one_rank_ends_with_a_report_in_seconds(
+    tmp_path, monkeypatch, failing
+):
+    """Two gloo ranks: the failing rank raises inside a check while the other is blocked in
+    a collective waiting for it. The failing rank writes the report (naming itself and the
+    error) within AGREE_SECONDS of the raise and ends its process; the other ends too, no
+    collective timeout is waited out, and the report is not overwritten."""
+    import time
+
+    from support.mp_workers import preflight_failure_worker
+    from torch.multiprocessing import ProcessExitedException
+
+    from megatron_rl.platform import run_local_ranks
+    from megatron_rl.preflight.runner import AGREE_SECONDS
+
+    monkeypatch.setenv("PREFLIGHT_FAILING", str(failing))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    t0 = time.time()
+    with pytest.raises(ProcessExitedException, match="exit code 1"):
+        run_local_ranks(
+            preflight_failure_worker, 2, _config("parallel.timeout_minutes=1"), str(run_dir)
+        )
+    ended = time.time()
+    report = json.loads((run_dir / "preflight.json").read_text())
+    assert _statuses(report) == {"first": "PASS", "boom": "FAIL", "after": "SKIP"}
+    boom = report["checks"][1]
+    assert boom["message"].startswith(
+        f"rank {failing}: RuntimeError: CUDA out of memory on rank {failing} (injected)"
+    )
+    assert boom["details"]["failed_ranks"] == [failing]
+    assert report["checks"][2]["message"] == f"not run: rank {failing} failed in boom"
+    raised = float((run_dir / f"raised{failing}").read_text())
+    written = (run_dir / "preflight.json").stat().st_mtime
+    assert written - raised < AGREE_SECONDS + 5  # seconds, not the collective's timeout
+    assert ended - t0 < 55  # both ranks gone before the world's 1-minute timeout
+    assert not list(run_dir.glob("preflight.json.part*"))
+
+
+@pytest.mark.timeout(240)
+def test_a_check_that_raises_on_every_rank_is_agreed_and_the_preflight_goes_on(
+    tmp_path, monkeypatch
+):
+    """A failure on every rank (a deterministic error): the ranks agree within the grace
+    period, the check fails naming both ranks, and the next check still runs."""
+    from support.mp_workers import preflight_failure_worker
+
+    from megatron_rl.platform import run_local_ranks
+
+    monkeypatch.setenv("PREFLIGHT_FAILING", "0,1")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    reports = run_local_ranks(preflight_failure_worker, 2, _config(), str(run_dir))
+    assert [r["results"][2]["status"] for r in reports] == ["PASS", "PASS"]
+    written = json.loads((run_dir / "preflight.json").read_text())
+    assert _statuses(written) == {"first": "PASS", "boom": "FAIL", "after": "PASS"}
+    boom = written["checks"][1]
+    assert boom["details"]["failed_ranks"] == [0, 1]
+    assert boom["message"] == "rank 0: RuntimeError: CUDA out of memory on rank 0 (injected)"
+
+
 def test_report_json_and_table(tmp_path):
     report = Report("r.yaml", str(tmp_path), "cpu", 1, seconds=3.0)
     report.results.append(CheckResult("disk", "PASS", "9 GB", ">= 1 GB", 0.1))
