@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.config.errors import ConfigError
+from megatron_rl.planning.gpus import DEFAULT_GPU, GPUS
 from megatron_rl.trainer.tracking import WandbConfig
 
 SIGNAL_NAMES: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
@@ -420,11 +421,9 @@ class ClusterConfig:
     nccl_mnnvl: bool | None = None
     nccl_nvls: bool | None = None
     engine_nccl_nvls: bool = False
-    gpu: str = "gb200"
+    gpu: str = DEFAULT_GPU
 
     def validate(self) -> None:
-        from megatron_rl.planning.gpus import GPUS
-
         if self.gpu not in GPUS:
             raise ConfigError("gpu", f"unknown GPU {self.gpu!r}; known: {', '.join(sorted(GPUS))}")
         for name in ("nodes", "gpus_per_node", "trainer_gpus", "generator_gpus"):

@@ -79,3 +79,11 @@ def test_an_fp8_recipe_the_cluster_gpu_lacks_is_refused_at_load():
             SCOUT, [f"cluster.gpu={gpu}", "model.fp8=e4m3", "model.fp8_recipe=blockwise"]
         )
     assert _error(SCOUT, ["cluster.gpu=a100"]).key == "cluster.gpu"
+
+
+def test_plan_plans_for_the_recipes_gpu_unless_told_otherwise():
+    from megatron_rl.planning import plan_run
+
+    config = load_run_config(SCOUT, ["cluster.gpu=h100"])
+    assert plan_run(config, search=False).gpu.name == "h100"
+    assert plan_run(config, gpu="gb200", search=False).gpu.name == "gb200"
