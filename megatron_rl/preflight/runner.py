@@ -208,7 +208,10 @@ def run_preflight(
     free: Callable[[Path], int] = free_bytes,
 ) -> Report:
     """Every check (``registry.CHECKS``) on this rank; every trainer rank calls this. The
-    report (the same on every rank) is written to ``RUN_DIR/preflight.json`` by rank 0."""
+    report (the same on every rank) is written to ``RUN_DIR/preflight.json`` by rank 0; or,
+    when a check raised on some ranks while the others stayed inside it, by the failing
+    rank, which then ends this process with status 1 (so do the others once they learn it;
+    see the module docstring): this function then does not return."""
     import torch.distributed as dist
 
     from megatron_rl.platform import collectives, get_platform, init_distributed
