@@ -8,6 +8,7 @@ validated by transformers as every reader of the run will). Called by ``load_run
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,79 @@ def _check_routing_replay(config: RunConfig, moe: bool, source: str) -> None:
             "not supported with model.recompute_activations under pipeline "
             "parallelism (parallel.pipeline > 1)",
         )
+
+
+# -- GPU-only paths a recipe asks for, checked at load (and again where they run) ----------
+
+
+def m2n_layout_problem(
+    tensor: int, expert: int, pipeline: int = 1, expert_tensor: int = 1
+) -> str | None:
+    """Why ``rollout.weight_transport: nccl_m2n`` cannot take this trainer layout, or None.
+
+    vLLM's m2n source mesh is the first ``max(TP, EP)`` ranks of the trainer, each holding one
+    shard of every tensor (``rollout.weights.m2n``): TP and EP must each be 1 or that size
+    (TP 2 / EP 4 would shard dense and expert tensors over different rank sets), pipeline
+    parallel 1 (a stage holds only its layers: m2n has no placement for "held by some ranks
+    only"), expert tensor parallel 1 (experts whole on their EP rank). The one statement of
+    these limits: the recipe is refused at load (:func:`check_gpu_paths`) and the weight
+    stream's ``source_layout`` must agree."""
+    if pipeline != 1:
+        return (
+            f"'nccl_m2n' needs parallel.pipeline 1 (got {pipeline}): a pipeline stage holds only "
+            "its layers, which m2n's placements cannot describe; use 'nccl'"
+        )
+    if expert_tensor != 1:
+        return (
+            f"'nccl_m2n' needs parallel.expert_tensor 1 (got {expert_tensor}): experts must be "
+            "whole on their EP rank; use 'nccl'"
+        )
+    size = max(tensor, expert)
+    for name, value in (("tensor", tensor), ("expert", expert)):
+        if value not in (1, size):
+            return (
+                f"'nccl_m2n' needs parallel.tensor and parallel.expert each 1 or max(TP, EP) "
+                f"(got parallel.{name} {value}, max {size}: TP {tensor}, EP {expert}): one source "
+                "mesh of max(TP, EP) ranks cannot describe tensors sharded over different rank "
+                "sets; use 'nccl'"
+            )
+    return None
+
+
+def fp8_recipe_problem(model: Any, gpu: str, recipes: Sequence[str]) -> tuple[str, str] | None:
+    """(key, why) when the model's FP8 recipe (``model.fp8_scaling``) is not one that
+    ``gpu`` runs (``recipes``: ``planning.gpus.fp8_recipes`` of its compute capability), or
+    None. Serves the load-time check against ``cluster.gpu`` and the preflight's ``fp8``
+    check against the GPU it runs on."""
+    recipe = model.fp8_scaling
+    if recipe is None or recipe in recipes:
+        return None
+    key = "model.fp8_recipe" if model.fp8_recipe is not None else "model.fp8"
+    runs = ", ".join(recipes) if recipes else "no FP8"
+    return key, (
+        f"FP8 recipe {recipe!r} (model.fp8 {model.fp8!r}) does not run on {gpu} "
+        f"(Transformer Engine runs {runs} there): pick one of those for model.fp8_recipe, "
+        "or set model.fp8: null"
+    )
+
+
+def check_gpu_paths(config: RunConfig) -> None:
+    """Raise ConfigError naming the key when the recipe asks for a GPU path that its layout
+    or its GPU (``cluster.gpu``) cannot run: ``nccl_m2n`` on a layout it cannot describe
+    (:func:`m2n_layout_problem`), an FP8 recipe the GPU lacks (:func:`fp8_recipe_problem`).
+    Pure (no I/O): part of ``RunConfig.validate``, so a recipe fails at load, not after the
+    model is built on the allocation."""
+    from megatron_rl.planning.gpus import get_gpu
+
+    p = config.parallel
+    if config.rollout.weight_transport == "nccl_m2n":
+        why = m2n_layout_problem(p.tensor, p.expert, p.pipeline, p.expert_tensor)
+        if why is not None:
+            raise ConfigError("rollout.weight_transport", why)
+    gpu = get_gpu(config.cluster.gpu)
+    problem = fp8_recipe_problem(config.model, f"cluster.gpu {gpu.name}", gpu.fp8_recipes)
+    if problem is not None:
+        raise ConfigError(*problem)
 
 
 def prompt_token_limit(config: RunConfig) -> int | None:

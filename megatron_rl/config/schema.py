@@ -107,6 +107,9 @@ class RunConfig:
         self._validate_pool_fill()
         self._validate_lengths()
         self._validate_cluster()
+        from megatron_rl.config.checks import check_gpu_paths
+
+        check_gpu_paths(self)
         probe_tokens = self.training.logprob_probe_max_tokens
         if probe_tokens > self.rollout.max_tokens:  # a probe sample fits where samples fit
             _fail(

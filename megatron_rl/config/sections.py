@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.config.errors import ConfigError
+from megatron_rl.planning.gpus import DEFAULT_GPU, GPUS
 from megatron_rl.trainer.tracking import WandbConfig
 
 SIGNAL_NAMES: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
@@ -398,6 +399,10 @@ class ClusterConfig:
         engine_nccl_nvls: ``NCCL_NVLS_ENABLE`` of the vLLM engines. Off by default: NVLS
             buffers take engine GPU memory (``megatron-rl plan`` counts them when on) for
             all-reduces of decode-sized activations.
+        gpu: the cluster's GPU model (``megatron_rl.planning.gpus.GPUS``): what ``megatron-rl
+            plan`` plans for by default and what the recipe's GPU-only settings (the FP8
+            recipe) are checked against at load; the preflight checks them again on the GPU
+            it runs on.
     """
 
     nodes: int = 20
@@ -416,8 +421,11 @@ class ClusterConfig:
     nccl_mnnvl: bool | None = None
     nccl_nvls: bool | None = None
     engine_nccl_nvls: bool = False
+    gpu: str = DEFAULT_GPU
 
     def validate(self) -> None:
+        if self.gpu not in GPUS:
+            raise ConfigError("gpu", f"unknown GPU {self.gpu!r}; known: {', '.join(sorted(GPUS))}")
         for name in ("nodes", "gpus_per_node", "trainer_gpus", "generator_gpus"):
             _check_int(self, name, 1)
         _check_int(self, "signal_minutes_before_end", 0)

@@ -87,7 +87,8 @@ class ModelConfig:
     # GPU only: Transformer Engine FP8 format for the linear layers.
     fp8: Literal["e4m3", "hybrid"] | None = None
     # With fp8: megatron-core's FP8 scaling recipe; null: delayed. Hopper: delayed, tensorwise
-    # or blockwise; Blackwell: mxfp8 (tokens then pad to multiples of 32, not 16).
+    # or blockwise (CUDA >= 12.9); Blackwell: those or mxfp8 (tokens then pad to multiples of
+    # 32, not 16). Checked against cluster.gpu at load (planning.gpus.fp8_recipes).
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] | None = None
     # "auto": Transformer Engine specs on GPU (an error if TE does not import there), local
     # specs with torch SDPA on CPU; "local" on GPU runs without TE (no FP8).

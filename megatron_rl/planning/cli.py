@@ -26,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dotted overrides, e.g. parallel.expert=16",
     )
     parser.add_argument(
-        "--gpu", choices=sorted(GPUS), default=DEFAULT_GPU, help=f"default: {DEFAULT_GPU}"
+        "--gpu",
+        choices=sorted(GPUS),
+        default=None,
+        help=f"default: the recipe's cluster.gpu ({DEFAULT_GPU} unless set)",
     )
     parser.add_argument(
         "--headroom",
@@ -63,9 +66,17 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"megatron-rl plan: error: {err}", file=sys.stderr)
         return 2
+    gpu = args.gpu or config.cluster.gpu
+    if gpu != config.cluster.gpu:  # the recipe was checked against cluster.gpu at load
+        from megatron_rl.config.checks import fp8_recipe_problem
+
+        problem = fp8_recipe_problem(config.model, f"--gpu {gpu}", GPUS[gpu].fp8_recipes)
+        if problem is not None:
+            print(f"megatron-rl plan: error: {ConfigError(*problem)}", file=sys.stderr)
+            return 2
     plan = plan_run(
         config,
-        gpu=args.gpu,
+        gpu=gpu,
         headroom=args.headroom,
         expert_load=args.expert_load,
     )

@@ -26,12 +26,20 @@ class GPU:
         source: where the number comes from.
         vllm_max_graph_size: vLLM's default largest CUDA-graph batch (vllm/config/vllm.py
             ``_set_cudagraph_sizes``: 1024 on data-centre Blackwell, 512 elsewhere).
+        capability: CUDA compute capability (what decides its FP8 recipes:
+            :func:`fp8_recipes`).
     """
 
     name: str
     memory_bytes: int
     source: str
     vllm_max_graph_size: int = 512
+    capability: tuple[int, int] = (9, 0)
+
+    @property
+    def fp8_recipes(self) -> tuple[str, ...]:
+        """The FP8 recipes (``model.fp8_recipe``) Transformer Engine runs on this GPU."""
+        return fp8_recipes(self.capability)
 
 
 GPUS: dict[str, GPU] = {
@@ -42,12 +50,57 @@ GPUS: dict[str, GPU] = {
         189471 * MiB,
         "nvidia-smi memory.total 189471 MiB (datasheet: 13.4 TB HBM3e / 72 GPUs)",
         vllm_max_graph_size=1024,
+        capability=(10, 0),
     ),
     # H200 datasheet: 141 GB HBM3e; nvidia-smi reports 143771 MiB (140.4 GiB).
-    "h200": GPU("h200", 143771 * MiB, "nvidia-smi memory.total 143771 MiB (datasheet: 141 GB)"),
+    "h200": GPU(
+        "h200",
+        143771 * MiB,
+        "nvidia-smi memory.total 143771 MiB (datasheet: 141 GB)",
+        capability=(9, 0),
+    ),
     # H100 SXM5 datasheet: 80 GB HBM3; nvidia-smi reports 81559 MiB (79.6 GiB).
-    "h100": GPU("h100", 81559 * MiB, "nvidia-smi memory.total 81559 MiB (datasheet: 80 GB)"),
+    "h100": GPU(
+        "h100",
+        81559 * MiB,
+        "nvidia-smi memory.total 81559 MiB (datasheet: 80 GB)",
+        capability=(9, 0),
+    ),
 }
+
+# Transformer Engine 2.9-2.11 (setup.py's pin), ``pytorch/quantization.py``
+# ``check_recipe_support``, by compute capability: delayed and per-tensor current scaling
+# (megatron's "delayed", "tensorwise") from 9.0 (and Ada 8.9 with CUDA >= 12.1); 1x128 /
+# 128x128 block scaling ("blockwise", ``Float8BlockScaling``) from 9.0 with CUDA >= 12.9;
+# MXFP8 ("mxfp8") on 10.x and 11.x, not 12.0+.
+CUDA_FOR_BLOCKWISE = (12, 9)
+CUDA_FOR_ADA_FP8 = (12, 1)
+
+
+def _version(text: str | None) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(part) for part in str(text).split(".")[:2])
+    except ValueError:
+        return None
+
+
+def fp8_recipes(capability: tuple[int, int] | None, cuda: str | None = None) -> tuple[str, ...]:
+    """The FP8 recipes Transformer Engine runs on a GPU of compute ``capability`` (None: no
+    GPU) with CUDA ``cuda`` ("12.9"; None: not known, taken as recent enough), as TE's own
+    checks decide (see above)."""
+    if capability is None:
+        return ()
+    cc, version = tuple(capability), _version(cuda)
+    recent = lambda minimum: version is None or version >= minimum  # noqa: E731
+    recipes: list[str] = []
+    if cc >= (9, 0) or (cc >= (8, 9) and recent(CUDA_FOR_ADA_FP8)):
+        recipes += ["delayed", "tensorwise"]
+    if cc >= (9, 0) and recent(CUDA_FOR_BLOCKWISE):
+        recipes.append("blockwise")
+    if (10, 0) <= cc < (12, 0):
+        recipes.append("mxfp8")
+    return tuple(recipes)
+
 
 DEFAULT_GPU = "gb200"  # the production cluster of the recipes (GB200 NVL72, slurm/README.md)
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from megatron_rl.planning.activations import ActivationBytes, ActivationSettings, activation_bytes
 from megatron_rl.planning.engine import EngineBytes, engine_bytes, largest_pushed_tensor
 from megatron_rl.planning.gpus import (
-    DEFAULT_GPU,
     ENGINE_RUNTIME_RESERVE,
     FRAGMENTATION,
     GPU,
@@ -307,15 +306,15 @@ def change_cost(layout: Layout, current: Layout) -> tuple:
 
 def plan_run(
     config,
-    gpu: str = DEFAULT_GPU,
+    gpu: str | None = None,
     headroom: float = DEFAULT_HEADROOM,
     expert_load: float = 1.0,
     search: bool = True,
 ) -> Plan:
-    """The memory plan of ``config`` (a RunConfig) on ``gpu``; with ``search``, every valid
-    layout that meets ``headroom``, smallest change first. ``expert_load``: see
-    ``ActivationSettings``."""
-    device = get_gpu(gpu)
+    """The memory plan of ``config`` (a RunConfig) on ``gpu`` (None: the recipe's
+    ``cluster.gpu``); with ``search``, every valid layout that meets ``headroom``, smallest
+    change first. ``expert_load``: see ``ActivationSettings``."""
+    device = get_gpu(gpu or config.cluster.gpu)
     shapes = model_shapes(config.model)
     current = Layout.of(config)
     push = push_extra_bytes(shapes, config)

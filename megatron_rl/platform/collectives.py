@@ -155,6 +155,18 @@ class RankZeroWait:
             ) from err
 
 
+def world_store() -> Any:
+    """The default group's rendezvous store (c10d's TCPStore, served by rank 0's process): a
+    key-value place every rank reaches outside any collective, so a rank can tell the others
+    something while they are blocked in one. None on a one-rank world."""
+    if not _active(None):
+        return None
+    from torch.distributed import distributed_c10d
+
+    # torch 2.13 has no public accessor for the store init_process_group rendezvoused on.
+    return distributed_c10d._get_default_store()
+
+
 def send_object(obj: Any, dst: int, group) -> None:
     dist.send_object_list([obj], dst=dst, group=group)
 

@@ -13,14 +13,6 @@ from megatron_rl.platform.device import get_platform
 
 logger = logging.getLogger(__name__)
 
-# Transformer Engine FP8 recipes by GPU generation (compute capability major): Hopper (9.x)
-# runs delayed / per-tensor current scaling; Blackwell (10.x) adds MXFP8 block scaling, the
-# recommended recipe there (TE's `MXFP8BlockScaling`, megatron's `fp8_recipe: mxfp8`).
-FP8_RECIPES: dict[int, tuple[str, ...]] = {
-    9: ("delayed", "tensorwise"),
-    10: ("mxfp8", "delayed", "tensorwise"),
-}
-
 
 @dataclass(frozen=True)
 class DeviceInventory:
@@ -36,10 +28,12 @@ class DeviceInventory:
 
     @property
     def fp8_recipes(self) -> tuple[str, ...]:
-        """FP8 recipes the GPU supports (empty on a CPU and before Hopper)."""
-        if self.capability is None:
-            return ()
-        return FP8_RECIPES.get(min(self.capability[0], 10), ())
+        """FP8 recipes Transformer Engine runs on this GPU with this CUDA (empty on a CPU
+        and before Ada): ``planning.gpus.fp8_recipes``, the table the recipe's target GPU
+        (``cluster.gpu``) is checked against at load."""
+        from megatron_rl.planning.gpus import fp8_recipes
+
+        return fp8_recipes(self.capability, self.cuda)
 
 
 def _driver_version() -> str | None:

@@ -7,7 +7,10 @@ library fails late (at model construction or in the first forward). What each ne
   ``main_grad`` inside the GEMM. Transformer Engine's linears do it natively, but
   ``GPTModel``'s output layer is always megatron's own ``ColumnParallelLinear``, whose
   constructor raises unless apex's ``fused_weight_gradient_mlp_cuda`` extension imports
-  (``tensor_parallel/layers.py``): so that extension decides. Models built with it must be
+  (``tensor_parallel/layers.py``): so megatron's own flag for that import decides
+  (``layers._grad_accum_fusion_available``, set by its ``try: import ... except ImportError``).
+  Finding the extension is not enough: after vLLM's install replaces torch, apex's kernels
+  are still found but fail to import (undefined symbols). Models built with it must be
   trained inside megatron's ``DistributedDataParallel`` (which gives every weight its
   ``main_grad``), as the trainer does (``trainer.optim.wrap_model``).
 - ``apply_rope_fusion``: Transformer Engine's fused RoPE, which megatron imports as
@@ -29,7 +32,7 @@ and the weight stream, parity check and checkpoints expect that module (see mode
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import logging
 import os
 import shutil
@@ -61,10 +64,26 @@ class FusedKernels:
 
 
 def _imports(module: str) -> bool:
+    """Whether ``module`` imports here (imported, not merely found: a compiled extension
+    built against another torch is found and then fails to load)."""
     try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
+        importlib.import_module(module)
+    except ModuleNotFoundError:
         return False
+    except Exception as err:  # found but broken: ImportError (symbols), OSError (a library)
+        logger.warning("%s is installed but does not import: %s: %s", module,
+                       type(err).__name__, err)  # fmt: skip
+        return False
+    return True
+
+
+def _grad_accum_fusion() -> bool:
+    """megatron-core's own answer: ``ColumnParallelLinear`` raises when
+    ``gradient_accumulation_fusion`` is asked for and this flag (its import of
+    ``fused_weight_gradient_mlp_cuda`` at module load) is False."""
+    from megatron.core.tensor_parallel import layers
+
+    return bool(layers._grad_accum_fusion_available)
 
 
 def _c_compiler() -> bool:
@@ -93,7 +112,7 @@ def detect_fused_kernels() -> FusedKernels:
     """The fusions available on this GPU machine (call on GPU only: ``get_platform``)."""
     rope, interleaved = _te_rope()
     kernels = FusedKernels(
-        gradient_accumulation_fusion=_imports("fused_weight_gradient_mlp_cuda"),
+        gradient_accumulation_fusion=_grad_accum_fusion(),
         apply_rope_fusion=rope,
         interleaved_rope_fusion=interleaved,
         bias_activation_fusion=_imports("triton") and _c_compiler(),

@@ -1,6 +1,6 @@
 """Checks of the generators: every engine starts, takes one push of the trainer's weights and
 then generates what the trainer would (the post-push log-prob probe), and how long one
-validation pass will take against the collective timeout."""
+validation pass will take against how long the other ranks wait for it."""
 
 from __future__ import annotations
 
@@ -144,14 +144,16 @@ def _decode_speed(ctx: PreflightContext, ids: list[int], spp: int, capacity: int
 def check_validation(ctx: PreflightContext) -> Outcome:
     """Decode a full batch of validation prompts (as many sequences as the engines hold at
     once, :data:`THROUGHPUT_TOKENS` long), extrapolate one validation pass, compare with
-    ``parallel.timeout_minutes`` (the other ranks wait that long for rank 0's validation)."""
+    ``validation.timeout_minutes``: the other ranks wait that long for rank 0's validation
+    pass (``trainer.loop.rank_zero_waits``), not ``parallel.timeout_minutes``."""
     from megatron_rl.platform import collectives
 
     config, run = ctx.config, ctx.run
     cfg = config.validation
-    timeout = config.parallel.timeout_minutes * 60
+    timeout = cfg.timeout_minutes * 60
+    limit = f"< validation.timeout_minutes {cfg.timeout_minutes:g} min"
     if not cfg.enabled:
-        return Outcome(True, "validation off", f"< parallel.timeout_minutes {timeout / 60:g} min")
+        return Outcome(True, "validation off", limit)
     estimate = None
     if ctx.main:
         ids = [i for ids in run.data.val_by_domain().values() for i in ids[: cfg.num_prompts]]
@@ -176,10 +178,10 @@ def check_validation(ctx: PreflightContext) -> Outcome:
         f"~{estimate['seconds']:.0f} s for {estimate['sequences']} samples of up to "
         f"{estimate['response_tokens']} tokens ({estimate['step_seconds'] * 1e3:.3g} ms per "
         f"decode step of {min(estimate['capacity'], estimate['sequences'])} sequences)",
-        f"< parallel.timeout_minutes {timeout / 60:g} min",
+        limit,
         "" if ok else (
-            "one validation pass may outlast the collective timeout, which the other trainer "
-            "ranks wait on: raise parallel.timeout_minutes above it, or lower "
+            "one validation pass may outlast validation.timeout_minutes, how long the other "
+            "trainer ranks wait for it: raise validation.timeout_minutes above it, or lower "
             "validation.num_prompts / validation.samples_per_prompt"
         ),
         estimate,

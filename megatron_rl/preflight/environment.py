@@ -84,7 +84,8 @@ def check_versions(ctx: PreflightContext) -> Outcome:
 
 def check_fp8(ctx: PreflightContext) -> Outcome:
     """Transformer Engine imports on a GPU (when the layer spec wants it) and the recipe's FP8
-    setting is one this GPU supports (Hopper: delayed / tensorwise; Blackwell: MXFP8)."""
+    recipe (``model.fp8_scaling``) is one this GPU runs with this CUDA
+    (``planning.gpus.fp8_recipes``; the same check as at load against ``cluster.gpu``)."""
     from megatron_rl.platform import get_platform
     from megatron_rl.platform.inventory import device_inventory
 
@@ -102,18 +103,19 @@ def check_fp8(ctx: PreflightContext) -> Outcome:
             f"model.layer_spec {model.layer_spec!r} needs it: install the range setup.py pins "
             "for this torch, or set model.layer_spec: local (no FP8)"
         )
-    if model.fp8 is not None and not recipes:
-        problems.append(
-            f"model.fp8 {model.fp8!r}: {inv.device_name} (compute capability "
-            f"{inv.capability}) has no FP8 support"
-        )
+    from megatron_rl.config.checks import fp8_recipe_problem
+
+    where = f"{inv.device_name} (compute capability {inv.capability}, CUDA {inv.cuda})"
+    problem = fp8_recipe_problem(model, where, recipes)
+    if problem is not None:
+        problems.append(f"{problem[0]}: {problem[1]}")
     te = "TE imports" if platform.transformer_engine else "no TE"
     value = f"{inv.device_name} sm_{inv.capability[0]}{inv.capability[1]}: {te}; FP8 recipes: "
     value += ", ".join(recipes) or "none"
     return Outcome(
         not problems,
         value,
-        f"model.fp8 {model.fp8}, model.layer_spec {model.layer_spec}",
+        f"model.fp8 {model.fp8} (recipe {model.fp8_scaling}), model.layer_spec {model.layer_spec}",
         "; ".join(problems),
         {"fp8_recipes": list(recipes), "transformer_engine": platform.transformer_engine},
     )
@@ -131,21 +133,60 @@ def checkpoint_bytes(config) -> int:
     return params * (d + 2 * 4 + main)
 
 
+def existing_checkpoint_bytes(run_dir) -> list[int]:
+    """Bytes on disk of each intact checkpoint the run directory already holds (a requeued
+    or resumed run's; ``trainer.state.CheckpointManager``), oldest first."""
+    from megatron_rl.trainer.state import CheckpointManager
+
+    return [
+        sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        for path in CheckpointManager(run_dir).checkpoints()
+    ]
+
+
+def disk_needed(one: int, keep_last: int, existing: list[int]) -> dict[str, int]:
+    """Free bytes the preflight and then the run need beyond what is on disk now.
+
+    The run: ``keep_last`` complete checkpoints plus the one being written are on disk at
+    once (``CheckpointManager``: pruning follows a complete save), ``one`` bytes each; the
+    run's own checkpoints already there (``existing``, a requeued job's) are part of that and
+    pruned as new ones complete. The disk peaks at ``max(sum(existing) + one,
+    (keep_last + 1) * one)`` (the first save beside every existing one, or the steady
+    state), so the run needs that less what the existing ones hold.
+
+    The preflight's checkpoint check writes its own full save (model + optimizer, ``one``
+    bytes: the same model and optimizer) beside the existing checkpoints under
+    ``RUN_DIR/preflight`` and removes it before the run starts: it needs ``one`` free then.
+    Both happen on the same disk one after the other, so the larger of the two is needed."""
+    have = sum(existing)
+    run = max(have + one, (keep_last + 1) * one) - have
+    return {"run_bytes": run, "scratch_bytes": one, "needed_bytes": max(run, one)}
+
+
 def check_disk(ctx: PreflightContext) -> Outcome:
-    """Free disk under the run directory for ``checkpoint.keep_last`` checkpoints plus the
-    one being written."""
+    """Free disk under the run directory for the preflight's scratch checkpoint and for the
+    run's checkpoints (``checkpoint.keep_last`` plus the one being written, less those of
+    the run already on disk): :func:`disk_needed`."""
     keep = ctx.config.checkpoint.keep_last
     one = checkpoint_bytes(ctx.config)
-    needed = (keep + 1) * one
+    existing = existing_checkpoint_bytes(ctx.run_dir)
+    need = disk_needed(one, keep, existing)
+    needed = need["needed_bytes"]
     free = ctx.free_bytes(ctx.run_dir)
+    have = f"; {len(existing)} on disk, {sum(existing) / GB:.3g} GB" if existing else ""
+    limit = (
+        f">= {needed / GB:.3g} GB: (checkpoint.keep_last {keep} + 1) x {one / GB:.3g} GB"
+        f"{have}; the preflight's own save {one / GB:.3g} GB"
+    )
     return Outcome(
         free >= needed,
         f"{free / GB:.3g} GB free",
-        f">= {needed / GB:.3g} GB: (checkpoint.keep_last {keep} + 1) x {one / GB:.3g} GB",
+        limit,
         "" if free >= needed else (
-            f"{ctx.run_dir} has {free / GB:.3g} GB free but the run's checkpoints need "
-            f"{needed / GB:.3g} GB: free space, pick a run directory (--run-dir) on a larger "
-            "filesystem, or lower checkpoint.keep_last"
+            f"{ctx.run_dir} has {free / GB:.3g} GB free but needs {needed / GB:.3g} GB more "
+            f"(the run's checkpoints {need['run_bytes'] / GB:.3g} GB, the preflight's own "
+            f"checkpoint {one / GB:.3g} GB): free space, pick a run directory (--run-dir) on a "
+            "larger filesystem, or lower checkpoint.keep_last"
         ),
-        {"free_bytes": free, "needed_bytes": needed, "checkpoint_bytes": one},
+        {"free_bytes": free, "checkpoint_bytes": one, "existing_bytes": existing, **need},
     )  # fmt: skip

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -61,10 +62,11 @@ class Report:
         }
 
     def write(self, run_dir: str | Path) -> Path:
-        """``RUN_DIR/preflight.json`` (written whole, then renamed into place)."""
+        """``RUN_DIR/preflight.json`` (written whole, then renamed into place; the part file
+        is this process's own: a failing rank may write it while rank 0 does)."""
         path = Path(run_dir) / REPORT_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(path.name + ".part")
+        part = path.with_name(f"{path.name}.part{os.getpid()}")
         part.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         part.replace(path)
         return path

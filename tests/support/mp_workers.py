@@ -251,3 +251,51 @@ def rendezvous_worker(value: int) -> tuple[int, int]:
     rank = dist.get_rank()
     dist.destroy_process_group()
     return rank, int(total)
+
+
+def _preflight_first(ctx):
+    """A check every rank passes (its status agreed by a collective)."""
+    from megatron_rl.preflight.context import Outcome
+
+    return Outcome(True, "ok")
+
+
+def _preflight_boom(ctx):
+    """Raise on the ranks named in ``$PREFLIGHT_FAILING`` (writing the time first); the
+    others enter a collective over the data-parallel group, which waits for them."""
+    import os
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megatron_rl.platform import collectives
+    from megatron_rl.preflight.context import Outcome
+
+    rank = dist.get_rank()
+    if str(rank) in os.environ["PREFLIGHT_FAILING"].split(","):
+        (Path(ctx.run_dir) / f"raised{rank}").write_text(repr(time.time()))
+        raise RuntimeError(f"CUDA out of memory on rank {rank} (injected)")
+    from megatron.core import parallel_state
+
+    # a data collective on a group of its own (as NCCL's are, apart from the gloo control
+    # group the agreement runs on): the failing rank never joins it
+    collectives.all_reduce(torch.ones(4), group=parallel_state.get_data_parallel_group())
+    return Outcome(True, "ok")
+
+
+def preflight_failure_worker(config, run_dir: str) -> dict:
+    """A preflight of three checks ("first", "boom", "after") on every rank; returns what
+    ``run_preflight`` returned (a rank that ends the preflight ends its process instead)."""
+    import dataclasses
+
+    from megatron_rl.preflight.context import Check
+    from megatron_rl.preflight.runner import run_preflight
+
+    checks = (
+        Check("first", _preflight_first, "passes"),
+        Check("boom", _preflight_boom, "raises on some ranks"),
+        Check("after", _preflight_first, "passes"),
+    )
+    report = run_preflight(config, run_dir, checks=checks)
+    return dataclasses.asdict(report)

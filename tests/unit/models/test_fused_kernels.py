@@ -4,6 +4,8 @@ TransformerConfig validation accepts the GPU config."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -113,6 +115,8 @@ def test_detection_maps_each_library_to_its_fusion(monkeypatch):
 
     def detect(modules: set[str], rope: tuple[bool, bool], cc: bool = True) -> FusedKernels:
         monkeypatch.setattr(kernels, "_imports", lambda name: name in modules)
+        grad_accum = "fused_weight_gradient_mlp_cuda" in modules
+        monkeypatch.setattr(kernels, "_grad_accum_fusion", lambda: grad_accum)
         monkeypatch.setattr(kernels, "_te_rope", lambda: rope)
         monkeypatch.setattr(kernels, "_c_compiler", lambda: cc)
         return kernels.detect_fused_kernels.__wrapped__()
@@ -128,6 +132,36 @@ def test_detection_maps_each_library_to_its_fusion(monkeypatch):
     )
     # Triton without a C compiler cannot build its launcher: torch.compile would fail.
     assert detect({"triton"}, (False, False), cc=False) == FusedKernels()
+
+
+def test_an_extension_that_is_found_but_does_not_import_is_off(tmp_path, monkeypatch):
+    # apex's kernels after vLLM's install replaced torch: the extension is on the path
+    # (find_spec finds it) but its import raises; megatron then leaves its flag False and
+    # ColumnParallelLinear refuses gradient_accumulation_fusion, so we must not ask for it.
+    import importlib.util
+
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_rl.platform import kernels
+
+    for name in (
+        "fused_weight_gradient_mlp_cuda",
+        "scaled_masked_softmax_cuda",
+        "scaled_upper_triang_masked_softmax_cuda",
+    ):
+        (tmp_path / f"{name}.py").write_text(
+            "raise ImportError('undefined symbol: _ZN3c1017RegisterOperators')\n"
+        )
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    assert not kernels._imports("scaled_masked_softmax_cuda")
+    found = kernels.detect_fused_kernels.__wrapped__()
+    assert not found.gradient_accumulation_fusion
+    assert not found.masked_softmax_fusion
+    # and it is megatron's own flag that decides: where its import succeeded, on
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
+    assert kernels.detect_fused_kernels.__wrapped__().gradient_accumulation_fusion
 
 
 class _WgradAccumulation:

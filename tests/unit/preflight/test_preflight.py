@@ -76,12 +76,42 @@ def test_fp8_is_not_applicable_on_cpu_and_recipes_follow_the_gpu(tmp_path):
     out = environment.check_fp8(_ctx(tmp_path, _config()))
     assert out.passed and out.value == "n/a (cpu)"
 
-    def inv(cap):
-        return DeviceInventory("t", "c", "d", "n", "gpu", cap, 1)
+    def inv(cap, cuda="12.9"):
+        return DeviceInventory("t", cuda, "d", "n", "gpu", cap, 1)
 
-    assert inv((9, 0)).fp8_recipes == ("delayed", "tensorwise")  # Hopper
+    assert inv((9, 0)).fp8_recipes == ("delayed", "tensorwise", "blockwise")  # Hopper
+    assert inv((9, 0), "12.8").fp8_recipes == ("delayed", "tensorwise")  # TE: blockwise 12.9+
     assert "mxfp8" in inv((10, 0)).fp8_recipes  # Blackwell
     assert inv((8, 0)).fp8_recipes == () and inv(None).fp8_recipes == ()  # Ampere / CPU
+
+
+@pytest.mark.parametrize(
+    ("capability", "cuda", "recipe", "passes"),
+    [
+        ((9, 0), "12.8", "mxfp8", False),  # MXFP8: Blackwell only
+        ((9, 0), "12.8", "blockwise", False),  # TE's block scaling needs CUDA 12.9
+        ((9, 0), "12.9", "blockwise", True),
+        ((10, 0), "12.9", "mxfp8", True),
+        ((9, 0), "12.8", None, True),  # delayed, the default
+    ],
+)
+def test_fp8_check_compares_the_recipe_with_this_gpus(
+    tmp_path, monkeypatch, capability, cuda, recipe, passes
+):
+    import megatron_rl.platform as platform
+    from megatron_rl.platform import inventory
+    from megatron_rl.platform.device import Platform
+
+    monkeypatch.setattr(platform, "get_platform", lambda: Platform("cuda", "nccl", True))
+    found = inventory.DeviceInventory("2.13", cuda, "580", "2.27", "H200", capability, 8)
+    monkeypatch.setattr(inventory, "device_inventory", lambda: found)
+    overrides = ["model.fp8=e4m3"] + ([f"model.fp8_recipe={recipe}"] if recipe else [])
+    # the recipe's own cluster.gpu (gb200) runs every recipe: this is the GPU found here
+    out = environment.check_fp8(_ctx(tmp_path, _config("model.dtype=bfloat16", *overrides)))
+    assert out.passed is passes, out.message
+    if not passes:
+        assert f"model.fp8_recipe: FP8 recipe '{recipe}'" in out.message
+        assert "H200" in out.message and f"CUDA {cuda}" in out.message
 
 
 def test_checkpoint_bytes_from_parameter_count():
@@ -97,6 +127,55 @@ def test_disk_needs_keep_last_plus_one_checkpoints(tmp_path):
     assert ok.passed and ok.details["needed_bytes"] == needed
     short = environment.check_disk(_ctx(tmp_path, config, free_bytes=lambda p: needed - 1))
     assert not short.passed and "checkpoint.keep_last" in short.message
+
+
+def _fake_checkpoint(run_dir: Path, step: int, size: int) -> None:
+    """An intact checkpoint directory of ``size`` bytes in all (CheckpointManager's parts,
+    the tensor shard sparse: no disk used)."""
+    path = run_dir / "checkpoints" / f"step_{step:08d}"
+    (path / "model" / "model").mkdir(parents=True)
+    (path / "state").mkdir()
+    (path / "state" / "loop.pt").write_bytes(b"0" * 10)
+    (path / "state" / "rng_00000.pt").write_bytes(b"0" * 10)
+    meta = json.dumps({"step": step, "world_size": 1, "format": 2, "optimizer": False})
+    (path / "meta.json").write_text(meta)
+    with open(path / "model" / "model" / "shard.distcp", "wb") as f:
+        f.truncate(size - 20 - len(meta))
+
+
+def test_disk_counts_the_runs_own_checkpoints_and_the_preflights(tmp_path):
+    # one checkpoint of tiny_cpu (fp32): TINY_PARAMS x 12 bytes = C; keep_last 2
+    one = TINY_PARAMS * 12
+    config = _config("checkpoint.keep_last=2")
+
+    def check(run_dir, free):
+        return environment.check_disk(_ctx(run_dir, config, free_bytes=lambda p: free))
+
+    # A requeued run with its two checkpoints on disk (2C): the disk peaks at 3C (two kept
+    # and one being written), so 3C - 2C = C more; the preflight's own save is C too.
+    requeued = tmp_path / "requeued"
+    _fake_checkpoint(requeued, 100, one)
+    _fake_checkpoint(requeued, 200, one)
+    out = check(requeued, one)
+    assert out.passed, out.message
+    assert out.details["needed_bytes"] == one and out.details["existing_bytes"] == [one, one]
+    assert not check(requeued, one - 1).passed
+    # One checkpoint on disk: 3C - C = 2C more.
+    resumed = tmp_path / "resumed"
+    _fake_checkpoint(resumed, 100, one)
+    assert check(resumed, 2 * one).passed and not check(resumed, 2 * one - 1).passed
+    # Three on disk with keep_last lowered to 1: the first save sits beside all three before
+    # the pruning: C more (not 2C - 3C < 0): the preflight's save and the run's first.
+    lowered = tmp_path / "lowered"
+    for step in (100, 200, 300):
+        _fake_checkpoint(lowered, step, one)
+    keep1 = _config("checkpoint.keep_last=1")
+    out = environment.check_disk(_ctx(lowered, keep1, free_bytes=lambda p: one - 1))
+    assert not out.passed and out.details["needed_bytes"] == one
+    assert "preflight's own checkpoint" in out.message
+    # An interrupted save (no meta.json) is not the run's checkpoint: it does not count.
+    (requeued / "checkpoints" / "step_00000200" / "meta.json").unlink()
+    assert check(requeued, 2 * one).passed and not check(requeued, 2 * one - 1).passed
 
 
 def test_free_bytes_override(monkeypatch, tmp_path):
@@ -289,17 +368,21 @@ def test_validation_check_extrapolates_measured_decode_speed(tmp_path):
     # tiny_cpu: 64 held-out prompts x 8 samples = 512 sequences; 1 engine x 4 seqs at a time
     # (rollout.max_num_seqs 4): 128 waves of up to 64 tokens (16 + 48: the longest response
     # is 48) ... at 20 ms a decode step: 128 x 48 x 0.02 = 122.9 s, over a 1-minute timeout.
+    # The other ranks wait for the pass on validation.timeout_minutes (trainer.loop's
+    # rank_zero_waits), not on the world's parallel.timeout_minutes.
     pool = _TimedPool(capacity=4, step=0.02, tokens=100)
     ctx = _validation_ctx(tmp_path, pool, "rollout.max_num_seqs=4", "off_policy.pool_fill=2",
-                          "parallel.timeout_minutes=1")  # fmt: skip
+                          "validation.timeout_minutes=1", "parallel.timeout_minutes=60")  # fmt: skip
     out = check_validation(ctx)
     # one prompt's 8 samples (two full waves of 4) to 32 tokens, another prompt's to 1
     assert pool.asked == [(1, 8, 32), (1, 8, 1)]
     assert out.details["step_seconds"] == pytest.approx(0.02, rel=0.25)
     assert out.details["prefill_seconds"] == pytest.approx(0.02, rel=0.5)
     assert out.details["seconds"] == pytest.approx(128 * 48 * 0.02, rel=0.25)
-    assert not out.passed and "parallel.timeout_minutes" in out.message
-    ctx.config.parallel.timeout_minutes = 30
+    assert not out.passed and "validation.timeout_minutes" in out.message
+    assert "parallel.timeout_minutes" not in out.message + out.limit
+    ctx.config.validation.timeout_minutes = 3
+    ctx.config.parallel.timeout_minutes = 1  # shorter than the pass: not what the ranks wait on
     assert check_validation(ctx).passed
     ctx.config.validation.enabled = False
     assert check_validation(ctx).value == "validation off"
@@ -409,6 +492,69 @@ def test_run_check_times_catches_and_skips(tmp_path):
     assert skipped.status == "SKIP" and "needs a" in skipped.message
     passed = run_check(Check("c", lambda c: Outcome(True, "1 GB/s", "> 0"), "ok"), ctx, done)
     assert passed.passed and passed.value == "1 GB/s" and passed.seconds >= 0
+
+
+@pytest.mark.timeout(240)  # ~15-25 s here; a hang would be the world's 1-minute timeout
+@pytest.mark.parametrize("failing", [1, 0])  # rank 0 also serves the rendezvous store
+def test_a_check_that_raises_on_one_rank_ends_with_a_report_in_seconds(
+    tmp_path, monkeypatch, failing
+):
+    """Two gloo ranks: the failing rank raises inside a check while the other is blocked in
+    a collective waiting for it. The failing rank writes the report (naming itself and the
+    error) within AGREE_SECONDS of the raise and ends its process; the other ends too, no
+    collective timeout is waited out, and the report is not overwritten."""
+    import time
+
+    from support.mp_workers import preflight_failure_worker
+    from torch.multiprocessing import ProcessExitedException
+
+    from megatron_rl.platform import run_local_ranks
+    from megatron_rl.preflight.runner import AGREE_SECONDS
+
+    monkeypatch.setenv("PREFLIGHT_FAILING", str(failing))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    t0 = time.time()
+    with pytest.raises(ProcessExitedException, match="exit code 1"):
+        run_local_ranks(
+            preflight_failure_worker, 2, _config("parallel.timeout_minutes=1"), str(run_dir)
+        )
+    ended = time.time()
+    report = json.loads((run_dir / "preflight.json").read_text())
+    assert _statuses(report) == {"first": "PASS", "boom": "FAIL", "after": "SKIP"}
+    boom = report["checks"][1]
+    assert boom["message"].startswith(
+        f"rank {failing}: RuntimeError: CUDA out of memory on rank {failing} (injected)"
+    )
+    assert boom["details"]["failed_ranks"] == [failing]
+    assert report["checks"][2]["message"] == f"not run: rank {failing} failed in boom"
+    raised = float((run_dir / f"raised{failing}").read_text())
+    written = (run_dir / "preflight.json").stat().st_mtime
+    assert written - raised < AGREE_SECONDS + 5  # seconds, not the collective's timeout
+    assert ended - t0 < 55  # both ranks gone before the world's 1-minute timeout
+    assert not list(run_dir.glob("preflight.json.part*"))
+
+
+@pytest.mark.timeout(240)
+def test_a_check_that_raises_on_every_rank_is_agreed_and_the_preflight_goes_on(
+    tmp_path, monkeypatch
+):
+    """A failure on every rank (a deterministic error): the ranks agree within the grace
+    period, the check fails naming both ranks, and the next check still runs."""
+    from support.mp_workers import preflight_failure_worker
+
+    from megatron_rl.platform import run_local_ranks
+
+    monkeypatch.setenv("PREFLIGHT_FAILING", "0,1")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    reports = run_local_ranks(preflight_failure_worker, 2, _config(), str(run_dir))
+    assert [r["results"][2]["status"] for r in reports] == ["PASS", "PASS"]
+    written = json.loads((run_dir / "preflight.json").read_text())
+    assert _statuses(written) == {"first": "PASS", "boom": "FAIL", "after": "PASS"}
+    boom = written["checks"][1]
+    assert boom["details"]["failed_ranks"] == [0, 1]
+    assert boom["message"] == "rank 0: RuntimeError: CUDA out of memory on rank 0 (injected)"
 
 
 def test_report_json_and_table(tmp_path):

@@ -553,3 +553,22 @@ def test_send_blocks_hands_m2n_the_platforms_stream(monkeypatch, on_gpu):
         ]
     else:
         assert events == [("reshard", [3.0, 4.0], None), ("reshard", [1.0, 2.0], None)]
+
+
+def test_the_recipe_check_and_the_weight_stream_agree_on_the_layouts_m2n_takes():
+    """``config.checks.m2n_layout_problem`` refuses a recipe at load exactly where the
+    weight stream's ``source_layout`` would refuse it after the model is built."""
+    import itertools
+
+    from megatron_rl.config.checks import m2n_layout_problem
+
+    for tensor, expert, pipeline, expert_tensor in itertools.product(
+        (1, 2, 4), (1, 2, 4, 8), (1, 2), (1, 2)
+    ):
+        try:
+            m2n.source_layout(0, tensor, expert, pipeline, expert_tensor)
+            late = True
+        except ValueError:
+            late = False
+        early = m2n_layout_problem(tensor, expert, pipeline, expert_tensor) is None
+        assert early == late, (tensor, expert, pipeline, expert_tensor)
