@@ -59,12 +59,15 @@ def test_keep_for_stream_keeps_a_freed_tensor_from_reuse_until_the_reader_is_don
     stream's queued work is done."""
     from megatron_rl import platform
 
-    first = torch.empty(N, device="cuda")
+    # A size of its own above 20 MiB: a segment of exactly its (2 MiB-rounded) size, which no
+    # other free block matches, so a free block of it is the one an allocation gets back.
+    size = 37 * 2**20 // 4
+    first = torch.empty(size, device="cuda")
     address = first.data_ptr()
     del first
-    assert torch.empty(N, device="cuda").data_ptr() == address  # reused at once
+    assert torch.empty(size, device="cuda").data_ptr() == address  # reused at once
 
-    tensor = torch.ones(N, device="cuda")
+    tensor = torch.ones(size, device="cuda")
     address = tensor.data_ptr()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -73,7 +76,7 @@ def test_keep_for_stream_keeps_a_freed_tensor_from_reuse_until_the_reader_is_don
         platform.keep_for_stream(tensor)
         doubled = tensor * 2
     del tensor
-    again = torch.empty(N, device="cuda")
+    again = torch.empty(size, device="cuda")
     assert again.data_ptr() != address  # the reader still has work queued
     side.synchronize()
     assert torch.equal(doubled, torch.full_like(doubled, 2.0))
