@@ -396,9 +396,11 @@ class ClusterConfig:
         nccl_mnnvl: ``NCCL_MNNVL_ENABLE`` (multi-node NVLink). None: NCCL's auto-detect (forcing
             it on fails at init on nodes without an IMEX channel).
         nccl_nvls: ``NCCL_NVLS_ENABLE`` (NVLink SHARP) of the trainer. None: NCCL's default.
-        engine_nccl_nvls: ``NCCL_NVLS_ENABLE`` of the vLLM engines. Off by default: NVLS
-            buffers take engine GPU memory (``megatron-rl plan`` counts them when on) for
-            all-reduces of decode-sized activations.
+        engine_nccl_nvls: NVLS of the vLLM engines' own (tensor-parallel) communicators, a
+            vLLM pin (``megatron_rl.rollout.engine.nccl_env``); the communicators they share
+            with the trainer keep the job's NCCL settings. Off by default: NVLS buffers take
+            engine GPU memory (``megatron-rl plan`` counts them when on) for all-reduces of
+            decode-sized activations.
         gpu: the cluster's GPU model (``megatron_rl.planning.gpus.GPUS``): what ``megatron-rl
             plan`` plans for by default and what the recipe's GPU-only settings (the FP8
             recipe) are checked against at load; the preflight checks them again on the GPU

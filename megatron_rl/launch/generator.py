@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 from megatron_rl.platform.config import LAUNCHER_VARS
 from megatron_rl.rollout.engine import serve
+from megatron_rl.rollout.engine.nccl_env import drop_trainer_only_vars
 
 logger = logging.getLogger("megatron_rl.launch.generator")
 
@@ -83,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the job exports to every task, would only confuse it.
     for name in LAUNCHER_VARS:
         os.environ.pop(name, None)
+    drop_trainer_only_vars()  # CUDA_DEVICE_MAX_CONNECTIONS: Megatron's, not vLLM's
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, _note_signal)
     if not args.no_supervise:

@@ -26,6 +26,7 @@ from megatron_rl.launch.template import (
     NO_SEGMENT_NOTE,
     SEGMENT_NOTE,
 )
+from megatron_rl.rollout.engine.nccl_env import ENGINE_NVLS_ENV
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import RunConfig
@@ -180,10 +181,13 @@ def render_job_script(
         "trainer_nodes": t.nodes,
         "trainer_tasks_per_node": t.tasks_per_node,
         "trainer_sharing": t.tasks_sharing_node,
-        # expandable segments: less allocator fragmentation (megatron-rl plan counts 10%)
+        # expandable segments: less allocator fragmentation (megatron-rl plan counts 10%);
+        # one hardware queue per GPU: Megatron's TP/SP overlap (not the engines': it would
+        # serialise vLLM's streams)
         "trainer_gpu_args": (
             f"--gpus-per-node={t.gpus_per_node} "
-            "--export=ALL,PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+            "--export=ALL,PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,"
+            "CUDA_DEVICE_MAX_CONNECTIONS=1"
         )
         if gpu
         else "",
@@ -191,9 +195,11 @@ def render_job_script(
         "generator_nodes": g.nodes,
         "generator_tasks_per_node": g.tasks_per_node,
         "generator_sharing": g.tasks_sharing_node,
+        # the same NCCL_* as the trainer (they share communicators); NVLS of the engines' own
+        # communicators through a vLLM pin (megatron_rl.rollout.engine.nccl_env)
         "generator_gpu_args": (
             f"--gpus-per-node={g.gpus_per_node} "
-            f"--export=ALL,NCCL_NVLS_ENABLE={_on_off(config.cluster.engine_nccl_nvls)}"
+            f"--export=ALL,{ENGINE_NVLS_ENV}={_on_off(config.cluster.engine_nccl_nvls)}"
         )
         if gpu
         else "",

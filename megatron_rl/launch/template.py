@@ -263,8 +263,12 @@ GPU_ENV = r"""
 # inside one domain when its nodes are in one rack (--segment above, cluster.segment).
 # MNNVL and NVLS (NVLink SHARP) are NCCL's to decide unless the recipe's cluster section says
 # (nccl_mnnvl, nccl_nvls, engine_nccl_nvls): forcing MNNVL on turns NCCL's auto-detect into an
-# init failure on nodes without an IMEX channel. The engines run without NVLS unless
-# cluster.engine_nccl_nvls: its buffers take engine GPU memory (srun --export of their step).
+# init failure on nodes without an IMEX channel. Both steps get these same NCCL_* settings: the
+# trainer's weight sender and the engines share NCCL communicators, and ranks of one
+# communicator with different NCCL settings can hang. The engines' own TP communicators run
+# without NVLS unless cluster.engine_nccl_nvls (its buffers take engine GPU memory): their step
+# gets MEGATRON_RL_ENGINE_NCCL_NVLS, which vLLM pins for those communicators alone
+# (megatron_rl/rollout/engine/nccl_env.py).
 export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-1}   # cuMem buffers: MNNVL and NVLS need them
 {{nccl_settings}}
 # SITE-SPECIFIC: the IMEX channel. With Slurm's switch/nvidia_imex plugin (Slurm >= 24.05) each
@@ -276,7 +280,7 @@ export NVIDIA_IMEX_CHANNELS=${NVIDIA_IMEX_CHANNELS:-0}
 # Fail instead of hanging: an NCCL error or a collective timeout (parallel.timeout_minutes)
 # aborts the rank, --kill-on-bad-exit ends its step, and this script ends the job.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # Megatron TP/SP overlap
+# CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's TP/SP overlap) is the trainer step's alone.
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 """
 

@@ -117,6 +117,15 @@ ENGINE_RUNTIME_RESERVE = 4 * GiB
 # PR 127 "set NCCL_NVLS_ENABLE=0 for memory saving", JAX-Toolbox PR 383: communicator
 # initialisation with NVLS "is memory intensive and can cause OOM"); NCCL documents no size.
 NVLS_BYTES_PER_COMMUNICATOR = 1 * GiB
+# NCCL's staging buffer of one connection: NCCL_BUFFSIZE, "the size of the buffer used by NCCL
+# when communicating data between pairs of GPUs", default 4194304 (4 MiB) (NCCL user guide,
+# "Environment Variables", NCCL_BUFFSIZE); NCCL keeps one per channel per peer connected.
+# ASSUMPTION: 2 channels per peer for point-to-point traffic (NCCL_NCHANNELS_PER_NET_PEER's
+# default; NVLink may use more) and the LL / LL128 protocol buffers within that estimate.
+# Counted for the communicators a weight transport adds beyond the runtime reserve's few:
+# ``nccl_m2n`` forms one per engine, and every trainer source rank joins each.
+NCCL_BUFFSIZE = 4 * MiB
+NCCL_CHANNELS_PER_PEER = 2
 # vLLM CUDA graphs: the first capture's memory pool (the largest batch's forward, counted as
 # the forward workspace at that batch) plus a per-capture cost for every further size and mode
 # (vLLM measures both at start-up: gpu_model_runner.profile_cudagraph_memory, which floors the

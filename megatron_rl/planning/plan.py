@@ -19,6 +19,8 @@ from megatron_rl.planning.gpus import (
     ENGINE_RUNTIME_RESERVE,
     FRAGMENTATION,
     GPU,
+    NCCL_BUFFSIZE,
+    NCCL_CHANNELS_PER_PEER,
     NVLS_BYTES_PER_COMMUNICATOR,
     TRAINER_RUNTIME_RESERVE,
     get_gpu,
@@ -86,6 +88,7 @@ class TrainerPlan:
     capacity: int
     nvls: int = 0  # NVLS buffers of the trainer's NCCL groups (cluster.nccl_nvls not false)
     fragmentation: int = 0  # of the activations (gpus.FRAGMENTATION)
+    transfer: int = 0  # NCCL buffers of the weight-transfer communicators (transfer_buffer_bytes)
 
     @property
     def working(self) -> int:
@@ -94,7 +97,14 @@ class TrainerPlan:
 
     @property
     def total(self) -> int:
-        return self.states.total + self.reserve + self.working + self.nvls + self.fragmentation
+        return (
+            self.states.total
+            + self.reserve
+            + self.working
+            + self.nvls
+            + self.fragmentation
+            + self.transfer
+        )
 
     @property
     def headroom(self) -> float:
@@ -108,10 +118,11 @@ class EnginePlan:
     bytes: EngineBytes
     reserve: int
     capacity: int
+    transfer: int = 0  # NCCL buffers of its weight-transfer communicator (transfer_buffer_bytes)
 
     @property
     def total(self) -> int:
-        return sum(self.bytes.parts.values()) + self.reserve
+        return sum(self.bytes.parts.values()) + self.reserve + self.transfer
 
     @property
     def headroom(self) -> float:
@@ -194,6 +205,22 @@ def trainer_nvls_bytes(config, layout: Layout, dp: int, expert_dp: int) -> int:
     return NVLS_BYTES_PER_COMMUNICATOR * sum(size > 1 for size in groups)
 
 
+def transfer_buffer_bytes(config) -> tuple[int, int]:
+    """NCCL buffers of the weight-transfer communicators beyond the runtime reserve: (on a
+    trainer source rank, on an engine GPU). ``rollout.weight_transport: nccl_m2n`` forms one
+    communicator per engine, joined by every trainer source rank (``max(parallel.tensor,
+    parallel.expert)`` of them) and that engine's workers; a source rank reshards into every
+    worker (peers: ``rollout.tensor_parallel`` per engine), a worker receives from every source
+    rank. Per peer, ``NCCL_CHANNELS_PER_PEER`` x ``NCCL_BUFFSIZE`` (gpus.py, with sources). The
+    other transports' one group is in the reserve."""
+    rollout = config.rollout
+    if rollout.weight_transport != "nccl_m2n":
+        return 0, 0
+    per_peer = NCCL_CHANNELS_PER_PEER * NCCL_BUFFSIZE
+    sources = max(config.parallel.tensor, config.parallel.expert)
+    return rollout.engines * rollout.tensor_parallel * per_peer, sources * per_peer
+
+
 def plan_trainer(
     shapes: ModelShapes,
     config,
@@ -214,6 +241,7 @@ def plan_trainer(
     tokens, seq_len = micro_batch_shape(config)
     push = push_extra_bytes(shapes, config) if push is None else push
     nvls = trainer_nvls_bytes(config, layout, dp, expert_dp)
+    transfer, _ = transfer_buffer_bytes(config)
     best = None
     for stage in range(layout.pipeline):
         params = rank_parameters(
@@ -252,6 +280,7 @@ def plan_trainer(
             capacity,
             nvls=nvls,
             fragmentation=int(FRAGMENTATION * acts.peak),
+            transfer=transfer if stage == 0 else 0,  # source ranks: first stage (m2n: PP 1)
         )
         if best is None or plan.total > best.total:
             best = plan
@@ -336,6 +365,7 @@ def plan_run(
         ),
         ENGINE_RUNTIME_RESERVE,
         device.memory_bytes,
+        transfer=transfer_buffer_bytes(config)[1],
     )
     alternatives: list[TrainerPlan] = []
     if search:

@@ -70,6 +70,14 @@ def trainer_rows(plan: Plan, trainer: TrainerPlan | None = None) -> list[Row]:
         rows.append(Row("weight push", None, note))
     if t.nvls:
         rows.append(Row("NVLS buffers (estimate)", t.nvls, "NCCL groups of > 1 rank using NVLS"))
+    if t.transfer:
+        rows.append(
+            Row(
+                "weight-transfer NCCL buffers (estimate)",
+                t.transfer,
+                "nccl_m2n: a communicator per engine x its workers (NCCL_BUFFSIZE per channel)",
+            )
+        )
     rows.append(Row("allocator fragmentation (estimate)", t.fragmentation, "of the activations"))
     rows.append(Row("runtime reserve", t.reserve, "CUDA context, NCCL (estimate)"))
     return rows
@@ -89,6 +97,9 @@ def engine_rows(plan: Plan) -> list[Row]:
         "allocator fragmentation (estimate)": "of the workspace",
     }
     rows = [Row(k, v, notes[k]) for k, v in e.parts.items() if v or k == "CUDA graphs (estimate)"]
+    if plan.engine.transfer:
+        note = "nccl_m2n: its communicator x the trainer's source ranks (NCCL_BUFFSIZE)"
+        rows.append(Row("weight-transfer NCCL buffers (estimate)", plan.engine.transfer, note))
     rows.append(Row("runtime reserve", plan.engine.reserve, "CUDA context, NCCL (estimate)"))
     return rows
 

@@ -22,12 +22,15 @@ _EXPORTS = {
     "free_port": "megatron_rl.platform.parallel",
     "host_buffer": "megatron_rl.platform.device",
     "init_distributed": "megatron_rl.platform.parallel",
+    "keep_for_stream": "megatron_rl.platform.device",
     "local_device_count": "megatron_rl.platform.device",
     "local_rank": "megatron_rl.platform.launcher",
     "local_world_size": "megatron_rl.platform.launcher",
+    "record_event": "megatron_rl.platform.device",
     "run_local_ranks": "megatron_rl.platform.parallel",
     "set_seed": "megatron_rl.platform.parallel",
     "set_thread_device": "megatron_rl.platform.device",
+    "wait_event": "megatron_rl.platform.device",
 }
 
 __all__ = sorted(_EXPORTS)

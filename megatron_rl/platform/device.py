@@ -82,6 +82,34 @@ def current_stream() -> torch.cuda.Stream | None:
     return torch.cuda.current_stream() if get_platform().is_gpu else None
 
 
+def record_event() -> torch.cuda.Event | None:
+    """An event marking the work enqueued so far on the calling thread's current CUDA stream:
+    a consumer on another stream (another thread's, or a library's side stream) waits on it
+    with :func:`wait_event` before it reads what that work produced. None on CPU, where
+    nothing runs asynchronously."""
+    if not get_platform().is_gpu:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())
+    return event
+
+
+def wait_event(event: torch.cuda.Event | None) -> None:
+    """Make the calling thread's current CUDA stream wait (on the device: the host goes on)
+    for ``event`` (:func:`record_event`); None: nothing to wait for."""
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
+
+
+def keep_for_stream(tensor: torch.Tensor) -> None:
+    """Tell the caching allocator that the calling thread's current CUDA stream reads
+    ``tensor`` (``record_stream``): if its last reference goes while that stream's work is
+    still queued, its memory is not handed to another stream's allocation before that work
+    is done. Needed when the stream is not the one ``tensor`` was allocated on. No-op on CPU."""
+    if get_platform().is_gpu:
+        tensor.record_stream(torch.cuda.current_stream())
+
+
 def host_buffer(nbytes: int, shared: bool = False) -> torch.Tensor:
     """A flat uint8 host buffer of ``nbytes`` for data that must pass through host memory
     (weight buckets to engines in other processes or on other hosts). ``shared``: in shared

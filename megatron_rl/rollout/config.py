@@ -129,8 +129,11 @@ class RolloutConfig:
         batch_timeout_minutes: how long the other trainer ranks wait for the main rank's
             next batch or probe (generation, an engine restart with its load, rewards); more
             than ``startup_timeout_minutes``. Longer fails the run naming this key.
-        push_timeout_seconds: a weight push that an engine does not acknowledge in this time
-            (the engine hangs while loading) raises an error naming the engine.
+        push_timeout_seconds: a weight push (or the forming of its transport's group) that
+            makes no progress in this time raises an error naming what it waited for: the
+            time starts again at each bucket, each engine that joins, each engine's ack (a
+            whole push of a large model, or ``nccl_m2n``'s one communicator per engine formed
+            one after another, takes longer).
         engine_max_restarts: ``placement: subprocess`` or ``remote`` (weight transport
             host): an engine process that dies (killed, crashed without a Python error) is
             restarted on its devices (a remote engine by its generator task, which then

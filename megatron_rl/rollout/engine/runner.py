@@ -33,6 +33,7 @@ from typing import Any
 from megatron_rl.platform.config import LAUNCHER_VARS
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine.interruption import find_subsequence
+from megatron_rl.rollout.engine.nccl_env import drop_trainer_only_vars
 from megatron_rl.rollout.messages import (
     Alive,
     AskStatus,
@@ -363,6 +364,7 @@ def subprocess_main(
     # only confuse it.
     for name in LAUNCHER_VARS:
         os.environ.pop(name, None)
+    drop_trainer_only_vars()  # CUDA_DEVICE_MAX_CONNECTIONS: Megatron's, not vLLM's
     if config.gpu_ids is not None:  # before anything initialises CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine_devices(config, index))
     logging.basicConfig(level=logging.WARNING)

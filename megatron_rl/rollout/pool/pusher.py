@@ -12,6 +12,12 @@ The pusher waits through callables of its pool: ``pump`` (handle the engines' ev
 raises, the pool closed, if one failed or died for good), ``is_current`` (an engine not
 replaced since), ``closed`` and ``close`` (a push that makes no progress within
 ``rollout.push_timeout_seconds`` closes the pool, then raises).
+
+That timeout is one of *progress* (:class:`Deadline`), not of the whole push or formation:
+it starts again at each bucket, each engine that joins the group, each engine's ack. A push
+of a 400 GB model in 1 GB buckets, or ``nccl_m2n``'s formation of one communicator per
+engine (64 one after another), takes far longer than any one step, which is what the
+timeout bounds (and what its error names).
 """
 
 from __future__ import annotations
@@ -57,6 +63,28 @@ class PushPhase(enum.Enum):
     def group_busy(self) -> bool:
         """The group transport is in a collective with its members."""
         return self in (PushPhase.FORMING, PushPhase.GROUP_PUSHING)
+
+
+class Deadline:
+    """``seconds`` without progress (``rollout.push_timeout_seconds``): :meth:`renew` at each
+    step of progress starts the time again (:meth:`progress`: when a count of steps grew)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._count = 0
+        self.renew()
+
+    def renew(self) -> None:
+        self.at = time.monotonic() + self.seconds
+
+    def progress(self, count: int) -> None:
+        """``count``: steps done so far (engines joined, acks): renew when it grew."""
+        if count > self._count:
+            self._count = count
+            self.renew()
+
+    def passed(self) -> bool:
+        return time.monotonic() > self.at
 
 
 class Weights(enum.Enum):
@@ -134,14 +162,20 @@ class WeightPusher:
     def wait_joined(self, connect: Callable[[], None] | None = None) -> None:
         """Run ``connect`` (the sender's side of the group's rendezvous) while watching the
         engines, then wait until every member has joined (``TransportJoined``). A member
-        that dies meanwhile fails the run; no progress within
-        ``rollout.push_timeout_seconds`` raises."""
-        deadline = time.monotonic() + self.config.push_timeout_seconds
+        that dies meanwhile fails the run; no engine joining within
+        ``rollout.push_timeout_seconds`` (of the start, or of the last one) raises: a
+        transport with a communicator per engine (``nccl_m2n``) forms them one by one."""
+        deadline = Deadline(self.config.push_timeout_seconds)
         what = "the engines joining the weight-transfer group"
+
+        def joined() -> None:
+            deadline.progress(len(self.joined))
+
         if connect is not None:
-            self.watched(connect, deadline, what)
+            self.watched(connect, deadline, what, joined)
         while not {e.index for e in self.members} <= self.joined:
             self._pump(POLL_SECONDS)
+            joined()
             self.check_deadline(deadline, what)
 
     def close(self) -> None:
@@ -173,8 +207,9 @@ class WeightPusher:
         if group and [id(e) for e in targets] != [id(e) for e in self.members]:
             self.form(targets)  # a death, or a restarted engine: the group is the targets
         # No engine may keep the trainer waiting forever: one that failed raises at once (its
-        # event), one that died is restarted or raises, one that hangs when the deadline passes.
-        deadline = time.monotonic() + self.config.push_timeout_seconds
+        # event), one that died is restarted or raises, one that hangs when the deadline passes
+        # (per bucket and per ack: a whole push may take far longer).
+        deadline = Deadline(self.config.push_timeout_seconds)
         self._acks = {}
         self.weights = Weights.TRAINER  # an engine restarted from now on needs them
         for engine in targets:
@@ -197,11 +232,11 @@ class WeightPusher:
         self,
         buckets: Iterable[WeightBucket],
         targets: Sequence[Target],
-        deadline: float,
+        deadline: Deadline,
         between: Callable[[], None],
     ) -> tuple[int, int, int]:
-        """The buckets, after the ``Push`` commands: each packed once, to every target.
-        Returns the tensors, bytes and buckets sent."""
+        """The buckets, after the ``Push`` commands: each packed once, to every target, with
+        ``deadline`` renewed for each. Returns the tensors, bytes and buckets sent."""
         sender = self.sender
         by_index = {e.index: e for e in targets}
 
@@ -217,6 +252,7 @@ class WeightPusher:
         with lanes:
             try:
                 for bucket in buckets:
+                    deadline.renew()  # progress: the previous bucket is out, this one built
                     if targets:  # with none, consumed all the same (the stream is collective)
                         lanes.put(sender.pack(bucket))
                         if sender.blocking:  # the NCCL broadcast, received by every engine
@@ -242,13 +278,15 @@ class WeightPusher:
         self,
         version: int,
         targets: Sequence[Target],
-        deadline: float,
+        deadline: Deadline,
         between: Callable[[], None],
     ) -> dict[int, Pushed]:
         """The ``Pushed`` events of ``targets`` by engine index (not of those restarted);
-        ``between()`` after each wait."""
+        ``between()`` after each wait; ``deadline`` renewed by each ack."""
+        deadline.renew()  # the last bucket is out: the engines' loads from now
         while True:
             acked = {a.engine: a for a in self._acks.get(version, [])}
+            deadline.progress(len(acked))
             waiting = [e.index for e in targets if e.index not in acked and self._is_current(e)]
             if not waiting:
                 self._acks.pop(version, None)
@@ -260,13 +298,13 @@ class WeightPusher:
     def watched(
         self,
         fn: Callable[[], None],
-        deadline: float,
+        deadline: Deadline,
         what: str,
         between: Callable[[], None] = lambda: None,
     ) -> None:
         """Run ``fn`` (a blocking collective with the engines) on a helper thread while this
         one watches the engines: an engine error or exit, or the deadline, raises here;
-        ``between()`` after each look."""
+        ``between()`` after each look (before the deadline is checked: it may renew it)."""
         failure: list[BaseException] = []
 
         def target() -> None:
@@ -281,15 +319,16 @@ class WeightPusher:
             worker.join(POLL_SECONDS)
             if worker.is_alive():
                 self._pump(0.0)  # raises if an engine failed or died
-                self.check_deadline(deadline, what)
                 between()
+                self.check_deadline(deadline, what)
         if failure:
             raise RuntimeError(f"weight push: {what} failed") from failure[0]
 
-    def check_deadline(self, deadline: float, what: str) -> None:
-        if time.monotonic() > deadline:
+    def check_deadline(self, deadline: Deadline, what: str) -> None:
+        if deadline.passed():
             self._close()
             raise TimeoutError(
                 f"weight push: no progress from {what} within rollout.push_timeout_seconds "
-                f"({self.config.push_timeout_seconds:g} s); the generator pool was closed"
+                f"({self.config.push_timeout_seconds:g} s since the last bucket, engine "
+                "joined or engine loaded); the generator pool was closed"
             )

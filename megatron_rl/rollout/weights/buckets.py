@@ -25,6 +25,21 @@ ALIGN = 64  # byte alignment of tensors inside a flat buffer
 CPU_BACKEND = "megatron_rl_cpu"  # the vLLM weight-transfer backend of the host transport
 
 
+class ReadyBucket(list):
+    """A bucket built on another thread (:func:`~megatron_rl.rollout.weights.push.prefetched`)
+    with ``ready``: the event recorded on that thread's CUDA stream once the bucket was built
+    (``platform.record_event``; None on CPU). A sender that reads the tensors on another
+    stream makes it wait on ``ready`` first: the gathers, slicing and copies that made them
+    may still be queued on the builder's stream."""
+
+    ready: Any = None
+
+
+def bucket_ready(bucket: WeightBucket) -> Any:
+    """The ``ready`` event of a :class:`ReadyBucket`; None for a plain bucket."""
+    return getattr(bucket, "ready", None)
+
+
 class WeightSender(Protocol):
     """The trainer end of a weight transport, chosen once per pool (``rollout.weight_transport``).
 

@@ -158,7 +158,11 @@ def keep_shared_modules_out_of_reload(model: torch.nn.Module) -> None:
 def register_backend() -> None:
     """Register ``megatron_rl_cpu`` with vLLM's WeightTransferEngineFactory (idempotent).
     vLLM runs this (our general plugin) in every process it starts: the CPU MoE kernel's
-    expert-parallel fix goes there too."""
+    expert-parallel fix goes there too, and the engines' own NCCL settings (before the
+    worker's first NCCL call: :mod:`megatron_rl.rollout.engine.nccl_env`)."""
+    from megatron_rl.rollout.engine.nccl_env import pin_engine_nccl_env
+
+    pin_engine_nccl_env()
     fix_cpu_moe_expert_map()
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, CpuWeightTransferEngine)

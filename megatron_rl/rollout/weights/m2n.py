@@ -359,7 +359,9 @@ class MegatronM2NSource(M2NWeightSource):
         entries = []
         for attr, suffix in (("weight", "weight"), ("bias", "bias")):
             fused = getattr(qkv, attr, None)
-            if fused is None or not isinstance(fused, torch.Tensor):
+            # Transformer Engine keeps ``bias = torch.Tensor()`` (zero elements) when there
+            # is none: not a weight (as ``weight_stream``'s exporter, which skips numel 0).
+            if not isinstance(fused, torch.Tensor) or fused.numel() == 0:
                 continue
             fused = self._param(fused)
             for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):

@@ -35,6 +35,7 @@ most one (see the rollout issue's notes).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,6 +52,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 )
 
 from megatron_rl.conversion.weight_stream import WeightBucket
+from megatron_rl.rollout.weights.buckets import bucket_ready
 from megatron_rl.rollout.weights.cpu_backend import NCCL_EP_BACKEND
 from megatron_rl.rollout.weights.experts import (
     ExpertPlacement,
@@ -282,11 +284,24 @@ class NcclSender:
             len(self.expert_groups),
         )
 
-    def on_device(self, item: tuple[str, torch.Tensor]) -> torch.Tensor:
+    def on_device(self, item: tuple[str, torch.Tensor], ready: Any = None) -> torch.Tensor:
         """A bucket tensor on the sender's device, where vLLM packs and broadcasts it. The
         stream's tensors are already there (``weight_stream`` keeps them on the trainer's
-        device): then this is the tensor itself, no copy."""
-        return item[1].to(self.device, non_blocking=True)
+        device): then this is the tensor itself, no copy.
+
+        vLLM calls this inside its side stream's context (``packed_nccl_broadcast_producer``
+        packs and broadcasts on streams of its own, which do not wait on any other), right
+        before it reads the tensor there (``torch.cat`` into the packed buffer): that stream
+        first waits for ``ready``, the event recorded after the bucket's gathers and copies
+        on the stream that built it; and the tensor is marked as used by it
+        (``record_stream``), so its memory is not reused before the packing has read it,
+        even if the bucket is dropped early (a push that timed out)."""
+        from megatron_rl import platform
+
+        platform.wait_event(ready)
+        tensor = item[1].to(self.device, non_blocking=True)
+        platform.keep_for_stream(tensor)
+        return tensor
 
     def pack(self, bucket: WeightBucket) -> dict[str, Any]:
         """The bucket's header, which every engine gets through its weights queue."""
@@ -312,12 +327,17 @@ class NcclSender:
         assert self.group is not None, "connect() first"
         # On a helper thread too: PyNccl asserts the current device is the communicator's.
         platform.set_thread_device(self.device)
+        # The event after the bucket's work on the stream that built it (the prefetch
+        # thread's); a plain bucket was built on this thread's current stream.
+        ready = bucket_ready(bucket)
+        if ready is None:
+            ready = platform.record_event()
         for group, tensors in self.groups(bucket):
             packed_nccl_broadcast_producer(
                 iterator=iter(tensors),
                 group=group,
                 src=0,
-                post_iter_func=self.on_device,
+                post_iter_func=functools.partial(self.on_device, ready=ready),
                 buffer_size_bytes=self.bucket_bytes,
             )
 

@@ -10,6 +10,7 @@ import torch
 
 from megatron_rl.conversion.weight_stream import WeightBucket, iter_hf_weights
 from megatron_rl.rollout.samples import PushStats
+from megatron_rl.rollout.weights.buckets import ReadyBucket
 
 _END = object()  # the stream's end, in the prefetch queue
 
@@ -74,10 +75,15 @@ def prefetched(buckets: Iterator[WeightBucket], alive: int = 2) -> Iterator[Weig
     device, without autograd. Closing the returned generator (or an error in the caller)
     stops the helper before it starts another bucket and closes ``buckets``; an error in the
     stream is raised here.
+
+    The helper enqueues the bucket's device work (gathers, slicing, copies) on its own current
+    CUDA stream; each bucket comes as a :class:`ReadyBucket` whose ``ready`` event is recorded
+    there once it is built, for a sender that reads it on another stream (vLLM's packed
+    broadcast runs on side streams of its own) to wait on.
     """
     if alive < 1:
         raise ValueError(f"prefetched: alive must be >= 1, got {alive}")
-    from megatron_rl.platform import get_platform, set_thread_device
+    from megatron_rl.platform import get_platform, record_event, set_thread_device
 
     device = get_platform().torch_device()
     permits = threading.Semaphore(alive)
@@ -90,9 +96,12 @@ def prefetched(buckets: Iterator[WeightBucket], alive: int = 2) -> Iterator[Weig
             with torch.no_grad():
                 while permits.acquire() and not stop.is_set():
                     bucket = next(buckets, _END)
-                    ready.put(bucket)
                     if bucket is _END:
+                        ready.put(bucket)
                         return
+                    bucket = ReadyBucket(bucket)
+                    bucket.ready = record_event()  # after the bucket's work on this stream
+                    ready.put(bucket)
         except BaseException as err:  # noqa: BLE001 - raised on the caller's thread
             ready.put(err)
         finally:

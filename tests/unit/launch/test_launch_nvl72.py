@@ -13,6 +13,7 @@ import pytest
 from megatron_rl.cli import main as cli_main
 from megatron_rl.config import ConfigError, load_run_config
 from megatron_rl.launch.render import LaunchOptions, render_job_script
+from megatron_rl.rollout.engine.nccl_env import ENGINE_NVLS_ENV
 
 ROOT = Path(__file__).resolve().parents[3]
 B8 = str(ROOT / "recipes/scalerl_8b.yaml")
@@ -45,6 +46,53 @@ def generator_args(script: str) -> str:
     return re.search(r"GENERATOR_GPU_ARGS=\(([^)]*)\)", script).group(1)
 
 
+def step_env(script: str, role: str) -> dict[str, str]:
+    """The environment a step's tasks start with (submitted with none set beforehand): the
+    batch shell's exports, run by bash, then the step's ``srun --export=ALL,K=V,...``."""
+    start = script.index("TRAINER_TASKS=")
+    block = script[start : script.index("export PYTHONUNBUFFERED")]
+    probe = block + "\nenv -0"
+    env = {"PATH": "/usr/bin:/bin"}
+    out = subprocess.run(["bash", "-c", probe], env=env, capture_output=True, text=True).stdout
+    values = dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
+    args = re.search(rf"{role.upper()}_GPU_ARGS=\(([^)]*)\)", script).group(1)
+    for arg in args.split():
+        if arg.startswith("--export=ALL"):
+            values.update(pair.split("=", 1) for pair in arg.split(",")[1:])
+    return values
+
+
+def nccl_vars(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith("NCCL_")}
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides",
+    [
+        (B8, ()),
+        (SCOUT, ()),
+        (SCOUT, ("rollout.weight_transport=nccl",)),
+        (SCOUT, ("cluster.nccl_nvls=true",)),
+        (SCOUT, ("cluster.nccl_mnnvl=true", "cluster.nccl_nvls=false")),
+        (SCOUT, ("cluster.engine_nccl_nvls=true",)),
+    ],
+)
+def test_trainer_and_engines_share_one_nccl_environment(recipe, overrides):
+    """The trainer's weight sender and the engines' workers are ranks of one NCCL
+    communicator: NCCL never reconciles NCCL_* settings across ranks (vLLM 0.32 warns a
+    mismatch can hang), so both steps start with the same NCCL_* variables; the engines' own
+    NVLS goes as a variable NCCL does not read (a vLLM pin for their own communicators), and
+    Megatron's CUDA_DEVICE_MAX_CONNECTIONS=1 reaches the trainer only."""
+    script = render(recipe, *overrides)
+    trainer, engines = step_env(script, "trainer"), step_env(script, "generator")
+    assert nccl_vars(trainer) == nccl_vars(engines)
+    assert nccl_vars(trainer)["NCCL_CUMEM_ENABLE"] == "1"
+    assert trainer["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in engines
+    engine_nvls = "1" if "cluster.engine_nccl_nvls=true" in overrides else "0"
+    assert engines[ENGINE_NVLS_ENV] == engine_nvls and ENGINE_NVLS_ENV not in trainer
+
+
 @pytest.mark.parametrize("recipe", [B8, SCOUT])
 def test_mnnvl_and_nvls_are_left_to_nccl_and_engines_run_without_nvls(recipe):
     script = render(recipe)
@@ -52,7 +100,7 @@ def test_mnnvl_and_nvls_are_left_to_nccl_and_engines_run_without_nvls(recipe):
     env = job_env(script)
     assert env["NCCL_MNNVL_ENABLE"] is None and env["NCCL_NVLS_ENABLE"] is None
     assert env["NCCL_CUMEM_ENABLE"] == "1"
-    assert "--export=ALL,NCCL_NVLS_ENABLE=0" in generator_args(script)
+    assert f"--export=ALL,{ENGINE_NVLS_ENV}=0" in generator_args(script)
     assert "NCCL_NVLS" not in re.search(r"TRAINER_GPU_ARGS=\(([^)]*)\)", script).group(1)
 
 
@@ -62,7 +110,7 @@ def test_the_recipe_can_set_mnnvl_and_nvls():
     )
     env = job_env(script)
     assert (env["NCCL_MNNVL_ENABLE"], env["NCCL_NVLS_ENABLE"]) == ("1", "0")
-    assert "--export=ALL,NCCL_NVLS_ENABLE=1" in generator_args(script)
+    assert f"--export=ALL,{ENGINE_NVLS_ENV}=1" in generator_args(script)
 
 
 @pytest.mark.parametrize(

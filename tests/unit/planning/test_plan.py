@@ -427,6 +427,27 @@ def test_trainer_counts_nvls_per_nccl_group_unless_the_recipe_turns_it_off():
     assert default.trainer.fragmentation == int(0.10 * default.trainer.activations.peak)
 
 
+def test_nccl_m2n_plans_the_buffers_of_a_communicator_per_engine():
+    """``nccl_m2n`` on the 8B recipe: 64 engines of TP 1, trainer TP 2 (two source ranks).
+    A source rank joins 64 communicators, one peer each; an engine worker one communicator
+    with two peers. NCCL_BUFFSIZE 4 MiB per channel per peer, 2 channels per peer (the
+    assumption in gpus.py): 64 x 1 x 2 x 4 MiB = 512 MiB and 2 x 2 x 4 MiB = 16 MiB."""
+    from megatron_rl.planning.report import engine_rows, trainer_rows
+
+    recipe = ROOT / "recipes/scalerl_8b.yaml"
+    base = plan_run(load_run_config(recipe), search=False)
+    m2n = plan_run(load_run_config(recipe, ["rollout.weight_transport=nccl_m2n"]), search=False)
+    assert (base.trainer.transfer, base.engine.transfer) == (0, 0)
+    assert m2n.trainer.transfer == 512 * 2**20
+    assert m2n.engine.transfer == 16 * 2**20
+    assert m2n.trainer.total - base.trainer.total == 512 * 2**20
+    assert m2n.engine.total - base.engine.total == 16 * 2**20
+    label = "weight-transfer NCCL buffers (estimate)"
+    assert [r.bytes for r in trainer_rows(m2n) if r.label == label] == [512 * 2**20]
+    assert [r.bytes for r in engine_rows(m2n) if r.label == label] == [16 * 2**20]
+    assert label not in [r.label for r in trainer_rows(base) + engine_rows(base)]
+
+
 @pytest.mark.timeout(300)
 def test_old_scout_layout_does_not_fit_and_the_suggestion_passes_the_checks():
     """The Scout layout before the re-plan (TP 4, EP 8, no recompute) does not fit a GB200;

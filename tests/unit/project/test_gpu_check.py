@@ -1,8 +1,10 @@
-"""tools/gpu_check.sh on the lent one-GPU machine (issue 27, 2.3): CUDA torch, transformers
-and pytest there, no vLLM, Transformer Engine or pytest-xdist. What can be checked here: the
-steps fit the script's time budget, its pytest call runs without xdist, the 8B memory
-extrapolation uses recipes/scalerl_8b.yaml's layout, and the presets read the same under
-transformers 4.x (the full run: `bash tools/gpu_check.sh --smoke` in a venv without xdist)."""
+"""tools/gpu_check.sh on the lent one-GPU machine (issue 27, 2.3; issue 36, 13): CUDA torch,
+transformers and pytest there, no vLLM, Transformer Engine or pytest-xdist. What can be
+checked here: the steps fit the script's time budget and the 15-minute window with a rerun,
+its pytest call covers every GPU-only path and runs without xdist (skipping cleanly here), the
+script and its Python parse, the 8B memory extrapolation uses recipes/scalerl_8b.yaml's
+layout, and the presets read the same under transformers 4.x (the full run: `bash
+tools/gpu_check.sh --smoke` in a venv without xdist)."""
 
 from __future__ import annotations
 
@@ -30,30 +32,75 @@ def step_limits(script: str) -> dict[str, int]:
     return limits
 
 
-def test_step_timeouts_fit_the_documented_budget():
+# The window (issue 36, 13): 15 device minutes for all tries, the machine's start included.
+WINDOW_S = 15 * 60
+MACHINE_START_S = 180  # ASSUMPTION: "minutes" (the device tool's notes); three of them
+RERUN_S = 3 * 60  # GPU-REVIEW.md: leave at least 3 of the 15 minutes for a rerun
+# Every GPU-only path the check must exercise, by its test file (GPU-REVIEW.md's list).
+GPU_PATHS = (
+    "tests/unit/models/test_gpu_paths.py",
+    "tests/unit/models/test_fused_kernels_gpu.py",
+    "tests/unit/platform/test_streams_gpu.py",
+    "tests/unit/rollout/test_weight_push_fast.py",
+    "tests/unit/trainer/test_async_checkpoint.py",
+)
+
+
+def test_step_timeouts_fit_the_documented_budget_and_the_window():
     budget = int(re.search(r"^BUDGET_S=(\d+)", SCRIPT, re.M).group(1))
     documented = int(re.search(r"timeout_s (\d+)", SCRIPT).group(1))  # what the header says
     limits = step_limits(SCRIPT)
-    assert budget == documented == 480
-    assert {"gpu_check", "attention", "tests", "bench"} <= set(limits)
-    assert sum(limits.values()) <= budget, limits
+    assert {"install", "versions", "tests", "gpu_check", "attention"} <= set(limits)
+    in_window = {k: v for k, v in limits.items() if k != "bench"}  # bench: --full only
+    assert sum(in_window.values()) <= budget <= documented, limits
+    # one run with the machine's start within ~10 minutes, and room for a rerun
+    assert MACHINE_START_S + documented <= 10 * 60
+    assert WINDOW_S - MACHINE_START_S - documented >= RERUN_S
 
 
-def test_pytest_step_runs_where_xdist_is_not_installed():
-    # the check machine has no pytest-xdist: -p no:xdist makes this venv's look the same
+def _pytest_step_args() -> list[str]:
     joined = SCRIPT.replace("\\\n", " ")
-    args = shlex.split(
-        re.search(r"-m pytest (.*tests/unit/models/test_gpu_paths\.py)", joined).group(1)
-    )
+    step = re.search(r"step tests \d+ \"\$PY\" -m pytest ([^\n]*)", joined).group(1)
+    return shlex.split(step)
+
+
+def test_the_pytest_step_covers_every_gpu_path():
+    args = _pytest_step_args()
+    assert [a for a in args if a.endswith(".py")] == list(GPU_PATHS)
+    assert args[args.index("-m") + 1] == "gpu"  # only the GPU tests of those files
+    for path in GPU_PATHS:
+        assert "gpu" in (ROOT / path).read_text(), path  # each file has GPU-marked tests
+
+
+@pytest.mark.timeout(300)
+def test_pytest_step_runs_where_xdist_is_not_installed_and_skips_cleanly_on_cpu():
+    """The step's own pytest call (no xdist, as on the check machine): here, without CUDA,
+    every selected test is skipped by the ``gpu`` marker (none fails to import or errors),
+    and each GPU path contributes tests."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:xdist", *args, "--collect-only", "-q"],
+        [sys.executable, "-m", "pytest", "-p", "no:xdist", *_pytest_step_args()],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=280,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert re.search(r"test_gpu_paths\.py: \d+", proc.stdout), proc.stdout  # tests collected
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert not re.search(r"\d+ (passed|failed|error)", out), out[-3000:]
+    for path in GPU_PATHS:
+        assert re.search(rf"SKIPPED \[\d+\] {re.escape(path)}(:\d+)?: needs CUDA", out), path
+
+
+def test_the_script_and_the_python_it_runs_parse():
+    """bash -n for the script; every tools/*.py it runs compiles, and so does its inline
+    versions check (the check machine is the first place they would run for real)."""
+    subprocess.run(["bash", "-n", str(ROOT / "tools" / "gpu_check.sh")], check=True)
+    scripts = set(re.findall(r"\"\$PY\" (tools/\w+\.py)", SCRIPT))
+    assert {"tools/gpu_check.py", "tools/bench_chunked_attention.py"} <= scripts
+    for script in scripts:
+        compile((ROOT / script).read_text(), script, "exec")
+    inline = re.search(r"step versions \d+ \"\$PY\" -c '(.*?)'\n", SCRIPT, re.S).group(1)
+    compile(inline, "versions", "exec")
 
 
 def _llama3_8b_parameters() -> int:

@@ -530,6 +530,8 @@ def test_the_nccl_group_is_formed_anew_with_the_ranks_vllm_expects(tmp_path, mon
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
     monkeypatch.setattr(device, "get_platform", lambda: device.Platform("cuda", "nccl", False))
     monkeypatch.setattr(device.Platform, "torch_device", lambda self: torch.device("cpu"))
+    # CUDA-only: the sender marks each tensor as read by vLLM's packing stream
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     communicators = []
 
     class Communicator:  # rank 0's end of one group

@@ -230,6 +230,30 @@ def test_an_unmapped_megatron_parameter_is_refused_by_name(tiny_hf_dirs, megatro
         m2n.MegatronM2NSource(model, layout, "LlamaForCausalLM")
 
 
+def test_transformer_engines_empty_bias_is_not_a_weight(tiny_hf_dirs, megatron_single_rank):
+    """Transformer Engine's linears without a bias keep ``bias = torch.Tensor()`` (a plain
+    attribute, zero elements), not None: that is no weight, and must not become zero-size
+    ``q/k/v_proj.bias`` entries of the plan (vLLM's model has no such tensors, and a push
+    naming them sends the engines into their layerwise reload every time)."""
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.platform import ParallelConfig
+
+    hf_dir = tiny_hf_dirs["tiny-llama"]
+    model = build_model(ModelConfig(hf_path=hf_dir, dtype="float32"), ParallelConfig())
+    layout = m2n.SourceLayout(0, 1, 1, 1)
+    before = [m.name for m in m2n.MegatronM2NSource(model, layout, "LlamaForCausalLM").metadata()]
+    for layer in model.decoder.layers:
+        qkv = layer.self_attention.linear_qkv
+        qkv._parameters.pop("bias", None)  # the local spec registers bias=None
+        qkv.bias = torch.Tensor()  # as TE's Linear / LayerNormLinear with bias=False
+    source = m2n.MegatronM2NSource(model, layout, "LlamaForCausalLM")
+    names = [m.name for m in source.metadata()]
+    assert not [n for n in names if n.endswith(".bias")]
+    assert names == before
+    assert all(t.numel() > 0 for _, t in source)
+
+
 class _Client:
     """A ``VLLMWeightSyncClient`` that records what it was asked."""
 

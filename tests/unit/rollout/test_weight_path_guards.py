@@ -341,7 +341,7 @@ def test_an_engine_failing_during_an_nccl_push_raises_instead_of_hanging(tiny_hf
 
 def test_a_push_that_makes_no_progress_times_out():
     """An engine alive but stuck: the deadline (rollout.push_timeout_seconds) raises."""
-    from megatron_rl.rollout.pool.pusher import WeightPusher
+    from megatron_rl.rollout.pool.pusher import Deadline, WeightPusher
     from megatron_rl.rollout.weights.senders import TRANSPORTS
 
     config = RolloutConfig(push_timeout_seconds=1)
@@ -357,7 +357,7 @@ def test_a_push_that_makes_no_progress_times_out():
     )
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="push_timeout_seconds"):
-        pusher.watched(lambda: time.sleep(30), time.monotonic() + 1, "NCCL broadcast")
+        pusher.watched(lambda: time.sleep(30), Deadline(1), "NCCL broadcast")
     assert time.monotonic() - start < 5
 
 

@@ -347,3 +347,36 @@ def test_two_ranks_complete_an_async_save_together_while_training(tmp_path, tens
 
     results = run_local_ranks(_two_rank_worker, 2, str(tmp_path), tensor)
     assert results[0] == results[1] and results[0]["polls"] >= 1, results
+
+
+@pytest.mark.gpu
+def test_an_async_save_of_cuda_tensors_holds_the_values_of_its_step(megatron_single_rank, tmp_path):
+    """On a GPU the parameters and Adam moments are CUDA tensors: megatron's async save
+    stages them to host memory before it returns (its writer is a forked process, which
+    cannot read them), so the step after the save, which changes them on the device, must
+    not reach the checkpoint. Run by tools/gpu_check.sh on the lent H200 (no Transformer
+    Engine there: local layer specs)."""
+    from megatron_rl.config.sections import OptimizerConfig
+    from megatron_rl.models import ModelConfig
+    from megatron_rl.models.provider import build_model
+    from megatron_rl.trainer.optim import build_optimizer, wrap_model
+
+    torch.manual_seed(0)
+    config = ModelConfig(preset="tiny-llama", dtype="float32", layer_spec="local")
+    model = build_model(config, ParallelConfig())
+    ddp = wrap_model(model)
+    optimizer = build_optimizer(ddp, OptimizerConfig(lr=1e-2, warmup_steps=0)).optimizer
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    manager = CheckpointManager(tmp_path, keep_last=2, async_save=True)
+    train_step(ddp, optimizer)
+    saved, saved_adam = weights(model), adam_state(optimizer)
+    path = manager.save(1, model, {"step": 1}, optimizer=optimizer)
+    train_step(ddp, optimizer, seed=1)  # changes the CUDA parameters while the writer runs
+    assert any(not torch.equal(saved[k], v) for k, v in weights(model).items())
+    assert manager.finalize(blocking=True) == path
+    assert manager.damage(path) is None
+    loaded = CheckpointManager(tmp_path).load(model, optimizer=optimizer)
+    assert loaded.step == 1 and loaded.extra == {"step": 1}
+    assert_same(weights(model), saved)
+    for got, want in zip(adam_state(optimizer), saved_adam, strict=True):
+        assert torch.equal(got, want)
