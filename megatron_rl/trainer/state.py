@@ -534,6 +534,11 @@ class CheckpointManager:
         return Checkpoint(loop["step"], path, loop["extra"])
 
 
+def is_step_dir(path: Path) -> bool:
+    """A published checkpoint's directory name (``step_N``; not a ``.tmp`` or ``.old``)."""
+    return path.is_dir() and _STEP_DIR.match(path.name) is not None
+
+
 def _step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 
