@@ -38,7 +38,9 @@ the RNG states are then not restored (they are per rank).
 
 A checkpoint counts only if it verifies against its manifest (a truncated shard, a lost
 ``.metadata`` or loop state): a damaged newest one is skipped with a warning that names it,
-and the run resumes from the newest intact one. Before a save, the free space is compared
+and the run resumes from the newest intact one. A checkpoint of format 3 on without its
+manifest cannot be verified and is skipped too; one of format 2 (written before manifests
+existed) is checked by its tensor shards' own dist-checkpoint metadata. Before a save, the free space is compared
 with the size of the previous checkpoint; a save that runs out of space says so in words
 and removes its partial ``.tmp``.
 """
@@ -73,7 +75,10 @@ LATEST_FILE = "latest"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 CHECKSUM_MAX_BYTES = 16 * 2**20  # larger files (tensor shards) are checked by size only
-FORMAT_VERSION = 2
+# 3: every checkpoint has a manifest.json (meta.json's format says so); 2: written before
+# manifests existed, or by a version that did not say so in meta.json
+FORMAT_VERSION = 3
+MANIFEST_SINCE_FORMAT = 3
 OPTIMIZER_SUBDIR = "optimizer"
 LOOP_STATE = "loop.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -464,7 +469,18 @@ class CheckpointManager:
         if missing:
             return f"missing {', '.join(missing[:3])}"
         if not (path / MANIFEST_FILE).is_file():
-            return None  # written before manifests existed: the parts above are all we know
+            if meta.get("format", 0) >= MANIFEST_SINCE_FORMAT:
+                return f"no {MANIFEST_FILE} (lost): its files cannot be verified"
+            # Format 2: written before manifests existed (or its manifest was lost, which
+            # format 2 cannot tell): the tensor shards are checked against the byte ranges
+            # their own dist-checkpoint metadata records.
+            dcp_dirs = [path / "model" / model_checkpoint.MODEL_SUBDIR]
+            dcp_dirs += [path / OPTIMIZER_SUBDIR] if optimizer else []
+            for dcp_dir in dcp_dirs:
+                why = _shards_damage(dcp_dir)
+                if why is not None:
+                    return f"no {MANIFEST_FILE} (format 2), and {why}"
+            return None
         try:
             manifest = json.loads((path / MANIFEST_FILE).read_text())["files"]
         except (OSError, ValueError, KeyError) as err:
@@ -578,6 +594,30 @@ def _verify(root: Path, manifest: dict[str, dict[str, Any]]) -> str | None:
             return f"{name} has {size} bytes, {entry['size']} were written (truncated?)"
         if "sha256" in entry and _sha256(path) != entry["sha256"]:
             return f"{name} differs from what was written (checksum mismatch)"
+    return None
+
+
+def _shards_damage(dcp_dir: Path) -> str | None:
+    """What is wrong with the shard files of the dist checkpoint ``dcp_dir`` by its own
+    ``.metadata`` (the byte range of every tensor piece): unreadable metadata, a missing or
+    short shard. None: every recorded range is there."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    where = dcp_dir.name
+    try:
+        metadata = FileSystemReader(str(dcp_dir)).read_metadata()
+    except Exception as err:  # a truncated or lost .metadata: any unpickling error
+        return f"{where}/.metadata is unreadable ({type(err).__name__}: {err})"
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        try:
+            size = (dcp_dir / name).stat().st_size
+        except FileNotFoundError:
+            return f"{where}/{name} is missing"
+        if size < end:
+            return f"{where}/{name} has {size} bytes, its metadata records {end} (truncated?)"
     return None
 
 

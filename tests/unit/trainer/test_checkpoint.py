@@ -3,6 +3,7 @@ mid-save, pruning, and RNG state restoration."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -343,7 +344,14 @@ def _truncate(path, keep: int | None = None) -> None:
 
 @pytest.mark.parametrize(
     "damage",
-    ["truncated shard", "missing .metadata", "truncated loop state", "missing meta.json"],
+    [
+        "truncated shard",
+        "missing .metadata",
+        "truncated loop state",
+        "missing meta.json",
+        "lost manifest",
+        "lost manifest, format 2, truncated shard",
+    ],
 )
 def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
     trainer, tmp_path, damage, caplog
@@ -366,8 +374,15 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
         (second / "optimizer" / ".metadata").unlink()
     elif damage == "truncated loop state":
         _truncate(second / "state" / "loop.pt")
-    else:
+    elif damage == "missing meta.json":
         (second / "meta.json").unlink()
+    else:  # no manifest: not verified (it was trusted as one written before manifests)
+        (second / "manifest.json").unlink()
+        if damage.endswith("truncated shard"):  # format 2: checked by the shards' own metadata
+            meta = json.loads((second / "meta.json").read_text())
+            (second / "meta.json").write_text(json.dumps({**meta, "format": 2}))
+            shard = max((second / "optimizer").glob("*.distcp"), key=lambda p: p.stat().st_size)
+            _truncate(shard)
 
     fresh = CheckpointManager(tmp_path, keep_last=3)
     with caplog.at_level("WARNING"):
@@ -379,6 +394,20 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
     assert_same(weights(model), good)
     with pytest.raises(ValueError, match="damaged"):
         fresh.load(model, second, optimizer=optimizer)
+
+
+def test_a_checkpoint_written_before_manifests_is_read_by_its_own_metadata(trainer, tmp_path):
+    """Format 2 (before manifests): no manifest.json, and intact by its shards' metadata."""
+    model, _, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    path = manager.save(1, model, {"step": 1}, optimizer=optimizer)
+    (path / "manifest.json").unlink()
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["format"] == 3
+    (path / "meta.json").write_text(json.dumps({**meta, "format": 2}))
+    assert CheckpointManager(tmp_path).latest() == path
+    _truncate(path / "model" / "model" / ".metadata")
+    assert ".metadata is unreadable" in CheckpointManager(tmp_path).damage(path)
 
 
 def test_no_space_for_a_checkpoint_is_said_before_writing(trainer, tmp_path, monkeypatch):
