@@ -347,3 +347,30 @@ def test_two_ranks_complete_an_async_save_together_while_training(tmp_path, tens
 
     results = run_local_ranks(_two_rank_worker, 2, str(tmp_path), tensor)
     assert results[0] == results[1] and results[0]["polls"] >= 1, results
+
+
+def test_the_write_results_of_a_save_lie_in_its_tmp_not_the_temporary_directory(
+    trainer, tmp_path, monkeypatch
+):
+    """A trainer killed after its writer finished but before it read the results left
+    megatron_rl_write_results_*.pkl in the temporary directory, for good. The results file
+    is in the checkpoint's .tmp (removed with it), and gone once the save completes."""
+    import tempfile
+
+    model, _, optimizer = trainer
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    manager = CheckpointManager(tmp_path / "run", keep_last=2, async_save=True)
+    path = manager.save(1, model, optimizer=optimizer)
+    tmp = path.with_name(path.name + ".tmp")
+    deadline = time.monotonic() + 60
+    # the writer puts its results when it is done: the moment a killed trainer leaves them
+    while not (found := list(tmp_path.rglob("*write_results_*.pkl"))):
+        assert time.monotonic() < deadline, "the writer never wrote its results"
+        time.sleep(0.02)
+    assert not list(temp.iterdir()), list(temp.iterdir())
+    assert all(tmp in p.parents for p in found), found
+    assert manager.finalize(blocking=True) == path
+    assert not list(tmp_path.rglob("*write_results_*"))
+
