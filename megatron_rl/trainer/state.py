@@ -42,7 +42,10 @@ and the run resumes from the newest intact one. A checkpoint of format 3 on with
 manifest cannot be verified and is skipped too; one of format 2 (written before manifests
 existed) is checked by its tensor shards' own dist-checkpoint metadata. Before a save, the free space is compared
 with the size of the previous checkpoint; a save that runs out of space says so in words
-and removes its partial ``.tmp``.
+(the disk, the bytes needed and free) and removes its partial ``.tmp``: a full disk is told
+by the error, or, when the error does not say (torch's ``basic_ios::clear: iostream error``),
+by the free space left after it. A save abandoned on an error (the run failed while it was
+in flight) has its ``.tmp`` removed too.
 """
 
 from __future__ import annotations
@@ -273,18 +276,40 @@ class CheckpointManager:
 
     def _failed(self, err: BaseException, final: Path, tmp: Path, rank: int) -> BaseException:
         """What a save that raised ``err`` raises: ``err`` itself, or for a full disk an
-        OSError that says so in words (its partial ``.tmp`` removed)."""
+        OSError that says so in words, naming the disk and the bytes needed (its partial
+        ``.tmp`` removed). A full disk is recognised by the error (ENOSPC, EDQUOT, wrapped
+        or not) or, when the error does not say (torch's writer of ``common.pt`` and of the
+        loop state raises ``RuntimeError: basic_ios::clear: iostream error``), by the free
+        space left: less than the rest of the checkpoint needs."""
+        from megatron_rl.trainer.disk import describe
+
         code = _disk_full(err)
+        written = _tree_bytes(tmp) if tmp.is_dir() else 0
+        complete = self.checkpoints()
+        need = _tree_bytes(complete[-1]) if complete else None
+        try:
+            free = _free_bytes(self.root)
+        except OSError:
+            free = None
+        if code is None and free is not None and _out_of_space(free, need, written):
+            code = errno.ENOSPC
         if code is None:
             return err
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        latest = self.latest()
+        needed = (
+            f"it needs about {need} bytes (the size of {complete[-1].name})"
+            if need is not None
+            else f"it needs more than the {written} bytes written before it failed"
+        )
+        free_now = "free space unknown" if free is None else f"{free} bytes were free"
         return OSError(
             code,
             f"{os.strerror(code)} while writing checkpoint {final.name} under {self.root} "
-            f"({_gb(_free_bytes(self.root))} GB free now): its partial {tmp.name} was removed;"
-            f" the newest complete checkpoint is {latest.name if latest else 'none'}",
+            f"on {describe(self.root)}: {needed}, {free_now} ({_gb(free or 0)} GB; the write "
+            f"failed with {type(err).__name__}: {err}). Its partial {tmp.name} "
+            f"({written} bytes) was removed; the newest complete checkpoint is "
+            f"{complete[-1].name if complete else 'none'}. Free space there, then resume",
         )
 
     def _write(self, step, model, extra, optimizer, tmp: Path, final: Path, rank, world) -> None:
@@ -357,8 +382,8 @@ class CheckpointManager:
         try:
             self._calls.maybe_finalize_async_calls(blocking=blocking)
         except BaseException as err:
-            self.abandon()
             failure = self._failed(err, pending.final, pending.tmp, _rank_world()[0])
+            self.abandon()
             if failure is err:
                 raise
             raise failure from err
@@ -376,14 +401,19 @@ class CheckpointManager:
 
     def abandon(self) -> None:
         """Stop the writers of the save in flight without completing it (no collective: for
-        error paths). Its ``.tmp`` stays until a later save prunes it; the newest complete
-        checkpoint is untouched."""
+        error paths) and remove its ``.tmp`` (rank 0); the newest complete checkpoint is
+        untouched."""
         if self._in_flight is None:
             return
-        logger.warning("abandoning the checkpoint in flight: %s", self._in_flight.tmp)
+        tmp = self._in_flight.tmp
         while self._calls.async_calls:
             self._calls.async_calls.popleft().async_caller.close(abort=True)
         self._in_flight = None
+        # Its writer is stopped: the partial directory is of no use, and on a full disk (a
+        # writer that ran out of space, seen first by another write) it holds the space.
+        if _rank_world()[0] == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        logger.warning("abandoned the checkpoint in flight: its partial %s was removed", tmp)
 
     def _check_space(self, step: int) -> str | None:
         """Why checkpoint ``step`` cannot fit on the disk (None: it should). The estimate is
@@ -628,6 +658,16 @@ def _tree_bytes(root: Path) -> int:
 def _free_bytes(path: Path) -> int:
     """Free bytes on the file system of ``path`` (a function of its own: tests replace it)."""
     return shutil.disk_usage(path).free
+
+
+_MIN_FREE_BYTES = 1 << 20  # below this, a disk counts as full whatever the checkpoint's size
+
+
+def _out_of_space(free: int, need: int | None, written: int) -> bool:
+    """Whether ``free`` bytes cannot hold the rest of a checkpoint of about ``need`` bytes
+    (None: unknown, the first one) of which ``written`` were written."""
+    rest = need - written if need is not None else 0
+    return free < max(rest, _MIN_FREE_BYTES)
 
 
 def _gb(n: float) -> str:

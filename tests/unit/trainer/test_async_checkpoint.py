@@ -374,3 +374,18 @@ def test_the_write_results_of_a_save_lie_in_its_tmp_not_the_temporary_directory(
     assert manager.finalize(blocking=True) == path
     assert not list(tmp_path.rglob("*write_results_*"))
 
+
+def test_an_abandoned_save_removes_its_partial_directory(trainer, tmp_path, monkeypatch):
+    """The run fails while a save is in flight (its forked writer ran out of space, and
+    the next metrics record found the disk full first): its writer is stopped and its
+    partial .tmp, which holds the space, removed; the complete checkpoint stays."""
+    model, _, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=2, async_save=True)
+    first = manager.save(1, model, optimizer=optimizer, async_save=False)
+    gate_writer(monkeypatch, tmp_path / "gate")  # the writer never starts writing
+    path = manager.save(2, model, optimizer=optimizer)
+    tmp = path.with_name(path.name + ".tmp")
+    assert tmp.is_dir() and manager.in_flight == 2
+    manager.abandon()
+    assert not tmp.exists() and manager.in_flight is None
+    assert CheckpointManager(tmp_path).latest() == first
