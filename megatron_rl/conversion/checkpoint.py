@@ -80,7 +80,7 @@ def save_model(
         (tmp / MODEL_SUBDIR).mkdir(parents=True)
         save_hf_config(hf_config, hf_source_dir, tmp / HF_CONFIG_SUBDIR)
     _barrier()
-    use_local_results_queue()
+    use_local_results_queue(tmp)
     request = dist_checkpointing.save(
         model.sharded_state_dict(),
         str(tmp / MODEL_SUBDIR),
@@ -128,8 +128,10 @@ class _FileResultsQueue:
     the trainer waits for it to exit (megatron checks that the writer process has ended before
     it reads). One queue per save: two async saves in flight must not swap results."""
 
-    def __init__(self) -> None:
-        fd, name = tempfile.mkstemp(prefix="megatron_rl_write_results_", suffix=".pkl")
+    def __init__(self, directory: Path) -> None:
+        # In the save's own .tmp directory, not the temporary directory: a killed trainer's
+        # results file goes with the .tmp it belongs to (removed by the next save or start).
+        fd, name = tempfile.mkstemp(prefix=".write_results_", suffix=".pkl", dir=directory)
         os.close(fd)
         os.unlink(name)
         self.path = Path(name)
@@ -157,12 +159,14 @@ class _FileResultsQueue:
             self.path.unlink(missing_ok=True)
 
 
-def use_local_results_queue() -> None:
-    """A fresh results queue for the next megatron writer (see :class:`_FileResultsQueue`);
-    called before every ``dist_checkpointing.save``."""
+def use_local_results_queue(directory: Path) -> None:
+    """A fresh results queue for the next megatron writer (see :class:`_FileResultsQueue`),
+    its file in ``directory`` (the save's partial directory, beside the dist checkpoint it
+    writes, not in it); called before every ``dist_checkpointing.save``."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    filesystem_async._results_queue = _FileResultsQueue()
+    directory.mkdir(parents=True, exist_ok=True)
+    filesystem_async._results_queue = _FileResultsQueue(directory)
 
 
 # Signals a job sends to all of its processes: the forked writer of an async save ignores

@@ -17,14 +17,19 @@ training goes on. The main rank runs it; nothing else waits for it:
 
 The converter runs without GPUs (``CUDA_VISIBLE_DEVICES`` empty: the trainer's GPU memory is
 not touched), outside the trainer's process group (the ``torchrun`` variables are removed), at a
-lower CPU priority (``nice``).
+lower CPU priority (``nice``), and it dies with the trainer (a SIGKILLed trainer's export must
+not go on writing into the run directory the requeued job cleans). The export is started from
+the trainer's main thread: the death signal follows the thread that started it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +43,7 @@ logger = logging.getLogger(__name__)
 EXPORT_DIR = "hf"
 FINAL_WAIT_SECONDS = 1800.0  # at the end of a run, the running export is waited for this long
 _STEP_FORMAT = "step_{:08d}"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -176,7 +182,12 @@ class HFExporter:
         env["CUDA_VISIBLE_DEVICES"] = ""  # on the host: the trainer's GPUs stay its own
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in _finish)
         self._proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=functools.partial(_die_with, os.getpid()),
         )
         self._running = request
         self._started = time.monotonic()
@@ -222,6 +233,19 @@ class HFExporter:
         )
         for old in done[: max(0, len(done) - self.keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _die_with(trainer: int) -> None:
+    """In the export process before it runs the converter: SIGKILL when the trainer dies
+    (Linux ``PR_SET_PDEATHSIG``, kept across exec), as the async checkpoint writer is. A
+    killed trainer's export went on writing ``hf/step_N.tmp`` under PID 1, where the requeued
+    job's clean-up of leftovers then deleted it under the writer."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the export may outlive a killed trainer
+        return
+    if os.getppid() != trainer:  # the trainer died before prctl
+        os._exit(1)
 
 
 def readme_line(step: int, notes: dict[str, float | None]) -> str:

@@ -55,13 +55,31 @@ def train(
     update together (TP inside the model, DP by groups) and push weights collectively.
     ``config`` is never changed: what the run derives from it lives in the :class:`Trainer`.
     """
-    # claims run_dir; resumes or warm-starts; starts the engines with the trainer's weights
-    trainer = Trainer(config, Path(run_dir), restart, allow_changes)
-    if trainer.step == 0 and config.validation.enabled and config.validation.at_start:
-        trainer.validate()
-    trainer.begin()  # the x axis (training compute) starts; progress bar; hang watchdog
+    # The signals of a preemption are caught from the start: a job signalled while it warm-starts
+    # or starts its engines stops at once (nothing to checkpoint yet) and exits as a stop on a
+    # signal does, for the requeue; a signal later stops the loop after a checkpoint.
+    stop = StopFlag(config.checkpoint.on_signals)
+    try:
+        # claims run_dir; resumes or warm-starts; starts the engines with the trainer's weights
+        trainer = Trainer(config, Path(run_dir), restart, allow_changes, stop)
+    except BaseException as err:
+        if stop.requested is None and not isinstance(err, Preempted):
+            raise
+        signal_name = stop.requested or "a signal to another rank"
+        if not isinstance(err, Preempted):  # e.g. an engine process the group's signal ended
+            logger.warning("start-up failed after %s: %r", signal_name, err, exc_info=err)
+        logger.info(
+            "stopping on %s during start-up (%s): no step was trained since the last "
+            "checkpoint, nothing to save; the next run resumes from it, or starts over",
+            signal_name,
+            err if isinstance(err, Preempted) else "its error above",
+        )
+        return 0
     finished = False
     try:
+        if trainer.step == 0 and config.validation.enabled and config.validation.at_start:
+            trainer.validate()
+        trainer.begin()  # the x axis (training compute) starts; progress bar; hang watchdog
         while trainer.step < config.training.max_steps:
             t0 = time.perf_counter()
             batch = trainer.next_batch()  # generated and rewarded by the main rank, shared
@@ -88,6 +106,11 @@ def train(
     finally:
         trainer.close(finished)
     return 0
+
+
+class Preempted(Exception):
+    """A preemption's signal came while the run started (before its first step): start-up
+    stops at the next safe point, every rank together."""
 
 
 class Stateful(Protocol):
@@ -168,13 +191,35 @@ class Trainer:
     bar: tqdm | None  # from begin() on
 
     def __init__(
-        self, config: RunConfig, run_dir: Path, restart: bool = False, allow_changes: bool = False
+        self,
+        config: RunConfig,
+        run_dir: Path,
+        restart: bool = False,
+        allow_changes: bool = False,
+        stop: StopFlag | None = None,
     ) -> None:
         self.config = config
-        self.run = run = build_run(config, run_dir, restart, allow_changes)  # rundir.py claims
+        self.stop = stop if stop is not None else StopFlag(config.checkpoint.on_signals)
+        self.run = build_run(config, run_dir, restart, allow_changes)  # rundir.py claims
         self.main = _is_main()  # once build_run has joined the process group
+        self.step, self.pool, self.forecast, self.source, self.bar = 0, None, None, None, None
+        try:
+            self._start()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the start-up's error is the one to see
+                self.close(False)
+            raise
+
+    def _start(self) -> None:
+        """Resume or warm-start, start the engines, push the weights: the start-up, which a
+        preemption's signal stops at its next phase (:class:`Preempted`)."""
+        config, run = self.config, self.run
+        self._check_stop("before the warm start or resume")
         self.in_flight = InFlight()
-        self.optim, self.step = resume_or_warm_start(run, self.in_flight)
+        self.optim, self.step = resume_or_warm_start(
+            run, self.in_flight, lambda: self._check_stop("during the warm start")
+        )
+        self._check_stop("after the warm start or resume")
         # Engines can take many minutes to load (Scout); the other ranks wait meanwhile on a
         # gloo group whose timeout is the start-up's, not in a collective with the world's.
         wait = config.rollout.startup_timeout_minutes
@@ -182,6 +227,7 @@ class Trainer:
         with m2n_ranks.serving(run.model, config.rollout):  # nccl_m2n: the ranks follow
             self.pool = start_generators(run, self.step) if self.main else None
         collectives.barrier(startup, wait, timeout_key="rollout.startup_timeout_minutes")
+        self._check_stop("while the engines started")
         self.waits = rank_zero_waits(config)
         push_weights(run, self.pool)  # warm-started or resumed weights
         self.forecast = start_forecast(run) if self.main else None
@@ -200,8 +246,12 @@ class Trainer:
         )
         # The monitor above sees only the first PipelineRL batch: probe pushes as well.
         self.probe = LogprobProbe.from_run(run, self.step, self.token_multiple)
-        self.stop = StopFlag(config.checkpoint.on_signals)
-        self.bar = None
+
+    def _check_stop(self, phase: str) -> None:
+        """Raise :class:`Preempted` on every rank if any rank was signalled (a collective:
+        every rank calls it at the same point of the start-up)."""
+        if collectives.any_rank(self.stop.requested is not None):
+            raise Preempted(phase)
 
     def _rollout_source(self) -> RolloutSource:
         config = self.config
@@ -225,6 +275,7 @@ class Trainer:
         on), the progress bar, the hang watchdog (a rank stuck outside a collective exits with
         a stack dump: a requeue, not a lost day)."""
         self.run.clock.begin("train")
+        logger.info("training: steps %d to %d", self.step + 1, self.config.training.max_steps)
         self.bar = tqdm(
             total=self.config.training.max_steps,
             initial=self.step,
@@ -537,10 +588,14 @@ def checkpointed(run: Run, optim: Optimizer, in_flight: InFlight) -> dict[str, S
     }
 
 
-def resume_or_warm_start(run: Run, in_flight: InFlight) -> tuple[Optimizer, int]:
+def resume_or_warm_start(
+    run: Run, in_flight: InFlight, before_step: Callable[[], None] | None = None
+) -> tuple[Optimizer, int]:
     """The RL optimizer and the step: resumed from the latest checkpoint (with the loop state
     of :func:`checkpointed`, the prompts to regenerate into ``in_flight``), or step 0 after
-    the warm start.
+    the warm start (``before_step``: called before each of its steps, see ``warm_start``).
+    Without a checkpoint the metrics start empty: the records of a run stopped before its
+    first checkpoint (a warm start, steps) are written again, not twice.
 
     The RL optimizer is built after the warm start (its fp32 main parameters copy the
     weights it starts from), or before loading a checkpoint's state into it.
@@ -549,7 +604,7 @@ def resume_or_warm_start(run: Run, in_flight: InFlight) -> tuple[Optimizer, int]
 
     if run.checkpoints.latest() is None:
         run.metrics.truncate(0)
-        warm_start(run)
+        warm_start(run, before_step)
         return build_optimizer(run.ddp, run.config.optimizer), 0
     optim = build_optimizer(run.ddp, run.config.optimizer)
     ckpt = run.checkpoints.load(run.model, optimizer=optim.optimizer)
@@ -560,8 +615,9 @@ def resume_or_warm_start(run: Run, in_flight: InFlight) -> tuple[Optimizer, int]
     return optim, ckpt.step
 
 
-def warm_start(run: Run) -> None:
-    """Supervised warm start on the training prompts' worked solutions (``warm_start.steps``)."""
+def warm_start(run: Run, before_step: Callable[[], None] | None = None) -> None:
+    """Supervised warm start on the training prompts' worked solutions (``warm_start.steps``);
+    ``before_step`` is called before each step (it raises to stop it: a preemption)."""
     from megatron_rl.data import sft_example
     from megatron_rl.trainer.warm_start import fitting_examples, supervised_warm_start
 
@@ -586,6 +642,7 @@ def warm_start(run: Run) -> None:
         cfg.batch_size,
         seed=run.config.seed,
         pad_id=tok.pad_token_id or 0,
+        before_step=before_step,
     )
     run.metrics.log({"step": 0, **run.clock.summary(), "warm_start_loss": losses[-1]})
 
@@ -629,6 +686,8 @@ def start_generators(
 
     make_pool = make_pool or GeneratorPool
     tok = run.tokenizer
+    rollout = run.config.rollout
+    logger.info("starting %d engine(s) (%s)", rollout.engines, rollout.placement)
     return make_pool(
         str(run.hf_dir),
         engine_config(run.config, on_gpu),

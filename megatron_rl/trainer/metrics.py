@@ -10,6 +10,7 @@ progress; on resume the file is cut back to the record count stored in the check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -64,6 +65,7 @@ class MetricsLogger:
         self._purge_step: int | None = None
         self._count = len(read_records(self.path)) if self.path.exists() else 0
         self._file = self._open()
+        self._failed = False  # a write failed: the file's buffer holds what it could not write
 
     def _open(self):
         # A torn last line (crash mid-write) is dropped so the next record starts a line.
@@ -128,8 +130,10 @@ class MetricsLogger:
         if "step" not in record:
             raise ValueError(f"a metrics record needs 'step', got keys {sorted(record)}")
         plain = _plain(dict(record))
-        self._file.write(json.dumps(plain, allow_nan=False) + "\n")
-        self._file.flush()
+        line = json.dumps(plain, allow_nan=False) + "\n"
+        with self._disk_full_said(f"{self.path.name} (the record of step {plain['step']})"):
+            self._file.write(line)
+            self._file.flush()
         self._count += 1
         if self.tensorboard:
             self._log_tensorboard(plain)
@@ -160,12 +164,31 @@ class MetricsLogger:
 
     def flush(self) -> None:
         """Flush the file and TensorBoard (before a checkpoint)."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        with self._disk_full_said(self.path.name):
+            self._file.flush()
+            os.fsync(self._file.fileno())
         if self._writer is not None:
             self._writer.flush()
 
+    @contextlib.contextmanager
+    def _disk_full_said(self, what: str):
+        """A full disk while writing ``what`` raises an OSError that says so, naming the disk
+        (it was a bare ``[Errno 28]``, or came first from the forked checkpoint writer's
+        space running out, the checkpoint then dying unnamed)."""
+        from megatron_rl.trainer.disk import FULL_DISK, full_disk_error
+
+        try:
+            yield
+        except OSError as err:
+            self._failed = True
+            if err.errno not in FULL_DISK:
+                raise
+            raise full_disk_error(self.path, what, err, err.errno) from err
+
     def close(self) -> None:
+        if self._failed:  # flushing the unwritten buffer fails again: closed all the same
+            with contextlib.suppress(OSError):
+                self._file.close()
         self._file.close()
         if self._writer is not None:
             self._writer.close()

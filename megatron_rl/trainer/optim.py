@@ -156,7 +156,7 @@ def save_optimizer(optimizer, model, ckpt_dir: Path, async_save: bool = False):
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     _materialize_state(optimizer)
-    use_local_results_queue()
+    use_local_results_queue(ckpt_dir.parent)  # the checkpoint's .tmp (see save_model)
     state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=False)
     return dist_checkpointing.save(
         {"optimizer": state}, str(ckpt_dir), async_sharded_save=async_save

@@ -9,7 +9,9 @@ Before a run builds anything, its main rank claims the run directory (:func:`cla
 - **No silent restart.** A directory with history (metrics records, checkpoint directories,
   leftovers of interrupted saves) but no intact checkpoint to resume from is refused, naming
   what it holds; ``--restart`` starts over, moving that history into
-  ``RUN_DIR/previous_<UTC time>/``.
+  ``RUN_DIR/previous_<UTC time>/``. What a run wrote before its first checkpoint was complete
+  (the warm start's record, steps, the first save's ``.tmp``) is not history: a job preempted
+  or killed that early starts over when requeued, and writes those records again (once).
 - **Config changes.** A resume compares the recipe with ``RUN_DIR/config.yaml``: every
   changed key is logged; keys outside :data:`SAFE_CHANGES` need ``--allow-changes``. The new
   config is written only once the run is built (``save_config``): a rerun that fails leaves
@@ -115,6 +117,13 @@ def claim_run_dir(
         history = find_history(run_dir)
         if restart and history:
             move_history_aside(run_dir, history)
+        elif resumable is None and history and not checkpointed_before(run_dir):
+            logger.warning(
+                "%s holds what a run stopped before its first checkpoint wrote (%s): starting "
+                "over (the records are written again)",
+                run_dir,
+                "; ".join(history.values()),
+            )
         elif resumable is None and history:
             raise RunDirError(
                 f"{run_dir} has the history of a run but no intact checkpoint to resume "
@@ -156,6 +165,20 @@ def find_history(run_dir: Path) -> dict[str, str]:
             more = f" and {len(dirs) - 4} more" if len(dirs) > 4 else ""
             found["checkpoints"] = f"checkpoints/ ({shown}{more}: none intact)"
     return found
+
+
+def checkpointed_before(run_dir: Path) -> bool:
+    """Whether a checkpoint of ``run_dir`` was ever complete: its ``latest`` pointer (written
+    by every complete save, never removed) or a published ``step_N`` directory (intact or
+    damaged since) exists. Without one, no run there got past its first checkpoint."""
+    from megatron_rl.trainer.state import CHECKPOINT_DIR, LATEST_FILE, is_step_dir
+
+    checkpoints = run_dir / CHECKPOINT_DIR
+    if not checkpoints.is_dir():
+        return False
+    return (checkpoints / LATEST_FILE).exists() or any(
+        is_step_dir(p) for p in checkpoints.iterdir()
+    )
 
 
 def move_history_aside(run_dir: Path, history: dict[str, str]) -> Path:

@@ -38,9 +38,14 @@ the RNG states are then not restored (they are per rank).
 
 A checkpoint counts only if it verifies against its manifest (a truncated shard, a lost
 ``.metadata`` or loop state): a damaged newest one is skipped with a warning that names it,
-and the run resumes from the newest intact one. Before a save, the free space is compared
+and the run resumes from the newest intact one. A checkpoint of format 3 on without its
+manifest cannot be verified and is skipped too; one of format 2 (written before manifests
+existed) is checked by its tensor shards' own dist-checkpoint metadata. Before a save, the free space is compared
 with the size of the previous checkpoint; a save that runs out of space says so in words
-and removes its partial ``.tmp``.
+(the disk, the bytes needed and free) and removes its partial ``.tmp``: a full disk is told
+by the error, or, when the error does not say (torch's ``basic_ios::clear: iostream error``),
+by the free space left after it. A save abandoned on an error (the run failed while it was
+in flight) has its ``.tmp`` removed too.
 """
 
 from __future__ import annotations
@@ -73,7 +78,10 @@ LATEST_FILE = "latest"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 CHECKSUM_MAX_BYTES = 16 * 2**20  # larger files (tensor shards) are checked by size only
-FORMAT_VERSION = 2
+# 3: every checkpoint has a manifest.json (meta.json's format says so); 2: written before
+# manifests existed, or by a version that did not say so in meta.json
+FORMAT_VERSION = 3
+MANIFEST_SINCE_FORMAT = 3
 OPTIMIZER_SUBDIR = "optimizer"
 LOOP_STATE = "loop.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -268,18 +276,40 @@ class CheckpointManager:
 
     def _failed(self, err: BaseException, final: Path, tmp: Path, rank: int) -> BaseException:
         """What a save that raised ``err`` raises: ``err`` itself, or for a full disk an
-        OSError that says so in words (its partial ``.tmp`` removed)."""
+        OSError that says so in words, naming the disk and the bytes needed (its partial
+        ``.tmp`` removed). A full disk is recognised by the error (ENOSPC, EDQUOT, wrapped
+        or not) or, when the error does not say (torch's writer of ``common.pt`` and of the
+        loop state raises ``RuntimeError: basic_ios::clear: iostream error``), by the free
+        space left: less than the rest of the checkpoint needs."""
+        from megatron_rl.trainer.disk import describe
+
         code = _disk_full(err)
+        written = _tree_bytes(tmp) if tmp.is_dir() else 0
+        complete = self.checkpoints()
+        need = _tree_bytes(complete[-1]) if complete else None
+        try:
+            free = _free_bytes(self.root)
+        except OSError:
+            free = None
+        if code is None and free is not None and _out_of_space(free, need, written):
+            code = errno.ENOSPC
         if code is None:
             return err
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        latest = self.latest()
+        needed = (
+            f"it needs about {need} bytes (the size of {complete[-1].name})"
+            if need is not None
+            else f"it needs more than the {written} bytes written before it failed"
+        )
+        free_now = "free space unknown" if free is None else f"{free} bytes were free"
         return OSError(
             code,
             f"{os.strerror(code)} while writing checkpoint {final.name} under {self.root} "
-            f"({_gb(_free_bytes(self.root))} GB free now): its partial {tmp.name} was removed;"
-            f" the newest complete checkpoint is {latest.name if latest else 'none'}",
+            f"on {describe(self.root)}: {needed}, {free_now} ({_gb(free or 0)} GB; the write "
+            f"failed with {type(err).__name__}: {err}). Its partial {tmp.name} "
+            f"({written} bytes) was removed; the newest complete checkpoint is "
+            f"{complete[-1].name if complete else 'none'}. Free space there, then resume",
         )
 
     def _write(self, step, model, extra, optimizer, tmp: Path, final: Path, rank, world) -> None:
@@ -352,8 +382,8 @@ class CheckpointManager:
         try:
             self._calls.maybe_finalize_async_calls(blocking=blocking)
         except BaseException as err:
-            self.abandon()
             failure = self._failed(err, pending.final, pending.tmp, _rank_world()[0])
+            self.abandon()
             if failure is err:
                 raise
             raise failure from err
@@ -371,14 +401,19 @@ class CheckpointManager:
 
     def abandon(self) -> None:
         """Stop the writers of the save in flight without completing it (no collective: for
-        error paths). Its ``.tmp`` stays until a later save prunes it; the newest complete
-        checkpoint is untouched."""
+        error paths) and remove its ``.tmp`` (rank 0); the newest complete checkpoint is
+        untouched."""
         if self._in_flight is None:
             return
-        logger.warning("abandoning the checkpoint in flight: %s", self._in_flight.tmp)
+        tmp = self._in_flight.tmp
         while self._calls.async_calls:
             self._calls.async_calls.popleft().async_caller.close(abort=True)
         self._in_flight = None
+        # Its writer is stopped: the partial directory is of no use, and on a full disk (a
+        # writer that ran out of space, seen first by another write) it holds the space.
+        if _rank_world()[0] == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        logger.warning("abandoned the checkpoint in flight: its partial %s was removed", tmp)
 
     def _check_space(self, step: int) -> str | None:
         """Why checkpoint ``step`` cannot fit on the disk (None: it should). The estimate is
@@ -464,7 +499,18 @@ class CheckpointManager:
         if missing:
             return f"missing {', '.join(missing[:3])}"
         if not (path / MANIFEST_FILE).is_file():
-            return None  # written before manifests existed: the parts above are all we know
+            if meta.get("format", 0) >= MANIFEST_SINCE_FORMAT:
+                return f"no {MANIFEST_FILE} (lost): its files cannot be verified"
+            # Format 2: written before manifests existed (or its manifest was lost, which
+            # format 2 cannot tell): the tensor shards are checked against the byte ranges
+            # their own dist-checkpoint metadata records.
+            dcp_dirs = [path / "model" / model_checkpoint.MODEL_SUBDIR]
+            dcp_dirs += [path / OPTIMIZER_SUBDIR] if optimizer else []
+            for dcp_dir in dcp_dirs:
+                why = _shards_damage(dcp_dir)
+                if why is not None:
+                    return f"no {MANIFEST_FILE} (format 2), and {why}"
+            return None
         try:
             manifest = json.loads((path / MANIFEST_FILE).read_text())["files"]
         except (OSError, ValueError, KeyError) as err:
@@ -534,6 +580,11 @@ class CheckpointManager:
         return Checkpoint(loop["step"], path, loop["extra"])
 
 
+def is_step_dir(path: Path) -> bool:
+    """A published checkpoint's directory name (``step_N``; not a ``.tmp`` or ``.old``)."""
+    return path.is_dir() and _STEP_DIR.match(path.name) is not None
+
+
 def _step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 
@@ -576,6 +627,30 @@ def _verify(root: Path, manifest: dict[str, dict[str, Any]]) -> str | None:
     return None
 
 
+def _shards_damage(dcp_dir: Path) -> str | None:
+    """What is wrong with the shard files of the dist checkpoint ``dcp_dir`` by its own
+    ``.metadata`` (the byte range of every tensor piece): unreadable metadata, a missing or
+    short shard. None: every recorded range is there."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    where = dcp_dir.name
+    try:
+        metadata = FileSystemReader(str(dcp_dir)).read_metadata()
+    except Exception as err:  # a truncated or lost .metadata: any unpickling error
+        return f"{where}/.metadata is unreadable ({type(err).__name__}: {err})"
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        try:
+            size = (dcp_dir / name).stat().st_size
+        except FileNotFoundError:
+            return f"{where}/{name} is missing"
+        if size < end:
+            return f"{where}/{name} has {size} bytes, its metadata records {end} (truncated?)"
+    return None
+
+
 def _tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in _files(root))
 
@@ -583,6 +658,16 @@ def _tree_bytes(root: Path) -> int:
 def _free_bytes(path: Path) -> int:
     """Free bytes on the file system of ``path`` (a function of its own: tests replace it)."""
     return shutil.disk_usage(path).free
+
+
+_MIN_FREE_BYTES = 1 << 20  # below this, a disk counts as full whatever the checkpoint's size
+
+
+def _out_of_space(free: int, need: int | None, written: int) -> bool:
+    """Whether ``free`` bytes cannot hold the rest of a checkpoint of about ``need`` bytes
+    (None: unknown, the first one) of which ``written`` were written."""
+    rest = need - written if need is not None else 0
+    return free < max(rest, _MIN_FREE_BYTES)
 
 
 def _gb(n: float) -> str:

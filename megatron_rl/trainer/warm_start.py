@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,10 +46,13 @@ def supervised_warm_start(
     batch_size: int,
     seed: int = 0,
     pad_id: int = 0,
+    before_step: Callable[[], None] | None = None,
 ) -> list[float]:
     """Train the DDP-wrapped ``model`` on ``(prompt_tokens, target_tokens)`` pairs with a
     megatron AdamW of its own (no weight decay, clip 1.0); returns the mean target-token NLL
     of each step's batch. Data-parallel ranks split each batch; every rank draws the same one.
+    ``before_step``: called on every rank before each step (the trainer's preemption check:
+    it raises to stop the warm start).
     """
     from megatron.core import parallel_state
 
@@ -65,8 +68,11 @@ def supervised_warm_start(
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     losses = []
+    logger.info("warm start: %d steps on %d examples", steps, len(examples))
     bar = tqdm(range(steps), desc="warm start (SFT)", leave=False)
     for _ in bar:
+        if before_step is not None:
+            before_step()
         batch = rng.sample(list(examples), min(batch_size, len(examples)))
         total = sum(len(target) for _, target in batch)
         mine = batch[dp_rank::dp]

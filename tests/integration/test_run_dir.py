@@ -82,6 +82,25 @@ def test_history_without_a_checkpoint_is_refused_unless_restart(tmp_path):
     claim_run_dir(_config(), tmp_path / "fresh").lock.release()
 
 
+def test_what_a_run_wrote_before_its_first_checkpoint_is_not_history(tmp_path, caplog):
+    """A job SIGKILLed before its first checkpoint was complete (its warm start's record, a
+    step's, the first save's .tmp) is requeued: it starts over, no --restart. Once a
+    checkpoint was complete (``latest`` written), the same files are history again."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_00000001.tmp" / "state").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "warm_start_loss": 1.0}\n{"step": 1}\n')
+    with caplog.at_level("WARNING", logger="megatron_rl.trainer.rundir"):
+        claim_run_dir(_config(), run_dir).lock.release()
+    assert (
+        "a run stopped before its first checkpoint wrote (metrics.jsonl (2 records)" in caplog.text
+    )
+    assert not list(run_dir.glob("previous_*"))  # nothing moved: the run rewrites it
+
+    (run_dir / "checkpoints" / "latest").write_text("step_00000001\n")  # since pruned or lost
+    with pytest.raises(RunDirError, match=r"metrics.jsonl \(2 records\)"):
+        claim_run_dir(_config(), run_dir)
+
+
 def test_changed_settings_on_resume_need_allow_changes(tmp_path, caplog):
     path = tmp_path / "config.yaml"
     save_run_config(_config(), path)
@@ -247,3 +266,70 @@ def test_the_cli_refuses_a_locked_run_dir_and_changed_settings(preempted, tmp_pa
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "optimizer.lr: 0.0001 -> 0.0005" in proc.stderr
     assert (run_dir / "config.yaml").read_bytes() == config
+
+
+# -- a job preempted at each phase of its start-up, requeued each time ---------------------
+
+STARTUP = (
+    "warm_start.steps=20",  # a few seconds: long enough to be signalled in
+    "batch.prompts_per_step=2",
+    "batch.samples_per_prompt=2",
+    "checkpoint.every_steps=1",
+    "training.max_steps=4",
+)
+
+
+def _job(run_dir: Path, log: Path, marker: str | None) -> tuple[int, str]:
+    """One job of the run (its own process group, as under srun): SIGTERM to the whole
+    group once ``marker`` is in its output (None: let it finish). (status, its output)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            _cmd(run_dir, *STARTUP),
+            cwd=ROOT,
+            env=_env(),
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 400
+            while marker is not None and proc.poll() is None and time.monotonic() < deadline:
+                if marker in log.read_text(errors="replace"):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    break
+                time.sleep(0.05)
+            status = proc.wait(timeout=400)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return status, log.read_text(errors="replace")
+
+
+@pytest.mark.timeout(500)  # 5 jobs: 131-165 s in all on the loaded 2-core machine
+def test_a_job_preempted_at_each_phase_of_its_start_up_is_requeued_and_finishes(tmp_path):
+    """SIGTERM to the job's process group while it warm-starts, while its engines start,
+    while its first checkpoint is written and in the first step of a requeued job: each job
+    exits 0 (the requeue's status) and the next one starts without --restart (the warm
+    start's record is not history); the run ends with one warm-start record and every step
+    once. Before: the first job died of the signal (-15) and the second was refused
+    ("history of a run but no intact checkpoint: metrics.jsonl (1 records)")."""
+    from megatron_rl.scaling.records import read_records
+
+    run_dir = tmp_path / "run"
+    phases = [
+        ("warm start: 20 steps", "during start-up (during the warm start)"),
+        ("starting 1 engine(s)", "during start-up (while the engines started)"),
+        ("step_00000001: writing in the background", "after checkpointing step 2"),
+        ("training: steps 3 to 4", "after checkpointing step 3"),  # a requeued job's
+    ]
+    for i, (marker, stopped) in enumerate(phases):
+        status, output = _job(run_dir, tmp_path / f"job{i}.txt", marker)
+        assert status == 0, output[-3000:]
+        assert f"stopping on SIGTERM {stopped}" in output, output[-3000:]
+    status, output = _job(run_dir, tmp_path / "last.txt", None)
+    assert status == 0, output[-3000:]
+    assert f"resumed from {run_dir}/checkpoints/step_00000003" in output
+    records = read_records(run_dir / "metrics.jsonl")
+    assert len([r for r in records if "warm_start_loss" in r]) == 1
+    assert _steps(run_dir) == [1, 2, 3, 4]
+    assert [r.get("run_finished") for r in records].count(True) == 1

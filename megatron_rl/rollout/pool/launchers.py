@@ -221,9 +221,66 @@ class ThreadLauncher:
         pass
 
 
+ENGINE_LOGS_PREFIX = "megatron_rl_engines_"
+_OWNER_FILE = ".owner"  # flock'ed by the launcher that created the directory, while it lives
+_UNOWNED_AGE_S = 86400.0  # a directory without an owner file (older versions): kept a day
+
+
+def engine_logs_dir() -> tuple[str, int]:
+    """A fresh temporary directory for engine logs and the descriptor of its owner lock (held
+    until closed, or until the process dies: a SIGKILLed trainer's directory is then free to
+    remove). The leftovers of launchers no longer alive are removed first
+    (:func:`remove_orphaned_logs`)."""
+    import fcntl
+
+    remove_orphaned_logs()
+    path = tempfile.mkdtemp(prefix=ENGINE_LOGS_PREFIX)
+    fd = os.open(os.path.join(path, _OWNER_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return path, fd
+
+
+def remove_orphaned_logs(root: str | None = None) -> list[str]:
+    """Remove the engine-log directories under ``root`` (the temporary directory) whose
+    launcher is gone (their owner lock is free: a killed trainer never ran ``close``);
+    returns them. A directory of another live launcher (another job on this node) holds
+    its lock and stays."""
+    import fcntl
+    import time
+
+    root = root or tempfile.gettempdir()
+    removed = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not name.startswith(ENGINE_LOGS_PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            fd = os.open(os.path.join(path, _OWNER_FILE), os.O_RDONLY)
+        except FileNotFoundError:  # being created now, or made by an older version
+            try:
+                if time.time() - os.path.getmtime(path) > _UNOWNED_AGE_S:
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+            except OSError:
+                pass
+            continue
+        except OSError:  # another user's: not ours to remove
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its launcher lives
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 class ProcessLauncher:
     """``placement: subprocess``: spawned engine processes, each with its event pipe and log
-    (in a temporary directory that ``close`` removes)."""
+    (in a temporary directory that ``close`` removes; one left by a killed trainer is
+    removed by the next launcher that starts on the node)."""
 
     restartable = True
 
@@ -233,7 +290,7 @@ class ProcessLauncher:
         self.hf_dir, self.config, self.settings = hf_dir, config, settings
         self._ctx = mp.get_context("spawn")
         self.events = EventChannels()
-        self.log_dir = tempfile.mkdtemp(prefix="megatron_rl_engines_")
+        self.log_dir, self._owner = engine_logs_dir()
 
     def start(self, count: int) -> list[EngineHandle]:
         return [self.restart(index) for index in range(count)]
@@ -247,6 +304,9 @@ class ProcessLauncher:
     def close(self) -> None:
         self.events.close()
         shutil.rmtree(self.log_dir, ignore_errors=True)
+        if self._owner is not None:
+            os.close(self._owner)
+            self._owner = None
 
 
 def _remote_launcher(hf_dir: str, config: RolloutConfig, settings: RunnerSettings):

@@ -507,3 +507,58 @@ def test_an_in_process_engine_starts_after_the_trainers_process_group_is_made_an
     assert greedy_tokens() == first
     assert len(first) == 6
     assert dist.is_initialized()  # closing the engine kept the trainer's group
+
+
+LAUNCHER_THEN_WAIT = """
+import sys, time
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.messages import RunnerSettings
+from megatron_rl.rollout.pool.launchers import ProcessLauncher
+launcher = ProcessLauncher("unused", RolloutConfig(placement="subprocess"), RunnerSettings(()))
+print("LOG_DIR", launcher.log_dir, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)  # one interpreter importing the launcher (~10 s here)
+def test_engine_log_directories_of_killed_trainers_are_removed_by_the_next_launcher(
+    tmp_path, monkeypatch
+):
+    """A SIGKILLed trainer never closes its launcher: its megatron_rl_engines_* directory
+    stayed in the temporary directory for good. The next launcher removes it, and keeps
+    the directory of a launcher that still lives (another job on the node)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from megatron_rl.platform import LAUNCHER_VARS
+    from megatron_rl.rollout.messages import RunnerSettings
+    from megatron_rl.rollout.pool.launchers import ProcessLauncher
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    killed = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER_THEN_WAIT],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**env, "TMPDIR": str(tmp_path)},
+    )
+    try:
+        while not (line := killed.stdout.readline()).startswith("LOG_DIR"):
+            assert line, "the launcher process ended early"
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    left = line.split(maxsplit=1)[1].strip()
+    assert os.path.isdir(left) and left.startswith(str(tmp_path))
+
+    config, settings = RolloutConfig(placement="subprocess"), RunnerSettings(())
+    live = ProcessLauncher("unused", config, settings)
+    assert not os.path.exists(left)  # removed when this launcher started
+    following = ProcessLauncher("unused", config, settings)
+    assert os.path.isdir(live.log_dir)  # alive: kept
+    following.close()
+    live.close()
+    assert not list(tmp_path.glob("megatron_rl_engines_*"))

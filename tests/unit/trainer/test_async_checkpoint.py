@@ -380,3 +380,45 @@ def test_an_async_save_of_cuda_tensors_holds_the_values_of_its_step(megatron_sin
     assert_same(weights(model), saved)
     for got, want in zip(adam_state(optimizer), saved_adam, strict=True):
         assert torch.equal(got, want)
+
+
+def test_the_write_results_of_a_save_lie_in_its_tmp_not_the_temporary_directory(
+    trainer, tmp_path, monkeypatch
+):
+    """A trainer killed after its writer finished but before it read the results left
+    megatron_rl_write_results_*.pkl in the temporary directory, for good. The results file
+    is in the checkpoint's .tmp (removed with it), and gone once the save completes."""
+    import tempfile
+
+    model, _, optimizer = trainer
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    manager = CheckpointManager(tmp_path / "run", keep_last=2, async_save=True)
+    path = manager.save(1, model, optimizer=optimizer)
+    tmp = path.with_name(path.name + ".tmp")
+    deadline = time.monotonic() + 60
+    # the writer puts its results when it is done: the moment a killed trainer leaves them
+    while not (found := list(tmp_path.rglob("*write_results_*.pkl"))):
+        assert time.monotonic() < deadline, "the writer never wrote its results"
+        time.sleep(0.02)
+    assert not list(temp.iterdir()), list(temp.iterdir())
+    assert all(tmp in p.parents for p in found), found
+    assert manager.finalize(blocking=True) == path
+    assert not list(tmp_path.rglob("*write_results_*"))
+
+
+def test_an_abandoned_save_removes_its_partial_directory(trainer, tmp_path, monkeypatch):
+    """The run fails while a save is in flight (its forked writer ran out of space, and
+    the next metrics record found the disk full first): its writer is stopped and its
+    partial .tmp, which holds the space, removed; the complete checkpoint stays."""
+    model, _, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=2, async_save=True)
+    first = manager.save(1, model, optimizer=optimizer, async_save=False)
+    gate_writer(monkeypatch, tmp_path / "gate")  # the writer never starts writing
+    path = manager.save(2, model, optimizer=optimizer)
+    tmp = path.with_name(path.name + ".tmp")
+    assert tmp.is_dir() and manager.in_flight == 2
+    manager.abandon()
+    assert not tmp.exists() and manager.in_flight is None
+    assert CheckpointManager(tmp_path).latest() == first

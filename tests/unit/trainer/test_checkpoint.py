@@ -3,6 +3,7 @@ mid-save, pruning, and RNG state restoration."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -343,7 +344,14 @@ def _truncate(path, keep: int | None = None) -> None:
 
 @pytest.mark.parametrize(
     "damage",
-    ["truncated shard", "missing .metadata", "truncated loop state", "missing meta.json"],
+    [
+        "truncated shard",
+        "missing .metadata",
+        "truncated loop state",
+        "missing meta.json",
+        "lost manifest",
+        "lost manifest, format 2, truncated shard",
+    ],
 )
 def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
     trainer, tmp_path, damage, caplog
@@ -366,8 +374,15 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
         (second / "optimizer" / ".metadata").unlink()
     elif damage == "truncated loop state":
         _truncate(second / "state" / "loop.pt")
-    else:
+    elif damage == "missing meta.json":
         (second / "meta.json").unlink()
+    else:  # no manifest: not verified (it was trusted as one written before manifests)
+        (second / "manifest.json").unlink()
+        if damage.endswith("truncated shard"):  # format 2: checked by the shards' own metadata
+            meta = json.loads((second / "meta.json").read_text())
+            (second / "meta.json").write_text(json.dumps({**meta, "format": 2}))
+            shard = max((second / "optimizer").glob("*.distcp"), key=lambda p: p.stat().st_size)
+            _truncate(shard)
 
     fresh = CheckpointManager(tmp_path, keep_last=3)
     with caplog.at_level("WARNING"):
@@ -379,6 +394,20 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
     assert_same(weights(model), good)
     with pytest.raises(ValueError, match="damaged"):
         fresh.load(model, second, optimizer=optimizer)
+
+
+def test_a_checkpoint_written_before_manifests_is_read_by_its_own_metadata(trainer, tmp_path):
+    """Format 2 (before manifests): no manifest.json, and intact by its shards' metadata."""
+    model, _, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    path = manager.save(1, model, {"step": 1}, optimizer=optimizer)
+    (path / "manifest.json").unlink()
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["format"] == 3
+    (path / "meta.json").write_text(json.dumps({**meta, "format": 2}))
+    assert CheckpointManager(tmp_path).latest() == path
+    _truncate(path / "model" / "model" / ".metadata")
+    assert ".metadata is unreadable" in CheckpointManager(tmp_path).damage(path)
 
 
 def test_no_space_for_a_checkpoint_is_said_before_writing(trainer, tmp_path, monkeypatch):
@@ -429,3 +458,91 @@ def test_a_save_that_runs_out_of_space_says_so_and_removes_its_tmp(
     assert info.value.errno == errno.ENOSPC and "step_00000001" in str(info.value)
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
     assert manager.latest() == first
+
+
+IOSTREAM_ERROR = "basic_ios::clear: iostream error"  # torch.save's error on a full disk
+
+
+def _torch_save_on_a_full_disk(monkeypatch, free_after: int) -> None:
+    """The disk has room when the save starts; torch.save (megatron's common.pt, our loop
+    state) writes part of its file, the disk fills (``free_after`` bytes left) and torch
+    fails as it does then: a RuntimeError that does not say why."""
+    disk = {"free": 10**15}
+
+    def full(obj, f, *args, **kwargs):
+        with open(f, "wb") as out:
+            out.write(b"PK\x03\x04" + b"\0" * 100)
+        disk["free"] = free_after
+        raise RuntimeError(IOSTREAM_ERROR)
+
+    monkeypatch.setattr(state_mod, "_free_bytes", lambda path: disk["free"])
+    monkeypatch.setattr(torch, "save", full)
+
+
+def test_a_full_disk_that_torch_reports_as_an_iostream_error_is_named(
+    trainer, tmp_path, monkeypatch
+):
+    """The disk fills while torch writes common.pt: the save ended in the bare RuntimeError
+    and left its partial .tmp. The free space is checked again: the error names the disk,
+    the bytes needed (the previous checkpoint's size) and those free; the .tmp is gone."""
+    import errno
+
+    model, _, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    first = manager.save(1, model, optimizer=optimizer)
+    size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+    _torch_save_on_a_full_disk(monkeypatch, free_after=4096)
+    with pytest.raises(OSError) as info:
+        manager.save(2, model, optimizer=optimizer)
+    message = str(info.value)
+    assert info.value.errno == errno.ENOSPC and "No space left on device" in message
+    assert f"it needs about {size} bytes (the size of step_00000001), 4096 bytes" in message
+    assert "file system" in message and "mounted at /" in message and IOSTREAM_ERROR in message
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+    assert manager.latest() == first
+
+
+def test_an_iostream_error_with_space_left_is_not_called_a_full_disk(
+    trainer, tmp_path, monkeypatch
+):
+    model, _, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager.save(1, model, optimizer=optimizer)
+    _torch_save_on_a_full_disk(monkeypatch, free_after=10**12)  # room left: another fault
+    with pytest.raises(RuntimeError, match=IOSTREAM_ERROR):
+        manager.save(2, model, optimizer=optimizer)
+
+
+def _tmpfs(path, size: str) -> bool:
+    import subprocess
+
+    path.mkdir()
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+def test_a_first_checkpoint_on_a_real_full_disk_is_named(trainer, tmp_path):
+    """A real full disk (a 4 KiB tmpfs; needs the right to mount, e.g. root): torch's
+    common.pt write fails with the bare iostream error; the save names the disk."""
+    import errno
+    import subprocess
+
+    disk = tmp_path / "disk"
+    if not _tmpfs(disk, "4k"):
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        model, _, optimizer = trainer
+        manager = CheckpointManager(disk, keep_last=2)
+        with pytest.raises(OSError) as info:
+            manager.save(1, model, optimizer=optimizer)
+        message = str(info.value)
+        assert info.value.errno == errno.ENOSPC, message
+        assert f"the tmpfs file system tmpfs mounted at {disk}" in message
+        assert "it needs more than the" in message
+        assert not list((disk / "checkpoints").glob("*.tmp"))
+    finally:
+        subprocess.run(["umount", str(disk)])

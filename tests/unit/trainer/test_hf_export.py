@@ -181,3 +181,28 @@ def test_an_export_carries_the_validation_of_its_own_step(tmp_path):
     exporter.val_pass_rate = 0.5  # step 6's, before step 3's save completes
     completions[0](tmp_path / "checkpoints" / "step_00000003")
     assert submitted == [(3, {"gpu_hours": 0.0, "val_pass_rate": 0.25})]
+
+
+EXPORT_THEN_WAIT = """
+import sys, time
+from pathlib import Path
+from megatron_rl.trainer.hf_export import HFExporter
+if __name__ == "__main__":
+    run_dir = Path(sys.argv[1])
+    exporter = HFExporter(run_dir, every=1, keep_last=1)
+    exporter.submit(1, run_dir / "checkpoints" / "step_00000001", {})
+    print("HELPER_PID", exporter._proc.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_export_process_ends_with_its_killed_trainer(tmp_path):
+    """A SIGKILLed trainer cannot stop its HF export; the export went on writing
+    hf/step_N.tmp under PID 1 (the requeued job's clean-up then deleted it under it)."""
+    from support.orphans import assert_helper_exits_with_parent
+
+    # the converter takes seconds to import torch before it would fail on the missing
+    # checkpoint: it is running when its parent is killed
+    assert_helper_exits_with_parent(
+        EXPORT_THEN_WAIT, [str(tmp_path / "run")], tmp_path, "the HF export", within=5
+    )

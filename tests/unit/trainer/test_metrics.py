@@ -256,3 +256,23 @@ def test_per_layer_expert_load_goes_to_tensorboard_only(tmp_path):
     assert events.Scalars("moe/layer_02/tokens_expert_00")[0].value == 6.0
     assert events.Scalars("moe/layer_02/dropped_fraction")[0].value == 0.25
     assert events.Scalars("moe/load_ratio_max")[0].value == 3.0
+
+
+def test_a_full_disk_under_metrics_jsonl_is_said_naming_the_disk(tmp_path):
+    """A full disk (here /dev/full, which answers every write with ENOSPC, as a full disk
+    does) while a record is written: an error that names the file, the disk and its free
+    space, not a bare [Errno 28]; closing the logger afterwards does not raise again."""
+    import errno
+
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log({"step": 1, "loss": 0.5})
+    logger._file.close()
+    logger._file = open("/dev/full", "a")  # noqa: SIM115 (the logger closes it)
+    with pytest.raises(OSError) as info:
+        logger.log({"step": 2, "loss": 0.25})
+    message = str(info.value)
+    assert info.value.errno == errno.ENOSPC
+    assert "metrics.jsonl (the record of step 2)" in message and str(tmp_path) in message
+    assert "file system" in message and "mounted at /" in message and "bytes free" in message
+    logger.close()
+    assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl")] == [1]
