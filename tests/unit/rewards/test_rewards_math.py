@@ -22,6 +22,8 @@ from megatron_rl.rewards.extraction import (
     nesting_depth,
     unsafe_reason,
 )
+from megatron_rl.rewards.forms import time_of_day
+from megatron_rl.rewards.units import split_unit
 from megatron_rl.rewards.workers import WorkerPool
 
 TIMEOUT_S = 2.0
@@ -544,3 +546,74 @@ def test_same_rewards_with_one_and_two_workers_under_load():
     assert results[1] == results[2]
     assert results[1][: len(cases)] == results[1][len(cases) :]
     assert 0 < sum(r > 0 for r in results[1]) < len(responses)  # not all one verdict
+
+
+def test_a_unit_comes_off_only_alone_at_the_end_of_a_constant_answer():
+    # Issue 37, 1: Math-Verify's stripping read letters inside expressions (and am / pm) as
+    # units. More of these score -1 in tests/data/math_adversarial_suite.jsonl.
+    split = {
+        "48\\,\\mathrm{mL}": ("48", "mL"),
+        "48 mL": ("48", "mL"),
+        "9\\text{ km}": ("9", "km"),
+        "18 \\text{ cm}^2": ("18", "cm"),
+        "\\frac{25}{3} m": ("\\frac{25}{3}", "m"),
+        "2\\pi \\text{ cm}": ("2\\pi", "cm"),
+        "7.5 km/h": ("7.5", "km/h"),
+        "64kg": ("64", "kg"),
+        "14 square units": ("14", "square units"),
+        "-3.2\\times 10^{4} \\text{ J}": ("-3.2\\times 10^{4}", "J"),
+    }
+    kept = [
+        "6 + 5t",  # a term in t, not tons
+        "2y + 9 m",  # the unit of one term is not the answer's
+        "3 + \\frac{1}{4}s",
+        "4k",  # a letter against a number is a variable
+        "\\frac{2}{5}g",
+        "x \\text{ cm}",  # the value is not a constant
+        "1, 2 \\text{ cm}",
+        "6 pm",  # a time of day keeps its marker
+        "8 \\text{ a.m.}",
+        "11\\,\\mathrm{PM}",
+        "5 \\sin",
+        "3 \\text{ or } 4",
+    ]
+    for answer, expected in split.items():
+        assert split_unit(answer) == expected, answer
+    for answer in kept:
+        assert split_unit(answer) is None, answer
+
+
+def test_times_of_day_keep_am_and_pm():
+    assert time_of_day("4:05 \\text{ p.m.}") == time_of_day("\\text{4:05 p.m.}") == 16 * 60 + 5
+    assert time_of_day("9am") == time_of_day("9\\,\\mathrm{a.m.}") == 9 * 60
+    assert time_of_day("12 noon") == time_of_day("12 p.m.") == 12 * 60
+    assert time_of_day("12:00 a.m.") == time_of_day("midnight") == 0
+    assert time_of_day("21:40") is None  # no marker: not known to be a time
+    assert time_of_day("21:40", marker_required=False) == 21 * 60 + 40
+    for not_a_time in ("13 pm", "9:75 am", "x pm", "9 am or 10 am", "2 \\text{ m}"):
+        assert time_of_day(not_a_time, marker_required=False) is None, not_a_time
+
+
+def test_units_and_times_of_day_score(pool):
+    pairs = [
+        # A unit alone at the end, on either side, against a constant reference.
+        ("48 mL", "48", 1.0),
+        ("48", "48\\,\\mathrm{mL}", 1.0),
+        ("18 \\text{ cm}^2", "18", 1.0),
+        ("\\frac{25m}{3}", "\\frac{25}{3} m", 1.0),  # a unit inside a fraction
+        ("\\frac{25}{3}", "\\frac{25}{3} m", 1.0),
+        ("8.3 m", "\\frac{25}{3} m", -1.0),
+        # A reference that ends in a symbol is compared as it is.
+        ("\\frac{c}{\\sqrt{3}}", "\\frac{1}{\\sqrt{3}}c", 1.0),
+        ("\\frac{\\sqrt{3}c}{3}", "\\frac{1}{\\sqrt{3}}c", 1.0),
+        ("\\frac{\\sqrt{3}}{3}", "\\frac{1}{\\sqrt{3}}c", -1.0),
+        ("5 \\text{ km}", "5k", -1.0),
+        # Times of day: the marker is part of the answer.
+        ("7:15 \\text{ a.m.}", "\\text{7:15 a.m.}", 1.0),
+        ("19:15", "7:15 \\text{ p.m.}", 1.0),
+        ("10pm", "10 \\text{ p.m.}", 1.0),
+        ("10 \\text{ a.m.}", "10 \\text{ p.m.}", -1.0),
+        ("7:15", "\\text{7:15 p.m.}", -1.0),
+    ]
+    rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}

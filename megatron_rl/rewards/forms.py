@@ -1,0 +1,50 @@
+"""Answer forms that the math reward reads itself, before or beside Math-Verify.
+
+Each is a plain, linear-time reading of a short answer that already passed
+``extraction.unsafe_reason`` (or of a trusted reference); nothing here evaluates text.
+
+- ``time_of_day``: ``4:30 \\text{ p.m.}``, ``\\text{4:30 p.m.}``, ``7pm``, ``16:30``. Math-Verify
+  read ``am`` / ``pm`` as units (attometre, picometre) and dropped them, so ``5pm`` equalled
+  ``5am``; a time of day is compared as minutes after midnight, its marker included.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Wrappers and spacing taken off before a time of day is read.
+_TIME_WRAPPER_RE = re.compile(r"\\(?:text|textrm|textnormal|mathrm|mbox)\s{0,4}\{|[{}$]")
+_TIME_SPACING_RE = re.compile(r"\\[,;:! ]|~|\s+")
+_TIME_RE = re.compile(
+    r"(?i)(?:(\d{1,2})(?::(\d{2}))?([ap])\.?m\.?|(\d{1,2}):(\d{2})|(\d{1,2})(?::(\d{2}))?(noon|midnight)|(noon|midnight))"
+)
+_TIME_MARKER_RE = re.compile(r"(?i)(?<![a-z])(?:[ap]\.?\s{0,2}m\b\.?|noon|midnight)")
+
+
+def time_of_day(answer: str, marker_required: bool = True) -> int | None:
+    """Minutes after midnight of ``answer`` when all of it is a time of day, else None.
+
+    With an am / pm marker (``4:30 p.m.``, ``\\text{4:30 p.m.}``, ``7pm``, ``11\\,\\mathrm{am}``)
+    or noon / midnight; without one (``16:30``) only when not ``marker_required``.
+    """
+    if len(answer) > 100:
+        return None
+    if marker_required and not _TIME_MARKER_RE.search(answer):
+        return None
+    text = _TIME_SPACING_RE.sub("", _TIME_WRAPPER_RE.sub("", answer)).rstrip(".")
+    found = _TIME_RE.fullmatch(text)
+    if found is None:
+        return None
+    hour_s, minute_s, half, hour24_s, minute24_s, hour_n, minute_n, word_n, word = found.groups()
+    if hour24_s is not None:
+        hour, minute = int(hour24_s), int(minute24_s)
+        return hour * 60 + minute if hour < 24 and minute < 60 else None
+    if hour_s is not None:
+        hour, minute = int(hour_s), int(minute_s or 0)
+        if not 1 <= hour <= 12 or minute >= 60:
+            return None
+        return (hour % 12 + (12 if half.lower() == "p" else 0)) * 60 + minute
+    name = (word_n or word).lower()
+    if hour_n is not None and (int(hour_n) != 12 or int(minute_n or 0) != 0):
+        return None
+    return 12 * 60 if name == "noon" else 0

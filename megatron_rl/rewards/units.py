@@ -1,0 +1,121 @@
+"""Units of measurement at the end of a math answer (``36 \\mathrm{cm}``, ``12\\text{ mL}``).
+
+Math-Verify's own unit stripping (``NormalizationConfig.units``) drops any of ~150 words and
+letters that follow a digit or a brace at the end of an answer, inside expressions too: ``5pm``
+became ``5`` (``pm`` read as picometres, so it equalled ``5am``), and ``8 + 3d`` became ``11``
+(a term in ``d`` read as days). The verifier turns it off and uses ``split_unit`` instead,
+which takes a unit off only when it stands alone at the end of a whole answer whose value is
+one constant term; ``megatron_rl.rewards.math.verify`` compares without the unit only when the
+reference's value is a constant, never against a symbolic reference.
+
+Plain linear-time string work on short, already validated answers; nothing is evaluated.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Spacing between a value and its unit: spaces, ``\,``, ``\;``, ``\:``, ``\!``, ``\ ``, ``~``,
+# ``\quad``.
+_SPACING = r"(?:\s|\\[,;:! ]|~|\\q?quad\b)"
+# A unit wrapped in a text command: ``\text{ cm}``, ``\mathrm{mL}``, ``\mbox{ units}``, with an
+# optional power (``\text{cm}^2``).
+_WRAPPED_UNIT_RE = re.compile(
+    r"(?:\\(?:text|textrm|textnormal|textbf|textit|mathrm|mathbf|mathit|mbox|operatorname)\s{0,4}\{([^{}]{1,40})\})"
+    r"(\s{0,4}\^\s{0,4}(?:\{\s{0,4}[23]\s{0,4}\}|[23]))?$"
+)
+# A plain-text unit: one to three words, the last possibly with a power or a ``/`` compound
+# (``36 mL``, ``12 square units``, ``60 km/h``, ``9 m^2``).
+_PLAIN_UNIT_RE = re.compile(
+    r"(?<![\\A-Za-z])((?:[A-Za-zµμΩ°]{1,20}\s{1,4}){0,2}"
+    r"[A-Za-zµμΩ°]{1,20}(?:/[A-Za-z]{1,10})?)"
+    r"(\s{0,4}\^\s{0,4}(?:\{\s{0,4}[23]\s{0,4}\}|[23])|[²³])?$"
+)
+# Abbreviations that may be written against the number (``36mL``, ``5cm``): several letters,
+# which nobody writes for a product of variables.
+_ATTACHED_UNITS = frozenset(
+    "cm mm km nm um µm mi ft yd in kg mg lb lbs oz mL ml cc gal sec min hr hrs hrs ms yr yrs "
+    "mph kph kmh rpm Hz kHz MHz kPa Pa mol eV kJ kW kcal cal".split()
+)
+# Single letters that are units when written apart from the number (``\frac{37}{4} m``).
+_LETTER_UNITS = frozenset("m g s h l L K N J W V".split())
+# Words that are never units: math functions and constants, connectives, and times of day
+# (``5 pm`` is not ``5``: am / pm are part of the answer).
+_NOT_UNITS = frozenset(
+    "sin cos tan cot sec csc log ln exp lim max min mod gcd lcm det arg deg pi inf infty "
+    "and or not but if for all with where when then else is are as of to no none yes "
+    "am pm AM PM noon midnight".split()
+)
+_TIME_MARKER_RE = re.compile(r"(?i)\b[ap]\.?\s{0,2}m\b\.?")
+# A constant value: no letters once LaTeX commands (``\frac``, ``\sqrt``, ``\pi``) are gone.
+_COMMAND_RE = re.compile(r"\\[A-Za-z]+")
+_LETTER_RE = re.compile(r"[A-Za-z]")
+_TRAILING_SPACING_RE = re.compile(rf"{_SPACING}+$")
+# Between terms and list items: a value holding one of these (outside brackets) is no term.
+_SEPARATORS = "+-=<>,;"
+_SEPARATOR_COMMANDS = ("\\pm", "\\mp", "\\le", "\\ge", "\\ne", "\\lor", "\\land", "\\cup")
+_OPENERS, _CLOSERS = "{([", "})]"
+
+
+def _constant_term(value: str) -> bool:
+    """``value`` is one term without variables: ``36``, ``\\frac{37}{4}``, ``-2\\sqrt{3}``,
+    ``1.5\\times 10^{3}``; not ``12 + 0.5``, ``3x``, ``1, 2``."""
+    value = value.strip()
+    if not value or any(value.find(cmd) >= 0 for cmd in _SEPARATOR_COMMANDS):
+        return False
+    depth = 0
+    for i, ch in enumerate(value):
+        if ch in _OPENERS:
+            depth += 1
+        elif ch in _CLOSERS:
+            depth -= 1
+        elif depth == 0 and i > 0 and ch in _SEPARATORS and value[i - 1] not in "^_{":
+            return False
+    if depth != 0 or "\\text" in value or "\\mathrm" in value:
+        return False
+    return not _LETTER_RE.search(_COMMAND_RE.sub("", value)) and any(c.isdigit() for c in value)
+
+
+def _is_unit_word(words: str) -> bool:
+    tokens = words.replace("/", " ").split()
+    return bool(tokens) and not any(t in _NOT_UNITS for t in tokens)
+
+
+def split_unit(answer: str) -> tuple[str, str] | None:
+    """``(value, unit)`` when ``answer`` is one constant term followed by a unit that stands
+    alone at its end, else None.
+
+    A unit is a ``\\text{}`` / ``\\mathrm{}`` word (``12\\text{ mL}``), plain words after a
+    space (``36 mL``, ``12 square units``, ``\\frac{37}{4} m``), or a known abbreviation
+    written against the number (``5cm``). Never a letter against a term (``4h``, ``2c``:
+    variables), never inside an expression (``8 + 3 d``), and never a time of day
+    (``5 pm``, ``7\\text{ a.m.}``).
+    """
+    answer = answer.strip()
+    if len(answer) > 200:
+        return None
+    wrapped = _WRAPPED_UNIT_RE.search(answer)
+    if wrapped is not None:
+        unit, value = wrapped.group(1).strip(), answer[: wrapped.start()]
+        if not unit or _TIME_MARKER_RE.search(unit) or not _is_unit_word(unit):
+            return None
+        if not _LETTER_RE.search(unit):
+            return None
+    else:
+        plain = _PLAIN_UNIT_RE.search(answer)
+        if plain is None or plain.start() == 0:
+            return None
+        unit, value = plain.group(0).strip(), answer[: plain.start()]
+        words = plain.group(1)
+        if not _is_unit_word(words) or _TIME_MARKER_RE.search(answer[plain.start() - 1 :]):
+            return None
+        apart = bool(_TRAILING_SPACING_RE.search(value))
+        single = " " not in words and "/" not in words
+        if not apart and not (single and words in _ATTACHED_UNITS):
+            return None
+        if apart and single and len(words) == 1 and words not in _LETTER_UNITS:
+            return None
+    value = _TRAILING_SPACING_RE.sub("", value)
+    if not _constant_term(value):
+        return None
+    return value.strip(), unit
