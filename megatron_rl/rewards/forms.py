@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from megatron_rl.rewards.boxes import unwrap_answer
+
 # Wrappers and spacing taken off before a time of day is read.
 _TIME_WRAPPER_RE = re.compile(r"\\(?:text|textrm|textnormal|mathrm|mbox)\s{0,4}\{|[{}$]")
 _TIME_SPACING_RE = re.compile(r"\\[,;:! ]|~|\s+")
@@ -48,3 +50,42 @@ def time_of_day(answer: str, marker_required: bool = True) -> int | None:
     if hour_n is not None and (int(hour_n) != 12 or int(minute_n or 0) != 0):
         return None
     return 12 * 60 if name == "noon" else 0
+
+
+# A multiple-choice reference: one option letter, maybe in parentheses.
+_OPTION_REFERENCE_RE = re.compile(r"\(?\s{0,4}([A-J])\s{0,4}\)?")
+# The option letter that opens an answer: ``(D)``, ``\text{(D)}``, ``\textbf{(D)}``, ``D.``,
+# ``D:``, ``D)``.
+_LEADING_OPTION_RE = re.compile(
+    r"\s{0,8}(?:\\(?:text|textbf|textrm|mathbf|mathrm)\s{0,4}\{\s{0,4})?"
+    r"(?:\(\s{0,4}([A-J])\s{0,4}\)|([A-J])\s{0,4}[.:)](?=\s|$))"
+)
+# In the text after the letter, what makes the answer several options: another letter in
+# parentheses, or a connective (``(B) or (D)``, ``(A), C``).
+_ANOTHER_OPTION_RE = re.compile(
+    r"\(\s{0,4}[A-J]\s{0,4}\)|(?<![A-Za-z])(?:or|and)(?![A-Za-z])|\\lor|\\land"
+)
+_LEADING_SEPARATOR_RE = re.compile(r"[\s}$]{0,8}[,;/&]")
+
+
+def option_letter(reference: str) -> str | None:
+    """The option letter when all of ``reference`` is one (``D``, ``(D)``, ``\\textbf{(D)}``),
+    else None."""
+    if len(reference) > 100:
+        return None
+    found = _OPTION_REFERENCE_RE.fullmatch(unwrap_answer(reference))
+    return None if found is None else found.group(1)
+
+
+def chosen_option(answer: str) -> str | None:
+    """The option letter of an answer that opens with one and goes on with that option's
+    text (``(D) (2,0)``, ``\\text{(C) } 7``, ``B. $2x-2$``), else None; None also when the
+    text names another option (``(B) or (D)``: a hedge is no choice)."""
+    if len(answer) > 1000:
+        return None
+    found = _LEADING_OPTION_RE.match(answer)
+    if found is None or _LEADING_SEPARATOR_RE.match(answer, found.end()):
+        return None
+    if _ANOTHER_OPTION_RE.search(answer, found.end()):
+        return None
+    return found.group(1) or found.group(2)

@@ -37,7 +37,7 @@ from megatron_rl.rewards.extraction import (
     integer_answer,
     unsafe_reason,
 )
-from megatron_rl.rewards.forms import time_of_day
+from megatron_rl.rewards.forms import chosen_option, option_letter, time_of_day
 from megatron_rl.rewards.stated import unwrap_math
 from megatron_rl.rewards.units import split_unit
 
@@ -70,7 +70,8 @@ def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[s
     """Decide a response in the trainer process when that is safe and cheap.
 
     Returns the reward when it is decided here (no answer, unsafe answer, a reference that is
-    a time of day, or both answers plain integers), else the ``(prediction, reference)`` pair a worker must verify.
+    a time of day, an option letter opening the answer against a letter, or both answers
+    plain integers), else the ``(prediction, reference)`` pair a worker must verify.
     """
     prediction = extract_math_answer(response, config)
     if prediction is None:
@@ -85,6 +86,12 @@ def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[s
         # am / pm is part of the answer: 7 p.m. is not 7 a.m. (``forms.time_of_day``).
         same = time_of_day(prediction, marker_required=False) == reference_time
         return config.correct_reward if same else config.incorrect_reward
+    reference_option = option_letter(reference)
+    if reference_option is not None:
+        # "(D) (2,0)": the letter with its option's text is the letter.
+        chosen = chosen_option(prediction)
+        if chosen is not None:
+            return config.correct_reward if chosen == reference_option else config.incorrect_reward
     predicted_int, reference_int = integer_answer(prediction), integer_answer(reference)
     if predicted_int is not None and reference_int is not None:
         return config.correct_reward if predicted_int == reference_int else config.incorrect_reward

@@ -22,7 +22,7 @@ from megatron_rl.rewards.extraction import (
     nesting_depth,
     unsafe_reason,
 )
-from megatron_rl.rewards.forms import time_of_day
+from megatron_rl.rewards.forms import chosen_option, time_of_day
 from megatron_rl.rewards.units import split_unit
 from megatron_rl.rewards.workers import WorkerPool
 
@@ -614,6 +614,25 @@ def test_units_and_times_of_day_score(pool):
         ("10pm", "10 \\text{ p.m.}", 1.0),
         ("10 \\text{ a.m.}", "10 \\text{ p.m.}", -1.0),
         ("7:15", "\\text{7:15 p.m.}", -1.0),
+    ]
+    rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_an_option_letter_with_its_text_is_the_letter(pool):
+    # Issue 37, 3: "(D) (2,0)" against the reference "D" scored -1.
+    assert chosen_option("(B) (-1,4)") == "B"
+    assert chosen_option("\\textbf{(E)}\\ 3\\sqrt{2}") == "E"
+    assert chosen_option("C. $y=2x+1") == "C"
+    for hedge in ("(A) \\text{ or } (C)", "(B), D", "(C) (D)", "A/B", "(a) 7", "(3,1)"):
+        assert chosen_option(hedge) is None, hedge
+    pairs = [
+        ("(B) (-1,4)", "B", 1.0),
+        ("(A) $3(x-2)=3x-6", "A", 1.0),
+        ("\\text{(C) } 12", "(C)", 1.0),
+        ("\\textbf{(E)}\\ 3\\sqrt{2}", "\\textbf{(E)}", 1.0),
+        ("(B) (-1,4)", "C", -1.0),
+        ("(A) \\text{ or } (C)", "C", -1.0),
     ]
     rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
     assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
