@@ -89,3 +89,18 @@ def chosen_option(answer: str) -> str | None:
     if _ANOTHER_OPTION_RE.search(answer, found.end()):
         return None
     return found.group(1) or found.group(2)
+
+
+# ``1e-3``, ``2.5E4``: digits on both sides of the ``e`` (a sign only as ``e-``: ``2e+1`` may be
+# 2e + 1), not part of a longer token. At most 3 exponent digits (``extraction.unsafe_reason``
+# has checked the answer before: a longer exponent stays as it is, which Math-Verify reads
+# as Euler's number).
+_SCIENTIFIC_RE = re.compile(r"(?<![\w.\\^_])(\d+(?:\.\d+)?|\.\d+)[eE](-?\d{1,3})(?![\w.^])")
+
+
+def scientific_notation(answer: str) -> str:
+    """``answer`` with each number in scientific notation written as a power of ten:
+    ``1e-3`` is ``1\\times 10^{-3}`` (Math-Verify read it as e - 3, Euler's number)."""
+    if "e" not in answer and "E" not in answer:
+        return answer
+    return _SCIENTIFIC_RE.sub(r"\1\\times 10^{\2}", answer)

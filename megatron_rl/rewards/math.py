@@ -37,7 +37,12 @@ from megatron_rl.rewards.extraction import (
     integer_answer,
     unsafe_reason,
 )
-from megatron_rl.rewards.forms import chosen_option, option_letter, time_of_day
+from megatron_rl.rewards.forms import (
+    chosen_option,
+    option_letter,
+    scientific_notation,
+    time_of_day,
+)
 from megatron_rl.rewards.stated import unwrap_math
 from megatron_rl.rewards.units import split_unit
 
@@ -76,11 +81,12 @@ def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[s
     prediction = extract_math_answer(response, config)
     if prediction is None:
         return config.incorrect_reward
+    prediction = scientific_notation(prediction)
     reason = unsafe_reason(prediction, config)
     if reason is not None:
         logger.debug("answer rejected before parsing: %s", reason)
         return config.incorrect_reward
-    reference = reference_answer(answer)
+    reference = scientific_notation(reference_answer(answer))
     reference_time = time_of_day(reference)
     if reference_time is not None:
         # am / pm is part of the answer: 7 p.m. is not 7 a.m. (``forms.time_of_day``).

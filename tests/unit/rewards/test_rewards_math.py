@@ -22,7 +22,7 @@ from megatron_rl.rewards.extraction import (
     nesting_depth,
     unsafe_reason,
 )
-from megatron_rl.rewards.forms import chosen_option, time_of_day
+from megatron_rl.rewards.forms import chosen_option, scientific_notation, time_of_day
 from megatron_rl.rewards.units import split_unit
 from megatron_rl.rewards.workers import WorkerPool
 
@@ -633,6 +633,24 @@ def test_an_option_letter_with_its_text_is_the_letter(pool):
         ("\\textbf{(E)}\\ 3\\sqrt{2}", "\\textbf{(E)}", 1.0),
         ("(B) (-1,4)", "C", -1.0),
         ("(A) \\text{ or } (C)", "C", -1.0),
+    ]
+    rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_scientific_notation_is_a_number(pool):
+    # Issue 37, 4: the reference "1e-3" was read as e - 3 (Euler's number).
+    assert scientific_notation("4e-5") == "4\\times 10^{-5}"
+    assert scientific_notation("\\frac{6.1E3}{2}") == "\\frac{6.1\\times 10^{3}}{2}"
+    for kept in ("2e", "e-4", "3e+2", "x2e3", "2e^{3}", "7e-4y", "1e12345"):
+        assert scientific_notation(kept) == kept, kept
+    pairs = [
+        ("0.00004", "4e-5", 1.0),
+        ("4e-5", "0.00004", 1.0),
+        ("6.1E3", "6100", 1.0),
+        ("2.5\\times 10^{-2}", "2.5e-2", 1.0),
+        ("4e-5", "e - 5", -1.0),
+        ("0.00004", "4e-6", -1.0),
     ]
     rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
     assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
