@@ -104,3 +104,27 @@ def scientific_notation(answer: str) -> str:
     if "e" not in answer and "E" not in answer:
         return answer
     return _SCIENTIFIC_RE.sub(r"\1\\times 10^{\2}", answer)
+
+
+# ``_{1}`` / ``^{2}``: braces around one letter or digit, which LaTeX renders as without them.
+_SINGLE_TOKEN_BRACES_RE = re.compile(r"([_^])\{\s{0,8}([A-Za-z0-9])\s{0,8}\}")
+_SPACE_RE = re.compile(r"\s+")
+
+
+def _space(found: re.Match) -> str:
+    """A run of spaces goes, but one stays where it ends a command's name before a letter
+    (``\\pi r`` is not ``\\pir``)."""
+    text, start, end = found.string, found.start(), found.end()
+    j = start
+    while j > 0 and text[j - 1].isalpha():
+        j -= 1
+    after_command = 0 < j < start and text[j - 1] == "\\"
+    return " " if after_command and end < len(text) and text[end].isalpha() else ""
+
+
+def normalise_string(answer: str) -> str:
+    """``answer`` as Math-Verify's string fallback should compare it (for what sympy cannot
+    parse): without spaces (but the one after a command's name before a letter: ``\\pi r``)
+    and without braces around a single letter or digit (``E_{1}`` is ``E_1``; ``E_{12}``
+    stays). ``E_{1}, E_{2}`` scored -1 against ``E_{1},E_{2}``."""
+    return _SPACE_RE.sub(_space, _SINGLE_TOKEN_BRACES_RE.sub(r"\1\2", answer)).strip()

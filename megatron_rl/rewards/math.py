@@ -39,6 +39,7 @@ from megatron_rl.rewards.extraction import (
 )
 from megatron_rl.rewards.forms import (
     chosen_option,
+    normalise_string,
     option_letter,
     scientific_notation,
     time_of_day,
@@ -190,11 +191,13 @@ def _parse(latex: str, cpu_seconds: float | None) -> list:
     from math_verify import parse
 
     with _cpu_time_limit(cpu_seconds):
-        return parse(
+        parsed = parse(
             "\\boxed{" + latex + "}",
             extraction_config=[_extraction_config()],
             parsing_timeout=None,
         )
+    # The string fallback (what sympy could not parse) is compared as normalised text.
+    return [normalise_string(p) if isinstance(p, str) else p for p in parsed]
 
 
 def _parse_reference(reference: str, cpu_seconds: float | None) -> list:

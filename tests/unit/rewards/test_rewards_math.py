@@ -22,7 +22,12 @@ from megatron_rl.rewards.extraction import (
     nesting_depth,
     unsafe_reason,
 )
-from megatron_rl.rewards.forms import chosen_option, scientific_notation, time_of_day
+from megatron_rl.rewards.forms import (
+    chosen_option,
+    normalise_string,
+    scientific_notation,
+    time_of_day,
+)
 from megatron_rl.rewards.units import split_unit
 from megatron_rl.rewards.workers import WorkerPool
 
@@ -651,6 +656,23 @@ def test_scientific_notation_is_a_number(pool):
         ("2.5\\times 10^{-2}", "2.5e-2", 1.0),
         ("4e-5", "e - 5", -1.0),
         ("0.00004", "4e-6", -1.0),
+    ]
+    rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_the_string_fallback_ignores_spaces_and_single_token_braces(pool):
+    # Issue 37, 5: what sympy cannot parse is compared as text, which was space- and
+    # brace-sensitive: "E_{1}, E_{2}" scored -1 against "E_{1},E_{2}".
+    assert normalise_string("E_{3} ,  E_{ 4 }") == "E_3,E_4"
+    assert normalise_string("E_{34}") == "E_{34}"  # two digits keep their braces
+    assert normalise_string("E_{3}4") == "E_34"  # E_3 times 4: not E_{34}
+    assert normalise_string("\\pi  r") == "\\pi r"  # a command's name ends at the space
+    pairs = [
+        ("E_{3} , E_{4}", "E_{3},E_{4}", 1.0),
+        ("E_3", "E_{3}", 1.0),
+        ("E_{3},E_{4}", "E_{3}, E_{5}", -1.0),
+        ("E_{34}", "E_{3}4", -1.0),
     ]
     rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
     assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
