@@ -244,6 +244,29 @@ def _equal_without_units(prediction: str, reference: str, gold: list, target: li
     return bool(target) and _math_verify(gold, target)
 
 
+def _without_percent(answer: str) -> str | None:
+    """``answer`` without the percent sign that ends it (``17.5\\%``), or None without one."""
+    answer = answer.strip()
+    for sign in ("\\%", "%"):
+        if answer.endswith(sign) and answer[: -len(sign)].strip():
+            return answer[: -len(sign)].strip()
+    return None
+
+
+def _equal_without_percent(prediction: str, reference: str, gold: list, target: list) -> bool:
+    """Equality once the percent sign of the one side that has it is taken off. Math-Verify
+    takes ``25`` for ``25\\%`` (integers) but not ``17.5`` for ``17.5\\%``; both now score
+    alike. Runs inside ``verify``'s CPU-time limit."""
+    prediction_bare, reference_bare = _without_percent(prediction), _without_percent(reference)
+    if (prediction_bare is None) == (reference_bare is None):
+        return False
+    if reference_bare is not None:
+        gold = _parse_reference(reference_bare, None)
+    else:
+        target = _parse(prediction_bare, None)
+    return bool(gold) and bool(target) and _math_verify(gold, target)
+
+
 def _math_verify(gold: list, target: list) -> bool:
     from math_verify import verify as math_verify
 
@@ -255,7 +278,8 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
     """Math-Verify equivalence of two extracted answers: CORRECT, WRONG, TIMEOUT or
     BAD_REFERENCE (the reference does not parse). Runs inside a worker process.
 
-    Compared as they are, then without a unit at their end (``_equal_without_units``).
+    Compared as they are, then without a unit at their end (``_equal_without_units``), then
+    without the percent sign of one of them (``_equal_without_percent``).
     ``timeout_s`` > 0 gives the reference parse, and then the prediction parse with the
     comparisons, ``_CPU_SHARE * timeout_s`` CPU seconds each; running out is TIMEOUT, never
     WRONG. The hard wall-clock limit is the worker pool's.
@@ -270,6 +294,8 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
             correct = bool(target) and _math_verify(gold, target)
             if not correct:
                 correct = _equal_without_units(prediction, reference, gold, target)
+            if not correct:
+                correct = _equal_without_percent(prediction, reference, gold, target)
     except _OutOfTime:
         return TIMEOUT
     return CORRECT if correct else WRONG

@@ -676,3 +676,18 @@ def test_the_string_fallback_ignores_spaces_and_single_token_braces(pool):
     ]
     rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
     assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_percent_signs_score_alike_for_integers_and_decimals(pool):
+    # Issue 37, 6: "25" against "25\%" scored +1 but "17.5" against "17.5\%" -1.
+    pairs = [
+        ("62.5", "62.5\\%", 1.0),
+        ("62.5\\%", "62.5", 1.0),
+        ("0.625", "62.5\\%", 1.0),
+        ("64", "64\\%", 1.0),
+        ("62.5\\%", "62.5\\%", 1.0),
+        ("6.25", "62.5\\%", -1.0),
+        ("0.625\\%", "62.5\\%", -1.0),
+    ]
+    rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
