@@ -128,3 +128,21 @@ def normalise_string(answer: str) -> str:
     and without braces around a single letter or digit (``E_{1}`` is ``E_1``; ``E_{12}``
     stays). ``E_{1}, E_{2}`` scored -1 against ``E_{1},E_{2}``."""
     return _SPACE_RE.sub(_space, _SINGLE_TOKEN_BRACES_RE.sub(r"\1\2", answer)).strip()
+
+
+# ``40_9``, ``40_{9}``, ``1011_2``, ``A3_{16}``: a numeral with its base as a subscript.
+_BASE_NUMERAL_RE = re.compile(r"([0-9A-Za-z]{1,64})_(?:\{\s{0,4}(\d{1,2})\s{0,4}\}|(\d))")
+_NUMERAL_RE = re.compile(r"[0-9A-Za-z]{1,64}")
+
+
+def base_numeral(answer: str) -> tuple[str, int | None] | None:
+    """``(digits, base)`` of a numeral written with its base (``40_9`` is ``("40", 9)``), or
+    ``(digits, None)`` for bare digits (``40``), else None. Math-Verify dropped the
+    subscript, so ``40_8`` equalled ``40_9``."""
+    answer = answer.strip()
+    found = _BASE_NUMERAL_RE.fullmatch(answer)
+    if found is not None:
+        return found.group(1).upper(), int(found.group(2) or found.group(3))
+    if answer.isdigit() and _NUMERAL_RE.fullmatch(answer):
+        return answer, None
+    return None

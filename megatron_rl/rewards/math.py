@@ -38,6 +38,7 @@ from megatron_rl.rewards.extraction import (
     unsafe_reason,
 )
 from megatron_rl.rewards.forms import (
+    base_numeral,
     chosen_option,
     normalise_string,
     option_letter,
@@ -76,7 +77,7 @@ def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[s
     """Decide a response in the trainer process when that is safe and cheap.
 
     Returns the reward when it is decided here (no answer, unsafe answer, a reference that is
-    a time of day, an option letter opening the answer against a letter, or both answers
+    a time of day or a numeral in a base, an option letter opening the answer against a letter, or both answers
     plain integers), else the ``(prediction, reference)`` pair a worker must verify.
     """
     prediction = extract_math_answer(response, config)
@@ -93,6 +94,14 @@ def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[s
         # am / pm is part of the answer: 7 p.m. is not 7 a.m. (``forms.time_of_day``).
         same = time_of_day(prediction, marker_required=False) == reference_time
         return config.correct_reward if same else config.incorrect_reward
+    reference_numeral = base_numeral(reference)
+    if reference_numeral is not None and reference_numeral[1] is not None:
+        # "40_9": the digits and the base (Math-Verify dropped the subscript); bare digits
+        # take the reference's base, as Math-Verify took them.
+        numeral = base_numeral(prediction)
+        if numeral is not None:
+            same = numeral[0] == reference_numeral[0] and numeral[1] in (None, reference_numeral[1])
+            return config.correct_reward if same else config.incorrect_reward
     reference_option = option_letter(reference)
     if reference_option is not None:
         # "(D) (2,0)": the letter with its option's text is the letter.

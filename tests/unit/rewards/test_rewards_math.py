@@ -23,6 +23,7 @@ from megatron_rl.rewards.extraction import (
     unsafe_reason,
 )
 from megatron_rl.rewards.forms import (
+    base_numeral,
     chosen_option,
     normalise_string,
     scientific_notation,
@@ -688,6 +689,57 @@ def test_percent_signs_score_alike_for_integers_and_decimals(pool):
         ("62.5\\%", "62.5\\%", 1.0),
         ("6.25", "62.5\\%", -1.0),
         ("0.625\\%", "62.5\\%", -1.0),
+    ]
+    rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_a_value_in_bold_that_ends_the_response_is_its_answer(pool):
+    # Issue 37, 8: without a box or the word "answer", a closing "is **4**" was not read.
+    read = {
+        "The length of $AB$ is **9**.": "9",
+        "So the mean of the set is **6.25**.": "6.25",
+        "The product equals ***-12***!": "-12",
+        "Converting back, the sum in base 6 is **$52_6$**.": "52_6",
+        "Hence the answer, **cos B = 3/5**, agrees with the figure.": "cos B = 3/5",
+    }
+    unread = [
+        "The length of $AB$ is **8** or **9**.",  # a hedge
+        "The trick is **to complete the square**.",  # bold prose
+        "We get **9**, then check the other case.",  # bold that ends nothing
+        "**9**",  # nothing states it
+    ]
+    for text, answer in read.items():
+        assert _extract(text) == answer, text
+    for text in unread:
+        assert _extract(text) is None, text
+    pairs = [
+        ("The length of $AB$ is **9**.", "9", 1.0),
+        ("So the mean of the set is **6.25**.", "\\frac{25}{4}", 1.0),
+        ("Hence the answer, **cos B = 3/5**, agrees with the figure.", "\\frac35", 1.0),
+        ("Converting back, the sum in base 6 is **$52_6$**.", "52_6", 1.0),
+        ("The length of $AB$ is **8**, not **9**.", "8", -1.0),
+        ("The length of $AB$ is **8** or **9**.", "9", -1.0),
+    ]
+    rewards = pool.score_batch(
+        ["<think>x</think>" + t for t, _, _ in pairs], [r for _, r, _ in pairs]
+    )
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_a_numeral_in_a_base_keeps_its_base(pool):
+    # Issue 37, 8: Math-Verify dropped the subscript, so 52_7 equalled 52_6.
+    assert base_numeral("52_{6}") == base_numeral("52_6") == ("52", 6)
+    assert base_numeral("1f_{16}") == ("1F", 16)
+    assert base_numeral("52") == ("52", None)
+    assert base_numeral("x_6") == ("X", 6) and base_numeral("52_{6}+1") is None
+    pairs = [
+        ("52_6", "52_6", 1.0),
+        ("52_{6}", "$52_6$", 1.0),
+        ("52", "52_6", 1.0),  # the digits, in the base the question asked for
+        ("52_7", "52_6", -1.0),
+        ("32", "52_6", -1.0),  # its value in base 10 is not what was asked
+        ("1011_2", "1011_{2}", 1.0),
     ]
     rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
     assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
