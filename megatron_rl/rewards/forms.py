@@ -130,19 +130,29 @@ def normalise_string(answer: str) -> str:
     return _SPACE_RE.sub(_space, _SINGLE_TOKEN_BRACES_RE.sub(r"\1\2", answer)).strip()
 
 
-# ``40_9``, ``40_{9}``, ``1011_2``, ``A3_{16}``: a numeral with its base as a subscript.
-_BASE_NUMERAL_RE = re.compile(r"([0-9A-Za-z]{1,64})_(?:\{\s{0,4}(\d{1,2})\s{0,4}\}|(\d))")
-_NUMERAL_RE = re.compile(r"[0-9A-Za-z]{1,64}")
+# ``40_9``, ``40_{9}``, ``1011_2``, ``A3_{16}``, ``\text{40}_{(9)}``: a numeral with its base as
+# a subscript.
+_NUMERAL_TEXT_RE = re.compile(
+    r"\\(?:text|textrm|mathrm|mbox)\s{0,4}\{\s{0,4}([0-9A-Za-z]{1,64})\s{0,4}\}"
+)
+_BASE_NUMERAL_RE = re.compile(r"([0-9A-Za-z]{1,64})_(?:\{\(?(\d{1,2})\)?\}|\((\d{1,2})\)|(\d))")
+_DIGITS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def base_numeral(answer: str) -> tuple[str, int | None] | None:
     """``(digits, base)`` of a numeral written with its base (``40_9`` is ``("40", 9)``), or
-    ``(digits, None)`` for bare digits (``40``), else None. Math-Verify dropped the
-    subscript, so ``40_8`` equalled ``40_9``."""
-    answer = answer.strip()
-    found = _BASE_NUMERAL_RE.fullmatch(answer)
-    if found is not None:
-        return found.group(1).upper(), int(found.group(2) or found.group(3))
-    if answer.isdigit() and _NUMERAL_RE.fullmatch(answer):
-        return answer, None
-    return None
+    ``(digits, None)`` for bare decimal digits (``40``), else None. Math-Verify dropped the
+    subscript, so ``40_8`` equalled ``40_9``. The numeral has a decimal digit, and only
+    digits of its base (``x_6``, ``a_5``, ``E_{3}4`` are no numerals)."""
+    if len(answer) > 100:
+        return None
+    text = _NUMERAL_TEXT_RE.sub(r"\1", answer).replace("$", "").replace(" ", "")
+    if text.isdigit() and text.isascii():
+        return text, None
+    found = _BASE_NUMERAL_RE.fullmatch(text)
+    if found is None or not any(c.isdigit() for c in found.group(1)):
+        return None
+    digits, base = found.group(1).upper(), int(next(g for g in found.groups()[1:] if g))
+    if not 2 <= base <= 36 or any(_DIGITS.find(d) >= base for d in digits):
+        return None
+    return digits, base

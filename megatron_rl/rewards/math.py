@@ -97,11 +97,11 @@ def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[s
     reference_numeral = base_numeral(reference)
     if reference_numeral is not None and reference_numeral[1] is not None:
         # "40_9": the digits and the base (Math-Verify dropped the subscript); bare digits
-        # take the reference's base, as Math-Verify took them.
+        # take the reference's base, as Math-Verify took them. Anything else is wrong.
         numeral = base_numeral(prediction)
-        if numeral is not None:
-            same = numeral[0] == reference_numeral[0] and numeral[1] in (None, reference_numeral[1])
-            return config.correct_reward if same else config.incorrect_reward
+        same = numeral is not None and numeral[0] == reference_numeral[0]
+        same = same and numeral[1] in (None, reference_numeral[1])
+        return config.correct_reward if same else config.incorrect_reward
     reference_option = option_letter(reference)
     if reference_option is not None:
         # "(D) (2,0)": the letter with its option's text is the letter.

@@ -44,8 +44,14 @@ _LETTER_UNITS = frozenset("m g s h l L K N J W V".split())
 _NOT_UNITS = frozenset(
     "sin cos tan cot sec csc log ln exp lim max min mod gcd lcm det arg deg pi inf infty "
     "and or not but if for all with where when then else is are as of to no none yes "
+    "plus minus times over divided by squared cubed root sqrt "
     "am pm AM PM noon midnight".split()
 )
+_UNIT_LETTERS = "A-Za-zµμΩ°"
+_UNIT_WORDS_RE = re.compile(
+    rf"[{_UNIT_LETTERS}]{{1,20}}(?:\^[23])?(?:[\s./·-]{{1,4}}[{_UNIT_LETTERS}]{{1,20}}(?:\^[23])?){{0,3}}\.?"
+)
+_UNIT_SPLIT_RE = re.compile(r"[\s./·-]+|\^[23]")
 _TIME_MARKER_RE = re.compile(r"(?i)\b[ap]\.?\s{0,2}m\b\.?")
 # A constant value: no letters once LaTeX commands (``\frac``, ``\sqrt``, ``\pi``) are gone.
 _COMMAND_RE = re.compile(r"\\[A-Za-z]+")
@@ -77,8 +83,15 @@ def _constant_term(value: str) -> bool:
 
 
 def _is_unit_word(words: str) -> bool:
-    tokens = words.replace("/", " ").split()
-    return bool(tokens) and not any(t in _NOT_UNITS for t in tokens)
+    """``words`` can name a unit: up to three words of letters (a power of 2 or 3 and ``/``
+    ``.`` ``-`` between them allowed), none of them a connective, function or time of day,
+    and no single letter that is not a unit (``plus x``)."""
+    if not _UNIT_WORDS_RE.fullmatch(words.strip()):
+        return False
+    tokens = _UNIT_SPLIT_RE.split(words.strip())
+    if any(t in _NOT_UNITS for t in tokens):
+        return False
+    return len(tokens) == 1 or all(len(t) > 1 or t in _LETTER_UNITS for t in tokens if t)
 
 
 def split_unit(answer: str) -> tuple[str, str] | None:

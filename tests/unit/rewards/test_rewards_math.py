@@ -732,7 +732,9 @@ def test_a_numeral_in_a_base_keeps_its_base(pool):
     assert base_numeral("52_{6}") == base_numeral("52_6") == ("52", 6)
     assert base_numeral("1f_{16}") == ("1F", 16)
     assert base_numeral("52") == ("52", None)
-    assert base_numeral("x_6") == ("X", 6) and base_numeral("52_{6}+1") is None
+    assert base_numeral("\\text{52}_{(6)}") == ("52", 6)
+    for not_a_numeral in ("x_6", "a_5", "E_{3}4", "52_{6}+1", "72_6", "52_6, 52_7", "5.2_6"):
+        assert base_numeral(not_a_numeral) is None, not_a_numeral
     pairs = [
         ("52_6", "52_6", 1.0),
         ("52_{6}", "$52_6$", 1.0),
@@ -740,6 +742,7 @@ def test_a_numeral_in_a_base_keeps_its_base(pool):
         ("52_7", "52_6", -1.0),
         ("32", "52_6", -1.0),  # its value in base 10 is not what was asked
         ("1011_2", "1011_{2}", 1.0),
+        ("52_6, 52_7", "52_6", -1.0),  # a hedge over bases
     ]
     rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
     assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
