@@ -528,7 +528,9 @@ def test_agreement_with_math_verify_suite():
         assert two.last_counts["timeout"] == 0
     agree = [(r > 0) == bool(c["expected"]) for c, r in zip(cases, rewards)]
     assert len(cases) >= 200
-    assert sum(agree) / len(cases) >= 0.95, [c["id"] for c, a in zip(cases, agree) if not a]
+    # Issue 37: at least 96%, and no answer that Math-Verify calls wrong is rewarded.
+    assert sum(agree) / len(cases) >= 0.96, [c["id"] for c, a in zip(cases, agree) if not a]
+    assert [c["id"] for c, r in zip(cases, rewards) if r > 0 and not c["expected"]] == []
 
 
 @pytest.mark.slow
