@@ -52,6 +52,12 @@ _UNIT_WORDS_RE = re.compile(
     rf"[{_UNIT_LETTERS}]{{1,20}}(?:\^[23])?(?:[\s./·-]{{1,4}}[{_UNIT_LETTERS}]{{1,20}}(?:\^[23])?){{0,3}}\.?"
 )
 _UNIT_SPLIT_RE = re.compile(r"[\s./·-]+|\^[23]")
+# Spacing inside a wrapped unit (``\\mathrm{~cm}``, ``\\text{\\,m}``).
+_UNIT_SPACING_RE = re.compile(r"~|\\[,;:! ]|\s+")
+# Between wrapped units: ``\\mathrm{km} / \\mathrm{h}``, ``\\mathrm{N} \\cdot \\mathrm{m}``.
+_UNIT_JOINT_RE = re.compile(r"\s{0,4}(?:/|\\cdot)\s{0,4}$")
+# The last "=" of an answer (not of <=, >=, !=): ``x = 5\\text{ cm}`` has its unit after it.
+_LAST_EQUALS_RE = re.compile(r"(?<![<>!=])=(?!=)(?=[^=]*$)")
 _TIME_MARKER_RE = re.compile(r"(?i)\b[ap]\.?\s{0,2}m\b\.?")
 # A constant value: no letters once LaTeX commands (``\frac``, ``\sqrt``, ``\pi``) are gone.
 _COMMAND_RE = re.compile(r"\\[A-Za-z]+")
@@ -94,26 +100,53 @@ def _is_unit_word(words: str) -> bool:
     return len(tokens) == 1 or all(len(t) > 1 or t in _LETTER_UNITS for t in tokens if t)
 
 
-def split_unit(answer: str) -> tuple[str, str] | None:
-    """``(value, unit)`` when ``answer`` is one constant term followed by a unit that stands
-    alone at its end, else None.
+def _wrapped_units(answer: str) -> tuple[str, str] | None:
+    """``(rest, unit)`` for the wrapped units that end ``answer``: one (``\\text{ cm}^2``) or
+    several joined by ``/`` or ``\\cdot`` (``\\mathrm{~km} / \\mathrm{h}``); None when
+    ``answer`` does not end with one, or its text is no unit (``\\text{ (or 13)}``)."""
+    units: list[str] = []
+    rest = answer
+    for _ in range(4):
+        wrapped = _WRAPPED_UNIT_RE.search(rest)
+        if wrapped is None:
+            break
+        unit = _UNIT_SPACING_RE.sub(" ", wrapped.group(1)).strip()
+        if unit.startswith("(") and unit.endswith(")"):  # "\text{ (approximately)}"
+            unit = unit[1:-1].strip()
+        if not unit or _TIME_MARKER_RE.search(unit) or not _is_unit_word(unit):
+            return None
+        units.append(unit)
+        rest = rest[: wrapped.start()]
+        joint = _UNIT_JOINT_RE.search(rest)
+        if joint is None or _WRAPPED_UNIT_RE.search(rest[: joint.start()]) is None:
+            break
+        rest = rest[: joint.start()]
+    if not units:
+        return None
+    return rest, "/".join(reversed(units))
 
-    A unit is a ``\\text{}`` / ``\\mathrm{}`` word (``12\\text{ mL}``), plain words after a
-    space (``36 mL``, ``12 square units``, ``\\frac{37}{4} m``), or a known abbreviation
-    written against the number (``5cm``). Never a letter against a term (``4h``, ``2c``:
-    variables), never inside an expression (``8 + 3 d``), and never a time of day
-    (``5 pm``, ``7\\text{ a.m.}``).
+
+def split_unit(answer: str) -> tuple[str, str] | None:
+    """``(value, unit)`` when ``answer`` (or the right side of its last ``=``) is one
+    constant term followed by a unit that stands alone at its end, else None.
+
+    A unit is a ``\\text{}`` / ``\\mathrm{}`` word (``12\\text{ mL}``, ``\\mathrm{~km} /
+    \\mathrm{h}``), plain words after a space (``36 mL``, ``12 square units``,
+    ``\\frac{37}{4} m``), or a known abbreviation written against the number (``5cm``).
+    Never a letter against a term (``4h``, ``2c``: variables), never inside an expression
+    (``8 + 3 d``), and never a time of day (``5 pm``, ``7\\text{ a.m.}``). ``x = 5\\text{ cm}``
+    is ``("x = 5", "cm")``.
     """
     answer = answer.strip()
     if len(answer) > 200:
         return None
-    wrapped = _WRAPPED_UNIT_RE.search(answer)
-    if wrapped is not None:
-        unit, value = wrapped.group(1).strip(), answer[: wrapped.start()]
-        if not unit or _TIME_MARKER_RE.search(unit) or not _is_unit_word(unit):
-            return None
-        if not _LETTER_RE.search(unit):
-            return None
+    equals = _LAST_EQUALS_RE.search(answer)
+    head, answer = (
+        ("", answer) if equals is None else (answer[: equals.end()], answer[equals.end() :])
+    )
+    found = _wrapped_units(answer)
+    if found is not None:
+        value, unit = found
     else:
         plain = _PLAIN_UNIT_RE.search(answer)
         if plain is None or plain.start() == 0:
@@ -131,4 +164,4 @@ def split_unit(answer: str) -> tuple[str, str] | None:
     value = _TRAILING_SPACING_RE.sub("", value)
     if not _constant_term(value):
         return None
-    return value.strip(), unit
+    return (head + value).strip(), unit

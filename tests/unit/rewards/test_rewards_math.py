@@ -570,6 +570,10 @@ def test_a_unit_comes_off_only_alone_at_the_end_of_a_constant_answer():
         "64kg": ("64", "kg"),
         "14 square units": ("14", "square units"),
         "-3.2\\times 10^{4} \\text{ J}": ("-3.2\\times 10^{4}", "J"),
+        "45 \\mathrm{~cm}^{2}": ("45", "cm"),  # the spacing of GaoKao's answers
+        "72 \\mathrm{~km} / \\mathrm{h}": ("72", "km/h"),
+        "y = 4 \\text{ m}": ("y = 4", "m"),  # the unit of the right side
+        "9 \\text{ (approximately)}": ("9", "approximately"),
     }
     kept = [
         "6 + 5t",  # a term in t, not tons
@@ -584,6 +588,9 @@ def test_a_unit_comes_off_only_alone_at_the_end_of_a_constant_answer():
         "11\\,\\mathrm{PM}",
         "5 \\sin",
         "3 \\text{ or } 4",
+        "12 \\text{ (or 13)}",  # a hedge in a text command
+        "12 plus x",
+        "y = 4 + 2 \\text{ m}",
     ]
     for answer, expected in split.items():
         assert split_unit(answer) == expected, answer
@@ -611,6 +618,9 @@ def test_units_and_times_of_day_score(pool):
         ("\\frac{25m}{3}", "\\frac{25}{3} m", 1.0),  # a unit inside a fraction
         ("\\frac{25}{3}", "\\frac{25}{3} m", 1.0),
         ("8.3 m", "\\frac{25}{3} m", -1.0),
+        ("72 \\mathrm{~km} / \\mathrm{h}", "72", 1.0),
+        ("45", "45 \\mathrm{~cm}^{2}", 1.0),
+        ("y = 4 \\text{ m}", "4", 1.0),
         # A reference that ends in a symbol is compared as it is.
         ("\\frac{c}{\\sqrt{3}}", "\\frac{1}{\\sqrt{3}}c", 1.0),
         ("\\frac{\\sqrt{3}c}{3}", "\\frac{1}{\\sqrt{3}}c", 1.0),
