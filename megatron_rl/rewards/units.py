@@ -65,14 +65,16 @@ _LETTER_RE = re.compile(r"[A-Za-z]")
 _TRAILING_SPACING_RE = re.compile(rf"{_SPACING}+$")
 # Between terms and list items: a value holding one of these (outside brackets) is no term.
 _SEPARATORS = "+-=<>,;"
+# A thousands separator: "15,600", "15{,}600", "15,\\!600".
+_THOUSANDS_RE = re.compile(r"(?<=\d)(?:,|\{,\}|,\\!)(?=\d{3}(?!\d))")
 _SEPARATOR_COMMANDS = ("\\pm", "\\mp", "\\le", "\\ge", "\\ne", "\\lor", "\\land", "\\cup")
 _OPENERS, _CLOSERS = "{([", "})]"
 
 
 def _constant_term(value: str) -> bool:
-    """``value`` is one term without variables: ``36``, ``\\frac{37}{4}``, ``-2\\sqrt{3}``,
-    ``1.5\\times 10^{3}``; not ``12 + 0.5``, ``3x``, ``1, 2``."""
-    value = value.strip()
+    """``value`` is one term without variables: ``36``, ``15,600``, ``\\frac{37}{4}``,
+    ``-2\\sqrt{3}``, ``1.5\\times 10^{3}``; not ``12 + 0.5``, ``3x``."""
+    value = _THOUSANDS_RE.sub("", value.strip())
     if not value or any(value.find(cmd) >= 0 for cmd in _SEPARATOR_COMMANDS):
         return False
     depth = 0
@@ -86,6 +88,23 @@ def _constant_term(value: str) -> bool:
     if depth != 0 or "\\text" in value or "\\mathrm" in value:
         return False
     return not _LETTER_RE.search(_COMMAND_RE.sub("", value)) and any(c.isdigit() for c in value)
+
+
+def _constant_terms(value: str) -> bool:
+    """``value`` is a constant term or a list of them (``0, 1``: a unit at the end of a
+    list is the unit of each)."""
+    items, depth, start = [], 0, 0
+    value = _THOUSANDS_RE.sub("", value)
+    for i, ch in enumerate(value):
+        if ch in _OPENERS:
+            depth += 1
+        elif ch in _CLOSERS:
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(value[start:i])
+            start = i + 1
+    items.append(value[start:])
+    return all(_constant_term(item) for item in items)
 
 
 def _is_unit_word(words: str) -> bool:
@@ -128,7 +147,7 @@ def _wrapped_units(answer: str) -> tuple[str, str] | None:
 
 def split_unit(answer: str) -> tuple[str, str] | None:
     """``(value, unit)`` when ``answer`` (or the right side of its last ``=``) is one
-    constant term followed by a unit that stands alone at its end, else None.
+    constant term (or a list of them) followed by a unit that stands alone at its end, else None.
 
     A unit is a ``\\text{}`` / ``\\mathrm{}`` word (``12\\text{ mL}``, ``\\mathrm{~km} /
     \\mathrm{h}``), plain words after a space (``36 mL``, ``12 square units``,
@@ -162,6 +181,6 @@ def split_unit(answer: str) -> tuple[str, str] | None:
         if apart and single and len(words) == 1 and words not in _LETTER_UNITS:
             return None
     value = _TRAILING_SPACING_RE.sub("", value)
-    if not _constant_term(value):
+    if not _constant_terms(value):
         return None
     return (head + value).strip(), unit

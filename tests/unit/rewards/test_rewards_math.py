@@ -574,6 +574,8 @@ def test_a_unit_comes_off_only_alone_at_the_end_of_a_constant_answer():
         "72 \\mathrm{~km} / \\mathrm{h}": ("72", "km/h"),
         "y = 4 \\text{ m}": ("y = 4", "m"),  # the unit of the right side
         "9 \\text{ (approximately)}": ("9", "approximately"),
+        "15,600 cm": ("15,600", "cm"),  # a thousands separator
+        "0, 1 \\text{ units}": ("0, 1", "units"),  # the unit of each item of a list
     }
     kept = [
         "6 + 5t",  # a term in t, not tons
@@ -582,7 +584,7 @@ def test_a_unit_comes_off_only_alone_at_the_end_of_a_constant_answer():
         "4k",  # a letter against a number is a variable
         "\\frac{2}{5}g",
         "x \\text{ cm}",  # the value is not a constant
-        "1, 2 \\text{ cm}",
+        "x, 2 \\text{ cm}",
         "6 pm",  # a time of day keeps its marker
         "8 \\text{ a.m.}",
         "11\\,\\mathrm{PM}",
