@@ -83,11 +83,12 @@ def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[s
     prediction = extract_math_answer(response, config)
     if prediction is None:
         return config.incorrect_reward
-    prediction = scientific_notation(prediction)
     reason = unsafe_reason(prediction, config)
     if reason is not None:
         logger.debug("answer rejected before parsing: %s", reason)
         return config.incorrect_reward
+    # After the checks, on a short answer; its exponent has at most 3 digits.
+    prediction = scientific_notation(prediction)
     reference = scientific_notation(reference_answer(answer))
     reference_time = time_of_day(reference)
     if reference_time is not None:

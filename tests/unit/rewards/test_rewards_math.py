@@ -269,6 +269,10 @@ def test_extraction_stays_linear_on_hostile_text():
         "</think>\\boxed{" + "\\textbf{(" * 20_000 + "1" + ")}" * 20_000 + "}",
         "</think>\\boxed{" + "(" * 100_000 + "1" + ")" * 100_000 + "}",
         "</think>" + "final answer is x = " * 10_000,
+        # The readings of issue 37: a closing bold value, bold after "answer".
+        "</think>The value is " + "**1" * 80_000 + "**.",
+        "</think>The answer, " + "**" * 100_000,
+        "</think>" + "is **" * 40_000 + "4**",
     ]
     for text in hostile:
         assert len(text) <= config.max_response_chars
