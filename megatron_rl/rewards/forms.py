@@ -6,6 +6,10 @@ Each is a plain, linear-time reading of a short answer that already passed
 - ``time_of_day``: ``4:30 \\text{ p.m.}``, ``\\text{4:30 p.m.}``, ``7pm``, ``16:30``. Math-Verify
   read ``am`` / ``pm`` as units (attometre, picometre) and dropped them, so ``5pm`` equalled
   ``5am``; a time of day is compared as minutes after midnight, its marker included.
+- ``option_letter`` / ``chosen_option``: ``(D) (2,0)`` against the reference ``D`` is ``D``.
+- ``scientific_notation``: ``1e-3`` is ``1\\times 10^{-3}``, not e - 3.
+- ``normalise_string``: Math-Verify's string fallback without spaces and single-token braces.
+- ``base_numeral``: ``40_9`` keeps its base (Math-Verify dropped the subscript).
 """
 
 from __future__ import annotations
