@@ -37,7 +37,16 @@ from megatron_rl.rewards.extraction import (
     integer_answer,
     unsafe_reason,
 )
+from megatron_rl.rewards.forms import (
+    base_numeral,
+    chosen_option,
+    normalise_string,
+    option_letter,
+    scientific_notation,
+    time_of_day,
+)
 from megatron_rl.rewards.stated import unwrap_math
+from megatron_rl.rewards.units import split_unit
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +62,7 @@ _REFERENCE_CACHE_SIZE = 4096
 _DEFAULT_POOL: Any = None
 _DEFAULT_POOL_LOCK = threading.Lock()
 _REFERENCES: OrderedDict[str, list] = OrderedDict()
+_EXTRACTION: Any = None
 
 
 def reference_answer(answer: str) -> str:
@@ -66,7 +76,8 @@ def reference_answer(answer: str) -> str:
 def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[str, str]:
     """Decide a response in the trainer process when that is safe and cheap.
 
-    Returns the reward when it is decided here (no answer, unsafe answer, or both answers
+    Returns the reward when it is decided here (no answer, unsafe answer, a reference that is
+    a time of day or a numeral in a base, an option letter opening the answer against a letter, or both answers
     plain integers), else the ``(prediction, reference)`` pair a worker must verify.
     """
     prediction = extract_math_answer(response, config)
@@ -76,7 +87,28 @@ def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[s
     if reason is not None:
         logger.debug("answer rejected before parsing: %s", reason)
         return config.incorrect_reward
-    reference = reference_answer(answer)
+    # After the checks, on a short answer; its exponent has at most 3 digits.
+    prediction = scientific_notation(prediction)
+    reference = scientific_notation(reference_answer(answer))
+    reference_time = time_of_day(reference)
+    if reference_time is not None:
+        # am / pm is part of the answer: 7 p.m. is not 7 a.m. (``forms.time_of_day``).
+        same = time_of_day(prediction, marker_required=False) == reference_time
+        return config.correct_reward if same else config.incorrect_reward
+    reference_numeral = base_numeral(reference)
+    if reference_numeral is not None and reference_numeral[1] is not None:
+        # "40_9": the digits and the base (Math-Verify dropped the subscript); bare digits
+        # take the reference's base, as Math-Verify took them. Anything else is wrong.
+        numeral = base_numeral(prediction)
+        same = numeral is not None and numeral[0] == reference_numeral[0]
+        same = same and numeral[1] in (None, reference_numeral[1])
+        return config.correct_reward if same else config.incorrect_reward
+    reference_option = option_letter(reference)
+    if reference_option is not None:
+        # "(D) (2,0)": the letter with its option's text is the letter.
+        chosen = chosen_option(prediction)
+        if chosen is not None:
+            return config.correct_reward if chosen == reference_option else config.incorrect_reward
     predicted_int, reference_int = integer_answer(prediction), integer_answer(reference)
     if predicted_int is not None and reference_int is not None:
         return config.correct_reward if predicted_int == reference_int else config.incorrect_reward
@@ -142,15 +174,40 @@ def _cpu_time_limit(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGPROF, previous)
 
 
+def _extraction_config() -> Any:
+    """Math-Verify's LaTeX extraction with its unit stripping off (see ``units``: it dropped
+    letters inside expressions, ``8 + 3d`` became ``11`` and ``5pm`` equalled ``5am``); the
+    rest of its normalisation as by default."""
+    global _EXTRACTION
+    if _EXTRACTION is None:
+        from latex2sympy2_extended.math_normalization import NormalizationConfig
+        from math_verify import LatexExtractionConfig
+
+        _EXTRACTION = LatexExtractionConfig(
+            boxed_match_priority=0,
+            normalization_config=NormalizationConfig(
+                basic_latex=True,
+                units=False,
+                malformed_operators=True,
+                nits=True,
+                boxed="all",
+                equations=False,
+            ),
+        )
+    return _EXTRACTION
+
+
 def _parse(latex: str, cpu_seconds: float | None) -> list:
-    from math_verify import LatexExtractionConfig, parse
+    from math_verify import parse
 
     with _cpu_time_limit(cpu_seconds):
-        return parse(
+        parsed = parse(
             "\\boxed{" + latex + "}",
-            extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
+            extraction_config=[_extraction_config()],
             parsing_timeout=None,
         )
+    # The string fallback (what sympy could not parse) is compared as normalised text.
+    return [normalise_string(p) if isinstance(p, str) else p for p in parsed]
 
 
 def _parse_reference(reference: str, cpu_seconds: float | None) -> list:
@@ -169,16 +226,74 @@ def _parse_reference(reference: str, cpu_seconds: float | None) -> list:
     return parsed
 
 
+def _constant(parsed: list) -> bool:
+    """A parse (Math-Verify's list) holds an expression and none has a free variable."""
+    from sympy import Basic, MatrixBase
+
+    expressions = [p for p in parsed if isinstance(p, (Basic, MatrixBase))]
+    try:
+        return bool(expressions) and not any(e.free_symbols for e in expressions)
+    except Exception:  # an object without free_symbols: not known to be constant
+        return False
+
+
+def _equal_without_units(prediction: str, reference: str, gold: list, target: list) -> bool:
+    """Equality once a unit that stands alone at the end of the answer (``36 mL``) or of the
+    reference (``\\frac{37}{4} m``) is taken off (``units.split_unit``), only when the
+    reference's value is a constant: against a symbolic reference (``4h``) a trailing letter
+    is a variable, never a unit. Runs inside ``verify``'s CPU-time limit."""
+    reference_split, prediction_split = split_unit(reference), split_unit(prediction)
+    if reference_split is None and prediction_split is None:
+        return False
+    if reference_split is not None:
+        gold = _parse_reference(reference_split[0], None)
+    if not _constant(gold):
+        return False
+    if prediction_split is not None:
+        target = _parse(prediction_split[0], None)
+    return bool(target) and _math_verify(gold, target)
+
+
+def _without_percent(answer: str) -> str | None:
+    """``answer`` without the percent sign that ends it (``17.5\\%``), or None without one."""
+    answer = answer.strip()
+    for sign in ("\\%", "%"):
+        if answer.endswith(sign) and answer[: -len(sign)].strip():
+            return answer[: -len(sign)].strip()
+    return None
+
+
+def _equal_without_percent(prediction: str, reference: str, gold: list, target: list) -> bool:
+    """Equality once the percent sign of the one side that has it is taken off. Math-Verify
+    takes ``25`` for ``25\\%`` (integers) but not ``17.5`` for ``17.5\\%``; both now score
+    alike. Runs inside ``verify``'s CPU-time limit."""
+    prediction_bare, reference_bare = _without_percent(prediction), _without_percent(reference)
+    if (prediction_bare is None) == (reference_bare is None):
+        return False
+    if reference_bare is not None:
+        gold = _parse_reference(reference_bare, None)
+    else:
+        target = _parse(prediction_bare, None)
+    return bool(gold) and bool(target) and _math_verify(gold, target)
+
+
+def _math_verify(gold: list, target: list) -> bool:
+    from math_verify import verify as math_verify
+
+    # Math-Verify's own limit stays off: it would report running out as False.
+    return math_verify(gold, target, timeout_seconds=None)
+
+
 def verify(prediction: str, reference: str, timeout_s: float) -> str:
     """Math-Verify equivalence of two extracted answers: CORRECT, WRONG, TIMEOUT or
     BAD_REFERENCE (the reference does not parse). Runs inside a worker process.
 
+    Compared as they are, then without a unit at their end (``_equal_without_units``), then
+    without the percent sign of one of them (``_equal_without_percent``).
     ``timeout_s`` > 0 gives the reference parse, and then the prediction parse with the
     comparisons, ``_CPU_SHARE * timeout_s`` CPU seconds each; running out is TIMEOUT, never
     WRONG. The hard wall-clock limit is the worker pool's.
     """
-    from math_verify import verify as math_verify
-
     cpu_seconds = _CPU_SHARE * timeout_s if timeout_s > 0 else None
     try:
         gold = _parse_reference(reference, cpu_seconds)
@@ -186,10 +301,11 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
             return BAD_REFERENCE
         with _cpu_time_limit(cpu_seconds):
             target = _parse(prediction, None)
-            if not target:
-                return WRONG
-            # Math-Verify's own limit stays off: it would report running out as False.
-            correct = math_verify(gold, target, timeout_seconds=None)
+            correct = bool(target) and _math_verify(gold, target)
+            if not correct:
+                correct = _equal_without_units(prediction, reference, gold, target)
+            if not correct:
+                correct = _equal_without_percent(prediction, reference, gold, target)
     except _OutOfTime:
         return TIMEOUT
     return CORRECT if correct else WRONG

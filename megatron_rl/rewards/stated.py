@@ -27,12 +27,20 @@ _MATH_DELIMITERS = (
 _ANSWER_ANCHOR_RE = re.compile(r"(?i)(?<![</])\banswer\b(?!>)")
 # After "answer": markup, a colon, "is" or "=", in any order ("Answer:** is $5$"); not the
 # emphasis that opens the answer ("is *x* = 2", "is **33**").
-_ANSWER_LEAD_RE = re.compile(r'(?:[\s:"]|[*_`]++(?=[\s:"=]|$)|\bis\b|=){0,16}')
+# A comma too: "The answer, **tan A = 2**, matches the figure".
+_ANSWER_LEAD_RE = re.compile(r'(?:[\s:",]|[*_`]++(?=[\s:"=]|$)|\bis\b|=){0,16}')
 # "The largest $n$ is 34": a short clause on one line, then "is".
 _CLAUSE_IS_RE = re.compile(r"[^\n]{0,100}?\sis\b[\s:]{0,8}")
 _SPAN_LINK_RE = re.compile(r"\s{0,8}(?:,\s{0,8})?(?:(?:and|or)\b)?\s{0,8}")
 # A plain-text answer: to the end of the line or sentence ("42.", "3.5. I hope").
 _PLAIN_VALUE_RE = re.compile(r"([^\n]{1,300}?)(?:\.\s|\.?$|\n)", re.MULTILINE)
+# Bold (``**4**``, ``__4__``) holds an answer of at most this many characters, on one line.
+_MAX_BOLD = 300
+_BOLD_MARKS = ("**", "__")
+# What states the value in bold that ends a response: "The value of *x* is **4**.".
+_STATES_VALUE_RE = re.compile(r"(?i)(?:\bis|\bare|\bequals|\bbe|=|:)\s{0,8}[*_]?$")
+# After that bold, only the end of the sentence.
+_SENTENCE_END = " \t\n.!"
 # Markdown around a plain-text answer: emphasis and code marks ("**33**", "`42`").
 _MARKDOWN_MARKS = "*_`"
 # Emphasis around a word inside a plain-text answer ("*x* = 2"); never "2*3*4" (a product:
@@ -163,10 +171,28 @@ def plain_kind(value: str) -> str:
     return MATH
 
 
-def value_at(text: str, i: int, clause: bool = True) -> tuple[str, str] | None:
-    """``(answer, kind)`` written at ``text[i]``: math spans (MATH), else plain text to the
+def _bold_at(text: str, i: int) -> tuple[str, int] | None:
+    """Content of the bold span (``**x**``, ``__x__``) opening at ``text[i]`` and the index
+    after it, or None; one line and ``_MAX_BOLD`` characters at most."""
+    for mark in _BOLD_MARKS:
+        if text.startswith(mark, i) and not text.startswith(mark[0], i + 2):
+            close = text.find(mark, i + 2, i + 2 + _MAX_BOLD + len(mark))
+            content = text[i + 2 : close] if close > i + 2 else ""
+            if content.strip() and "\n" not in content:
+                return content, close + len(mark)
+    return None
+
+
+def value_at(text: str, i: int, clause: bool = True, bold: bool = True) -> tuple[str, str] | None:
+    """``(answer, kind)`` written at ``text[i]``: the content of a bold span there
+    ("**tan A = 2**, matches": ``tan A = 2``), math spans (MATH), else plain text to the
     end of the sentence or line (``plain_kind``); a clause such as "The volume of $V$ is
     120" gives what follows "is". Markdown emphasis around the answer is taken off."""
+    emphasised = _bold_at(text, i) if bold else None
+    if emphasised is not None:
+        found = value_at(emphasised[0].strip(), 0, clause, bold=False)
+        if found is not None and found[0]:
+            return found
     start = i
     while i < len(text) and text[i] in _MARKDOWN_MARKS:
         i += 1
@@ -191,7 +217,8 @@ def stated_answer(section: str, math_only: bool = False) -> str | None:
     final answer is $X$", "The answer is: 42", "**Final Answer:** $\\frac12$", "Answer \\[ 9 \\]".
     A clause of prose is no answer ("the final answer is correct to the nearest tenth"): the
     anchor before it is tried. A single word ("The answer is yes") counts only when no
-    anchor states math, and never with ``math_only``.
+    anchor states math, and never with ``math_only``. Without any, the value in bold that
+    ends the text (``closing_bold``), when not ``math_only``.
     Linear: one scan of the last ``PATTERN_WINDOW`` characters, then at most
     ``_MAX_ANCHOR_TRIES`` bounded reads from the last anchors back.
     """
@@ -206,7 +233,30 @@ def stated_answer(section: str, math_only: bool = False) -> str | None:
             return found[0]
         if found[1] == WORD and word is None:
             word = found[0]
-    return None if math_only else word
+    if math_only:
+        return None
+    return closing_bold(window) or word
+
+
+def closing_bold(section: str) -> str | None:
+    """The math in bold that ends ``section`` as the value of "is", "=" or ":" ("The value
+    of *x* is **4**.", "... in base 9 is **$40_9$**."), else None. A bold value after
+    anything else ("is **3** or **4**") is no answer, nor is bold prose."""
+    end = len(section.rstrip(_SENTENCE_END))
+    window_start = max(0, end - _MAX_BOLD - 4)
+    for mark in _BOLD_MARKS:
+        if not section.endswith(mark, 0, end):
+            continue
+        opener = section.rfind(mark, window_start, end - len(mark))
+        if opener < 0 or not _STATES_VALUE_RE.search(section, max(0, opener - 40), opener):
+            continue
+        bold = _bold_at(section, opener)
+        if bold is None or section[bold[1] : end].strip("*_"):
+            continue
+        found = value_at(bold[0].strip(), 0, clause=False, bold=False)
+        if found is not None and found[0] and found[1] == MATH:
+            return found[0]
+    return None
 
 
 def tag_content(section: str, tag: str) -> str | None:

@@ -22,6 +22,14 @@ from megatron_rl.rewards.extraction import (
     nesting_depth,
     unsafe_reason,
 )
+from megatron_rl.rewards.forms import (
+    base_numeral,
+    chosen_option,
+    normalise_string,
+    scientific_notation,
+    time_of_day,
+)
+from megatron_rl.rewards.units import split_unit
 from megatron_rl.rewards.workers import WorkerPool
 
 TIMEOUT_S = 2.0
@@ -261,6 +269,10 @@ def test_extraction_stays_linear_on_hostile_text():
         "</think>\\boxed{" + "\\textbf{(" * 20_000 + "1" + ")}" * 20_000 + "}",
         "</think>\\boxed{" + "(" * 100_000 + "1" + ")" * 100_000 + "}",
         "</think>" + "final answer is x = " * 10_000,
+        # The readings of issue 37: a closing bold value, bold after "answer".
+        "</think>The value is " + "**1" * 80_000 + "**.",
+        "</think>The answer, " + "**" * 100_000,
+        "</think>" + "is **" * 40_000 + "4**",
     ]
     for text in hostile:
         assert len(text) <= config.max_response_chars
@@ -520,7 +532,9 @@ def test_agreement_with_math_verify_suite():
         assert two.last_counts["timeout"] == 0
     agree = [(r > 0) == bool(c["expected"]) for c, r in zip(cases, rewards)]
     assert len(cases) >= 200
-    assert sum(agree) / len(cases) >= 0.95, [c["id"] for c, a in zip(cases, agree) if not a]
+    # Issue 37: at least 96%, and no answer that Math-Verify calls wrong is rewarded.
+    assert sum(agree) / len(cases) >= 0.96, [c["id"] for c, a in zip(cases, agree) if not a]
+    assert [c["id"] for c, r in zip(cases, rewards) if r > 0 and not c["expected"]] == []
 
 
 @pytest.mark.slow
@@ -544,3 +558,209 @@ def test_same_rewards_with_one_and_two_workers_under_load():
     assert results[1] == results[2]
     assert results[1][: len(cases)] == results[1][len(cases) :]
     assert 0 < sum(r > 0 for r in results[1]) < len(responses)  # not all one verdict
+
+
+def test_a_unit_comes_off_only_alone_at_the_end_of_a_constant_answer():
+    # Issue 37, 1: Math-Verify's stripping read letters inside expressions (and am / pm) as
+    # units. More of these score -1 in tests/data/math_adversarial_suite.jsonl.
+    split = {
+        "48\\,\\mathrm{mL}": ("48", "mL"),
+        "48 mL": ("48", "mL"),
+        "9\\text{ km}": ("9", "km"),
+        "18 \\text{ cm}^2": ("18", "cm"),
+        "\\frac{25}{3} m": ("\\frac{25}{3}", "m"),
+        "2\\pi \\text{ cm}": ("2\\pi", "cm"),
+        "7.5 km/h": ("7.5", "km/h"),
+        "64kg": ("64", "kg"),
+        "14 square units": ("14", "square units"),
+        "-3.2\\times 10^{4} \\text{ J}": ("-3.2\\times 10^{4}", "J"),
+        "45 \\mathrm{~cm}^{2}": ("45", "cm"),  # the spacing of GaoKao's answers
+        "72 \\mathrm{~km} / \\mathrm{h}": ("72", "km/h"),
+        "y = 4 \\text{ m}": ("y = 4", "m"),  # the unit of the right side
+        "9 \\text{ (approximately)}": ("9", "approximately"),
+        "15,600 cm": ("15,600", "cm"),  # a thousands separator
+        "0, 1 \\text{ units}": ("0, 1", "units"),  # the unit of each item of a list
+    }
+    kept = [
+        "6 + 5t",  # a term in t, not tons
+        "2y + 9 m",  # the unit of one term is not the answer's
+        "3 + \\frac{1}{4}s",
+        "4k",  # a letter against a number is a variable
+        "\\frac{2}{5}g",
+        "x \\text{ cm}",  # the value is not a constant
+        "x, 2 \\text{ cm}",
+        "6 pm",  # a time of day keeps its marker
+        "8 \\text{ a.m.}",
+        "11\\,\\mathrm{PM}",
+        "5 \\sin",
+        "3 \\text{ or } 4",
+        "12 \\text{ (or 13)}",  # a hedge in a text command
+        "12 plus x",
+        "y = 4 + 2 \\text{ m}",
+    ]
+    for answer, expected in split.items():
+        assert split_unit(answer) == expected, answer
+    for answer in kept:
+        assert split_unit(answer) is None, answer
+
+
+def test_times_of_day_keep_am_and_pm():
+    assert time_of_day("4:05 \\text{ p.m.}") == time_of_day("\\text{4:05 p.m.}") == 16 * 60 + 5
+    assert time_of_day("9am") == time_of_day("9\\,\\mathrm{a.m.}") == 9 * 60
+    assert time_of_day("12 noon") == time_of_day("12 p.m.") == 12 * 60
+    assert time_of_day("12:00 a.m.") == time_of_day("midnight") == 0
+    assert time_of_day("21:40") is None  # no marker: not known to be a time
+    assert time_of_day("21:40", marker_required=False) == 21 * 60 + 40
+    for not_a_time in ("13 pm", "9:75 am", "x pm", "9 am or 10 am", "2 \\text{ m}"):
+        assert time_of_day(not_a_time, marker_required=False) is None, not_a_time
+
+
+def test_units_and_times_of_day_score(pool):
+    pairs = [
+        # A unit alone at the end, on either side, against a constant reference.
+        ("48 mL", "48", 1.0),
+        ("48", "48\\,\\mathrm{mL}", 1.0),
+        ("18 \\text{ cm}^2", "18", 1.0),
+        ("\\frac{25m}{3}", "\\frac{25}{3} m", 1.0),  # a unit inside a fraction
+        ("\\frac{25}{3}", "\\frac{25}{3} m", 1.0),
+        ("8.3 m", "\\frac{25}{3} m", -1.0),
+        ("72 \\mathrm{~km} / \\mathrm{h}", "72", 1.0),
+        ("45", "45 \\mathrm{~cm}^{2}", 1.0),
+        ("y = 4 \\text{ m}", "4", 1.0),
+        # A reference that ends in a symbol is compared as it is.
+        ("\\frac{c}{\\sqrt{3}}", "\\frac{1}{\\sqrt{3}}c", 1.0),
+        ("\\frac{\\sqrt{3}c}{3}", "\\frac{1}{\\sqrt{3}}c", 1.0),
+        ("\\frac{\\sqrt{3}}{3}", "\\frac{1}{\\sqrt{3}}c", -1.0),
+        ("5 \\text{ km}", "5k", -1.0),
+        # Times of day: the marker is part of the answer.
+        ("7:15 \\text{ a.m.}", "\\text{7:15 a.m.}", 1.0),
+        ("19:15", "7:15 \\text{ p.m.}", 1.0),
+        ("10pm", "10 \\text{ p.m.}", 1.0),
+        ("10 \\text{ a.m.}", "10 \\text{ p.m.}", -1.0),
+        ("7:15", "\\text{7:15 p.m.}", -1.0),
+    ]
+    rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_an_option_letter_with_its_text_is_the_letter(pool):
+    # Issue 37, 3: "(D) (2,0)" against the reference "D" scored -1.
+    assert chosen_option("(B) (-1,4)") == "B"
+    assert chosen_option("\\textbf{(E)}\\ 3\\sqrt{2}") == "E"
+    assert chosen_option("C. $y=2x+1") == "C"
+    for hedge in ("(A) \\text{ or } (C)", "(B), D", "(C) (D)", "A/B", "(a) 7", "(3,1)"):
+        assert chosen_option(hedge) is None, hedge
+    pairs = [
+        ("(B) (-1,4)", "B", 1.0),
+        ("(A) $3(x-2)=3x-6", "A", 1.0),
+        ("\\text{(C) } 12", "(C)", 1.0),
+        ("\\textbf{(E)}\\ 3\\sqrt{2}", "\\textbf{(E)}", 1.0),
+        ("(B) (-1,4)", "C", -1.0),
+        ("(A) \\text{ or } (C)", "C", -1.0),
+    ]
+    rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_scientific_notation_is_a_number(pool):
+    # Issue 37, 4: the reference "1e-3" was read as e - 3 (Euler's number).
+    assert scientific_notation("4e-5") == "4\\times 10^{-5}"
+    assert scientific_notation("\\frac{6.1E3}{2}") == "\\frac{6.1\\times 10^{3}}{2}"
+    for kept in ("2e", "e-4", "3e+2", "x2e3", "2e^{3}", "7e-4y", "1e12345"):
+        assert scientific_notation(kept) == kept, kept
+    pairs = [
+        ("0.00004", "4e-5", 1.0),
+        ("4e-5", "0.00004", 1.0),
+        ("6.1E3", "6100", 1.0),
+        ("2.5\\times 10^{-2}", "2.5e-2", 1.0),
+        ("4e-5", "e - 5", -1.0),
+        ("0.00004", "4e-6", -1.0),
+    ]
+    rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_the_string_fallback_ignores_spaces_and_single_token_braces(pool):
+    # Issue 37, 5: what sympy cannot parse is compared as text, which was space- and
+    # brace-sensitive: "E_{1}, E_{2}" scored -1 against "E_{1},E_{2}".
+    assert normalise_string("E_{3} ,  E_{ 4 }") == "E_3,E_4"
+    assert normalise_string("E_{34}") == "E_{34}"  # two digits keep their braces
+    assert normalise_string("E_{3}4") == "E_34"  # E_3 times 4: not E_{34}
+    assert normalise_string("\\pi  r") == "\\pi r"  # a command's name ends at the space
+    pairs = [
+        ("E_{3} , E_{4}", "E_{3},E_{4}", 1.0),
+        ("E_3", "E_{3}", 1.0),
+        ("E_{3},E_{4}", "E_{3}, E_{5}", -1.0),
+        ("E_{34}", "E_{3}4", -1.0),
+    ]
+    rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_percent_signs_score_alike_for_integers_and_decimals(pool):
+    # Issue 37, 6: "25" against "25\%" scored +1 but "17.5" against "17.5\%" -1.
+    pairs = [
+        ("62.5", "62.5\\%", 1.0),
+        ("62.5\\%", "62.5", 1.0),
+        ("0.625", "62.5\\%", 1.0),
+        ("64", "64\\%", 1.0),
+        ("62.5\\%", "62.5\\%", 1.0),
+        ("6.25", "62.5\\%", -1.0),
+        ("0.625\\%", "62.5\\%", -1.0),
+    ]
+    rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_a_value_in_bold_that_ends_the_response_is_its_answer(pool):
+    # Issue 37, 8: without a box or the word "answer", a closing "is **4**" was not read.
+    read = {
+        "The length of $AB$ is **9**.": "9",
+        "So the mean of the set is **6.25**.": "6.25",
+        "The product equals ***-12***!": "-12",
+        "Converting back, the sum in base 6 is **$52_6$**.": "52_6",
+        "Hence the answer, **cos B = 3/5**, agrees with the figure.": "cos B = 3/5",
+    }
+    unread = [
+        "The length of $AB$ is **8** or **9**.",  # a hedge
+        "The trick is **to complete the square**.",  # bold prose
+        "We get **9**, then check the other case.",  # bold that ends nothing
+        "**9**",  # nothing states it
+    ]
+    for text, answer in read.items():
+        assert _extract(text) == answer, text
+    for text in unread:
+        assert _extract(text) is None, text
+    pairs = [
+        ("The length of $AB$ is **9**.", "9", 1.0),
+        ("So the mean of the set is **6.25**.", "\\frac{25}{4}", 1.0),
+        ("Hence the answer, **cos B = 3/5**, agrees with the figure.", "\\frac35", 1.0),
+        ("Converting back, the sum in base 6 is **$52_6$**.", "52_6", 1.0),
+        ("The length of $AB$ is **8**, not **9**.", "8", -1.0),
+        ("The length of $AB$ is **8** or **9**.", "9", -1.0),
+    ]
+    rewards = pool.score_batch(
+        ["<think>x</think>" + t for t, _, _ in pairs], [r for _, r, _ in pairs]
+    )
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_a_numeral_in_a_base_keeps_its_base(pool):
+    # Issue 37, 8: Math-Verify dropped the subscript, so 52_7 equalled 52_6.
+    assert base_numeral("52_{6}") == base_numeral("52_6") == ("52", 6)
+    assert base_numeral("1f_{16}") == ("1F", 16)
+    assert base_numeral("52") == ("52", None)
+    assert base_numeral("\\text{52}_{(6)}") == ("52", 6)
+    for not_a_numeral in ("x_6", "a_5", "E_{3}4", "52_{6}+1", "72_6", "52_6, 52_7", "5.2_6"):
+        assert base_numeral(not_a_numeral) is None, not_a_numeral
+    pairs = [
+        ("52_6", "52_6", 1.0),
+        ("52_{6}", "$52_6$", 1.0),
+        ("52", "52_6", 1.0),  # the digits, in the base the question asked for
+        ("52_7", "52_6", -1.0),
+        ("32", "52_6", -1.0),  # its value in base 10 is not what was asked
+        ("1011_2", "1011_{2}", 1.0),
+        ("52_6, 52_7", "52_6", -1.0),  # a hedge over bases
+    ]
+    rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
+    assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}

@@ -1,0 +1,162 @@
+"""Answer forms that the math reward reads itself, before or beside Math-Verify.
+
+Each is a plain, linear-time reading of a short answer that already passed
+``extraction.unsafe_reason`` (or of a trusted reference); nothing here evaluates text.
+
+- ``time_of_day``: ``4:30 \\text{ p.m.}``, ``\\text{4:30 p.m.}``, ``7pm``, ``16:30``. Math-Verify
+  read ``am`` / ``pm`` as units (attometre, picometre) and dropped them, so ``5pm`` equalled
+  ``5am``; a time of day is compared as minutes after midnight, its marker included.
+- ``option_letter`` / ``chosen_option``: ``(D) (2,0)`` against the reference ``D`` is ``D``.
+- ``scientific_notation``: ``1e-3`` is ``1\\times 10^{-3}``, not e - 3.
+- ``normalise_string``: Math-Verify's string fallback without spaces and single-token braces.
+- ``base_numeral``: ``40_9`` keeps its base (Math-Verify dropped the subscript).
+"""
+
+from __future__ import annotations
+
+import re
+
+from megatron_rl.rewards.boxes import unwrap_answer
+
+# Wrappers and spacing taken off before a time of day is read.
+_TIME_WRAPPER_RE = re.compile(r"\\(?:text|textrm|textnormal|mathrm|mbox)\s{0,4}\{|[{}$]")
+_TIME_SPACING_RE = re.compile(r"\\[,;:! ]|~|\s+")
+_TIME_RE = re.compile(
+    r"(?i)(?:(\d{1,2})(?::(\d{2}))?([ap])\.?m\.?|(\d{1,2}):(\d{2})|(\d{1,2})(?::(\d{2}))?(noon|midnight)|(noon|midnight))"
+)
+_TIME_MARKER_RE = re.compile(r"(?i)(?<![a-z])(?:[ap]\.?\s{0,2}m\b\.?|noon|midnight)")
+
+
+def time_of_day(answer: str, marker_required: bool = True) -> int | None:
+    """Minutes after midnight of ``answer`` when all of it is a time of day, else None.
+
+    With an am / pm marker (``4:30 p.m.``, ``\\text{4:30 p.m.}``, ``7pm``, ``11\\,\\mathrm{am}``)
+    or noon / midnight; without one (``16:30``) only when not ``marker_required``.
+    """
+    if len(answer) > 100:
+        return None
+    if marker_required and not _TIME_MARKER_RE.search(answer):
+        return None
+    text = _TIME_SPACING_RE.sub("", _TIME_WRAPPER_RE.sub("", answer)).rstrip(".")
+    found = _TIME_RE.fullmatch(text)
+    if found is None:
+        return None
+    hour_s, minute_s, half, hour24_s, minute24_s, hour_n, minute_n, word_n, word = found.groups()
+    if hour24_s is not None:
+        hour, minute = int(hour24_s), int(minute24_s)
+        return hour * 60 + minute if hour < 24 and minute < 60 else None
+    if hour_s is not None:
+        hour, minute = int(hour_s), int(minute_s or 0)
+        if not 1 <= hour <= 12 or minute >= 60:
+            return None
+        return (hour % 12 + (12 if half.lower() == "p" else 0)) * 60 + minute
+    name = (word_n or word).lower()
+    if hour_n is not None and (int(hour_n) != 12 or int(minute_n or 0) != 0):
+        return None
+    return 12 * 60 if name == "noon" else 0
+
+
+# A multiple-choice reference: one option letter, maybe in parentheses.
+_OPTION_REFERENCE_RE = re.compile(r"\(?\s{0,4}([A-J])\s{0,4}\)?")
+# The option letter that opens an answer: ``(D)``, ``\text{(D)}``, ``\textbf{(D)}``, ``D.``,
+# ``D:``, ``D)``.
+_LEADING_OPTION_RE = re.compile(
+    r"\s{0,8}(?:\\(?:text|textbf|textrm|mathbf|mathrm)\s{0,4}\{\s{0,4})?"
+    r"(?:\(\s{0,4}([A-J])\s{0,4}\)|([A-J])\s{0,4}[.:)](?=\s|$))"
+)
+# In the text after the letter, what makes the answer several options: another letter in
+# parentheses, or a connective (``(B) or (D)``, ``(A), C``).
+_ANOTHER_OPTION_RE = re.compile(
+    r"\(\s{0,4}[A-J]\s{0,4}\)|(?<![A-Za-z])(?:or|and)(?![A-Za-z])|\\lor|\\land"
+)
+_LEADING_SEPARATOR_RE = re.compile(r"[\s}$]{0,8}[,;/&]")
+
+
+def option_letter(reference: str) -> str | None:
+    """The option letter when all of ``reference`` is one (``D``, ``(D)``, ``\\textbf{(D)}``),
+    else None."""
+    if len(reference) > 100:
+        return None
+    found = _OPTION_REFERENCE_RE.fullmatch(unwrap_answer(reference))
+    return None if found is None else found.group(1)
+
+
+def chosen_option(answer: str) -> str | None:
+    """The option letter of an answer that opens with one and goes on with that option's
+    text (``(D) (2,0)``, ``\\text{(C) } 7``, ``B. $2x-2$``), else None; None also when the
+    text names another option (``(B) or (D)``: a hedge is no choice)."""
+    if len(answer) > 1000:
+        return None
+    found = _LEADING_OPTION_RE.match(answer)
+    if found is None or _LEADING_SEPARATOR_RE.match(answer, found.end()):
+        return None
+    if _ANOTHER_OPTION_RE.search(answer, found.end()):
+        return None
+    return found.group(1) or found.group(2)
+
+
+# ``1e-3``, ``2.5E4``: digits on both sides of the ``e`` (a sign only as ``e-``: ``2e+1`` may be
+# 2e + 1), not part of a longer token. At most 3 exponent digits (``extraction.unsafe_reason``
+# has checked the answer before: a longer exponent stays as it is, which Math-Verify reads
+# as Euler's number).
+_SCIENTIFIC_RE = re.compile(r"(?<![\w.\\^_])(\d+(?:\.\d+)?|\.\d+)[eE](-?\d{1,3})(?![\w.^])")
+
+
+def scientific_notation(answer: str) -> str:
+    """``answer`` with each number in scientific notation written as a power of ten:
+    ``1e-3`` is ``1\\times 10^{-3}`` (Math-Verify read it as e - 3, Euler's number)."""
+    if "e" not in answer and "E" not in answer:
+        return answer
+    return _SCIENTIFIC_RE.sub(r"\1\\times 10^{\2}", answer)
+
+
+# ``_{1}`` / ``^{2}``: braces around one letter or digit, which LaTeX renders as without them.
+_SINGLE_TOKEN_BRACES_RE = re.compile(r"([_^])\{\s{0,8}([A-Za-z0-9])\s{0,8}\}")
+_SPACE_RE = re.compile(r"\s+")
+
+
+def _space(found: re.Match) -> str:
+    """A run of spaces goes, but one stays where it ends a command's name before a letter
+    (``\\pi r`` is not ``\\pir``)."""
+    text, start, end = found.string, found.start(), found.end()
+    j = start
+    while j > 0 and text[j - 1].isalpha():
+        j -= 1
+    after_command = 0 < j < start and text[j - 1] == "\\"
+    return " " if after_command and end < len(text) and text[end].isalpha() else ""
+
+
+def normalise_string(answer: str) -> str:
+    """``answer`` as Math-Verify's string fallback should compare it (for what sympy cannot
+    parse): without spaces (but the one after a command's name before a letter: ``\\pi r``)
+    and without braces around a single letter or digit (``E_{1}`` is ``E_1``; ``E_{12}``
+    stays). ``E_{1}, E_{2}`` scored -1 against ``E_{1},E_{2}``."""
+    return _SPACE_RE.sub(_space, _SINGLE_TOKEN_BRACES_RE.sub(r"\1\2", answer)).strip()
+
+
+# ``40_9``, ``40_{9}``, ``1011_2``, ``A3_{16}``, ``\text{40}_{(9)}``: a numeral with its base as
+# a subscript.
+_NUMERAL_TEXT_RE = re.compile(
+    r"\\(?:text|textrm|mathrm|mbox)\s{0,4}\{\s{0,4}([0-9A-Za-z]{1,64})\s{0,4}\}"
+)
+_BASE_NUMERAL_RE = re.compile(r"([0-9A-Za-z]{1,64})_(?:\{\(?(\d{1,2})\)?\}|\((\d{1,2})\)|(\d))")
+_DIGITS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def base_numeral(answer: str) -> tuple[str, int | None] | None:
+    """``(digits, base)`` of a numeral written with its base (``40_9`` is ``("40", 9)``), or
+    ``(digits, None)`` for bare decimal digits (``40``), else None. Math-Verify dropped the
+    subscript, so ``40_8`` equalled ``40_9``. The numeral has a decimal digit, and only
+    digits of its base (``x_6``, ``a_5``, ``E_{3}4`` are no numerals)."""
+    if len(answer) > 100:
+        return None
+    text = _NUMERAL_TEXT_RE.sub(r"\1", answer).replace("$", "").replace(" ", "")
+    if text.isdigit() and text.isascii():
+        return text, None
+    found = _BASE_NUMERAL_RE.fullmatch(text)
+    if found is None or not any(c.isdigit() for c in found.group(1)):
+        return None
+    digits, base = found.group(1).upper(), int(next(g for g in found.groups()[1:] if g))
+    if not 2 <= base <= 36 or any(_DIGITS.find(d) >= base for d in digits):
+        return None
+    return digits, base
