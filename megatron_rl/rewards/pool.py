@@ -29,6 +29,37 @@ logger = logging.getLogger(__name__)
 TIMEOUT_STATUSES: tuple[str, ...] = (math.TIMEOUT, code.TIMEOUT_WALL)
 
 
+class MissingReferenceError(ValueError):
+    """An item to score has no reference (None, NaN, or empty text): scoring it against the
+    text "None" would pay a response that answers ``\\boxed{None}``."""
+
+
+def missing_reference(reference: Any) -> bool:
+    """Whether ``reference`` is missing: None, a float NaN (a table's empty cell), or text
+    (or a container) with nothing in it."""
+    if reference is None:
+        return True
+    if isinstance(reference, float):
+        return reference != reference  # NaN
+    if isinstance(reference, str):
+        return not reference.strip()
+    if isinstance(reference, (list, tuple, dict)):
+        return len(reference) == 0
+    return False
+
+
+def check_references(references: Sequence[Any], names: Sequence[Any] | None = None) -> None:
+    """Raise ``MissingReferenceError`` naming the first item without a reference (by
+    ``names[i]`` when given, e.g. a file's row number, else its index in the batch)."""
+    for i, reference in enumerate(references):
+        if missing_reference(reference):
+            name = names[i] if names is not None else f"item {i} of the batch"
+            raise MissingReferenceError(
+                f"{name}: the reference is missing ({reference!r}); a row without a "
+                "reference cannot be scored (drop it, or give its reference)"
+            )
+
+
 def count_timeouts(statuses: Sequence[str]) -> dict[str, int]:
     """``{"timeouts": all TIMEOUT_STATUSES, "timeouts_wall": code runs stopped by the
     wall-clock backstop}`` among ``statuses`` (``RewardPool.last_statuses``)."""
@@ -88,6 +119,7 @@ class RewardPool:
 
         References are answers (math) or tests (code, any format of ``code.parse_problem``).
         ``kinds [S]`` ("math" | "code") overrides ``config.kind`` per item (math+code runs).
+        Raises ``MissingReferenceError`` naming the first item without a reference.
         """
         if len(responses) != len(references):
             raise ValueError(
@@ -99,6 +131,7 @@ class RewardPool:
         unknown = set(kinds) - {"math", "code"}
         if unknown:
             raise ValueError(f"unknown reward kinds {sorted(unknown)}")
+        check_references(references)
         rewards: list[float] = [self.config.incorrect_reward] * len(responses)
         statuses = ["code"] * len(responses)
         seconds = [0.0] * len(responses)
