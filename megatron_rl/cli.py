@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("megatron_rl.launch.cli", "render and submit a Slurm job for a recipe"),
     "plan": ("megatron_rl.planning.cli", "per-GPU memory plan of a recipe: will it fit"),
     "preflight": ("megatron_rl.preflight.cli", "check the allocation before a long run"),
+    "reward-audit": (
+        "megatron_rl.rewards.audit_cli",
+        "score your own evaluation outputs with the reward and read the disagreements",
+    ),
 }
 
 

@@ -402,18 +402,54 @@ def _equal(a: Any, b: Any, options: CompareOptions, strict_bool: bool) -> bool:
     return a == b
 
 
-def run_tests(program: str, problem: CodeProblem | list[CodeTest], config: RewardConfig) -> bool:
-    """True when ``program`` passes every test (stops at the first failure)."""
+# Outcomes of a code response (``CodeOutcome.status``); only CORRECT scores correct_reward.
+# TIMEOUT_CPU is a verdict (the program is too slow, as a judge's time limit says);
+# TIMEOUT_WALL is none (the program waited, or the machine is past its capacity): counted
+# apart from wrong answers in the metrics.
+CORRECT, WRONG, TIMEOUT_CPU, TIMEOUT_WALL = "correct", "wrong", "timeout_cpu", "timeout_wall"
+NO_PROGRAM, BAD_TESTS, ERROR = "no_program", "bad_tests", "error"
+
+
+@dataclass(frozen=True)
+class CodeOutcome:
+    """How a program did on its tests.
+
+    Attributes:
+        status: CORRECT, WRONG (an output differs, or the program failed), TIMEOUT_CPU,
+            TIMEOUT_WALL, ERROR (the sandbox failed), NO_PROGRAM (nothing to run was
+            extracted) or BAD_TESTS (the tests cannot be read).
+        tests_run: tests started (the first that fails ends the evaluation).
+        cpu_s: CPU time of the tests run, as the harness measured it.
+        wall_s: wall-clock time of the tests run (starting boxes not counted).
+        detail: the failing test's stderr tail or the reason, for diagnostics.
+    """
+
+    status: str
+    tests_run: int = 0
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    detail: str = ""
+
+
+def evaluate_program(
+    program: str, problem: CodeProblem | list[CodeTest], config: RewardConfig
+) -> CodeOutcome:
+    """Run ``program`` on every test of ``problem`` (stops at the first that does not pass)."""
     if not isinstance(problem, CodeProblem):
         problem = CodeProblem(list(problem))
+    cpu = wall = 0.0
     with ProgramSession(program, config, max_tests=len(problem.tests)) as session:
-        for case in problem.tests:
+        for n, case in enumerate(problem.tests, 1):
             if case.fn_name is None:
                 result = session.run(case.input)
             else:
                 result = session.run(literals.encode(case.arguments()), case.fn_name)
+            cpu += result.cpu_s or 0.0
+            wall += result.elapsed_s
             if result.status != "ok":
-                return False
+                status = result.status if result.status in (TIMEOUT_CPU, TIMEOUT_WALL) else WRONG
+                status = ERROR if result.status == "error" else status
+                return CodeOutcome(status, n, cpu, wall, result.stderr[-500:])
             if case.fn_name is None:
                 passed = outputs_match(result.stdout, case.output, problem.compare)
             else:
@@ -421,8 +457,31 @@ def run_tests(program: str, problem: CodeProblem | list[CodeTest], config: Rewar
                     result.result, case.expected(), problem.compare, case.encoding
                 )
             if not passed:
-                return False
-    return True
+                return CodeOutcome(WRONG, n, cpu, wall, f"test {n - 1}: output differs")
+    return CodeOutcome(CORRECT, len(problem.tests), cpu, wall)
+
+
+def run_tests(program: str, problem: CodeProblem | list[CodeTest], config: RewardConfig) -> bool:
+    """True when ``program`` passes every test (stops at the first failure)."""
+    return evaluate_program(program, problem, config).status == CORRECT
+
+
+def code_outcome(response: str, tests: Any, config: RewardConfig) -> CodeOutcome:
+    """The outcome of one code response (see ``CodeOutcome``).
+
+    Raises ``SpecialJudgeError`` for a problem that needs its own checker (never scored
+    wrong silently: the data loaders drop them)."""
+    program = extract_code(response, config)
+    if program is None:
+        return CodeOutcome(NO_PROGRAM)
+    try:
+        problem = parse_problem(tests)
+    except SpecialJudgeError:
+        raise
+    except ValueError as exc:
+        logger.warning("unusable tests, scored incorrect: %s", exc)
+        return CodeOutcome(BAD_TESTS, detail=str(exc)[:500])
+    return evaluate_program(program, problem, config)
 
 
 def score_code(response: str, tests: Any, config: RewardConfig) -> float:
@@ -430,17 +489,8 @@ def score_code(response: str, tests: Any, config: RewardConfig) -> float:
 
     Raises ``SpecialJudgeError`` for a problem that needs its own checker (never scored
     wrong silently: the data loaders drop them)."""
-    program = extract_code(response, config)
-    if program is None:
-        return config.incorrect_reward
-    try:
-        problem = parse_problem(tests)
-    except SpecialJudgeError:
-        raise
-    except ValueError as exc:
-        logger.warning("unusable tests, scored incorrect: %s", exc)
-        return config.incorrect_reward
-    return config.correct_reward if run_tests(program, problem, config) else config.incorrect_reward
+    outcome = code_outcome(response, tests, config)
+    return config.correct_reward if outcome.status == CORRECT else config.incorrect_reward
 
 
 def score(response: str, tests: Any) -> float:

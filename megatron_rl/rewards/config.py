@@ -55,7 +55,13 @@ class RewardConfig:
             scores incorrect (``9^{9^{9^9}}`` would never finish evaluating).
         max_number_digits: an integer literal with more digits scores incorrect.
         max_factorial: a factorial of a literal above this scores incorrect.
-        code_test_timeout_s: wall-clock limit of one program run on one test.
+        code_test_timeout_s: CPU-time limit of one program run on one test (a run over it
+            fails as ``timeout_cpu``, as a judge's time limit). CPU time, not wall-clock time,
+            so that load on the machine does not change a verdict; starting the box is not
+            counted.
+        code_wall_timeout_s: wall-clock backstop of one run (a program that sleeps or waits
+            spends no CPU time); a run stopped by it is reported as ``timeout_wall`` (scored
+            incorrect, counted apart from wrong answers). Starting the box is not counted.
         code_memory_mb: address-space limit of the sandboxed program.
         code_max_output_bytes: size limit of the sandboxed program's output, of each file it
             writes, and of its whole writable directory.
@@ -91,6 +97,7 @@ class RewardConfig:
     max_number_digits: int = 400
     max_factorial: int = 1000
     code_test_timeout_s: float = 6.0
+    code_wall_timeout_s: float = 30.0
     code_memory_mb: int = 1024
     code_max_output_bytes: int = 8 * 1024 * 1024
     code_max_chars: int = 100_000
@@ -129,7 +136,7 @@ class RewardConfig:
                 "must be empty or a tag name (a letter, then up to 31 letters, digits, '_' or "
                 f"'-'), got {self.answer_tag!r}",
             )
-        for name in ("timeout_s", "wall_timeout_s", "code_test_timeout_s"):
+        for name in ("timeout_s", "wall_timeout_s", "code_test_timeout_s", "code_wall_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value <= 3600:
                 raise ConfigError(name, f"must be a number of seconds in (0, 3600], got {value!r}")
@@ -137,6 +144,12 @@ class RewardConfig:
             raise ConfigError(
                 "wall_timeout_s",
                 f"{self.wall_timeout_s} must be >= reward.timeout_s ({self.timeout_s})",
+            )
+        if self.code_wall_timeout_s < self.code_test_timeout_s:
+            raise ConfigError(
+                "code_wall_timeout_s",
+                f"{self.code_wall_timeout_s} must be >= reward.code_test_timeout_s "
+                f"({self.code_test_timeout_s})",
             )
         positive_ints = (
             "num_workers",

@@ -23,6 +23,51 @@ from megatron_rl.rewards.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
 
+# Statuses that are no verdict on the response: the verification (math) or the program's run
+# (code: the wall-clock backstop; running out of CPU time is a verdict) ran out of time.
+# They score ``incorrect_reward`` and are counted apart from wrong answers in the metrics.
+TIMEOUT_STATUSES: tuple[str, ...] = (math.TIMEOUT, code.TIMEOUT_WALL)
+
+
+class MissingReferenceError(ValueError):
+    """An item to score has no reference (None, NaN, or empty text): scoring it against the
+    text "None" would pay a response that answers ``\\boxed{None}``."""
+
+
+def missing_reference(reference: Any) -> bool:
+    """Whether ``reference`` is missing: None, a float NaN (a table's empty cell), or text
+    (or a container) with nothing in it."""
+    if reference is None:
+        return True
+    if isinstance(reference, float):
+        return reference != reference  # NaN
+    if isinstance(reference, str):
+        return not reference.strip()
+    if isinstance(reference, (list, tuple, dict)):
+        return len(reference) == 0
+    return False
+
+
+def check_references(references: Sequence[Any], names: Sequence[Any] | None = None) -> None:
+    """Raise ``MissingReferenceError`` naming the first item without a reference (by
+    ``names[i]`` when given, e.g. a file's row number, else its index in the batch)."""
+    for i, reference in enumerate(references):
+        if missing_reference(reference):
+            name = names[i] if names is not None else f"item {i} of the batch"
+            raise MissingReferenceError(
+                f"{name}: the reference is missing ({reference!r}); a row without a "
+                "reference cannot be scored (drop it, or give its reference)"
+            )
+
+
+def count_timeouts(statuses: Sequence[str]) -> dict[str, int]:
+    """``{"timeouts": all TIMEOUT_STATUSES, "timeouts_wall": code runs stopped by the
+    wall-clock backstop}`` among ``statuses`` (``RewardPool.last_statuses``)."""
+    return {
+        "timeouts": sum(s in TIMEOUT_STATUSES for s in statuses),
+        "timeouts_wall": sum(s == code.TIMEOUT_WALL for s in statuses),
+    }
+
 
 class RewardPool:
     """Scores batches of responses against their references.
@@ -46,6 +91,9 @@ class RewardPool:
         # counts them): how each score was decided.
         self.stats: Counter[str] = Counter()
         self.last_statuses: list[str] = []
+        # Seconds each item of the last batch took to verify (math: in its worker; code: its
+        # tests' runs, starting the boxes not counted); 0 for items decided in process.
+        self.last_seconds: list[float] = []
         if config.kind == "code":
             self._code_executor()
 
@@ -71,6 +119,7 @@ class RewardPool:
 
         References are answers (math) or tests (code, any format of ``code.parse_problem``).
         ``kinds [S]`` ("math" | "code") overrides ``config.kind`` per item (math+code runs).
+        Raises ``MissingReferenceError`` naming the first item without a reference.
         """
         if len(responses) != len(references):
             raise ValueError(
@@ -82,16 +131,19 @@ class RewardPool:
         unknown = set(kinds) - {"math", "code"}
         if unknown:
             raise ValueError(f"unknown reward kinds {sorted(unknown)}")
+        check_references(references)
         rewards: list[float] = [self.config.incorrect_reward] * len(responses)
         statuses = ["code"] * len(responses)
+        seconds = [0.0] * len(responses)
         with self._lock:
             math_items = [i for i, k in enumerate(kinds) if k == "math"]
             code_items = [i for i, k in enumerate(kinds) if k == "code"]
             if math_items:
-                self._score_math(math_items, responses, references, rewards, statuses)
+                self._score_math(math_items, responses, references, rewards, statuses, seconds)
             if code_items:
-                self._score_code(code_items, responses, references, rewards)
+                self._score_code(code_items, responses, references, rewards, statuses, seconds)
             self.last_statuses = statuses
+            self.last_seconds = seconds
         return rewards
 
     @property
@@ -106,6 +158,7 @@ class RewardPool:
         references: Sequence[Any],
         rewards: list[float],
         statuses: list[str],
+        seconds: list[float],
     ) -> None:
         """Math scores and their statuses: "in_process" (no answer, unsafe, or plain
         integers), or a verifier verdict: "correct", "wrong", "bad_reference", "timeout"
@@ -128,6 +181,7 @@ class RewardPool:
         for i, result in zip(to_verify, self._math_pool().map(math.verify, pairs)):
             status = result.value if result.status == "ok" else result.status
             statuses[i] = status
+            seconds[i] = result.elapsed_s
             self.stats[f"verify_{status}"] += 1
             if result.blocked:
                 self.stats["blocked_events"] += len(result.blocked)
@@ -142,15 +196,24 @@ class RewardPool:
         responses: Sequence[str],
         references: Sequence[Any],
         rewards: list[float],
+        statuses: list[str],
+        seconds: list[float],
     ) -> None:
+        """Code scores and their statuses (``code.CodeOutcome.status``): "correct",
+        "wrong", "timeout_cpu" (a verdict: too slow), "timeout_wall" (none: counted apart),
+        "error", "no_program" or "bad_tests"."""
         executor = self._code_executor()
         futures = [
-            executor.submit(code.score_code, str(responses[i]), references[i], self.config)
+            executor.submit(code.code_outcome, str(responses[i]), references[i], self.config)
             for i in items
         ]
         for i, future in zip(items, futures):
-            rewards[i] = future.result()
+            outcome = future.result()
+            correct = outcome.status == code.CORRECT
+            rewards[i] = self.config.correct_reward if correct else self.config.incorrect_reward
+            statuses[i], seconds[i] = outcome.status, outcome.wall_s
             self.stats["code_scored"] += 1
+            self.stats[f"code_{outcome.status}"] += 1
 
     def _code_executor(self) -> ThreadPoolExecutor:
         # Started on first need, after checking the sandbox (which warns when it is unsafe).

@@ -2,7 +2,7 @@
 
 One box per program (``ProgramSession``): the box and the interpreter start once, and the
 harness inside runs the program once per test, each run in a fresh namespace with fresh
-stdin / stdout / stderr, its own CPU-time limit, and the parent's wall-clock limit. A test
+stdin / stdout / stderr, its own CPU-time limit, and the parent's wall-clock backstop. A test
 that times out or kills the interpreter ends that box; the next test gets a new one. The
 program's later tests therefore share an interpreter with its earlier ones (imported
 modules, ``sys`` settings): they are runs of the same program, and nothing of the expected
@@ -16,19 +16,27 @@ Layers, from the outside in:
    with read-only binds of only the interpreter, its own pid / network / ipc namespaces and a
    private size-limited tmpfs as cwd. The program never runs as root. Without a box (no
    bwrap, no user namespaces) code rewards refuse to run unless the recipe opts into the
-   unsafe mode (``code_allow_unsafe_sandbox``), where layers 2-4 are all there is.
+   unsafe mode (``code_allow_unsafe_sandbox``), where layers 2-6 are all there is.
 2. Process: a fresh session / process group; on a timeout the parent SIGKILLs the group,
    and again when the session ends. Killing bwrap ends the box: its init has
-   ``--die-with-parent`` and a pid namespace ends with its init. The wall-clock limit of
-   each test is the parent's; RLIMIT_CPU (reset per test) backs it up.
-3. Resources: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE (output and file sizes; the box's
+   ``--die-with-parent`` and a pid namespace ends with its init.
+3. Time. A test's limit is CPU time (``code_test_timeout_s``), so that its verdict does not
+   depend on the load on the machine: a CPU-time interval timer of the harness
+   (``ITIMER_PROF``, whose SIGPROF ends the interpreter) set per test, RLIMIT_CPU a second
+   past it (SIGXCPU, then SIGKILL at a hard limit for the whole box) in case the program
+   disarms the timer. Either is ``timeout_cpu``. A wall-clock backstop of the parent
+   (``code_wall_timeout_s``) ends a program that waits without spending CPU time:
+   ``timeout_wall``, which is no verdict on the program and is counted apart. Neither limit
+   counts starting the box: the harness reports when it is ready, and the clocks start with
+   the test.
+4. Resources: RLIMIT_AS (memory), RLIMIT_FSIZE (output and file sizes; the box's
    tmpfs holds ``code_max_output_bytes`` in all), RLIMIT_NOFILE, RLIMIT_CORE=0 and
    RLIMIT_NPROC=1 (no fork, no threads; the kernel exempts only root from it).
-4. Files: stdin, stdout and stderr are anonymous files the parent opened and refills per
+5. Files: stdin, stdout and stderr are anonymous files the parent opened and refills per
    test; the harness reports each test on a pipe, tagged with a nonce the parent drew for
    that test. Nothing of the tests (expected outputs) is ever on the program's side, and the
    comparison happens in the parent.
-5. Audit hook (``megatron_rl.rewards.guard``): refuses process creation, signals, sockets,
+6. Audit hook (``megatron_rl.rewards.guard``): refuses process creation, signals, sockets,
    ctypes, and writes outside the cwd. A second line only: CPython audit hooks are not a
    security boundary against code written to defeat them.
 
@@ -41,6 +49,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import secrets
 import select
@@ -60,16 +69,22 @@ from megatron_rl.rewards.isolation import BOX_DIR, as_user, box_for, source_fd
 logger = logging.getLogger(__name__)
 
 _MAX_STDERR_BYTES = 4096
+# Starting a box (bwrap, the interpreter, the harness's imports): not counted against a test;
+# a box that is not ready after this long (a machine far past its capacity) is timeout_wall.
+_START_TIMEOUT_S = 120.0
+# Signals of the CPU-time limits: the harness's ITIMER_PROF timer, RLIMIT_CPU's soft limit.
+_CPU_SIGNALS = (signal.SIGPROF, signal.SIGXCPU)
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # Whether the harness installs the audit hook. Always on; tests switch it off to show that
 # the OS box alone contains hostile programs (audit hooks can be defeated).
 _AUDIT_HOOK = True
 
-# The harness: argv = memory_mb cpu_s fsize guard(0|1) control_in control_out max_tests.
-# Per test it reads "nonce fn_name\n" from control_in (fn_name empty: script mode; else the
-# arguments, a Python literal, are the test's stdin), runs the program and answers
-# "nonce exit_code length\n" + result ("L" literal | "R" repr of a value with no literal)
-# on control_out. An exception or a non-zero SystemExit is exit code 1 (or the exit code),
+# The harness: argv = memory_mb cpu_s fsize guard(0|1) control_in control_out max_tests
+# (cpu_s: whole seconds, bounds the box's total CPU time). Once set up it writes "ready\n" on
+# control_out. Per test it reads "nonce cpu_ms fn_name\n" from control_in (fn_name empty:
+# script mode; else the arguments, a Python literal, are the test's stdin), runs the program
+# under a CPU-time limit of cpu_ms and answers "nonce exit_code length cpu_ms\n" + result
+# ("L" literal | "R" repr of a value with no literal) on control_out. An exception or a non-zero SystemExit is exit code 1 (or the exit code),
 # with the traceback on the test's stderr, as a fresh ``python3 main.py`` would do.
 _HARNESS_MAIN = r"""
 
@@ -88,10 +103,23 @@ def _limit(memory_mb, fsize, cpu_hard):
     return resource
 
 
-def _cpu_limit(resource, cpu_s, cpu_hard):
+def _cpu_used(resource):
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    soft = min(int(usage.ru_utime + usage.ru_stime) + cpu_s, cpu_hard)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cpu_limit(resource, limit_s, cpu_hard):
+    # The exact limit is the CPU-time timer (SIGPROF, default action: end the process);
+    # RLIMIT_CPU (whole seconds) a second past it, in case the program disarms the timer.
+    import signal
+
+    used = _cpu_used(resource)
+    soft = min(int(used + limit_s) + 2, cpu_hard)
     resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_hard))
+    signal.signal(signal.SIGPROF, signal.SIG_DFL)
+    signal.signal(signal.SIGXCPU, signal.SIG_DFL)
+    signal.setitimer(signal.ITIMER_PROF, limit_s)
+    return used
 
 
 def _streams(saved):
@@ -141,7 +169,7 @@ def _encode_result(value):
 def _sandbox_main():
     memory_mb, cpu_s, fsize, hook, control_in, control_out, max_tests = map(int, sys.argv[1:8])
     saved = [os.dup(fd) for fd in (0, 1, 2)]
-    cpu_hard = (cpu_s + 1) * max_tests + 1
+    cpu_hard = (cpu_s + 3) * max_tests + 1
     resource = _limit(memory_mb, fsize, cpu_hard)
     if hook == 1:
         install_guard((os.getcwd(),))
@@ -149,13 +177,16 @@ def _sandbox_main():
         source = f.read()
     control = open(control_in, "rb", buffering=0, closefd=False)
     import gc
+    import signal
 
+    os.write(control_out, b"ready\n")  # the parent's clocks start with the first test
     while True:
         request = control.readline()
         if not request:
             return
-        nonce, _, name = request.decode().rstrip("\n").partition(" ")
-        _cpu_limit(resource, cpu_s, cpu_hard)
+        nonce, _, rest = request.decode().rstrip("\n").partition(" ")
+        limit_ms, _, name = rest.partition(" ")
+        started = _cpu_limit(resource, max(int(limit_ms), 1) / 1000, cpu_hard)
         out, err = _streams(saved)
         code, value = 0, None
         try:
@@ -172,10 +203,12 @@ def _sandbox_main():
                 stream.flush()
             except BaseException:
                 code = code or 120  # as CPython when flushing stdout at exit fails
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        spent_ms = int((_cpu_used(resource) - started) * 1000)
         body = _encode_result(value).encode() if name and code == 0 else b""
         value = None
         gc.collect()
-        frame = ("%s %d %d\n" % (nonce, code, len(body))).encode() + body
+        frame = ("%s %d %d %d\n" % (nonce, code, len(body), spent_ms)).encode() + body
         while frame:
             frame = frame[os.write(control_out, frame) :]
 
@@ -196,7 +229,10 @@ def _harness_source() -> str:
 
 @dataclass
 class SandboxResult:
-    """Outcome of one run. ``status``: ok | failed (non-zero exit) | timeout | error."""
+    """Outcome of one run. ``status``: ok | failed (non-zero exit) | timeout_cpu (over its
+    CPU-time limit) | timeout_wall (stopped by the wall-clock backstop: no verdict on the
+    program) | error (the box failed). ``elapsed_s``: wall-clock time of the test, without
+    starting the box; ``cpu_s``: CPU time the harness measured (None when it did not report)."""
 
     status: str
     returncode: int | None
@@ -205,6 +241,7 @@ class SandboxResult:
     elapsed_s: float
     # Functional mode: the returned value, or ``Unrepresentable`` (no Python literal).
     result: object = None
+    cpu_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -295,17 +332,30 @@ class ProgramSession:
         self.close()
 
     def run(
-        self, stdin: str, fn_name: str | None = None, timeout_s: float | None = None
+        self,
+        stdin: str,
+        fn_name: str | None = None,
+        timeout_s: float | None = None,
+        wall_timeout_s: float | None = None,
     ) -> SandboxResult:
         """Run the program on one test. In functional mode (``fn_name``) ``stdin`` is the
         argument list as a Python literal and ``SandboxResult.result`` the returned value.
-        ``timeout_s`` (default ``config.code_test_timeout_s``) includes starting the box
-        when this test needs a new one."""
+
+        ``timeout_s`` (default ``config.code_test_timeout_s``) is the test's CPU-time limit
+        (``timeout_cpu``); ``wall_timeout_s`` (default ``config.code_wall_timeout_s``, at
+        least ``timeout_s``) its wall-clock backstop (``timeout_wall``). Neither counts
+        starting the box when this test needs a new one."""
         timeout = self.config.code_test_timeout_s if timeout_s is None else timeout_s
-        started = time.monotonic()
+        wall = self.config.code_wall_timeout_s if wall_timeout_s is None else wall_timeout_s
+        wall = max(wall, timeout)
         if self._proc is None:
             self._start(timeout)
+            if not self._wait_ready():
+                self._stop()
+                message = f"the sandbox did not start within {_START_TIMEOUT_S:.0f}s\n"
+                return SandboxResult("timeout_wall", None, "", message, 0.0)
         assert self._proc is not None and self._control is not None
+        started = time.monotonic()
         fin, fout, ferr = (f.fileno() for f in self._files)
         data = stdin.encode()
         os.ftruncate(fin, 0)
@@ -316,25 +366,28 @@ class ProgramSession:
             os.lseek(fd, 0, os.SEEK_SET)
         nonce = secrets.token_hex(8)
         to_box, from_box = self._control
+        limit_ms = max(1, round(timeout * 1000))
         try:
-            os.write(to_box, f"{nonce} {fn_name or ''}\n".encode())
+            os.write(to_box, f"{nonce} {limit_ms} {fn_name or ''}\n".encode())
         except OSError:  # the harness is gone (a signal the program's last test set up)
             frame: tuple[list[str], bytes] | str | None = None
         else:
-            frame = _read_frame(from_box, started + timeout, self.config.code_max_output_bytes)
+            frame = _read_frame(from_box, started + wall, self.config.code_max_output_bytes)
         elapsed = time.monotonic() - started
         if frame == "timeout":
             self._stop()
-            return SandboxResult("timeout", None, *self._outputs(), elapsed)
+            return SandboxResult("timeout_wall", None, *self._outputs(), elapsed)
         if frame == "too large":
             self._stop()
             stdout = self._outputs()[0]
             return SandboxResult("failed", None, stdout, "result too large\n", elapsed)
         if frame is None:  # the interpreter or the box ended: no report
-            returncode = self._stop(grace_s=max(0.0, started + timeout - time.monotonic()))
+            returncode = self._stop(grace_s=max(0.0, started + wall - time.monotonic()))
             stdout, stderr = self._outputs()
             status = "ok" if returncode == 0 else "failed"
-            if self.box.isolated and stderr.startswith("bwrap:"):
+            if _killed_by(returncode, self.box.isolated) in _CPU_SIGNALS:
+                status = "timeout_cpu"
+            elif self.box.isolated and stderr.startswith("bwrap:"):
                 # The box itself failed (the program never ran): not the program's fault.
                 logger.warning("code sandbox: bwrap failed: %s", stderr.strip()[:500])
                 status = "error"
@@ -348,10 +401,29 @@ class ProgramSession:
             # Only the program can have written it (into the harness's pipe).
             self._stop()
             return SandboxResult("failed", None, stdout, "forged test report\n", elapsed)
-        result = SandboxResult("ok" if code == 0 else "failed", code, stdout, stderr, elapsed)
+        cpu_s = int(header[3]) / 1000
+        status = "ok" if code == 0 else "failed"
+        result = SandboxResult(status, code, stdout, stderr, elapsed, cpu_s=cpu_s)
         if fn_name and code == 0:
             result.result = _decode_result(body)
         return result
+
+    def _wait_ready(self) -> bool:
+        """Wait for the harness's "ready" line; False when it is not ready in time. True as
+        well when the harness ended first (the test then reports how it ended)."""
+        assert self._control is not None
+        from_box = self._control[1]
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        data = b""
+        while len(data) < len(b"ready\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([from_box], [], [], remaining)[0]:
+                return False
+            chunk = os.read(from_box, len(b"ready\n") - len(data))
+            if not chunk:
+                return True
+            data += chunk
+        return True
 
     def _outputs(self) -> tuple[str, str]:
         fout, ferr = self._files[1].fileno(), self._files[2].fileno()
@@ -368,7 +440,8 @@ class ProgramSession:
             self._files = [tempfile.TemporaryFile(buffering=0) for _ in range(3)]
         to_box_read, to_box = os.pipe()
         from_box, from_box_write = os.pipe()
-        limits = [config.code_memory_mb, int(timeout) + 1, config.code_max_output_bytes]
+        cpu_s = math.ceil(max(timeout, config.code_test_timeout_s))
+        limits = [config.code_memory_mb, cpu_s, config.code_max_output_bytes]
         limits += [1 if _AUDIT_HOOK else 0, to_box_read, from_box_write, self.max_tests]
         argv = [box.python, "-I", "-c", _harness_source(), *map(str, limits)]
         # Single-threaded numeric libraries: thread creation counts against RLIMIT_NPROC.
@@ -471,13 +544,30 @@ def _read_frame(fd: int, deadline: float, max_bytes: int) -> tuple[list[str], by
         if want is None and b"\n" in data:
             line, _, data = data.partition(b"\n")
             header = line.decode("ascii", errors="replace").split()
-            if len(header) != 3 or not header[1].lstrip("-").isdigit() or not header[2].isdigit():
-                header = ["", "1", "0"]  # malformed (written by the program): a nonce mismatch
+            if (
+                len(header) != 4
+                or not header[1].lstrip("-").isdigit()
+                or not header[2].isdigit()
+                or not header[3].isdigit()
+            ):
+                header = ["", "1", "0", "0"]  # malformed (written by the program): no nonce
                 return header, b""
             want = int(header[2])
             if want > max_bytes + 16:
                 return "too large"
     return header, data[:want]
+
+
+def _killed_by(returncode: int | None, isolated: bool) -> int | None:
+    """The signal that ended the program: bwrap exits with 128 + the signal of its child;
+    a program run without a box has Popen's negative return code."""
+    if returncode is None:
+        return None
+    if returncode < 0:
+        return -returncode
+    if isolated and 128 < returncode < 128 + 65:
+        return returncode - 128
+    return None
 
 
 # Literal text beyond this is not parsed in the trainer (``ast`` holds ~50x the text size

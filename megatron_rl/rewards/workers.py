@@ -56,6 +56,7 @@ class TaskResult:
     value: Any = None
     error: str = ""
     blocked: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0  # wall-clock time from sending the task to its result
 
 
 def _vm_bytes() -> int:
@@ -133,6 +134,7 @@ class _Worker:
         self.ready = False
         self.task: int | None = None
         self.deadline = 0.0  # wall clock
+        self.sent = 0.0  # wall clock when its task was sent
         self.cpu_start: float | None = None  # CPU seconds of the worker when its task began
 
     def kill(self) -> None:
@@ -200,7 +202,8 @@ class WorkerPool:
                     worker.task = index
                     worker.cpu_start = _cpu_seconds(worker.process.pid)
                     limit = self.timeout_s if worker.cpu_start is None else self.wall_timeout_s
-                    worker.deadline = time.monotonic() + limit
+                    worker.sent = time.monotonic()
+                    worker.deadline = worker.sent + limit
                     try:
                         worker.conn.send((index, fn, args_list[index]))
                     except (OSError, ValueError):
@@ -230,7 +233,8 @@ class WorkerPool:
                 self._on_start_failure(worker, payload)
             elif task_id == worker.task:
                 value, error = (payload, "") if status == "ok" else (None, payload)
-                results[task_id] = TaskResult(status, value, error, list(blocked))
+                elapsed = time.monotonic() - worker.sent
+                results[task_id] = TaskResult(status, value, error, list(blocked), elapsed)
                 if blocked:
                     logger.warning("reward worker blocked %s", blocked)
                 worker.task = None
@@ -256,7 +260,9 @@ class WorkerPool:
         for worker in list(self._workers):
             if worker.task is not None and (now >= worker.deadline or self._out_of_cpu(worker)):
                 results[worker.task] = TaskResult(
-                    "timeout", error=f"over {self.timeout_s}s of CPU or {self.wall_timeout_s}s"
+                    "timeout",
+                    error=f"over {self.timeout_s}s of CPU or {self.wall_timeout_s}s",
+                    elapsed_s=now - worker.sent,
                 )
                 self.num_killed += 1
                 self._replace(worker)

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.platform import collectives, get_platform, watchdog
+from megatron_rl.rewards.pool import count_timeouts
 from megatron_rl.rollout.client import WeightsNeeded
 from megatron_rl.rollout.weights import m2n_ranks
 from megatron_rl.scaling.forecast import resolve_budget
@@ -549,7 +550,7 @@ def validate(
             "val_pass_rate": rate,
             **per_domain,
             "val_samples": len(rewards),
-            "val_reward_timeouts": run.rewards.last_counts["timeout"],
+            **{f"val_reward_{k}": v for k, v in count_timeouts(run.rewards.last_statuses).items()},
             "val_train_fraction": window.train_fraction,
             "val_seconds": time.perf_counter() - t0,
         }

@@ -121,6 +121,7 @@ class Group:
     samples: list[Sample] = field(default_factory=list)
     rewards: list[float] | None = None  # one per sample, once scored
     reward_timeouts: int = 0  # verifications of its samples that ran out of time
+    reward_timeouts_wall: int = 0  # of them, code runs stopped by the wall-clock backstop
 
     @property
     def complete(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megatron_rl.rewards.pool import count_timeouts
 from megatron_rl.trainer.batch import TrainSample
 from megatron_rl.trainer.rollout_source import DynamicSampling, Group
 
@@ -46,7 +47,8 @@ def reward_groups(run: Run, groups: list[Group]) -> None:
     for g in todo:
         end = start + len(g.samples)
         g.rewards = [float(r) for r in rewards[start:end]]
-        g.reward_timeouts = statuses[start:end].count("timeout")
+        counts = count_timeouts(statuses[start:end])
+        g.reward_timeouts, g.reward_timeouts_wall = counts["timeouts"], counts["timeouts_wall"]
         start = end
 
 
@@ -94,6 +96,8 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
         # Verifications that ran out of time score incorrect; counted so they never pass
         # for wrong answers unseen.
         "reward_timeouts": sum(g.reward_timeouts for g in groups),
+        # Of them, programs stopped by the code sandbox's wall-clock backstop (no verdict).
+        "reward_timeouts_wall": sum(g.reward_timeouts_wall for g in groups),
         "prompt_ids": [g.prompt_id for g in groups],
         "group_pass_rates": [
             sum(s.reward > 0 for s in samples if s.group == i) / max(len(g.samples), 1)

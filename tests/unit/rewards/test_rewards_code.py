@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -10,10 +15,17 @@ from megatron_rl.rewards import RewardConfig, RewardPool
 from megatron_rl.rewards import code as code_reward
 from megatron_rl.rewards.code import CodeTest, outputs_match, parse_tests, values_match
 from megatron_rl.rewards.isolation import SandboxUnavailableError, box_for
+from megatron_rl.rewards.pool import count_timeouts
 from megatron_rl.rewards.sandbox import run_program
 
-# 3 s: the limit includes starting the box and Python, slow on a busy 2-core machine.
-CONFIG = RewardConfig(kind="code", code_test_timeout_s=3.0, code_memory_mb=512, num_workers=2)
+# 3 s of CPU time per test; a wall-clock backstop of 6 s (neither counts starting the box).
+CONFIG = RewardConfig(
+    kind="code",
+    code_test_timeout_s=3.0,
+    code_wall_timeout_s=6.0,
+    code_memory_mb=512,
+    num_workers=2,
+)
 
 ADD_TESTS = [{"input": "3 4\n", "output": "7\n"}, {"input": "10 -2\n", "output": "8"}]
 ADD_PROGRAM = "a, b = map(int, input().split())\nprint(a + b)\n"
@@ -100,9 +112,11 @@ def test_programs_may_use_their_own_scratch_space():
 
 @pytest.mark.timeout(30)
 def test_a_hanging_program_times_out():
-    result = run_program("while True:\n    pass\n", "", CONFIG, timeout_s=1.0)
-    assert result.status == "timeout"
-    assert 1.0 <= result.elapsed_s < 1.0 + 10.0  # start-up on a busy machine
+    # 1 s of CPU time; the wall-clock backstop far enough that a loaded machine reaches it.
+    config = dataclasses.replace(CONFIG, code_wall_timeout_s=30.0)
+    result = run_program("while True:\n    pass\n", "", config, timeout_s=1.0)
+    assert result.status == "timeout_cpu"
+    assert 1.0 <= result.elapsed_s < 30.0
 
 
 @pytest.mark.timeout(30)
@@ -441,3 +455,73 @@ def test_special_judge_problems_are_refused_not_scored_wrong():
         code_reward.score_code(respond("print(3, 1)\n"), loader, CONFIG)
     with pytest.raises(SpecialJudgeError):
         parse_tests({"tests": [{"input": "", "output": "1"}], "checker": "checker.py"})
+
+
+# --- Issue 37 item 9: a verdict that does not depend on the load on the machine. ---
+
+# Spends 0.5 s of its own CPU time (not wall-clock time: the same work alone and under load),
+# then answers.
+BURN_HALF_SECOND = (
+    "import time\nstart = time.process_time()\n"
+    "while time.process_time() - start < 0.5:\n    pass\n"
+    "a, b = map(int, input().split())\nprint(a + b)\n"
+)
+
+
+@contextlib.contextmanager
+def _burners_on_one_core(count: int):
+    """``count`` processes spinning on the core this thread is moved to (its children, the
+    sandboxes, start there too): each program then gets about 1 / (count + 1) of a core."""
+    core = min(os.sched_getaffinity(0))
+    previous = os.sched_getaffinity(0)
+    spin = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass\n"
+    burners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
+    os.sched_setaffinity(0, {core})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+@pytest.mark.timeout(60)
+def test_code_verdicts_do_not_depend_on_load():
+    # 1 s of CPU time per test; the wall-clock backstop generous (the test shares the core).
+    config = dataclasses.replace(CONFIG, code_test_timeout_s=1.0, code_wall_timeout_s=30.0)
+    tests = [{"input": "3 4\n", "output": "7\n"}]
+    alone = code_reward.code_outcome(respond(BURN_HALF_SECOND), tests, config)
+    with _burners_on_one_core(2):
+        loaded = code_reward.code_outcome(respond(BURN_HALF_SECOND), tests, config)
+    assert alone.status == loaded.status == code_reward.CORRECT, (alone, loaded)
+    # Under load its 0.5 s of CPU took longer than the limit in wall-clock time (a wall-clock
+    # limit would have failed it), and the start of its box counted in neither.
+    assert loaded.wall_s > config.code_test_timeout_s, loaded
+    assert 0.45 <= alone.cpu_s < 0.9 and 0.45 <= loaded.cpu_s < 0.9, (alone, loaded)
+    # Past the CPU-time limit: a verdict (too slow), not a wall-clock timeout.
+    spin = code_reward.code_outcome(respond("while True:\n    pass\n"), tests, config)
+    assert spin.status == code_reward.TIMEOUT_CPU, spin
+    assert spin.cpu_s == 0.0 and 1.0 <= spin.wall_s < 30.0, spin  # killed: no CPU report
+    # Waiting spends no CPU time: the wall-clock backstop ends it, reported as its own status.
+    config = dataclasses.replace(config, code_wall_timeout_s=1.5)
+    with RewardPool(config) as pool:
+        rewards = pool.score_batch(
+            [respond("import time\ntime.sleep(30)\n"), respond(ADD_PROGRAM)], [tests] * 2
+        )
+        statuses = pool.last_statuses
+    assert rewards == [config.incorrect_reward, config.correct_reward]
+    assert statuses == [code_reward.TIMEOUT_WALL, code_reward.CORRECT]
+    assert count_timeouts(statuses) == {"timeouts": 1, "timeouts_wall": 1}
+
+
+def test_the_wall_clock_backstop_is_a_recipe_key_at_least_the_cpu_limit():
+    from pathlib import Path
+
+    from megatron_rl.config import ConfigError, load_run_config
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "tiny_cpu.yaml"
+    config = load_run_config(recipe, ["reward.code_wall_timeout_s=45"])
+    assert config.reward.code_wall_timeout_s == 45
+    with pytest.raises(ConfigError, match="reward.code_wall_timeout_s"):
+        load_run_config(recipe, ["reward.code_test_timeout_s=20", "reward.code_wall_timeout_s=10"])

@@ -32,8 +32,14 @@ from megatron_rl.rewards import code as code_reward
 from megatron_rl.rewards.isolation import SandboxUnavailableError, box_for
 from megatron_rl.rewards.sandbox import capabilities, run_program
 
-# 3 s: the limit includes starting the box and Python, slow on a busy 2-core machine.
-CONFIG = RewardConfig(kind="code", code_test_timeout_s=3.0, code_memory_mb=512, num_workers=2)
+# 3 s of CPU time per test; a wall-clock backstop of 6 s (neither counts starting the box).
+CONFIG = RewardConfig(
+    kind="code",
+    code_test_timeout_s=3.0,
+    code_wall_timeout_s=6.0,
+    code_memory_mb=512,
+    num_workers=2,
+)
 # Start-up of bwrap + Python on a busy 2-core machine (seen: 4 s), on top of the time limit.
 SLACK_S = 10.0
 SENTINEL = "escaped-" + secrets.token_hex(4)  # printed only by a program that got out
@@ -385,7 +391,7 @@ def test_hostile_program_is_contained(name, hook, targets):
     if reward != CONFIG.incorrect_reward:
         again = run_program(program, "", CONFIG)
         pytest.fail(f"got out: {again.status} {again.stdout[-300:]!r} {again.stderr[-500:]!r}")
-    assert elapsed < CONFIG.code_test_timeout_s + SLACK_S, f"took {elapsed:.1f} s"
+    assert elapsed < CONFIG.code_wall_timeout_s + SLACK_S, f"took {elapsed:.1f} s"
     assert _contained(targets) == []
 
 
@@ -461,11 +467,18 @@ def test_launcher_drops_to_the_sandbox_uid_after_a_vfork():
 
 
 @pytest.mark.timeout(30)
-def test_timeout_leaves_nothing_behind():
+@pytest.mark.parametrize("wait", ["while True:\n    pass\n", "import time\ntime.sleep(60)\n"])
+def test_timeout_leaves_nothing_behind(wait):
+    # A busy loop ends itself (its CPU-time limit), a sleep is ended by the parent (the
+    # wall-clock backstop): neither leaves a process of the box behind.
     _box_or_skip()
-    program = "import os, sys\nprint(os.readlink('/proc/self/ns/pid'), flush=True)\nwhile True:\n    pass\n"
-    result = run_program(program, "", CONFIG)
-    assert result.status == "timeout"
+    program = "import os, sys\nprint(os.readlink('/proc/self/ns/pid'), flush=True)\n" + wait
+    busy = "while" in wait
+    # The busy loop's backstop is generous: on a loaded machine 1 s of CPU takes longer.
+    wall = 20.0 if busy else 2.0
+    config = dataclasses.replace(CONFIG, code_test_timeout_s=1.0, code_wall_timeout_s=wall)
+    result = run_program(program, "", config)
+    assert result.status == ("timeout_cpu" if busy else "timeout_wall"), result
     namespace = result.stdout.strip()
     assert namespace != os.readlink("/proc/self/ns/pid")
     deadline = time.monotonic() + 5
@@ -625,11 +638,15 @@ def test_a_test_that_times_out_or_exits_ends_its_box_and_the_next_test_gets_a_ne
         "if line == 'fail':\n    raise SystemExit(3)\n"
     )
     with ProgramSession(program, CONFIG, max_tests=5) as session:
-        results = [session.run(x, timeout_s=2.0) for x in ("ok", "hang", "ok", "exit", "fail")]
+        # 2 s of CPU time each; a wall-clock backstop that a loaded machine does not reach.
+        results = [
+            session.run(x, timeout_s=2.0, wall_timeout_s=30.0)
+            for x in ("ok", "hang", "ok", "exit", "fail")
+        ]
         assert session.boxes_started == 3  # a new box after the timeout and after the exit
-    assert [r.status for r in results] == ["ok", "timeout", "ok", "ok", "failed"]
+    assert [r.status for r in results] == ["ok", "timeout_cpu", "ok", "ok", "failed"]
     assert [r.stdout.strip() for r in results] == ["ok", "hang", "ok", "exit", "fail"]
-    assert results[1].elapsed_s < 2.0 + SLACK_S and results[4].returncode == 3
+    assert 2.0 <= results[1].elapsed_s < 30.0 and results[4].returncode == 3
 
 
 @pytest.mark.timeout(60)
