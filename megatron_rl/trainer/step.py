@@ -54,14 +54,18 @@ class StepResult:
     logprob_gap_tokens: int = 0  # the tokens it is measured on
     expert_load: ExpertLoad | None = None  # MoE models: the step's expert-load statistics
     dp_token_imbalance: float = 1.0  # the busiest data-parallel rank's trained tokens / the mean
-    # Train-inference mismatch over the tokens with a loss (algorithms.mismatch): the mean k3
-    # KL(generator || trainer), measured with or without a correction; the correction's
-    # weights (1 without one): mean, max, fraction truncated (TIS), fraction masked (MIS).
-    mismatch_kl: float = 0.0
-    is_weight_mean: float = 1.0
-    is_weight_max: float = 1.0
-    mismatch_truncated_frac: float = 0.0
-    mismatch_masked_frac: float = 0.0
+    # Train-inference mismatch over the tokens with a loss (algorithms.mismatch; NaN without
+    # such tokens): the mean k3 KL(generator || trainer), measured with or without a
+    # correction; the correction's weights (1 without one): mean, max, fraction truncated
+    # (TIS), fraction masked (MIS). Both sides are the ones the correction compares: the
+    # trainer's current weights and the generator's log-probs, so on stale samples
+    # (PipelineRL) the KL includes the policy's drift since; ``logprob_gap`` is the gap on
+    # samples of the trainer's own version alone.
+    mismatch_kl: float = float("nan")
+    is_weight_mean: float = float("nan")
+    is_weight_max: float = float("nan")
+    mismatch_truncated_frac: float = float("nan")
+    mismatch_masked_frac: float = float("nan")
 
     @classmethod
     def of(
@@ -89,11 +93,7 @@ class StepResult:
             logprob_gap_tokens=int(sums.gap_tokens),
             expert_load=expert_load,
             dp_token_imbalance=imbalance(loads),
-            mismatch_kl=sums.mean(sums.mismatch_kl),
-            is_weight_mean=sums.mean(sums.is_weight) if sums.num_tokens else 1.0,
-            is_weight_max=float(maxes[1]) if sums.num_tokens else 1.0,
-            mismatch_truncated_frac=sums.mean(sums.truncated),
-            mismatch_masked_frac=sums.mean(sums.masked),
+            **sums.mismatch(float(maxes[1])),
         )
 
 
@@ -127,6 +127,18 @@ class UpdateSums:
     def mean(self, total: float) -> float:
         """``total`` per token with a loss (0 without tokens)."""
         return total / max(self.num_tokens, 1.0)
+
+    def mismatch(self, is_weight_max: float) -> dict[str, float]:
+        """The :class:`StepResult` mismatch fields (NaN without a token with a loss)."""
+        if not int(self.num_tokens):
+            return {}  # the fields' NaN defaults
+        return {
+            "mismatch_kl": self.mean(self.mismatch_kl),
+            "is_weight_mean": self.mean(self.is_weight),
+            "is_weight_max": is_weight_max,
+            "mismatch_truncated_frac": self.mean(self.truncated),
+            "mismatch_masked_frac": self.mean(self.masked),
+        }
 
     @property
     def logprob_gap(self) -> float:

@@ -504,3 +504,15 @@ def test_step_record_carries_the_mismatch_metrics(model):
         assert record[key] == getattr(res, key), key
     assert record["mismatch_kl"] == pytest.approx(math.expm1(0.5) - 0.5, rel=1e-4)
     assert record["is_weight_max"] == pytest.approx(math.exp(0.5), rel=1e-4)  # below C = 2
+
+
+def test_mismatch_metrics_are_nan_without_a_token_to_train(model):
+    """A batch of zero-variance groups has no token with a loss: its mismatch is not
+    measured (NaN, as logprob_gap without tokens), not a perfect 0."""
+    samples = make_samples(model, [[1, 1], [-1, -1]], seed=2)
+    _shift_generator(samples, [0.7])
+    _, res = params_after(model, samples, AlgorithmConfig(mismatch="tis"), 4)
+    assert res.num_tokens == 0
+    for key in ("mismatch_kl", "is_weight_mean", "is_weight_max", "mismatch_truncated_frac",
+                "mismatch_masked_frac"):  # fmt: skip
+        assert math.isnan(getattr(res, key)), key
