@@ -30,7 +30,15 @@ costs no extra forward (slime does the same when no recompute is stored:
 ``old_log_probs = log_prob.detach()`` in ``policy_loss_function``, and TIS then uses those).
 The loss ratio ``pi_theta / pi_prox`` is 1 in value, so every loss reduces to
 ``w_t * A * grad log pi_theta`` and the correction alone bounds the update (in PipelineRL
-``pi_prox / pi_gen`` includes the staleness too, as AReaL's behaviour weight does).
+``pi_prox / pi_gen`` includes the staleness too, as AReaL's behaviour weight does). This is
+AReaL's decoupled objective with its proximal policy; the extra forward AReaL spends on the
+recompute (it takes several optimizer steps per batch) is none here
+(tests/unit/trainer/test_trainer_step.py checks the log-probs against a separate forward and
+counts the forwards). Not built: verl's three-policy split, where the correction is the
+mismatch alone (the trainer's recompute at the *generator's* version over pi_gen) and the
+loss's ratio keeps the staleness; it needs the weights of that version (PPO-off-policy-k: one
+extra forward over the round's k batches before its first update; PipelineRL: samples span
+versions whose weights are gone).
 
 **The corrections** (``r = pi_prox / pi_gen`` at ``level``: per token; ``sequence``: the
 product over the sample's tokens, exp(sum log r); ``geometric``: exp(mean log r); the log

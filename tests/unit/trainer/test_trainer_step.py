@@ -516,3 +516,35 @@ def test_mismatch_metrics_are_nan_without_a_token_to_train(model):
     for key in ("mismatch_kl", "is_weight_mean", "is_weight_max", "mismatch_truncated_frac",
                 "mismatch_masked_frac"):  # fmt: skip
         assert math.isnan(getattr(res, key)), key
+
+
+def test_the_proximal_log_probs_are_a_recompute_at_no_extra_forward(model, monkeypatch):
+    """AReaL's decoupled objective recomputes the proximal policy (the weights the update
+    starts from) with an extra forward; an update here is one optimizer step, so the
+    loss's own forward is that recompute: the log-probs the correction divides by the
+    generator's equal a separate no-grad forward of each sample (make_samples' log-probs,
+    taken at the same weights), and the update runs one forward per micro-batch."""
+    import megatron_rl.trainer.step as step
+
+    samples = make_samples(model, [[1, -1], [-1, 1]], seed=4)
+    recomputed = [lp for s in samples for lp in s.gen_logprobs]
+    _shift_generator(samples, [0.4, -0.3])
+    seen, forwards = [], []
+    original = step.policy_loss
+
+    def recording(kind, logprobs, gen_logprobs, advantages, loss_mask, *args, **kwargs):
+        seen.append(logprobs.detach()[loss_mask])
+        return original(kind, logprobs, gen_logprobs, advantages, loss_mask, *args, **kwargs)
+
+    monkeypatch.setattr(step, "policy_loss", recording)
+    hook = model.module.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        policy_update(model, sgd(model), samples, AlgorithmConfig(mismatch="icepop"), 2)
+    finally:
+        hook.remove()
+    # micro-batches take the longest samples first: compare as sorted multisets
+    got = torch.sort(torch.cat(seen)).values
+    want = torch.sort(torch.tensor(recomputed)).values
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert len(forwards) == len(seen)  # no forward beyond the update's own
