@@ -1,5 +1,6 @@
 """The ScaleRL algorithm core: advantages, policy losses (CISPO, PPO-clip, GSPO, REINFORCE),
-prompt / sample / token aggregation with global normalisers, and the filters
+prompt / sample / token aggregation with global normalisers, the train-inference mismatch
+correction (TIS, MIS, IcePop) and its k3 KL, and the filters
 (zero-variance, No-Positive-Resampling, length penalty).
 
 Names are imported lazily so that ``megatron_rl.algorithms.config`` (the recipe schema)
@@ -22,6 +23,8 @@ _EXPORTS: dict[str, str] = {
     "LossNormalizers": "megatron_rl.algorithms.aggregation",
     "compute_loss_normalizers": "megatron_rl.algorithms.aggregation",
     "LOSSES": "megatron_rl.algorithms.losses",
+    "MismatchCorrection": "megatron_rl.algorithms.mismatch",
+    "mismatch_kl": "megatron_rl.algorithms.mismatch",
     "LossTerms": "megatron_rl.algorithms.losses",
     "PolicyLoss": "megatron_rl.algorithms.losses",
     "policy_loss": "megatron_rl.algorithms.loss",
@@ -36,11 +39,13 @@ __all__ = [
     "AlgorithmConfig",
     "LossNormalizers",
     "LossTerms",
+    "MismatchCorrection",
     "PassRateTracker",
     "PolicyLoss",
     "compute_advantages",
     "compute_loss_normalizers",
     "length_penalty",
+    "mismatch_kl",
     "policy_loss",
     "zero_variance_mask",
 ]
@@ -61,6 +66,7 @@ if TYPE_CHECKING:
     from megatron_rl.algorithms.length_penalty import length_penalty
     from megatron_rl.algorithms.loss import policy_loss
     from megatron_rl.algorithms.losses import LOSSES, LossTerms, PolicyLoss
+    from megatron_rl.algorithms.mismatch import MismatchCorrection, mismatch_kl
     from megatron_rl.algorithms.pass_rate import PassRateTracker
 
 

@@ -24,6 +24,18 @@ AGGREGATION_NAMES: tuple[str, ...] = ("prompt", "sample", "token")
 NORMALIZATION_NAMES: tuple[str, ...] = ("batch", "group", "none")
 NPR_HISTORY_NAMES: tuple[str, ...] = ("cumulative", "latest")
 LENGTH_PENALTY_ON: tuple[str, ...] = ("correct", "all")
+# Train-inference mismatch corrections and the level their ratio is taken at
+# (megatron_rl.algorithms.mismatch).
+MISMATCH_NAMES: tuple[str, ...] = ("none", "tis", "mis", "icepop")
+MISMATCH_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+# Band [low, high] when the recipe leaves it unset: TIS's cap C = 2 (verl's
+# rollout_is_threshold, slime's --tis-clip); MIS's lower bound 1 / upper (verl); IcePop's
+# [0.5, 2] (the IcePop band, slime's icepop_function). TIS has no lower bound.
+DEFAULT_MISMATCH_BAND: dict[str, tuple[float, float]] = {
+    "tis": (0.0, 2.0),
+    "mis": (0.5, 2.0),
+    "icepop": (0.5, 2.0),
+}
 
 # Aggregation when the recipe leaves it unset, by loss (others: "prompt", ScaleRL's). GSPO's
 # objective is a mean over sequences of a sequence-level term (arXiv 2507.18071, eq. 5): the
@@ -69,6 +81,17 @@ class AlgorithmConfig:
             generator routed it to (R3; ``megatron_rl.trainer.routing_replay``). The engines
             then return routed experts and run without prefix caching. Off in the paper's
             recipes (recipes/scalerl_scout_routing_replay.yaml turns it on).
+        mismatch: train-inference mismatch correction, one of MISMATCH_NAMES: "none" (the
+            paper's recipes: the loss's ratio is trainer / generator), "tis" (truncated
+            importance weight min(r, mismatch_high)), "mis" (weight r inside
+            [mismatch_low, mismatch_high], the token or sample masked outside), "icepop"
+            (token-level mis, band [0.5, 2]). Any correction takes the loss's ratio against
+            the trainer's own log-probs and weighs its objective by the correction of
+            r = trainer / generator (``megatron_rl.algorithms.mismatch``).
+        mismatch_level: where r is taken, one of MISMATCH_LEVELS: per token, per sample
+            (product of the token ratios) or per sample's geometric mean; icepop: token.
+        mismatch_low: lower end of the mis / icepop band, in [0, 1]; None: 0.5. Not for tis.
+        mismatch_high: TIS's cap C, or the upper end of the band, >= 1; None: 2.
     """
 
     loss: str = "cispo"
@@ -85,6 +108,10 @@ class AlgorithmConfig:
     length_penalty_l_cache: int = 2048
     length_penalty_on: str = "correct"
     routing_replay: bool = False
+    mismatch: str = "none"
+    mismatch_level: str = "token"
+    mismatch_low: float | None = None
+    mismatch_high: float | None = None
 
     def __post_init__(self) -> None:
         if self.aggregation is None:
@@ -132,6 +159,49 @@ class AlgorithmConfig:
                 "must be an int >= algorithm.length_penalty_l_cache, got "
                 f"{self.length_penalty_l_max!r}",
             )
+        self._validate_mismatch()
+
+    def _validate_mismatch(self) -> None:
+        _check_choice("mismatch", self.mismatch, MISMATCH_NAMES)
+        _check_choice("mismatch_level", self.mismatch_level, MISMATCH_LEVELS)
+        if self.mismatch == "icepop" and self.mismatch_level != "token":
+            raise ConfigError(
+                "mismatch_level",
+                f"icepop masks tokens: must be token with algorithm.mismatch icepop, got "
+                f"{self.mismatch_level!r} (a sample-level band: mismatch mis)",
+            )
+        high, low = self.mismatch_high, self.mismatch_low
+        if high is not None and (not _finite(high) or high < 1):
+            raise ConfigError(
+                "mismatch_high",
+                f"must be a finite number >= 1 (a cap below 1 shrinks even exact tokens), "
+                f"got {high!r}",
+            )
+        if low is not None:
+            if self.mismatch == "tis":
+                raise ConfigError(
+                    "mismatch_low",
+                    "TIS truncates from above only: leave it unset with algorithm.mismatch "
+                    "tis (a band that masks: mismatch mis)",
+                )
+            if not _finite(low) or not 0 <= low <= 1:
+                raise ConfigError("mismatch_low", f"must be in [0, 1], got {low!r}")
+        if self.mismatch == "none" and (low is not None or high is not None):
+            logger.warning(
+                "algorithm.mismatch_low / mismatch_high are set but algorithm.mismatch is none: "
+                "no correction is applied"
+            )
+
+    def mismatch_params(self) -> dict[str, str | float]:
+        """Keyword parameters of ``mismatch.MismatchCorrection`` for this recipe (the band's
+        unset ends filled with ``DEFAULT_MISMATCH_BAND``)."""
+        low, high = DEFAULT_MISMATCH_BAND.get(self.mismatch, DEFAULT_MISMATCH_BAND["mis"])
+        return {
+            "mode": self.mismatch,
+            "level": self.mismatch_level,
+            "low": low if self.mismatch_low is None else float(self.mismatch_low),
+            "high": high if self.mismatch_high is None else float(self.mismatch_high),
+        }
 
     def loss_params(self) -> dict[str, float]:
         """Keyword parameters of the selected loss, for ``policy_loss(kind, ..., **params)``."""

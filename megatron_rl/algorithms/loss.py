@@ -13,6 +13,7 @@ from megatron_rl.algorithms.aggregation import (
     compute_loss_normalizers,
 )
 from megatron_rl.algorithms.losses import LOSSES
+from megatron_rl.algorithms.mismatch import MismatchCorrection, MismatchWeights, mismatch_kl
 
 
 def _check_float_inputs(loss_mask: torch.Tensor, **values: torch.Tensor) -> None:
@@ -36,6 +37,7 @@ def policy_loss(
     prompt_ids: torch.Tensor,
     aggregation: str = "prompt",
     normalizers: LossNormalizers | None = None,
+    mismatch: MismatchCorrection | None = None,
     **params: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Aggregated policy loss of one micro-batch (tokens flattened over its samples).
@@ -45,6 +47,11 @@ def policy_loss(
     ``normalizers`` from ``compute_loss_normalizers`` over the whole step, the losses of all
     micro-batches and data-parallel ranks sum to the full-batch loss; without, the given
     tokens are the whole batch.
+
+    With a ``mismatch`` correction (not ``none``), the loss's ratio is taken against the
+    trainer's own log-probs (``logprobs`` detached: the proximal policy of a one-step
+    update) and each token's objective is multiplied by the correction's weight of
+    r = exp(logprobs - gen_logprobs); see ``megatron_rl.algorithms.mismatch``.
 
     Args:
         kind: loss name, a key of ``LOSSES`` ("cispo", "ppo_clip", "gspo", "reinforce").
@@ -56,13 +63,17 @@ def policy_loss(
         prompt_ids: ``[T]`` long, id of each token's prompt (unique in the global batch).
         aggregation: "prompt", "sample" or "token".
         normalizers: global counts of the step; None computes them from these tokens.
+        mismatch: the train-inference mismatch correction; None: none.
         **params: hyper-parameters of the loss (eps_max; eps_low, eps_high).
 
     Returns:
         The scalar loss and detached 0-dim statistics over this micro-batch's masked
         tokens: rho_mean, rho_max, clip_frac (clipped, or truncated for CISPO),
         abs_log_ratio_mean (mean |logprobs - gen_logprobs|), num_tokens, weight_sum (sums
-        to 1 over the step's micro-batches and ranks when any token is masked), loss.
+        to 1 over the step's micro-batches and ranks when any token is masked), loss;
+        mismatch_kl (mean k3 KL(generator || trainer), also without a correction),
+        is_weight_mean / is_weight_max (the correction's weights; 1 without one),
+        truncated_frac / masked_frac (tokens whose weight the correction truncated / zeroed).
     """
     if kind not in LOSSES:
         raise ValueError(f"loss kind must be one of {list(LOSSES)}, got {kind!r}")
@@ -87,9 +98,18 @@ def policy_loss(
     logprobs = torch.where(loss_mask, logprobs, zero)
     gen_logprobs = torch.where(loss_mask, gen_logprobs.detach().to(logprobs.dtype), zero)
     advantages = torch.where(loss_mask, advantages.detach().to(logprobs.dtype), zero)
-    terms = loss_fn.terms(logprobs, gen_logprobs, advantages, loss_mask, sample_ids, normalizers)
-    loss = -(weights * torch.where(loss_mask, terms.objective, zero)).sum()
+    correction = mismatch if mismatch is not None else MismatchCorrection()
+    corrected = correction.weights(logprobs, gen_logprobs, loss_mask, sample_ids, normalizers)
+    # The ratio's reference: the generator's log-probs, or with a correction the trainer's
+    # own (pi_theta / pi_prox: the correction carries pi_prox / pi_gen, counted once).
+    reference = logprobs.detach() if correction.decoupled else gen_logprobs
+    terms = loss_fn.terms(logprobs, reference, advantages, loss_mask, sample_ids, normalizers)
+    objective = terms.objective
+    if correction.decoupled:
+        objective = corrected.weights.to(objective.dtype) * objective
+    loss = -(weights * torch.where(loss_mask, objective, zero)).sum()
     stats = _stats(logprobs, gen_logprobs, loss_mask, terms.clipped, weights, loss)
+    stats.update(_mismatch_stats(logprobs, gen_logprobs, loss_mask, corrected))
     return loss, stats
 
 
@@ -115,4 +135,22 @@ def _stats(
         "num_tokens": num,
         "weight_sum": weights.sum().detach(),
         "loss": loss.detach(),
+    }
+
+
+@torch.no_grad()
+def _mismatch_stats(
+    logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    corrected: MismatchWeights,
+) -> dict[str, torch.Tensor]:
+    denom = loss_mask.sum().clamp(min=1).float()
+    w = torch.where(loss_mask, corrected.weights.float(), torch.zeros((), device=loss_mask.device))
+    return {
+        "mismatch_kl": (mismatch_kl(logprobs, gen_logprobs, loss_mask).sum() / denom).float(),
+        "is_weight_mean": w.sum() / denom,
+        "is_weight_max": w.max() if w.numel() else w.new_zeros(()),
+        "truncated_frac": corrected.truncated.sum().float() / denom,
+        "masked_frac": corrected.masked.sum().float() / denom,
     }

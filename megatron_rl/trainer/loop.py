@@ -766,6 +766,12 @@ def step_record(run: Run, step: int, info: dict, result, t0, t1, t2, push, pool)
         "abs_logprob_diff": result.abs_logprob_diff,
         "logprob_gap": result.logprob_gap,
         "logprob_gap_tokens": result.logprob_gap_tokens,
+        # train-inference mismatch (algorithm.mismatch): k3 KL, the correction's weights
+        "mismatch_kl": result.mismatch_kl,
+        "is_weight_mean": result.is_weight_mean,
+        "is_weight_max": result.is_weight_max,
+        "mismatch_truncated_frac": result.mismatch_truncated_frac,
+        "mismatch_masked_frac": result.mismatch_masked_frac,
         "dp_token_imbalance": result.dp_token_imbalance,
         "train_tokens_per_s": result.num_tokens / max(train_seconds, 1e-9),
         "gen_wait_seconds": gen_seconds,

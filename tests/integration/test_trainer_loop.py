@@ -265,6 +265,8 @@ STEP_METRICS = (
     "gen_tokens_per_s", "train_tokens_per_s", "step_seconds", "lr", "grad_norm", "loss",
     "logprob_gap", "logprob_gap_tokens", "staleness_hist", "pool_occupancy",
     "generator_idle_fraction", "engine_idle_fraction_mean", "engine_idle_fraction_max",
+    "mismatch_kl", "is_weight_mean", "is_weight_max", "mismatch_truncated_frac",
+    "mismatch_masked_frac",
 )  # fmt: skip
 
 

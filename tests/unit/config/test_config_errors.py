@@ -39,6 +39,9 @@ TWO_SOURCES = "data.sources=[{source: synthetic, name: a}, {source: synthetic, n
         (["model.fp8=e4m3"], "model.fp8"),  # needs bfloat16; tiny_cpu is float32
         (["parallel.expert_tensor=0"], "parallel.expert_tensor"),
         (["algorithm.eps_max=0"], "algorithm.eps_max"),
+        (["algorithm.mismatch=tls"], "algorithm.mismatch"),
+        (["algorithm.mismatch=tis", "algorithm.mismatch_high=0.5"], "algorithm.mismatch_high"),
+        (["algorithm.mismatch=icepop", "algorithm.mismatch_low=x"], "algorithm.mismatch_low"),
         (["reward.wall_timeout_s=0.5"], "reward.wall_timeout_s"),  # below timeout_s
         (["reward.answer_pattern=(unclosed"], "reward.answer_pattern"),
         (["forecast.ci=2"], "forecast.ci"),

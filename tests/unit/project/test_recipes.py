@@ -170,6 +170,12 @@ def test_routing_replay_recipe_adds_only_routing_replay_to_scout():
     )
 
 
+def test_shipped_recipes_keep_the_loss_ratio_against_the_generator():
+    """The paper's recipes have no train-inference mismatch correction (issue 39: off by
+    default, named in new recipes only)."""
+    assert {load_run_config(p).algorithm.mismatch for p in ALL} == {"none"}
+
+
 def test_leave_one_out_values():
     assert load("loo_prompt_adv_norm").algorithm.advantage_normalization == "group"
     lp = load("loo_length_penalty").algorithm

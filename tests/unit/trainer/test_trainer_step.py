@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -443,3 +444,107 @@ def test_warm_start_drops_examples_longer_than_the_model():
     examples = [([1] * 10, [2] * 6), ([1] * 10, [2] * 7), ([1] * 20_000, [2]), ([1], [2] * 500)]
     assert fitting_examples(examples, 16) == examples[:1]  # 10 + 6 fits 16 positions exactly
     assert fitting_examples(examples, None) == examples
+
+
+def _shift_generator(samples, deltas):
+    """Make the generator's log-probs ``trainer - delta`` (the ratio trainer / generator is
+    exp(delta)), cycling through ``deltas`` over all tokens; the deltas, in token order."""
+    used, i = [], 0
+    for s in samples:
+        shifted = []
+        for lp in s.gen_logprobs:
+            shifted.append(lp - deltas[i % len(deltas)])
+            used.append(deltas[i % len(deltas)])
+            i += 1
+        s.gen_logprobs = shifted
+    return used
+
+
+@pytest.mark.parametrize("mode", ["none", "icepop"])
+def test_step_measures_the_mismatch_and_its_correction(model, mode):
+    """The step's mismatch metrics, summed over micro-batches, equal the hand-computed ones
+    of the generator log-probs' known shifts: k3 KL = mean(e^d - 1 - d), IcePop masks the
+    tokens whose ratio e^d leaves [0.5, 2] and weighs the others by e^d."""
+    samples = make_samples(model, [[1, -1], [-1, 1]], seed=3)
+    deltas = _shift_generator(samples, [0.9, -0.2, 0.1, -1.0, 0.3])
+    algo = AlgorithmConfig(mismatch=mode)
+    _, res = params_after(model, samples, algo, 2)  # several micro-batches
+    n = len(deltas)
+    assert res.num_tokens == n
+    kl = sum(math.expm1(d) - d for d in deltas) / n
+    assert res.mismatch_kl == pytest.approx(kl, rel=1e-4)
+    ratios = [math.exp(d) for d in deltas]
+    if mode == "none":
+        assert (res.is_weight_mean, res.is_weight_max) == (1.0, 1.0)
+        assert res.mismatch_masked_frac == 0.0 and res.mismatch_truncated_frac == 0.0
+        return
+    kept = [r for r in ratios if 0.5 <= r <= 2.0]
+    assert res.mismatch_masked_frac == pytest.approx((n - len(kept)) / n)
+    assert res.is_weight_mean == pytest.approx(sum(kept) / n, rel=1e-4)
+    assert res.is_weight_max == pytest.approx(max(kept), rel=1e-4)
+    assert res.mismatch_truncated_frac == 0.0
+
+
+def test_step_record_carries_the_mismatch_metrics(model):
+    """The metrics record of a step (``loop.step_record``) holds the mismatch keys beside
+    ``logprob_gap``, with the step's values."""
+    from types import SimpleNamespace
+
+    from megatron_rl.trainer.loop import step_record
+
+    samples = make_samples(model, [[1, -1]], seed=1)
+    _shift_generator(samples, [0.5])
+    _, res = params_after(model, samples, AlgorithmConfig(mismatch="tis"), 4)
+    run = SimpleNamespace(clock=SimpleNamespace(summary=dict), tracker=None)
+    pool = SimpleNamespace(version=1, restarts=0)
+    record = step_record(run, 1, {"response_tokens": 10}, res, 0.0, 1.0, 2.0, None, pool)
+    assert record["logprob_gap"] is res.logprob_gap
+    for key in ("mismatch_kl", "is_weight_mean", "is_weight_max", "mismatch_truncated_frac",
+                "mismatch_masked_frac"):  # fmt: skip
+        assert record[key] == getattr(res, key), key
+    assert record["mismatch_kl"] == pytest.approx(math.expm1(0.5) - 0.5, rel=1e-4)
+    assert record["is_weight_max"] == pytest.approx(math.exp(0.5), rel=1e-4)  # below C = 2
+
+
+def test_mismatch_metrics_are_nan_without_a_token_to_train(model):
+    """A batch of zero-variance groups has no token with a loss: its mismatch is not
+    measured (NaN, as logprob_gap without tokens), not a perfect 0."""
+    samples = make_samples(model, [[1, 1], [-1, -1]], seed=2)
+    _shift_generator(samples, [0.7])
+    _, res = params_after(model, samples, AlgorithmConfig(mismatch="tis"), 4)
+    assert res.num_tokens == 0
+    for key in ("mismatch_kl", "is_weight_mean", "is_weight_max", "mismatch_truncated_frac",
+                "mismatch_masked_frac"):  # fmt: skip
+        assert math.isnan(getattr(res, key)), key
+
+
+def test_the_proximal_log_probs_are_a_recompute_at_no_extra_forward(model, monkeypatch):
+    """AReaL's decoupled objective recomputes the proximal policy (the weights the update
+    starts from) with an extra forward; an update here is one optimizer step, so the
+    loss's own forward is that recompute: the log-probs the correction divides by the
+    generator's equal a separate no-grad forward of each sample (make_samples' log-probs,
+    taken at the same weights), and the update runs one forward per micro-batch."""
+    import megatron_rl.trainer.step as step
+
+    samples = make_samples(model, [[1, -1], [-1, 1]], seed=4)
+    recomputed = [lp for s in samples for lp in s.gen_logprobs]
+    _shift_generator(samples, [0.4, -0.3])
+    seen, forwards = [], []
+    original = step.policy_loss
+
+    def recording(kind, logprobs, gen_logprobs, advantages, loss_mask, *args, **kwargs):
+        seen.append(logprobs.detach()[loss_mask])
+        return original(kind, logprobs, gen_logprobs, advantages, loss_mask, *args, **kwargs)
+
+    monkeypatch.setattr(step, "policy_loss", recording)
+    hook = model.module.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        policy_update(model, sgd(model), samples, AlgorithmConfig(mismatch="icepop"), 2)
+    finally:
+        hook.remove()
+    # micro-batches take the longest samples first: compare as sorted multisets
+    got = torch.sort(torch.cat(seen)).values
+    want = torch.sort(torch.tensor(recomputed)).values
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert len(forwards) == len(seen)  # no forward beyond the update's own
