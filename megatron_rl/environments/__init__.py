@@ -1,0 +1,1 @@
+"""Multi-turn environments with tools (see formats, protocol)."""
