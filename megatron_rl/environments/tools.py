@@ -17,6 +17,7 @@ drop the OS isolation.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 # What CPython writes when a write runs into RLIMIT_FSIZE (it ignores SIGXFSZ).
 _FILE_TOO_LARGE = "[Errno 27] File too large"
+# Traceback frames of the sandbox's harness (run from ``-c``: file "<string>"): noise to the
+# model, whose own frames are those of main.py.
+_HARNESS_FRAME = re.compile(r'^  File "<string>", line \d+, in .*\n', re.MULTILINE)
 
 
 def truncate_to_tokens(text: str, max_tokens: int, tokenizer: Any) -> tuple[str, bool]:
@@ -50,10 +54,12 @@ def truncate_to_tokens(text: str, max_tokens: int, tokenizer: Any) -> tuple[str,
 
 
 def program_output(result: SandboxResult) -> str:
-    """What a program showed: its stdout, then its stderr (a traceback) when it has one."""
-    if result.stderr and result.stdout and not result.stdout.endswith("\n"):
-        return result.stdout + "\n" + result.stderr
-    return result.stdout + result.stderr
+    """What a program showed: its stdout, then its stderr (a traceback, without the
+    sandbox harness's frames) when it has one."""
+    stderr = _HARNESS_FRAME.sub("", result.stderr)
+    if stderr and result.stdout and not result.stdout.endswith("\n"):
+        return result.stdout + "\n" + stderr
+    return result.stdout + stderr
 
 
 def run_python(code: str, config: RewardConfig, max_tokens: int, tokenizer: Any) -> ToolResult:
