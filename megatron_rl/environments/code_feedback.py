@@ -45,6 +45,10 @@ class CodeFeedbackEnvironment(Environment):
     """Runs the model's candidate on the public tests; the reward runs all of them."""
 
     tool_name = "run_tests"
+    tool_description = (
+        "Run a candidate solution (a complete Python program) on the problem's public tests "
+        "and return which pass and, for each failure, the input, expected and actual output."
+    )
 
     def reset(self, problem: Any) -> str:
         text = super().reset(problem)

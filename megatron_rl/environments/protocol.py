@@ -72,6 +72,14 @@ class Episode:
         that prints ``\\boxed{}`` cannot answer for the model)."""
         return "".join(t.text for t in self.turns if t.role == "model")
 
+    def token_ids(self) -> list[int]:
+        """The episode's ids after the prompt, every turn in order: ``[T]``."""
+        return [i for turn in self.turns for i in turn.token_ids]
+
+    def loss_mask(self) -> list[bool]:
+        """``[T]``: True on the model's tokens, False on the tool's (no loss there)."""
+        return [turn.role == "model" for turn in self.turns for _ in turn.token_ids]
+
     @property
     def tool_results(self) -> list[ToolResult]:
         """The results of the episode's tool calls, in order."""
@@ -129,8 +137,29 @@ class Environment(ABC):
     errors, and no exception of the tool ever reaches the rollout.
     """
 
-    # The tool the model calls by name in JSON formats (Qwen's ``"name"``).
+    # The tool the model calls by name in JSON formats (Qwen's ``"name"``), and what it does.
     tool_name: ClassVar[str] = "python"
+    tool_description: ClassVar[str] = (
+        "Run a Python program in a sandbox (no network, no files kept between calls) and "
+        "return what it prints (stdout, then stderr)."
+    )
+
+    @classmethod
+    def tool_schema(cls) -> dict[str, Any]:
+        """The tool as chat templates take it (``apply_chat_template(tools=[...])``, the
+        OpenAI function form): one required string argument, ``code``."""
+        return {
+            "type": "function",
+            "function": {
+                "name": cls.tool_name,
+                "description": cls.tool_description,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"code": {"type": "string", "description": "Python code"}},
+                    "required": ["code"],
+                },
+            },
+        }
 
     def __init__(self, context: EnvironmentContext) -> None:
         self.context = context

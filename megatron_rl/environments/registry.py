@@ -19,6 +19,8 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from megatron_rl.environments.config import EnvironmentConfig
+    from megatron_rl.environments.formats import ToolFormat
     from megatron_rl.environments.protocol import Environment, EnvironmentContext
 
 ENTRY_POINT_GROUP = "megatron_rl.environments"
@@ -74,3 +76,11 @@ def environment_class(name: str) -> type[Environment]:
 def make_environment(name: str, context: EnvironmentContext) -> Environment:
     """A new environment ``name`` (one per episode)."""
     return environment_class(name)(context)
+
+
+def tool_format(config: EnvironmentConfig, tokenizer: object = None) -> ToolFormat:
+    """The tool-call format of ``config`` (``tool_format``, "auto" read from ``tokenizer``)
+    for its environment's tool (the name JSON calls use)."""
+    from megatron_rl.environments.formats import format_for
+
+    return format_for(config.tool_format, tokenizer, environment_class(config.name).tool_name)

@@ -173,3 +173,33 @@ def test_reward_reads_the_models_text_only():
     assert env.reward(episode) == RewardConfig().incorrect_reward
     episode.turns.append(Turn("model", [4], " So \\boxed{42}."))
     assert env.reward(episode) == RewardConfig().correct_reward
+
+
+def test_episode_ids_and_mask_follow_the_turns():
+    episode = Episode(
+        _Problem(),
+        [
+            Turn("model", [5, 6, 7], "abc"),
+            Turn("tool", [8, 9], "de", ToolResult("ok", "d")),
+            Turn("model", [10], "f"),
+        ],
+    )
+    assert episode.token_ids() == [5, 6, 7, 8, 9, 10]
+    assert episode.loss_mask() == [True, True, True, False, False, True]
+    assert episode.tool_results == [ToolResult("ok", "d")]
+
+
+def test_the_format_calls_the_environments_own_tool(qwen_tokenizer):
+    fmt = registry.tool_format(EnvironmentConfig(name="code_feedback"), qwen_tokenizer)
+    assert fmt.name == "qwen" and fmt.tool_name == "run_tests"
+    ok = '<tool_call>{"name": "run_tests", "arguments": {"code": "print(1)"}}</tool_call>'
+    assert fmt.parse(ok).code == "print(1)"
+    wrong = ok.replace("run_tests", "python")
+    assert fmt.parse(wrong).error == "unknown tool 'python'; the tool is 'run_tests'"
+    schema = CodeFeedbackEnvironment.tool_schema()
+    assert schema["function"]["name"] == "run_tests"
+    assert schema["function"]["parameters"]["required"] == ["code"]
+    assert (
+        registry.tool_format(EnvironmentConfig(name="python_tool", tool_format="llama3")).name
+        == "llama3"
+    )
