@@ -211,3 +211,20 @@ def test_auto_picks_the_family_from_the_tokenizer(llama_tokenizer, qwen_tokenize
         format_for("hermes")
     with pytest.raises(ValueError, match="needs the tokenizer"):
         format_for("auto")
+
+
+def test_the_tool_schema_renders_into_qwens_system_prompt():
+    from megatron_rl.environments.python_tool import PythonToolEnvironment
+
+    if not QWEN3_TEMPLATE.exists():
+        pytest.skip("vLLM's Qwen3-style template is not installed")
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    rendered = env.from_string(QWEN3_TEMPLATE.read_text()).render(
+        messages=[{"role": "user", "content": "q"}],
+        tools=[PythonToolEnvironment.tool_schema()],
+        add_generation_prompt=True,
+    )
+    system = rendered.split("<|im_end|>")[0]
+    assert "<tools>" in system and '"name": "python"' in system and '"required": ["code"]' in system
+    # and it tells the model to call it in the form QwenFormat reads
+    assert "<tool_call>" in system
