@@ -67,5 +67,11 @@ setup(
         "vllm.general_plugins": [
             "megatron_rl_cpu_transport = megatron_rl.rollout.weights.cpu_backend:register_backend"
         ],
+        # Multi-turn environments by name (rollout.environment.name); other packages add
+        # theirs in the same group (megatron_rl.environments.registry).
+        "megatron_rl.environments": [
+            "python_tool = megatron_rl.environments.python_tool:PythonToolEnvironment",
+            "code_feedback = megatron_rl.environments.code_feedback:CodeFeedbackEnvironment",
+        ],
     },
 )

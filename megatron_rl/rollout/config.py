@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.config.errors import ConfigError
+from megatron_rl.environments.config import EnvironmentConfig
 
 # rollout.weight_bucket_mb when unset. GPU: 1 GiB (vLLM's own packed-broadcast default; a
 # Scout push is ~850 header / broadcast rounds at 256 MiB, ~210 at 1 GiB). CPU: 256 MiB: a
@@ -90,6 +91,11 @@ class RolloutConfig:
             KV cache is recomputed by the new weights before they continue).
         stop_token_ids: tokens that end a sample; None = the model's EOS token(s).
         interruption: forced length interruption.
+        max_turns: model turns per episode. 1 (the default): single-turn samples. Above 1:
+            episodes in ``environment``, where each turn but the last may end in a tool call
+            whose output is appended (``megatron_rl.environments``).
+        environment: the multi-turn environment and its tool's limits (needs
+            ``max_turns`` > 1).
         weight_bucket_mb: size of the buckets in which weights are streamed (MiB); null (the
             default): 1024 on a GPU machine, 256 on a CPU one (the platform layer decides:
             ``weight_bucket_bytes``). Bigger buckets mean fewer header / load rounds per push;
@@ -172,6 +178,8 @@ class RolloutConfig:
     kv_on_push: Literal["keep", "recompute"] = "keep"
     stop_token_ids: list[int] | None = None
     interruption: InterruptionConfig = field(default_factory=InterruptionConfig)
+    max_turns: int = 1
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     weight_bucket_mb: int | None = None
     weight_transport: Literal["auto", "host", "nccl", "nccl_m2n"] = "auto"
     nccl_address: str | None = None
@@ -279,11 +287,34 @@ class RolloutConfig:
             self.interruption.validate()
         except ConfigError as err:
             raise err.within("interruption") from None
+        self._validate_turns()
         if self.interruption.enabled and self.interruption.thinking_budget[1] > self.max_tokens:
             raise ConfigError(
                 "interruption.thinking_budget",
                 f"upper end {self.interruption.thinking_budget[1]} exceeds rollout.max_tokens "
                 f"{self.max_tokens}",
+            )
+
+    def _validate_turns(self) -> None:
+        if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int):
+            raise ConfigError("max_turns", f"must be an int >= 1, got {self.max_turns!r}")
+        if self.max_turns < 1:
+            raise ConfigError("max_turns", f"must be >= 1, got {self.max_turns}")
+        try:
+            self.environment.validate()
+        except ConfigError as err:
+            raise err.within("environment") from None
+        if self.max_turns > 1 and not self.environment.name:
+            raise ConfigError(
+                "environment.name",
+                f"rollout.max_turns is {self.max_turns}: name the environment whose tool the "
+                "turns call (e.g. python_tool, code_feedback)",
+            )
+        if self.environment.name and self.max_turns < 2:
+            raise ConfigError(
+                "max_turns",
+                f"environment {self.environment.name!r} needs rollout.max_turns >= 2 (one "
+                "turn is a single-turn sample: no tool call)",
             )
 
     @property

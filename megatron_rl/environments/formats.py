@@ -1,0 +1,231 @@
+"""Tool-call formats: how a model family writes a call, where generation stops for it, and
+how the tool's output goes back into the episode.
+
+Three formats, picked by ``rollout.environment.tool_format`` ("auto": from the tokenizer,
+``format_for``):
+
+- ``llama3``: Llama-3.1's code interpreter. With ``Environment: ipython`` in the system
+  prompt the model writes ``<|python_tag|>`` + code and ends the turn with ``<|eom_id|>``
+  ("end of message": a tool call follows) instead of ``<|eot_id|>``. The output comes back
+  as an ``ipython`` turn, then the assistant's header opens its next turn.
+- ``qwen``: Qwen2.5 / Qwen3 (Hermes style): ``<tool_call>\\n{"name": "python",
+  "arguments": {"code": "..."}}\\n</tool_call>`` inside the assistant turn; the output comes
+  back in a user turn as ``<tool_response>\\n...\\n</tool_response>`` (the Qwen chat
+  templates' rendering of a ``tool`` message).
+- ``markdown``: base models (ToRA's convention): a fenced ````python`` block, closed, then
+  ````output``; generation stops at ````output`` and the output fills that block.
+
+Every format gives the engine what to stop on (``stop_strings`` and ``stop_token_ids``), reads
+the call out of the model's turn (``parse``; the turn's ids decoded with their special
+tokens, which is what ``parse_ids`` does) and renders the output as the text that is
+tokenized once and appended by id (``observation_text`` / ``observation_ids``). A call that
+cannot be read (unterminated, bad JSON, no code) is a ``ToolCall`` with an ``error``: the
+environment reports it to the model as a tool error, it never raises.
+
+Stop strings: the engine must keep them in the output (vLLM ``include_stop_str_in_output``)
+so that the turn's text is the decoding of its ids.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+# The tool the JSON formats name ("name" of Qwen's call).
+DEFAULT_TOOL_NAME = "python"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call read from a model turn: ``code`` to run, or ``error`` (why it could not be
+    read; ``code`` is None then). ``text`` is the call as the model wrote it."""
+
+    code: str | None
+    error: str = ""
+    text: str = ""
+
+    @property
+    def malformed(self) -> bool:
+        """True when the call cannot be run (reported to the model as a tool error)."""
+        return self.code is None
+
+
+class ToolFormat(ABC):
+    """One model family's tool-call convention (see the module docstring)."""
+
+    name: ClassVar[str]
+    # Text the engine stops at to hand over to the tool (kept in the output).
+    stop_strings: ClassVar[tuple[str, ...]] = ()
+    # Tokens (by their text) that end a call, where the tokenizer has them as single tokens.
+    stop_tokens: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, tool_name: str = DEFAULT_TOOL_NAME) -> None:
+        self.tool_name = tool_name
+
+    def stop_token_ids(self, tokenizer: Any) -> list[int]:
+        """Ids of ``stop_tokens`` that are single tokens of ``tokenizer`` (others are
+        caught by ``stop_strings``)."""
+        ids = []
+        for token in self.stop_tokens:
+            encoded = tokenizer.encode(token, add_special_tokens=False)
+            if len(encoded) == 1:
+                ids.append(int(encoded[0]))
+        return ids
+
+    @abstractmethod
+    def parse(self, text: str) -> ToolCall | None:
+        """The call at the end of a model turn (``text``: the turn's ids decoded with their
+        special tokens); None when the turn makes no call (a final answer)."""
+
+    def parse_ids(self, token_ids: Sequence[int], tokenizer: Any) -> ToolCall | None:
+        """``parse`` of a turn given as the ids the engine produced (decoded only to read
+        the call: the ids themselves stay what the episode holds)."""
+        return self.parse(tokenizer.decode(list(token_ids), skip_special_tokens=False))
+
+    @abstractmethod
+    def observation_text(self, output: str) -> str:
+        """The text appended after a call's turn: ``output`` in the family's tool turn, and
+        whatever reopens the model's turn."""
+
+    def observation_ids(self, output: str, tokenizer: Any) -> list[int]:
+        """``observation_text`` tokenized once, without BOS: the ids appended to the episode."""
+        return list(tokenizer.encode(self.observation_text(output), add_special_tokens=False))
+
+
+class Llama3Format(ToolFormat):
+    """Llama-3.1's ``<|python_tag|>`` code ``<|eom_id|>`` (the ``ipython`` environment)."""
+
+    name = "llama3"
+    START = "<|python_tag|>"
+    END = "<|eom_id|>"
+    stop_tokens = (END,)
+
+    def parse(self, text: str) -> ToolCall | None:
+        start = text.find(self.START)
+        if start < 0:
+            return None
+        call = text[start:]
+        body = call[len(self.START) :]
+        if not body.rstrip().endswith(self.END):
+            return ToolCall(None, f"unterminated tool call: {self.START} without {self.END}", call)
+        code = body.rstrip()[: -len(self.END)]
+        if not code.strip():
+            return ToolCall(None, "empty tool call: no code", call)
+        return ToolCall(code, text=call)
+
+    def observation_text(self, output: str) -> str:
+        return (
+            "<|start_header_id|>ipython<|end_header_id|>\n\n"
+            f"{output}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        )
+
+
+class QwenFormat(ToolFormat):
+    """Qwen's ``<tool_call>{json}</tool_call>`` with the code in ``arguments.code``."""
+
+    name = "qwen"
+    START = "<tool_call>"
+    END = "</tool_call>"
+    stop_strings = (END,)
+    stop_tokens = (END,)
+
+    def parse(self, text: str) -> ToolCall | None:
+        start = text.rfind(self.START)
+        if start < 0:
+            return None
+        call = text[start:]
+        end = call.find(self.END)
+        if end < 0:
+            return ToolCall(None, f"unterminated tool call: {self.START} without {self.END}", call)
+        try:
+            payload = json.loads(call[len(self.START) : end])
+        except ValueError as exc:
+            return ToolCall(None, f"tool call is not valid JSON: {exc}", call)
+        if not isinstance(payload, dict):
+            return ToolCall(None, "tool call must be a JSON object with name and arguments", call)
+        name = payload.get("name")
+        if name != self.tool_name:
+            return ToolCall(None, f"unknown tool {name!r}; the tool is {self.tool_name!r}", call)
+        arguments = payload.get("arguments")
+        if isinstance(arguments, str):  # some models encode the arguments object twice
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        code = arguments.get("code") if isinstance(arguments, dict) else None
+        if not isinstance(code, str) or not code.strip():
+            return ToolCall(None, 'tool call needs "arguments": {"code": "<python code>"}', call)
+        return ToolCall(code, text=call)
+
+    def observation_text(self, output: str) -> str:
+        # The call ended the assistant's turn at </tool_call>: close it as the chat template
+        # would (<|im_end|>), then the tool message and the next assistant header.
+        return (
+            "<|im_end|>\n<|im_start|>user\n<tool_response>\n"
+            f"{output}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        )
+
+
+class MarkdownFormat(ToolFormat):
+    """Base models: a ```python block, then ```output (ToRA's tool-integrated reasoning)."""
+
+    name = "markdown"
+    OPEN = "```python"
+    OUTPUT = "```output"
+    stop_strings = (OUTPUT,)
+
+    def parse(self, text: str) -> ToolCall | None:
+        stripped = text.rstrip()
+        if not stripped.endswith(self.OUTPUT):
+            return None
+        before = stripped[: -len(self.OUTPUT)]
+        start = before.rfind(self.OPEN)
+        if start < 0:
+            return ToolCall(None, f"{self.OUTPUT} without a {self.OPEN} block before it", text)
+        call = stripped[start:]
+        body = before[start + len(self.OPEN) :]
+        closed = body.rstrip()
+        if not closed.endswith("```"):
+            return ToolCall(None, f"unterminated {self.OPEN} block before {self.OUTPUT}", call)
+        code = closed[:-3]
+        if not code.strip():
+            return ToolCall(None, "empty tool call: no code", call)
+        return ToolCall(code.strip("\n") + "\n", text=call)
+
+    def observation_text(self, output: str) -> str:
+        return f"\n{output}\n```\n"
+
+
+FORMATS: dict[str, type[ToolFormat]] = {
+    "llama3": Llama3Format,
+    "qwen": QwenFormat,
+    "markdown": MarkdownFormat,
+}
+TOOL_FORMATS: tuple[str, ...] = ("auto", *FORMATS)
+
+
+def detect_format(tokenizer: Any) -> str:
+    """The format of ``tokenizer``'s model family: "llama3" when ``<|python_tag|>`` is one of
+    its tokens, "qwen" when its chat template renders ``<tool_call>``, else "markdown"."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = template if isinstance(template, str) else json.dumps(template)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    if Llama3Format.START in vocab or Llama3Format.START in template:
+        return "llama3"
+    if QwenFormat.START in template:
+        return "qwen"
+    return "markdown"
+
+
+def format_for(name: str, tokenizer: Any = None, tool_name: str = DEFAULT_TOOL_NAME) -> ToolFormat:
+    """The format called ``name`` (one of ``TOOL_FORMATS``; "auto" needs ``tokenizer``)."""
+    if name == "auto":
+        if tokenizer is None:
+            raise ValueError("tool_format 'auto' needs the tokenizer to detect the format")
+        name = detect_format(tokenizer)
+    if name not in FORMATS:
+        raise ValueError(f"unknown tool format {name!r}; known: {', '.join(TOOL_FORMATS)}")
+    return FORMATS[name](tool_name)
