@@ -1,9 +1,10 @@
-"""`megatron-rl reward-audit FILE [--domain math|code] [--recipe RECIPE]`: check the reward on
-your own evaluation outputs before a long run.
+"""`megatron-rl reward-audit FILE [--domain math|code] [--recipe RECIPE] [reward.key=value ...]`:
+check the reward on your own evaluation outputs before a long run.
 
 Scores every row of FILE (JSONL or Parquet: ``response``, ``reference``, optional ``label``
 and ``domain``; see ``megatron_rl.rewards.audit``) with the reward of RECIPE (its ``reward``
-section; default settings without one), through the reward worker pool and the code sandbox
+section; default settings without one; ``reward.key=value`` overrides on top, e.g.
+``reward.require_think_end=false`` for outputs of a model without a thinking block), through the reward worker pool and the code sandbox
 as in training. With labels it prints the agreement, the disagreements by class and the
 slowest rows, and writes the disagreements to a JSONL (``--out``). Without labels it prints
 the distribution of extracted answers and the rows where nothing was extracted (written to
@@ -21,6 +22,12 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``megatron-rl reward-audit``."""
     parser.add_argument("file", type=Path, help="evaluation outputs: .jsonl or .parquet")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="reward.key=value",
+        help="reward settings on top of the recipe's (or the defaults)",
+    )
     parser.add_argument(
         "--domain",
         choices=("math", "code"),
@@ -49,21 +56,31 @@ def _error(message: str) -> int:
     return 2
 
 
+def reward_config(recipe: Path | None, overrides: list[str]):
+    """The reward section of ``recipe`` (defaults without one) with ``reward.*`` overrides.
+    Raises ConfigError naming a key outside ``reward`` or a bad value."""
+    from megatron_rl.config import ConfigError, load_run_config
+    from megatron_rl.config.loader import apply_overrides, from_dict
+    from megatron_rl.rewards import RewardConfig
+
+    for item in overrides:
+        if not item.startswith("reward."):
+            raise ConfigError(f"override {item!r}: reward-audit takes reward.* keys only")
+    if recipe is not None:
+        return load_run_config(recipe, overrides, check_model=False).reward
+    return from_dict(RewardConfig, apply_overrides({}, overrides).get("reward", {}), "reward")
+
+
 def run(args: argparse.Namespace) -> int:
     """Audit and print; returns the exit status."""
     from tqdm import tqdm
 
-    from megatron_rl.config import ConfigError, load_run_config
-    from megatron_rl.rewards import RewardConfig
+    from megatron_rl.config import ConfigError
     from megatron_rl.rewards.audit import Fields, audit, read_rows, write_rows
     from megatron_rl.rewards.isolation import SandboxUnavailableError
 
     try:
-        config = (
-            load_run_config(args.recipe, check_model=False).reward
-            if args.recipe is not None
-            else RewardConfig()
-        )
+        config = reward_config(args.recipe, args.overrides)
         if args.workers is not None:
             config = dataclasses.replace(config, num_workers=args.workers)
         config.validate()
@@ -85,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         f"{len(rows)} rows ({', '.join(domains)}) scored in {result.seconds:.1f}s with "
         f"{config.num_workers} workers"
         + (f", reward settings of {args.recipe}" if args.recipe else ", default reward settings")
+        + (f" with {' '.join(args.overrides)}" if args.overrides else "")
     )
     statuses = ", ".join(f"{k} {v}" for k, v in _counts(r.status for r in rows))
     print(f"statuses: {statuses}")

@@ -158,3 +158,43 @@ def test_audit_of_code_rows(tmp_path, capsys):
     assert [(r["row"], r["class"], r["status"]) for r in written] == [
         (f"{data} line 2", "unequal", "wrong")
     ]
+
+
+TORA = Path(__file__).resolve().parents[2] / "data" / "tora_gsm8k_outputs_slice.jsonl"
+
+
+@pytest.mark.timeout(120)
+def test_audit_of_public_model_outputs_against_their_harness(tmp_path, capsys):
+    """Real model outputs nobody here wrote: ToRA-70B's and ToRA-Code-34B's released GSM8K
+    outputs, labelled with ToRA's own verdicts (tools/build_tora_audit_file.py checks they
+    reproduce its published scores). A response with a boxed answer must agree with the
+    label; one without (ToRA reads the program's printed output instead) is -1 here by
+    design, and must be reported as extraction_empty; nothing labelled wrong is rewarded."""
+    rows = [json.loads(x) for x in TORA.read_text().splitlines() if not x.startswith("#")]
+    boxed = [("\\boxed{" in r["response"]) for r in rows]
+    out = tmp_path / "dis.jsonl"
+    argv = ["reward-audit", str(TORA), "reward.require_think_end=false", "--workers", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    disagreements = [json.loads(x) for x in out.read_text().splitlines()]
+    lines = {int(d["row"].rsplit(" ", 1)[1]) for d in disagreements}
+    # Row i of the file (0-based, after the header line) is line i + 2.
+    expected = {
+        i + 2
+        for i, (row, has_box) in enumerate(zip(rows, boxed, strict=True))
+        if row["label"] and not has_box
+    }
+    # Boxed answers on these GSM8K rows are integers or decimals that equal the reference
+    # exactly when ToRA says correct, except ToRA's x100 tolerance (none in this slice).
+    assert lines == expected and expected, (lines, expected)
+    assert all(d["class"] == "extraction_empty" for d in disagreements)
+    agree = len(rows) - len(expected)
+    assert f"agreement with labels: {agree}/{len(rows)} = " in printed
+    assert "rewarded where the label says wrong: 0" in printed
+
+
+def test_overrides_outside_the_reward_section_are_refused(capsys):
+    assert main(["reward-audit", str(TORA), "model.preset=tiny-llama"]) == 2
+    assert "reward.* keys only" in capsys.readouterr().err
+    assert main(["reward-audit", str(TORA), "reward.no_such_key=1"]) == 2
+    assert "reward.no_such_key" in capsys.readouterr().err
