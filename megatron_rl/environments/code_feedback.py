@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from megatron_rl.environments.protocol import Environment, ToolResult
-from megatron_rl.environments.tools import program_output, truncate_to_tokens
+from megatron_rl.environments.tools import SANDBOX_TIMEOUTS, program_output, truncate_to_tokens
 from megatron_rl.rewards import literals
 from megatron_rl.rewards.code import CodeProblem, outputs_match, parse_problem, values_match
 from megatron_rl.rewards.sandbox import ProgramSession, SandboxResult
@@ -90,7 +90,7 @@ class CodeFeedbackEnvironment(Environment):
 
     def _verdict(self, result: SandboxResult, case: Any) -> tuple[str, list[str]]:
         """("passed" | "failed" | "error" | "timed out", lines of detail)."""
-        if result.status == "timeout":
+        if result.status in SANDBOX_TIMEOUTS:
             return "timed out", [f"stopped after {self.context.config.tool_timeout_s:g} s"]
         if result.status != "ok":
             return "error", [f"output: {_shown(program_output(result))}"]

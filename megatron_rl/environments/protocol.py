@@ -117,11 +117,14 @@ class EnvironmentContext:
 
     def sandbox_config(self) -> RewardConfig:
         """The reward config the tool's programs run under: the run's box settings with the
-        tool's limits."""
+        tool's limits. ``tool_timeout_s`` bounds both the program's CPU time and its wall
+        time (the episode waits on the call: a program that sleeps must not hold it for the
+        reward's longer wall-clock backstop)."""
         config = dataclasses.replace(
             self.reward,
             kind="code",
             code_test_timeout_s=float(self.config.tool_timeout_s),
+            code_wall_timeout_s=float(self.config.tool_timeout_s),
             code_memory_mb=self.config.tool_memory_mb,
             code_max_output_bytes=self.config.tool_max_output_bytes,
         )

@@ -25,11 +25,14 @@ from typing import Any
 
 from megatron_rl.environments.formats import ToolCall
 from megatron_rl.environments.protocol import Environment, ToolResult
+from megatron_rl.rewards.code import TIMEOUT_CPU, TIMEOUT_WALL
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rewards.isolation import box_for
 from megatron_rl.rewards.sandbox import SandboxResult, run_program
 
 logger = logging.getLogger(__name__)
+# A tool call over its CPU time or its wall time: reported to the model as a timeout.
+SANDBOX_TIMEOUTS = (TIMEOUT_CPU, TIMEOUT_WALL)
 
 # What CPython writes when a write runs into RLIMIT_FSIZE (it ignores SIGXFSZ).
 _FILE_TOO_LARGE = "[Errno 27] File too large"
@@ -73,7 +76,8 @@ def run_python(code: str, config: RewardConfig, max_tokens: int, tokenizer: Any)
         len(result.stdout.encode("utf-8", errors="replace")) >= config.code_max_output_bytes
         or _FILE_TOO_LARGE in result.stderr
     )
-    if result.status == "timeout":
+    timed_out = result.status in SANDBOX_TIMEOUTS
+    if timed_out:
         output += f"\nTimeoutError: stopped after {config.code_test_timeout_s:g} s\n"
     elif flooded:
         output += f"\n[output over {config.code_max_output_bytes} bytes: the program was cut]\n"
@@ -81,7 +85,7 @@ def run_python(code: str, config: RewardConfig, max_tokens: int, tokenizer: Any)
         logger.warning("tool sandbox failed to start: %s", result.stderr.strip()[:300])
         output = "Error: the sandbox failed to start\n"
     output, cut = truncate_to_tokens(output, max_tokens, tokenizer)
-    if result.status == "timeout":
+    if timed_out:
         outcome = "timeout"
     elif flooded or cut:
         outcome = "truncated"

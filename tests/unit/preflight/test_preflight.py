@@ -98,11 +98,13 @@ def test_fp8_is_not_applicable_on_cpu_and_recipes_follow_the_gpu(tmp_path):
 def test_fp8_check_compares_the_recipe_with_this_gpus(
     tmp_path, monkeypatch, capability, cuda, recipe, passes
 ):
-    import megatron_rl.platform as platform
-    from megatron_rl.platform import inventory
+    from megatron_rl.platform import device, inventory
     from megatron_rl.platform.device import Platform
 
-    monkeypatch.setattr(platform, "get_platform", lambda: Platform("cuda", "nccl", True))
+    # Patched where it is defined: setting it on the package (a lazy export) would leave the
+    # real function in the package's namespace after the undo, and every later test of this
+    # worker that patches device.get_platform would be ignored.
+    monkeypatch.setattr(device, "get_platform", lambda: Platform("cuda", "nccl", True))
     found = inventory.DeviceInventory("2.13", cuda, "580", "2.27", "H200", capability, 8)
     monkeypatch.setattr(inventory, "device_inventory", lambda: found)
     overrides = ["model.fp8=e4m3"] + ([f"model.fp8_recipe={recipe}"] if recipe else [])
@@ -130,17 +132,27 @@ def test_disk_needs_keep_last_plus_one_checkpoints(tmp_path):
 
 
 def _fake_checkpoint(run_dir: Path, step: int, size: int) -> None:
-    """An intact checkpoint directory of ``size`` bytes in all (CheckpointManager's parts,
-    the tensor shard sparse: no disk used)."""
+    """An intact checkpoint directory of ``size`` bytes in all (CheckpointManager's parts and
+    its manifest, which it verifies against; the tensor shard sparse: no disk used)."""
+    from megatron_rl.trainer import state
+
     path = run_dir / "checkpoints" / f"step_{step:08d}"
     (path / "model" / "model").mkdir(parents=True)
     (path / "state").mkdir()
     (path / "state" / "loop.pt").write_bytes(b"0" * 10)
     (path / "state" / "rng_00000.pt").write_bytes(b"0" * 10)
-    meta = json.dumps({"step": step, "world_size": 1, "format": 2, "optimizer": False})
+    meta = json.dumps(
+        {"step": step, "world_size": 1, "format": state.FORMAT_VERSION, "optimizer": False}
+    )
+    shard = path / "model" / "model" / "shard.distcp"
+    manifest = ""
+    for _ in range(3):  # the shard's size is in the manifest, whose length it depends on
+        with open(shard, "wb") as f:
+            f.truncate(size - 20 - len(meta) - len(manifest))
+        manifest = json.dumps(state._manifest(path)) + "\n"
+    (path / state.MANIFEST_FILE).write_text(manifest)
     (path / "meta.json").write_text(meta)
-    with open(path / "model" / "model" / "shard.distcp", "wb") as f:
-        f.truncate(size - 20 - len(meta))
+    assert sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) == size
 
 
 def test_disk_counts_the_runs_own_checkpoints_and_the_preflights(tmp_path):
