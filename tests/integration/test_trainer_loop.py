@@ -13,6 +13,7 @@ import pytest
 
 from megatron_rl.config import load_run_config
 from megatron_rl.platform import LAUNCHER_VARS
+from megatron_rl.trainer.metric_keys import unknown as unknown_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
@@ -278,6 +279,8 @@ def test_step_records_carry_every_metric_and_the_lr_schedule(ppo_full_run):
         # linear warmup over warmup_steps updates, then constant (update s has index s - 1)
         assert r["lr"] == pytest.approx(cfg.lr * min(1.0, r["step"] / cfg.warmup_steps))
     assert cfg.warmup_steps > 1 and steps[0]["lr"] < steps[-1]["lr"]
+    # docs/metrics.md describes every key the run wrote (one registry, metric_keys.py)
+    assert unknown_metrics({k for r in records(ppo_full_run) for k in r}) == []
 
 
 def test_zero_variance_fraction_matches_group_pass_rates(ppo_full_run):
