@@ -29,7 +29,10 @@ STEP: dict[str, tuple[str, str]] = {
         "versions",
     ),
     "staleness_max": ("largest lag of a sample in the step", "versions"),
-    "staleness_hist": ("tokens with a loss by lag 0..k (PipelineRL-k)", "tokens per lag"),
+    "staleness_hist": (
+        "policy-generated tokens by lag i = 0..k (made by version - i)",
+        "tokens per lag",
+    ),
     "reward_timeouts": ("verifications that ran out of time (scored incorrect)", "count"),
     "reward_timeouts_wall": (
         "of them, programs stopped by the sandbox's wall-clock backstop",
