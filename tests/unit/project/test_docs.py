@@ -142,19 +142,36 @@ _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def _markdown_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", ROOT / "slurm" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _anchors(md: Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown file (lowercase, punctuation dropped)."""
+    heads = re.findall(r"(?m)^#+ (.+)$", md.read_text())
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
 def test_relative_links_in_readme_and_docs_resolve():
+    """Every relative link's file exists, and its #anchor is a heading of that file."""
     broken = []
     for md in _markdown_files():
         for target in _LINK.findall(md.read_text()):
-            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"^[a-z]+:", target):
                 continue
-            path = target.split("#")[0]
-            if not (md.parent / path).exists():
+            path, _, anchor = target.partition("#")
+            file = md.parent / path if path else md
+            if not file.exists() or (
+                anchor and file.suffix == ".md" and anchor not in _anchors(file)
+            ):
                 broken.append(f"{md.relative_to(ROOT)}: {target}")
     assert not broken, broken
+
+
+def test_anchors_follow_github():
+    md = ROOT / "docs" / "cluster.md"
+    assert {"weights--biases", "slurm-jobs-gb200-nvl72", "first-hour-on-a-cluster-preflight"} <= (
+        _anchors(md)
+    )
 
 
 def test_the_link_check_sees_a_broken_link(tmp_path):
