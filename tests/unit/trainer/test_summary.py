@@ -97,3 +97,17 @@ def test_quiet_keeps_errors_only(monkeypatch):
 
     assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
     monkeypatch.delenv("VLLM_LOGGING_LEVEL")
+
+
+def test_the_resume_command_of_the_summary_is_accepted(tmp_path):
+    """The end summary's resume loads RUN_DIR/config.yaml as the recipe: the run directory's
+    change check finds nothing changed (with a recipe's overrides and its own name)."""
+    from megatron_rl.config.schema import to_yaml
+    from megatron_rl.trainer.rundir import check_changes
+
+    overrides = ["optimizer.lr=3e-5", "off_policy.mode=ppo", "data.val_size=16"]
+    config = load_run_config(ROOT / "recipes" / "tiny_cpu.yaml", overrides, check_model=False)
+    (tmp_path / "config.yaml").write_text(to_yaml(config))  # as rundir.claim writes it
+    again = load_run_config(tmp_path / "config.yaml", check_model=False)
+    assert again.name == "tiny_cpu"
+    assert check_changes(tmp_path / "config.yaml", to_yaml(again), allow_changes=False) == {}
