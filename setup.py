@@ -41,7 +41,7 @@ EXTRAS = {
     # On GPU clusters (NGC PyTorch container: torch, apex and Transformer Engine inside).
     # Pinned to what the code targets: vLLM 0.32.0 (its weight-transfer and pause APIs) and
     # the Transformer Engine range megatron-core 0.16.1 declares for itself. Installing vLLM
-    # into an NGC container replaces the container's torch (see README).
+    # into an NGC container replaces the container's torch (see docs/cluster.md).
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.9.0a0,<2.12.0", MODELOPT],
     # pytest < 9.2: with 9.2, pytest-xdist 3.8.0's --dist loadgroup silently stops grouping
     # (it renames tests through Item._nodeid, which 9.2's structured node ids ignore;

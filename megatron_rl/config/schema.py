@@ -71,8 +71,9 @@ class RunConfig:
     run directory ``runs/<name>``.
     """
 
+    # The run's name (default: the recipe file's stem); the default run directory is runs/<name>.
     name: str = ""
-    seed: int = 1234
+    seed: int = 1234  # seeds sampling, data order and initialisation
     # `megatron-rl launch` jobs run `megatron-rl preflight` on the allocation before training
     # and stop with its report when a check fails (ours; see megatron_rl/preflight/).
     preflight: bool = True

@@ -207,7 +207,7 @@ if [ "$PREFLIGHT" = 1 ]; then
     log "preflight: checking the allocation (megatron-rl preflight), log $PREFLIGHT_LOG"
     run_roles preflight "$PREFLIGHT_LOG" "$PREFLIGHT_GENERATOR_LOG" "$PREFLIGHT_GRACE_SECONDS"
     if [ "$TRAINER_RC" != 0 ]; then
-        log "ERROR: preflight failed (status $TRAINER_RC): no training in this job. The table is in $PREFLIGHT_LOG, the report in $RUN_DIR/preflight.json (README: First hour on a cluster)"
+        log "ERROR: preflight failed (status $TRAINER_RC): no training in this job. The table is in $PREFLIGHT_LOG, the report in $RUN_DIR/preflight.json (docs/cluster.md: First hour on a cluster)"
         grep -E '^(\S+: )?(FAIL|SKIP) ' "$PREFLIGHT_LOG" 2>/dev/null | sed 's/^/    /'
         exit "$TRAINER_RC"
     fi

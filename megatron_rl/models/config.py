@@ -79,9 +79,9 @@ class ModelConfig:
     (``megatron_rl.config.checks.check_start_weights``).
     """
 
-    preset: str | None = None
-    hf_path: str | None = None
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    preset: str | None = None  # a built-in architecture (llama3-8b, llama4-scout, tiny-*)
+    hf_path: str | None = None  # HF model directory to start from (its config wins)
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"  # parameter dtype of the policy
     # ScaleRL: compute the LM head (logits, log-probs) in FP32 even in a BF16 model.
     fp32_head: bool = True
     # GPU only: Transformer Engine FP8 format for the linear layers.
@@ -93,7 +93,7 @@ class ModelConfig:
     # "auto": Transformer Engine specs on GPU (an error if TE does not import there), local
     # specs with torch SDPA on CPU; "local" on GPU runs without TE (no FP8).
     layer_spec: Literal["auto", "te", "local"] = "auto"
-    recompute_activations: bool = False
+    recompute_activations: bool = False  # full activation recompute (memory for compute)
     # GPU: megatron-core's fused kernels where their libraries import (Platform.kernels:
     # gradient accumulation, RoPE, SwiGLU, masked softmax); false: none of them (A/B
     # measurements, or a kernel that misbehaves). CPU: never fused.

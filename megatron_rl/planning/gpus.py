@@ -102,7 +102,7 @@ def fp8_recipes(capability: tuple[int, int] | None, cuda: str | None = None) -> 
     return tuple(recipes)
 
 
-DEFAULT_GPU = "gb200"  # the production cluster of the recipes (GB200 NVL72, slurm/README.md)
+DEFAULT_GPU = "gb200"  # the production cluster of the recipes (GB200 NVL72, docs/cluster.md)
 
 # What no formula here derives: the CUDA context and NCCL's ordinary communicator buffers.
 # ASSUMPTION (not measured on a GB200): a CUDA context is ~0.5-1 GiB on Hopper and Blackwell;

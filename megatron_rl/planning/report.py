@@ -1,4 +1,4 @@
-"""A plan as tables: rich for the terminal, Markdown for docs (slurm/README.md)."""
+"""A plan as tables: rich for the terminal, Markdown for docs (docs/planning.md)."""
 
 from __future__ import annotations
 

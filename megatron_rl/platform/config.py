@@ -15,15 +15,15 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT
 class ParallelConfig:
     """Megatron-Core model parallelism. Data parallelism is what remains of the world size."""
 
-    tensor: int = 1
-    pipeline: int = 1
-    expert: int = 1
+    tensor: int = 1  # tensor-parallel size (TP)
+    pipeline: int = 1  # pipeline-parallel stages (PP)
+    expert: int = 1  # expert-parallel size (EP, MoE models)
     # Tensor parallelism inside experts. 1 (experts whole, spread by expert parallelism) is the
     # usual choice for MoE and the only one modelopt 0.47's packed Llama-4 expert import slices
     # correctly (it cuts the fused gate/up tensor contiguously across ranks).
     expert_tensor: int = 1
-    context: int = 1
-    sequence_parallel: bool = False
+    context: int = 1  # context-parallel size (CP)
+    sequence_parallel: bool = False  # Megatron sequence parallelism (needs tensor > 1)
     timeout_minutes: int = 30  # collectives time out instead of hanging forever
 
     def validate(self) -> None:

@@ -12,6 +12,8 @@ that changed more than the safe keys, is refused with exit status 2 (``--restart
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start over in a run directory that has history (it is moved to previous_<time>/)",
     )
     parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="the progress bar and errors only (no start / end summaries, no info logs)",
+    )
+    parser.add_argument(
         "--allow-changes",
         action="store_true",
         help="resume with settings that differ from the run's config.yaml beyond the safe keys",
@@ -44,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
     """Load and validate the recipe; print it (``--dry-run``) or train. Returns the exit code."""
     from megatron_rl.config import ConfigError, load_run_config, to_yaml
     from megatron_rl.config.checks import start_weights_problem
+
+    if getattr(args, "quiet", False):
+        # Ours and vLLM's (read when vLLM is imported, also by engine processes) loggers.
+        logging.getLogger().setLevel(logging.ERROR)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
     try:
         config = load_run_config(args.recipe, args.overrides)

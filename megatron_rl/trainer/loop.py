@@ -20,7 +20,7 @@ from megatron_rl.rewards.pool import count_timeouts
 from megatron_rl.rollout.client import WeightsNeeded
 from megatron_rl.rollout.weights import m2n_ranks
 from megatron_rl.scaling.forecast import resolve_budget
-from megatron_rl.trainer import hf_export
+from megatron_rl.trainer import hf_export, summary
 from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.compute import generation_share
 from megatron_rl.trainer.probe import LogprobProbe
@@ -76,6 +76,8 @@ def train(
             err if isinstance(err, Preempted) else "its error above",
         )
         return 0
+    first_step, outcome = trainer.step, "failed (the error follows)"
+    summary.log_start(config, trainer.run, first_step, trainer.main)
     finished = False
     try:
         if trainer.step == 0 and config.validation.enabled and config.validation.at_start:
@@ -101,11 +103,13 @@ def train(
             if signalled:
                 signal_name = trainer.stop.requested or "a signal to another rank"
                 logger.info("stopping on %s after checkpointing step %d", signal_name, trainer.step)
+                outcome = f"stopped on {signal_name}"
                 return 0
         trainer.finish()  # validation and checkpoint of the last step, unless done already
-        finished = True
+        finished, outcome = True, "finished"
     finally:
         trainer.close(finished)
+        summary.log_end(config, trainer.run, first_step, trainer.step, outcome, trainer.main)
     return 0
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl.scaling.records import METRICS_FILE, read_records
+from megatron_rl.trainer.metric_keys import is_known
 
 if TYPE_CHECKING:
     from megatron_rl.trainer.tracking import WandbTracker
@@ -65,6 +66,7 @@ class MetricsLogger:
         self._purge_step: int | None = None
         self._count = len(read_records(self.path)) if self.path.exists() else 0
         self._file = self._open()
+        self._unregistered: set[str] = set()  # keys warned about (not in the registry)
         self._failed = False  # a write failed: the file's buffer holds what it could not write
 
     def _open(self):
@@ -130,6 +132,7 @@ class MetricsLogger:
         if "step" not in record:
             raise ValueError(f"a metrics record needs 'step', got keys {sorted(record)}")
         plain = _plain(dict(record))
+        self._check_keys(plain)
         line = json.dumps(plain, allow_nan=False) + "\n"
         with self._disk_full_said(f"{self.path.name} (the record of step {plain['step']})"):
             self._file.write(line)
@@ -141,6 +144,18 @@ class MetricsLogger:
             if not self.tracker.started:
                 self.tracker.start(read_records(self.path)[: self._count - 1])
             self.tracker.log(plain, self._count - 1)
+
+    def _check_keys(self, record: Mapping[str, Any]) -> None:
+        # docs/metrics.md is generated from the registry: a key without a description is
+        # said once (never fatal: the record is kept) and fails the tests.
+        for key in record:
+            if key not in self._unregistered and not is_known(key):
+                self._unregistered.add(key)
+                logger.warning(
+                    "metrics key %r is not in megatron_rl/trainer/metric_keys.py "
+                    "(docs/metrics.md has no description of it)",
+                    key,
+                )
 
     def log_tensorboard(self, step: int, scalars: Mapping[str, float]) -> None:
         """Scalars for TensorBoard (and the tracker, in the row of the last record) only:

@@ -209,6 +209,9 @@ def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes(preempted, t
     assert f"step_{signalled:08d}" in ckpts, ckpts
     assert not [name for name in ckpts if name.endswith(".tmp")], ckpts
     assert f"stopping on SIGTERM after checkpointing step {signalled}" in output
+    # the end summary after a signal: the steps done and the command that resumes
+    assert f"stopped on SIGTERM:\n  steps: {signalled} this job, {signalled} of 40" in output
+    assert f"--run-dir {run_dir}" in output
     # checkpoint.async_save: the periodic save of step 2 was written while training went on,
     # completed at a later step's finalize; the signal's save was synchronous
     step2 = run_dir / "checkpoints" / "step_00000002"

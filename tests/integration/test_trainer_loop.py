@@ -13,6 +13,7 @@ import pytest
 
 from megatron_rl.config import load_run_config
 from megatron_rl.platform import LAUNCHER_VARS
+from megatron_rl.trainer.metric_keys import unknown as unknown_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
@@ -239,7 +240,34 @@ def ppo_full_run(tmp_path_factory):
     cmd = [sys.executable, "-c", KEEPS_ITS_CONFIG, *args[3:]]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir.parent / "output.txt").write_text(proc.stderr)
     return run_dir
+
+
+def test_the_run_says_what_it_does_at_start_and_end(ppo_full_run):
+    """The start summary (layout, model, data with sizes, budget, outputs) and the end
+    summary (steps, first and last validation, GPU-hours, contents, next commands), checked
+    against the run's own records."""
+    output = (ppo_full_run.parent / "output.txt").read_text()
+    start = output.index("run tiny_cpu:\n  layout: 1 trainer rank: TP 1, PP 1, EP 1, CP 1, DP 1")
+    assert "1 engine x TP 1, placement in_process" in output[start:]
+    assert f"written to {ppo_full_run}/hf_init" in output[start:]
+    held_out = len(held_out_ids(ppo_full_run))
+    assert f": {28 - held_out} train, {held_out} validation prompts" in output[start:]
+    assert "budget: 6 steps, from step 0; 4 prompts x 4 samples a step, ppo" in output[start:]
+    end = output.index("run tiny_cpu finished:")
+    assert start < end
+    recs = records(ppo_full_run)
+    vals = [r["val_pass_rate"] for r in recs if "val_pass_rate" in r]
+    last = recs[-1]  # run_finished: the GPU-hours at the end
+    block = output[end:]
+    done = max(r["step"] for r in recs if "reward_mean" in r)  # NPR may retire all early
+    assert f"steps: {done} this job, {done} of 6 in all" in block
+    assert f"validation pass rate: {vals[0]:.3f} first, {vals[-1]:.3f} last" in block
+    assert f"GPU-hours: {last['gpu_hours']:.4g} training," in block
+    assert f"run directory {ppo_full_run}: checkpoints/, config.yaml," in block
+    assert f"megatron-rl fit {ppo_full_run}/metrics.jsonl" in block
+    assert f"megatron-rl train {ppo_full_run}/config.yaml --run-dir {ppo_full_run}" in block
 
 
 def test_the_run_leaves_its_config_as_loaded(ppo_full_run):
@@ -278,6 +306,8 @@ def test_step_records_carry_every_metric_and_the_lr_schedule(ppo_full_run):
         # linear warmup over warmup_steps updates, then constant (update s has index s - 1)
         assert r["lr"] == pytest.approx(cfg.lr * min(1.0, r["step"] / cfg.warmup_steps))
     assert cfg.warmup_steps > 1 and steps[0]["lr"] < steps[-1]["lr"]
+    # docs/metrics.md describes every key the run wrote (one registry, metric_keys.py)
+    assert unknown_metrics({k for r in records(ppo_full_run) for k in r}) == []
 
 
 def test_zero_variance_fraction_matches_group_pass_rates(ppo_full_run):

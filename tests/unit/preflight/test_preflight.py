@@ -627,7 +627,7 @@ def test_tiny_cpu_preflight_passes_every_check(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)  # ~90 s here
 def test_preflight_runs_on_every_trainer_rank_under_torchrun(tmp_path):
-    """Two trainer ranks (TP 2) and an engine process, started like `train` (README)."""
+    """Two trainer ranks (TP 2) and an engine process, started like `train` (docs/cluster.md)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "megatron_rl.cli", "preflight", str(TINY), "parallel.tensor=2"]
