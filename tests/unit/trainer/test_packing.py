@@ -141,3 +141,30 @@ def test_batch_pack_is_a_bool_or_null():
     BatchConfig(pack=None).validate()
     with pytest.raises(ConfigError, match="pack"):
         BatchConfig(pack="yes").validate()
+
+
+def test_packing_fills_the_budget_where_padding_does_not():
+    """48 lognormal reasoning lengths a rank (tools/bench_packing.py's model, 20 draws): packed
+    micro-batches are the fewest any plan can have (ceil(tokens / budget)) and, but for the
+    remainder, >= 95% full with no padding; padded ones need more and pad."""
+    import math
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for budget in (16384, 32768):
+        for _ in range(20):
+            lengths = [512 + int(x) for x in np.minimum(rng.lognormal(7.6, 1.0, 48), budget - 512)]
+            packed = plan_packed(lengths, budget)
+            fewest = math.ceil(sum(lengths) / budget)
+            assert len(packed) <= fewest + 1
+            filled = sorted(sum(lengths[i] for i in part) for part in packed)
+            assert filled[-1] <= budget and sum(filled[1:]) >= 0.95 * budget * (len(filled) - 1)
+            padded = make_plan_padded(lengths, budget)
+            assert len(padded) >= len(packed)
+
+
+def make_plan_padded(lengths, budget):
+    from megatron_rl.trainer.batch import plan_micro_batches
+
+    return plan_micro_batches(lengths, tokens=budget)
