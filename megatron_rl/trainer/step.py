@@ -538,8 +538,7 @@ def forward_backward(
 
 def resolve_pack(pack: bool | None) -> bool:
     """``batch.pack``: None packs on a GPU (Transformer Engine's ``thd`` attention) and pads
-    on the CPU, where the tiny test models' micro-batches are short and both take the same
-    time (``tools/bench_packing.py``)."""
+    on the CPU (see ``BatchConfig.pack``)."""
     return _is_gpu() if pack is None else bool(pack)
 
 
