@@ -81,11 +81,14 @@ class SDPACoreAttention(MegatronModule):
                 f"packed sequences: only qkv_format 'thd' without a mask (got "
                 f"{params.qkv_format!r}, mask {attention_mask is not None})"
             )
-        if params.cu_seqlens_kv is not None and not torch.equal(
-            params.cu_seqlens_kv, params.cu_seqlens_q
+        kv = params.cu_seqlens_kv  # the same tensor as the query's (models.logprobs): no sync
+        if (
+            kv is not None
+            and kv is not params.cu_seqlens_q
+            and not torch.equal(kv, params.cu_seqlens_q)
         ):
             raise NotImplementedError("packed sequences: cu_seqlens_kv must equal cu_seqlens_q")
-        bounds = params.cu_seqlens_q.tolist()
+        bounds = params.cu_seqlens_q.tolist()  # one device sync a layer on GPU
         if bounds[-1] != query.shape[0]:
             raise ValueError(
                 f"cu_seqlens end at {bounds[-1]}, the query has {query.shape[0]} tokens"
