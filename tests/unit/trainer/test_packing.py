@@ -168,3 +168,11 @@ def make_plan_padded(lengths, budget):
     from megatron_rl.trainer.batch import plan_micro_batches
 
     return plan_micro_batches(lengths, tokens=budget)
+
+
+def test_a_packed_forward_refuses_a_batch_its_cu_seqlens_do_not_describe(megatron_single_rank):
+    cu = cu_seqlens_of([3, 2])
+    with pytest.raises(ValueError, match="packed micro-batch is"):
+        forward_logits(None, torch.zeros((2, 5), dtype=torch.long), cu_seqlens=cu)
+    with pytest.raises(ValueError, match="ending at 5"):
+        forward_logits(None, torch.zeros((1, 6), dtype=torch.long), cu_seqlens=cu)
