@@ -96,15 +96,26 @@ class BatchConfig:
             many as fit once padded to the micro-batch's longest (so a micro-batch holds
             sequences of similar lengths and little padding).
             Exactly one of the two is set; a single sequence must fit the token budget.
+        pack: micro-batches of whole sequences back to back, no padding between them (THD
+            layout: positions restart and attention stays within each sequence;
+            ``trainer.packing``), filled to ``micro_batch_tokens`` first-fit decreasing (with
+            ``micro_batch_size``: that many sequences, packed). The loss and update are the
+            padded ones. null (default): on a GPU (Transformer Engine's ``thd`` attention),
+            off on the CPU (where packing also measured ~10% faster on tiny-llama: 48
+            lognormal samples, 1.0-1.1 s vs 0.92-0.94 s a step; kept off there until the
+            whole CPU suite has run packed).
     """
 
     prompts_per_step: int = 48
     samples_per_prompt: int = 16
     micro_batch_size: int | None = None
     micro_batch_tokens: int | None = 16384
+    pack: bool | None = None
 
     def validate(self) -> None:
         _check_int(self, "prompts_per_step", 1)
+        if self.pack is not None and not isinstance(self.pack, bool):
+            raise ConfigError("pack", f"must be true, false or null, got {self.pack!r}")
         # r_i - mean(group) is identically 0 with one sample: no learning signal at all.
         if not _is_int(self.samples_per_prompt) or self.samples_per_prompt < 2:
             raise ConfigError(

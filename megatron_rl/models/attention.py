@@ -4,7 +4,12 @@ Used in the local (CPU) layer spec, and on GPU for layers that need chunked loca
 attention temperature tuning (Transformer Engine has neither). Same interface as megatron's
 ``DotProductAttention``: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np*hn]``.
 
-Positions are the token indices 0..s-1 of the (unpacked, right-padded) training sequence.
+Positions are the token indices 0..s-1 of the (unpacked, right-padded) training sequence. A
+packed micro-batch (megatron's THD layout: ``packed_seq_params`` with ``cu_seqlens``, query
+``[t, np, hn]``, see ``trainer.packing``) is attended one sequence at a time, each exactly as
+it would be alone (positions from 0, its own chunks, no key of another sequence): the
+block-diagonal causal attention Transformer Engine's ``thd`` kernels compute, with no mask
+built (each call stays ``is_causal``, so SDPA keeps its flash kernel on GPU).
 
 No explicit mask is built unless megatron passes one: plain causal attention and chunked local
 attention (block-diagonal causal, one causal SDPA call over the chunks as a batch) both use
@@ -62,8 +67,41 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("packed sequences / attention bias are not supported")
+        if attention_bias is not None:
+            raise NotImplementedError("attention bias is not supported")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, attention_mask, packed_seq_params)
+        return self._padded(query, key, value, attention_mask)
+
+    def _packed(self, query, key, value, attention_mask, params) -> torch.Tensor:
+        """THD: ``[t, np, hn]`` (k/v ``[t, ng, hn]``) -> ``[t, 1, np*hn]``, each sequence of
+        ``params.cu_seqlens_q`` attended alone."""
+        if params.qkv_format != "thd" or attention_mask is not None:
+            raise NotImplementedError(
+                f"packed sequences: only qkv_format 'thd' without a mask (got "
+                f"{params.qkv_format!r}, mask {attention_mask is not None})"
+            )
+        kv = params.cu_seqlens_kv  # the same tensor as the query's (models.logprobs): no sync
+        if (
+            kv is not None
+            and kv is not params.cu_seqlens_q
+            and not torch.equal(kv, params.cu_seqlens_q)
+        ):
+            raise NotImplementedError("packed sequences: cu_seqlens_kv must equal cu_seqlens_q")
+        bounds = params.cu_seqlens_q.tolist()  # one device sync a layer on GPU
+        if bounds[-1] != query.shape[0]:
+            raise ValueError(
+                f"cu_seqlens end at {bounds[-1]}, the query has {query.shape[0]} tokens"
+            )
+        parts = [
+            self._padded(*(t[a:z].unsqueeze(1) for t in (query, key, value)), None)
+            for a, z in zip(bounds[:-1], bounds[1:])
+            if z > a
+        ]
+        return torch.cat(parts)
+
+    def _padded(self, query, key, value, attention_mask) -> torch.Tensor:
+        """``[s, b, np, hn]`` (k/v ``[s, b, ng, hn]``) -> ``[s, b, np*hn]``, causal."""
         s, b, heads, hn = query.shape
         if key.shape[0] != s:
             raise NotImplementedError(

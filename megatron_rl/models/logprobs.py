@@ -7,7 +7,10 @@ from megatron.core import parallel_state, tensor_parallel
 
 
 def forward_logits(
-    model, tokens: torch.Tensor, padding: torch.Tensor | None = None
+    model,
+    tokens: torch.Tensor,
+    padding: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's vocab shard of the logits ``[b, s, V/tp]`` for ``tokens [b, s]`` (on an
     earlier pipeline stage: the hidden states it passes on).
@@ -18,8 +21,17 @@ def forward_logits(
     them). True means padding, as megatron-core 0.16.1's code reads it (``~padding_mask``
     are the valid tokens in router.py and moe_utils.py; some of its docstrings say the
     opposite).
+
+    ``cu_seqlens [n + 1]`` (int32): ``tokens [1, T]`` is a packed micro-batch, sequences back to
+    back starting at ``cu_seqlens[:-1]`` (``trainer.packing``): it runs in megatron's THD layout
+    (``PackedSeqParams``), positions restarting at 0 in each sequence, no attention across them.
     """
     b, s = tokens.shape
+    if cu_seqlens is not None and (b != 1 or int(cu_seqlens[-1]) != s):
+        raise ValueError(
+            f"a packed micro-batch is [1, T] with cu_seqlens ending at T: got tokens "
+            f"{tuple(tokens.shape)} and cu_seqlens ending at {int(cu_seqlens[-1])}"
+        )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     sequence_parallel = model.config.sequence_parallel and tp > 1
     if sequence_parallel and s % tp:
@@ -28,8 +40,27 @@ def forward_logits(
         tokens = torch.nn.functional.pad(tokens, (0, tp - s % tp))
         if padding is not None:
             padding = torch.nn.functional.pad(padding, (0, tp - s % tp), value=True)
-    position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand(b, -1)
+        if cu_seqlens is not None:  # the padding: a sequence of its own, attending to itself
+            end = torch.tensor([tokens.shape[1]], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+            cu_seqlens = torch.cat([cu_seqlens, end])
     extra = {}
+    if cu_seqlens is None:
+        position_ids = (
+            torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand(b, -1)
+        )
+    else:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu_seqlens = cu_seqlens.to(device=tokens.device, dtype=torch.int32)
+        position_ids = packed_positions(cu_seqlens).unsqueeze(0)
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        extra["packed_seq_params"] = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
     if padding is not None:
         if sequence_parallel and not parallel_state.is_pipeline_first_stage():
             # megatron-core 0.16.1: GPTModel._preprocess cuts padding_mask to this rank's
@@ -45,6 +76,13 @@ def forward_logits(
     return output  # an earlier pipeline stage's hidden states, for the next stage
 
 
+def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``[T]`` each token's position in its own sequence (0 at every start)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
+    return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
+
+
 def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary logits ``[b, s, V]`` from vocab shards (tests and tools; not the hot path)."""
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
@@ -52,14 +90,18 @@ def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
 
 
-def token_logprobs(model, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    model, tokens: torch.Tensor, temperature: float = 1.0, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
     """log p(tokens[:, t+1] | tokens[:, :t+1]) as ``[b, s-1]`` (float32, differentiable).
 
     Uses megatron's vocab-parallel cross entropy, so full-vocabulary logits are never gathered.
     With the FP32 head the logits, and so the log-softmax, are FP32. ``temperature`` divides
     the logits first (the distribution a sampler at that temperature draws from).
     """
-    return logits_to_logprobs(forward_logits(model, tokens), tokens, temperature)
+    return logits_to_logprobs(
+        forward_logits(model, tokens, cu_seqlens=cu_seqlens), tokens, temperature
+    )
 
 
 def logits_to_logprobs(

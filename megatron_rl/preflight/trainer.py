@@ -107,6 +107,7 @@ def check_update(ctx: PreflightContext) -> Outcome:
         micro_batch_tokens=config.batch.micro_batch_tokens,
         temperature=config.rollout.temperature,
         token_multiple=multiple,
+        pack=config.batch.pack,
     )
     synchronize()
     seconds = time.perf_counter() - t0

@@ -53,6 +53,8 @@ class MicroBatch:
     monitor_mask: torch.Tensor  # [T] bool: policy tokens of samples the trainer's weights made
     routing: torch.Tensor | None = None  # [b, s, layers, topk]: the generator's experts
     padding: torch.Tensor | None = None  # [b, s] bool: right padding (True), for the routers
+    # [n + 1] int32: a packed micro-batch's sequence starts (b = 1; trainer.packing), or None
+    cu_seqlens: torch.Tensor | None = None
 
     def to(self, device) -> MicroBatch:
         moved = (getattr(self, f.name) for f in fields(self))

@@ -311,6 +311,7 @@ class Trainer:
                 config.algorithm,
                 config.batch.micro_batch_size,
                 micro_batch_tokens=config.batch.micro_batch_tokens,
+                pack=config.batch.pack,
                 temperature=config.rollout.temperature,
                 monitor_version=batch.generator_version if self.synced else None,
                 max_logprob_gap=self.gap_limit,

@@ -36,6 +36,7 @@ from megatron_rl.trainer.moe_aux_loss import (
     scale_router_losses,
 )
 from megatron_rl.trainer.moe_metrics import ExpertLoad, expert_load_monitor
+from megatron_rl.trainer.packing import make_packed_micro_batches
 
 
 @dataclass
@@ -203,6 +204,7 @@ def policy_update(
     max_logprob_gap: float | None = None,
     token_multiple: int = 1,
     micro_batch_tokens: int | None = None,
+    pack: bool | None = None,
 ) -> StepResult:
     """One optimizer step on the step's whole batch (``samples``, the same on every rank).
 
@@ -217,7 +219,9 @@ def policy_update(
     ``max_logprob_gap`` :class:`LogprobGapError` is raised before the optimizer steps.
     Micro-batches hold ``micro_batch_size`` sequences or fill a ``micro_batch_tokens`` budget,
     longest sequences first (``batch.plan_micro_batches``); their lengths are padded to a
-    ``token_multiple`` (FP8, see ``batch.token_multiple``).
+    ``token_multiple`` (FP8, see ``batch.token_multiple``). ``pack`` (``batch.pack``; None: on
+    a GPU, see :func:`resolve_pack`): sequences back to back instead, the budget filled first-fit
+    decreasing (``trainer.packing``): the same loss and update, less padding.
 
     Samples of zero-variance groups (``algo.zero_variance_filter``) carry no loss: they are
     left out of the forward and backward (often half of a batch; the loss, the gradient and
@@ -234,10 +238,11 @@ def policy_update(
         routing_replay.require_routing(share.samples)
     norms = batch_normalizers(share, dp_group)
     loss_fn = update_loss(algo, norms, temperature)
+    pack = resolve_pack(pack)
 
     def micro_batches(local: list[int]) -> list:  # of these indices into the rank's share
         return share.micro_batches(
-            local, micro_batch_size, micro_batch_tokens, monitor_version, token_multiple
+            local, micro_batch_size, micro_batch_tokens, monitor_version, token_multiple, pack
         )
 
     # First the zero-variance samples' log-prob gap: a forward alone (no loss: only the gap sums).
@@ -310,9 +315,12 @@ class RankShare:
         micro_batch_tokens: int | None,
         monitor_version: int | None,
         token_multiple: int,
+        pack: bool = False,
     ) -> list:
-        """The micro-batches of the samples ``local`` (indices into the share)."""
-        return make_micro_batches(
+        """The micro-batches of the samples ``local`` (indices into the share); ``pack``:
+        packed ones (``trainer.packing``)."""
+        make = make_packed_micro_batches if pack else make_micro_batches
+        return make(
             [self.samples[i] for i in local],
             self.advantages[local],
             self.keep[local],
@@ -482,7 +490,9 @@ def forward_backward(
         if replay:  # the generator's experts (SFT and empty micro-batches route freely)
             routing_replay.set_routing(chunk, getattr(mb, "routing", None))
         padding = getattr(mb, "padding", None)  # routers leave it out of their losses
-        output = forward_logits(chunk, (empty if mb is None else mb.tokens).to(device), padding)
+        cu_seqlens = getattr(mb, "cu_seqlens", None)  # a packed micro-batch's sequences
+        tokens = (empty if mb is None else mb.tokens).to(device)
+        output = forward_logits(chunk, tokens, padding, cu_seqlens)
         if router_loss_batches is not None:
             output = scale_router_losses(output, router_loss_batches)
 
@@ -524,6 +534,12 @@ def forward_backward(
     sums = collectives.all_reduce(sums, group=pp_group)
     maxes = collectives.all_reduce(maxes, op=dist.ReduceOp.MAX, group=pp_group)
     return sums, maxes[:num_maxes]
+
+
+def resolve_pack(pack: bool | None) -> bool:
+    """``batch.pack``: None packs on a GPU (Transformer Engine's ``thd`` attention) and pads
+    on the CPU (see ``BatchConfig.pack``)."""
+    return _is_gpu() if pack is None else bool(pack)
 
 
 def _is_gpu() -> bool:

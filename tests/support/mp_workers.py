@@ -29,10 +29,13 @@ def logits_worker(
     destroy_distributed()
 
 
-def dp_update_worker(samples, out_path: str, world: int, overlap: bool = False) -> None:
+def dp_update_worker(
+    samples, out_path: str, world: int, overlap: bool = False, pack: bool = False
+) -> None:
     """Build the tiny model (seeded), one SGD policy update over ``samples``; save the params.
     With ``world`` 2 the ranks form a DP=2 group and split the batch by groups; ``overlap``:
-    gradients reduced bucket by bucket during the backward (megatron's overlap_grad_reduce)."""
+    gradients reduced bucket by bucket during the backward (megatron's overlap_grad_reduce);
+    ``pack``: packed micro-batches of a 14-token budget (4 and 5 of them on the two ranks) (batch.pack), else 3 sequences each."""
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -50,7 +53,12 @@ def dp_update_worker(samples, out_path: str, world: int, overlap: bool = False) 
         optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0
     )
     opt = get_megatron_optimizer(cfg, [ddp], use_gloo_process_groups=False)
-    result = policy_update(ddp, opt, samples, AlgorithmConfig(), 3)
+    if pack:
+        result = policy_update(
+            ddp, opt, samples, AlgorithmConfig(), micro_batch_tokens=14, pack=True
+        )
+    else:
+        result = policy_update(ddp, opt, samples, AlgorithmConfig(), 3)
     if dist.get_rank() == 0:
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, out_path)
         with open(out_path + ".imbalance", "w") as f:
@@ -59,11 +67,12 @@ def dp_update_worker(samples, out_path: str, world: int, overlap: bool = False) 
 
 
 def layout_update_worker(
-    preset: str, layout: dict, samples, out_path: str, replay: bool = False
+    preset: str, layout: dict, samples, out_path: str, replay: bool = False, pack: bool = False
 ) -> None:
     """One SGD (lr 1) policy update of ``preset`` (seeded) in a parallel ``layout``; rank 0
     saves the full HF-named weights after it, and the step's statistics. ``replay``: the
-    routers replay the samples' ``routed_experts`` (algorithm.routing_replay)."""
+    routers replay the samples' ``routed_experts`` (algorithm.routing_replay); ``pack``:
+    packed micro-batches (batch.pack)."""
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -101,7 +110,7 @@ def layout_update_worker(
         optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0
     )
     opt = get_megatron_optimizer(cfg, [ddp], use_gloo_process_groups=False)
-    result = policy_update(ddp, opt, samples, AlgorithmConfig(), 2)
+    result = policy_update(ddp, opt, samples, AlgorithmConfig(), 2, pack=pack)
     full = {name: t.clone() for bucket in iter_hf_weights(model) for name, t in bucket}
     if dist.get_rank() == 0:
         torch.save({"weights": full, "result": result, "replayed": replayed}, out_path)

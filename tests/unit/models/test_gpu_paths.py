@@ -65,6 +65,32 @@ def test_bf16_logits_close_to_transformers(tiny_hf_dirs, gpu_rank, name):
     assert (out - ref).abs().max().item() < 5e-2
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama4"])
+def test_packed_logprobs_equal_padded_on_gpu(tiny_hf_dirs, gpu_rank, name):
+    """batch.pack on CUDA: three sequences packed back to back (THD, ``cu_seqlens``) have the
+    log-probs of the padded batch: Transformer Engine's ``thd`` attention where TE is
+    installed (BF16: its fused kernels take no FP32), else the SDPA core attention (FP32)
+    attending each sequence alone; tiny-llama4: chunked attention and NoPE temperature from
+    each sequence's start."""
+    from megatron_rl.models.logprobs import token_logprobs
+    from megatron_rl.trainer.packing import cu_seqlens_of
+
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(3, 128, (n,), generator=gen) for n in (48, 9, 33)]
+    padded = torch.zeros((3, 48), dtype=torch.long)
+    for i, q in enumerate(seqs):
+        padded[i, : len(q)] = q
+    cu = cu_seqlens_of([len(q) for q in seqs])
+    dtype, tol = ("bfloat16", 5e-2) if HAS_TE else ("float32", 1e-4)
+    with torch.no_grad():
+        model = _model(tiny_hf_dirs[name], dtype=dtype, layer_spec=SPEC)
+        ref = token_logprobs(model, padded.cuda())
+        packed = token_logprobs(model, torch.cat(seqs)[None].cuda(), cu_seqlens=cu.cuda())[0]
+    for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        n = end - start - 1  # the log-probs within the sequence (not across its end)
+        assert (packed[start : start + n] - ref[i, :n]).abs().max().item() < tol, (name, i)
+
+
 @needs_te
 def test_te_fp8_forward_runs(tiny_hf_dirs, gpu_rank):
     from transformer_engine.pytorch import fp8_autocast

@@ -196,10 +196,16 @@ def test_warm_start_lowers_the_loss(model):
     assert losses[-1] < 0.2 * losses[0]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_data_parallel_update_equals_single_rank(tmp_path, overlap):
+@pytest.mark.parametrize(
+    "overlap,pack",
+    [(False, False), (True, False), (False, True)],
+    ids=["sync", "overlap", "packed"],
+)
+def test_data_parallel_update_equals_single_rank(tmp_path, overlap, pack):
     """Two DP ranks, each training on half the groups, make the single-rank update exactly
-    (also with the gradient reduction overlapped with the backward, as on GPU)."""
+    (also with the gradient reduction overlapped with the backward, as on GPU; and with packed
+    micro-batches, 4 and 5 on the two ranks: the one with fewer runs an empty one,
+    against the padded single rank)."""
     from support.mp_workers import dp_update_worker
 
     from megatron_rl.platform import run_local_ranks
@@ -217,7 +223,7 @@ def test_data_parallel_update_equals_single_rank(tmp_path, overlap):
                 )
             )  # fmt: skip
     run_local_ranks(dp_update_worker, 1, samples, str(tmp_path / "one.pt"), 1)
-    run_local_ranks(dp_update_worker, 2, samples, str(tmp_path / "two.pt"), 2, overlap)
+    run_local_ranks(dp_update_worker, 2, samples, str(tmp_path / "two.pt"), 2, overlap, pack)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert one.keys() == two.keys()
     for key in one:
@@ -278,6 +284,14 @@ LAYOUTS = [
     ("tiny-llama4", {"tensor": 2, "expert": 2, "sequence_parallel": True, "replay": True}),
     # and each pipeline stage's routers the rows of their global layers
     ("tiny-llama4", {"pipeline": 2, "replay": True}),
+    # packed micro-batches (batch.pack) in the layouts that cut or pass the sequence (sequence
+    # parallelism, a pipeline with replayed routing) make the padded one-rank update
+    ("tiny-llama", {"tensor": 2, "sequence_parallel": True, "pack": True}),
+    (
+        "tiny-llama4",
+        {"tensor": 2, "expert": 2, "sequence_parallel": True, "replay": True, "pack": True},
+    ),
+    ("tiny-llama4", {"pipeline": 2, "replay": True, "pack": True}),
 ]
 
 
@@ -299,12 +313,15 @@ def test_update_in_a_parallel_layout_equals_one_rank(preset, layout, tiny_hf_dir
 
     layout = dict(layout)
     replay = layout.pop("replay", False)
+    pack = layout.pop("pack", False)  # the many ranks' micro-batches; the one rank's padded
     samples = with_random_routing(random_samples(3), 4) if replay else random_samples(3)
     outs = {}
     for name, lay, world in (("one", {}, 1), ("many", layout, 2)):
         out = str(tmp_path / f"{name}.pt")
         shutil.copytree(tiny_hf_dirs[preset], out + ".hf")
-        run_local_ranks(layout_update_worker, world, preset, lay, samples, out, replay)
+        run_local_ranks(
+            layout_update_worker, world, preset, lay, samples, out, replay, pack and world > 1
+        )
         outs[name] = torch.load(out, weights_only=False)
     one, many = outs["one"], outs["many"]
     if replay:  # the routers of rank 0 replayed (a stage: its own MoE layer, 1 of 1 and 3)
