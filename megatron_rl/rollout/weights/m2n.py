@@ -187,16 +187,12 @@ def source_layout(
 ) -> SourceLayout | None:
     """This trainer rank's place in the source mesh, or None when it holds copies only (a
     data- or context-parallel replica). Raises ``ValueError`` for layouts m2n cannot take."""
-    if pipeline != 1:
-        raise ValueError(
-            f"{KEY} 'nccl_m2n' needs parallel.pipeline 1 (got {pipeline}): a pipeline stage holds "
-            "only its layers, which m2n's placements cannot describe; use 'nccl'"
-        )
-    if expert_tensor != 1:
-        raise ValueError(
-            f"{KEY} 'nccl_m2n' needs parallel.expert_tensor 1 (got {expert_tensor}): experts "
-            "must be whole on their EP rank"
-        )
+    # One statement of the limits, shared with the check at config load.
+    from megatron_rl.config.checks import m2n_layout_problem
+
+    problem = m2n_layout_problem(tensor, expert, pipeline, expert_tensor)
+    if problem is not None:
+        raise ValueError(f"{KEY} {problem}")
     size = max(tensor, expert)
     if rank >= size:
         return None

@@ -201,7 +201,7 @@ def test_layouts_m2n_cannot_describe_are_refused_naming_the_parallel_key():
         m2n.source_layout(0, tensor=2, expert=1, pipeline=2)
     with pytest.raises(ValueError, match="parallel.expert_tensor"):
         m2n.source_layout(0, tensor=1, expert=2, expert_tensor=2)
-    with pytest.raises(ValueError, match="parallel.tensor=2"):  # TP 2 over a mesh of EP 4
+    with pytest.raises(ValueError, match="got parallel.tensor 2"):  # TP 2 over a mesh of EP 4
         m2n.source_layout(0, tensor=2, expert=4)
     assert m2n.source_layout(3, tensor=2, expert=2) is None  # a data-parallel replica
     assert m2n.source_layout(1, tensor=4, expert=4) == m2n.SourceLayout(1, 4, 4, 4)
