@@ -27,6 +27,18 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 
+def host_bounds(params) -> list[int]:
+    """``params.cu_seqlens_q`` as a host list, read once per forward: every layer gets the
+    same ``PackedSeqParams`` object, and reading a CUDA tensor is a device sync that would
+    stop the host from queueing ahead at each layer (Scout: SDPA on every layer). Kept on
+    the params object, whose life is the micro-batch's forward (and its recompute)."""
+    bounds = getattr(params, "_megatron_rl_host_bounds", None)
+    if bounds is None:
+        bounds = params.cu_seqlens_q.tolist()
+        params._megatron_rl_host_bounds = bounds
+    return bounds
+
+
 class SDPACoreAttention(MegatronModule):
     """Causal softmax attention via ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -88,7 +100,7 @@ class SDPACoreAttention(MegatronModule):
             and not torch.equal(kv, params.cu_seqlens_q)
         ):
             raise NotImplementedError("packed sequences: cu_seqlens_kv must equal cu_seqlens_q")
-        bounds = params.cu_seqlens_q.tolist()  # one device sync a layer on GPU
+        bounds = host_bounds(params)
         if bounds[-1] != query.shape[0]:
             raise ValueError(
                 f"cu_seqlens end at {bounds[-1]}, the query has {query.shape[0]} tokens"

@@ -176,3 +176,25 @@ def test_a_packed_forward_refuses_a_batch_its_cu_seqlens_do_not_describe(megatro
         forward_logits(None, torch.zeros((2, 5), dtype=torch.long), cu_seqlens=cu)
     with pytest.raises(ValueError, match="ending at 5"):
         forward_logits(None, torch.zeros((1, 6), dtype=torch.long), cu_seqlens=cu)
+
+
+def test_packed_attention_reads_cu_seqlens_once_per_forward():
+    """Every layer gets the same PackedSeqParams: the sequence bounds are read from the
+    (on GPU, device) tensor once, not at every layer (a device sync each time)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_rl.models.attention import host_bounds
+
+    class Counted:
+        calls = 0
+
+        def tolist(self):
+            Counted.calls += 1
+            return [0, 3, 5]
+
+    cu = Counted()
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    assert [host_bounds(params) for _ in range(4)] == [[0, 3, 5]] * 4
+    assert Counted.calls == 1
+    fresh = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    assert host_bounds(fresh) == [0, 3, 5] and Counted.calls == 2  # a new micro-batch reads
