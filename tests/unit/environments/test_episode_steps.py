@@ -87,3 +87,21 @@ def test_a_llama3_call_runs_on_the_executor_and_its_output_is_appended_by_id(lla
     assert sample.mask == [True] * len(turn1) + [False] * len(observation) + [True] * len(turn2)
     assert [r.output for r in steps.results[(7, 1)]] == ["8\n"]
     assert sample.finish_reason == "stop"
+
+
+def test_episode_metrics_count_turns_calls_outcomes_seconds_and_the_tool_token_share():
+    from megatron_rl.environments.episodes import episode_metrics
+    from megatron_rl.rollout.samples import TOOL_VERSION as T
+    from megatron_rl.rollout.samples import Sample
+
+    three = Sample(0, 0, [1], list(range(9)), [0.0] * 9, [0, 0, T, T, 1, T, 1, 1, 1], [True] * 9)
+    one = Sample(0, 1, [1], [5, 6, 7], [0.0] * 3, [1, 1, 1], [True] * 3)
+    results = [
+        [ToolResult("ok", "", 0.5), ToolResult("timeout", "", 5.0)],
+        [],
+    ]
+    metrics = episode_metrics([three, one], results)
+    assert metrics["turns_mean"] == (3 + 1) / 2
+    assert metrics["tool_calls"] == 2 and metrics["tool_timeouts"] == 1
+    assert metrics["tool_errors"] == 0 and metrics["tool_seconds"] == 5.5
+    assert metrics["tool_token_share"] == 3 / 12
