@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# The version of a token no policy produced (a tool's output appended to a multi-turn
+# episode): the lag bound and the staleness metrics skip it.
+TOOL_VERSION = -1
+
 
 @dataclass
 class Sample:
@@ -48,12 +52,25 @@ class Sample:
 
     @property
     def oldest_version(self) -> int | None:
-        """The oldest policy version that produced a token of this sample."""
-        return min(self.versions) if self.versions else None
+        """The oldest policy version that produced a token of this sample (tool tokens,
+        ``TOOL_VERSION``, are skipped)."""
+        return min(self.model_versions(), default=None)
 
     @property
     def newest_version(self) -> int | None:
-        return max(self.versions) if self.versions else None
+        """The newest policy version that produced a token of this sample."""
+        return max(self.model_versions(), default=None)
+
+    def model_versions(self) -> list[int]:
+        """The versions of the tokens a policy produced (tool tokens left out)."""
+        return [v for v in self.versions if v != TOOL_VERSION]
+
+    def append_tool(self, token_ids: list[int]) -> None:
+        """Append a tool's output, by id: no loss (mask False), log-prob 0, no version."""
+        self.response_ids.extend(token_ids)
+        self.logprobs.extend([0.0] * len(token_ids))
+        self.versions.extend([TOOL_VERSION] * len(token_ids))
+        self.mask.extend([False] * len(token_ids))
 
     def append(self, token_ids: list[int], logprobs: list[float], version: int, mask: bool) -> None:
         """Append tokens that share a version and a mask value."""

@@ -130,7 +130,7 @@ class Group:
     @property
     def oldest_version(self) -> int:
         """Oldest policy version of any token (the submission version bounds unseen ones)."""
-        seen = [s.oldest_version for s in self.samples if s.versions]
+        seen = [v for s in self.samples if (v := s.oldest_version) is not None]
         if self.complete and seen:
             return min(seen)
         return self.submitted_version

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megatron_rl.rewards.pool import count_timeouts
+from megatron_rl.rollout.samples import Sample
 from megatron_rl.trainer.batch import TrainSample
 from megatron_rl.trainer.rollout_source import DynamicSampling, Group
 
@@ -37,7 +38,7 @@ def reward_groups(run: Run, groups: list[Group]) -> None:
     flat = [(g, s) for g in todo for s in g.samples]
     if not flat:
         return
-    texts = [run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for _, s in flat]
+    texts = [model_text(run.tokenizer, s) for _, s in flat]
     prompts = [run.data.get(g.prompt_id) for g, _ in flat]
     rewards = run.rewards.score_batch(
         texts, [p.reference for p in prompts], [p.kind for p in prompts]
@@ -50,6 +51,24 @@ def reward_groups(run: Run, groups: list[Group]) -> None:
         counts = count_timeouts(statuses[start:end])
         g.reward_timeouts, g.reward_timeouts_wall = counts["timeouts"], counts["timeouts_wall"]
         start = end
+
+
+def model_text(tokenizer, sample: Sample) -> str:
+    """What the reward reads: the response decoded, a multi-turn episode's tool output left
+    out (each run of the model's tokens decoded alone, joined: a tool that prints an answer
+    cannot answer for the model)."""
+    from itertools import groupby
+
+    from megatron_rl.rollout.samples import TOOL_VERSION
+
+    if TOOL_VERSION not in sample.versions:
+        return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+    runs = groupby(zip(sample.response_ids, sample.versions), key=lambda t: t[1] == TOOL_VERSION)
+    return "".join(
+        tokenizer.decode([i for i, _ in run], skip_special_tokens=True)
+        for tool, run in runs
+        if not tool
+    )
 
 
 def record_pass_rates(run: Run, groups: list[Group]) -> None:
@@ -82,7 +101,8 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
         )
         for g, i, s, r in flat
     ]
-    lags = [version - min(s.versions) for s in samples if s.versions]
+    # staleness of the policy's tokens: a tool's (TOOL_VERSION) were made by no policy
+    lags = [version - v for _, _, s, _ in flat if (v := s.oldest_version) is not None]
     n = max(len(samples), 1)
     info = {
         "reward_mean": sum(s.reward for s in samples) / n,

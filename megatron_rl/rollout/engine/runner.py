@@ -27,8 +27,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from megatron_rl.platform.config import LAUNCHER_VARS
 from megatron_rl.rollout.config import RolloutConfig
@@ -57,6 +58,26 @@ from megatron_rl.rollout.samples import Sample
 logger = logging.getLogger(__name__)
 
 _NOTHING = object()  # no weights item waiting
+_TOOL_POLL_S = 0.01  # how long an engine with nothing to generate waits on a tool at a time
+
+
+class EpisodeSteps(Protocol):
+    """Multi-turn episodes (issue 38), as an engine runner drives them, token-in / token-out.
+
+    ``stop_token_ids``: the tool-call format's stop ids (added to every request's stops);
+    ``max_turns``: model turns per episode. ``tool_step(spec, sample, turn_ids)``: the model
+    turn that just ended on one of those ids (``turn_ids``: exactly the ids the engine
+    produced); None ends the episode (no call: a final answer), else a future (a
+    ``ToolExecutor`` thread: the engine keeps serving other requests meanwhile) of the
+    observation's ids, tokenized once (None: the environment ended the episode).
+    """
+
+    stop_token_ids: tuple[int, ...]
+    max_turns: int
+
+    def tool_step(
+        self, spec: RequestSpec, sample: Sample, turn_ids: list[int]
+    ) -> Future[list[int] | None] | None: ...
 
 
 @dataclass
@@ -66,16 +87,27 @@ class _Track:
     phase: str = "think"  # "think" -> ("answer" after an interruption)
     closed: bool = False  # the think-close marker appeared within the budget
     request_id: str = ""
+    turns: int = 1  # model turns so far (multi-turn episodes)
+    turn_start: int = 0  # where the current model turn starts in the response
 
 
 class EngineRunner:
     """Requests and versions of one engine (see the module docstring)."""
 
-    def __init__(self, index: int, engine, settings: RunnerSettings, events) -> None:
+    def __init__(
+        self,
+        index: int,
+        engine,
+        settings: RunnerSettings,
+        events,
+        episodes: EpisodeSteps | None = None,
+    ) -> None:
         self.index = index
         self.engine = engine
         self.settings = settings
         self.events = events
+        self.episodes = episodes
+        self._tools: dict[Future, _Track] = {}  # episodes waiting on a tool call
         self.version = 0
         self.requests: dict[str, _Track] = {}
         self._finished: list[Sample] = []
@@ -91,7 +123,7 @@ class EngineRunner:
         finds it), and only then loads (see :meth:`push`)."""
         pending: tuple[int, str] | None = None  # (version, kv_on_push) of an announced push
         while True:
-            idle = not self.engine.has_work()
+            idle = not self.engine.has_work() and not self._tools
             for command in _commands(commands, block=idle and pending is None):
                 if isinstance(command, Stop):
                     return
@@ -116,7 +148,12 @@ class EngineRunner:
             self.step()
 
     def step(self) -> None:
-        """One engine step (if there is work); finished samples go out as an event."""
+        """One engine step (if there is work); finished samples go out as an event. Tool
+        calls that have returned continue their episodes first."""
+        if self._tools:
+            if not self.engine.has_work():  # nothing else to do: wait a little for a tool
+                wait(list(self._tools), timeout=_TOOL_POLL_S, return_when=FIRST_COMPLETED)
+            self._continue_episodes()
         if self.engine.has_work():
             self.stepping_since = time.monotonic()
             try:
@@ -131,9 +168,10 @@ class EngineRunner:
 
     def oldest_version(self) -> int | None:
         """The oldest policy version among the samples in flight (None if there are none)."""
+        tracks = [*self.requests.values(), *self._tools.values()]
         versions = [
-            t.sample.versions[0] if t.sample.versions else self.version
-            for t in self.requests.values()
+            self.version if t.sample.oldest_version is None else t.sample.oldest_version
+            for t in tracks
         ]
         return min(versions, default=None)
 
@@ -141,8 +179,8 @@ class EngineRunner:
         """Version, requests and tokens in flight, oldest version in flight."""
         return {
             "version": self.version,
-            "requests": len(self.requests),
-            "tokens": sum(len(t.sample) for t in self.requests.values()),
+            "requests": len(self.requests) + len(self._tools),
+            "tokens": sum(len(t.sample) for t in [*self.requests.values(), *self._tools.values()]),
             "oldest_version": self.oldest_version(),
         }
 
@@ -202,17 +240,24 @@ class EngineRunner:
         self._seq += 1
         track.request_id = f"e{self.index}-{self._seq}"
         self.requests[track.request_id] = track
+        stop = list(self.settings.stop_token_ids)
+        if self.episodes is not None:
+            stop += [i for i in self.episodes.stop_token_ids if i not in stop]
+        seed = track.spec.seed
+        if seed is not None:
+            # the answer phase after an interruption, and every later turn of an episode,
+            # is a new request: a different stream
+            seed += (track.phase != "think") + 2 * (track.turns - 1)
         self.engine.add(
             track.request_id,
             prompt_ids,
             max_tokens,
             track.spec.temperature,
             track.spec.top_p,
-            list(self.settings.stop_token_ids),
+            stop,
             # prefix-cache blocks are shared only among requests of one policy version
             cache_salt=f"v{self.version}",
-            # the answer phase after an interruption is a new request: a different stream
-            seed=None if track.spec.seed is None else track.spec.seed + (track.phase != "think"),
+            seed=seed,
         )
 
     def _advance(self, track: _Track, delta) -> None:
@@ -239,7 +284,44 @@ class EngineRunner:
         if delta.finished:
             sample.add_routed_experts(delta.routed_experts)
             del self.requests[delta.request_id]
+            if delta.finish_reason == "stop" and self._call_tool(track):
+                return
             self._finish(track, delta.finish_reason or "length")
+
+    def _call_tool(self, track: _Track) -> bool:
+        """A model turn that ended on a tool-call stop id goes to the episode's tool step
+        (off this thread); False: the episode ends here."""
+        episodes, sample = self.episodes, track.sample
+        if episodes is None or track.turns >= episodes.max_turns:
+            return False
+        turn = sample.response_ids[track.turn_start :]
+        if not turn or turn[-1] not in episodes.stop_token_ids:
+            return False
+        future = episodes.tool_step(track.spec, sample, turn)
+        if future is None:
+            return False
+        self._tools[future] = track
+        return True
+
+    def _continue_episodes(self) -> None:
+        """Episodes whose tool call returned: the observation's ids are appended (no loss,
+        log-prob 0, no version) and the engine goes on from all the ids so far, within the
+        episode's token budget (``max_tokens``: model and tool tokens)."""
+        for future in [f for f in self._tools if f.done()]:
+            track = self._tools.pop(future)
+            observation = future.result()
+            if observation is None:  # the environment ended the episode
+                self._finish(track, "stop")
+                continue
+            sample, budget = track.sample, track.spec.max_tokens
+            sample.append_tool(list(observation))
+            if len(sample) >= budget:  # the tool's output ran into the budget: cut there
+                sample.truncate(budget)
+                self._finish(track, "length")
+                continue
+            track.turns += 1
+            track.turn_start = len(sample)
+            self._start(track, sample.prompt_ids + sample.response_ids, budget - len(sample))
 
     def _interrupt(self, track: _Track) -> None:
         """Cut at the budget, append the interruption text (masked), go on answering."""

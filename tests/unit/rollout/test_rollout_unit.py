@@ -562,3 +562,148 @@ def test_engine_log_directories_of_killed_trainers_are_removed_by_the_next_launc
     following.close()
     live.close()
     assert not list(tmp_path.glob("megatron_rl_engines_*"))
+
+
+CALL = 5  # a tool-call format's stop id
+OBSERVATION = (80, 81, 82)  # a tool's output, tokenized once
+
+
+class ScriptedEpisodes:
+    """``EpisodeSteps`` on a real thread pool: every call's observation is ``OBSERVATION``;
+    ``gate`` holds the tool calls until set (so that the test can push weights meanwhile)."""
+
+    stop_token_ids = (CALL,)
+
+    def __init__(self, max_turns: int, end_after: int | None = None) -> None:
+        import concurrent.futures
+
+        self.max_turns = max_turns
+        self.end_after = end_after  # the environment ends the episode at this call
+        self.gate = threading.Event()
+        self.turns: list[list[int]] = []
+        self.pool = concurrent.futures.ThreadPoolExecutor(2)
+
+    def tool_step(self, spec, sample, turn_ids):
+        self.turns.append(list(turn_ids))
+        if turn_ids[-1] != CALL:
+            return None
+        calls = len(self.turns)
+
+        def run():
+            self.gate.wait(5)
+            return None if calls == self.end_after else list(OBSERVATION)
+
+        return self.pool.submit(run)
+
+
+def calls_tool(prompt, pos):
+    """Every sequence calls the tool at absolute positions 6 and 12 (after 3 and 2 model
+    tokens of its turns from prompt [1, 2, 3]) and stops at 19."""
+    return {6: CALL, 12: CALL, 19: STOP}.get(pos, counting(prompt, pos))
+
+
+def recording(engine):
+    """Wrap ``engine.step`` to record every token the engine produced, per request."""
+    produced = collections.defaultdict(list)
+    step = engine.step
+
+    def wrapped():
+        deltas = step()
+        for d in deltas:
+            produced[d.request_id] += d.token_ids
+        return deltas
+
+    engine.step = wrapped
+    return produced
+
+
+def make_episode_runner(script, episodes):
+    events = queue.Queue()
+    engine = FakeEngine(script)
+    runner = EngineRunner(0, engine, RunnerSettings((STOP,)), events, episodes)
+    return runner, engine, events
+
+
+def drain(events):
+    samples = []
+    while not events.empty():
+        event = events.get()
+        if isinstance(event, SamplesDone):
+            samples += event.samples
+    return samples
+
+
+def test_episode_continues_from_ids_with_tool_tokens_masked_and_model_versions_across_a_push():
+    from megatron_rl.rollout.samples import TOOL_VERSION
+
+    episodes = ScriptedEpisodes(max_turns=4)
+    runner, engine, events = make_episode_runner(calls_tool, episodes)
+    produced = recording(engine)
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30))
+    other = [4] * 20  # past the script's calls: no call
+    runner.submit(spec(other, budget=None, max_tokens=8, index=1))
+    for _ in range(4):  # turn 1 of the episode ends on CALL; its tool is held
+        runner.step()
+    assert len(runner._tools) == 1 and engine.has_work()  # the other request goes on meanwhile
+    for _ in range(10):
+        runner.step()
+    (plain,) = drain(events)  # served while the tool call was pending
+    assert plain.prompt_index == 1 and len(plain) == 8 and len(runner._tools) == 1
+    weights = queue.Queue()
+    weights.put("bucket")
+    weights.put(None)
+    runner.push(1, "keep", weights.get)  # a push between the turns
+    episodes.gate.set()
+    while runner._tools or engine.has_work():
+        runner.step()
+    (sample,) = drain(events)
+    # token-in / token-out: what the engine produced and was given is what the sample holds
+    requests = [a for a in engine.added if a[1][:3] == [1, 2, 3]]
+    assert [len(r[1]) for r in requests] == [3, 3 + 4 + 3, 3 + 4 + 3 + 3 + 3]
+    turns = [produced[r[0]] for r in requests]
+    assert turns == [[13, 14, 15, CALL], [20, 21, CALL], [26, 27, 28, STOP]]
+    assert episodes.turns == turns[:2]  # the turns that ended on a call went to the tool
+    expected = turns[0] + list(OBSERVATION) + turns[1] + list(OBSERVATION) + turns[2]
+    assert sample.response_ids == expected
+    assert requests[1][1] == [1, 2, 3] + expected[:7]  # resubmitted from all ids so far
+    assert requests[2][1] == [1, 2, 3] + expected[:13]
+    assert [r[2] for r in requests] == [30, 30 - 7, 30 - 13]  # the budget counts tool tokens
+    assert sample.mask == [True] * 4 + [False] * 3 + [True] * 3 + [False] * 3 + [True] * 4
+    assert sample.logprobs == [-0.25 if m else 0.0 for m in sample.mask]
+    tool = TOOL_VERSION
+    assert sample.versions == [0] * 4 + [tool] * 3 + [1] * 3 + [tool] * 3 + [1] * 4
+    assert (sample.oldest_version, sample.newest_version) == (0, 1)
+    assert sample.finish_reason == "stop"
+
+
+def test_episode_ends_at_max_turns_at_the_budget_and_when_the_environment_says_so():
+    # max_turns=2: the second CALL ends the episode (no third turn)
+    episodes = ScriptedEpisodes(max_turns=2)
+    episodes.gate.set()
+    runner, engine, events = make_episode_runner(calls_tool, episodes)
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30))
+    while runner._tools or engine.has_work():
+        runner.step()
+    (sample,) = drain(events)
+    assert sample.response_ids == [13, 14, 15, CALL, *OBSERVATION, 20, 21, CALL]
+    assert sample.finish_reason == "stop" and len(engine.added) == 2
+
+    # a budget of 6: the observation runs past it, the episode is cut at 6 tokens
+    runner, engine, events = make_episode_runner(calls_tool, episodes)
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=6))
+    while runner._tools or engine.has_work():
+        runner.step()
+    (sample,) = drain(events)
+    assert sample.response_ids == [13, 14, 15, CALL, 80, 81]
+    assert sample.mask == [True] * 4 + [False] * 2 and sample.finish_reason == "length"
+    assert len(engine.added) == 1
+
+    # the environment ends the episode at its first call: the observation is not shown
+    ends = ScriptedEpisodes(max_turns=4, end_after=1)
+    ends.gate.set()
+    runner, engine, events = make_episode_runner(calls_tool, ends)
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30))
+    while runner._tools or engine.has_work():
+        runner.step()
+    (sample,) = drain(events)
+    assert sample.response_ids == [13, 14, 15, CALL] and sample.finish_reason == "stop"

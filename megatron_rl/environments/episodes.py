@@ -1,0 +1,102 @@
+"""The engine runner's side of multi-turn episodes (``rollout.engine.runner.EpisodeSteps``):
+an environment per episode, its tool calls on a ``ToolExecutor``, token-in / token-out."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from megatron_rl.environments.formats import ToolFormat
+from megatron_rl.environments.protocol import Environment, ToolResult
+from megatron_rl.environments.tools import ToolExecutor
+
+
+class EnvironmentSteps:
+    """``EpisodeSteps`` over environments: episode ``(prompt_index, sample_index)`` gets its
+    own environment (``make()``, reset on ``problem_of(prompt_index)``) at its first call.
+
+    A model turn is read with ``fmt.parse_ids`` (None: a final answer, the episode ends);
+    a call runs as ``Environment.step`` on ``executor``; its output is tokenized once
+    (``fmt.observation_ids``). ``results[(prompt_index, sample_index)]``: the episode's tool
+    results, in order (the step's tool metrics).
+    """
+
+    def __init__(
+        self,
+        fmt: ToolFormat,
+        tokenizer: Any,
+        executor: ToolExecutor,
+        make: Callable[[], Environment],
+        problem_of: Callable[[int], Any],
+        max_turns: int,
+    ) -> None:
+        self.fmt = fmt
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.make = make
+        self.problem_of = problem_of
+        self.max_turns = max_turns
+        self.stop_token_ids = tuple(fmt.stop_token_ids(tokenizer))
+        self.results: dict[tuple[int, int], list[ToolResult]] = {}
+        self._environments: dict[tuple[int, int], Environment] = {}
+        self._lock = threading.Lock()
+
+    def tool_step(self, spec, sample, turn_ids: list[int]) -> Future[list[int] | None] | None:
+        """The future observation ids of the call ``turn_ids`` makes (None: no call)."""
+        call = self.fmt.parse_ids(turn_ids, self.tokenizer)
+        key = (spec.prompt_index, spec.sample_index)
+        if call is None:
+            self._environments.pop(key, None)
+            return None
+        environment = self._environments.get(key)
+        if environment is None:
+            environment = self._environments[key] = self.make()
+            environment.reset(self.problem_of(spec.prompt_index))
+        observation: Future[list[int] | None] = Future()
+
+        def done(step: Future[tuple[ToolResult, bool]]) -> None:
+            try:
+                result, end = step.result()
+                with self._lock:
+                    self.results.setdefault(key, []).append(result)
+                if end:
+                    self._environments.pop(key, None)
+                    observation.set_result(None)
+                else:
+                    observation.set_result(self.fmt.observation_ids(result.output, self.tokenizer))
+            except BaseException as exc:  # noqa: BLE001 - the runner raises it
+                observation.set_exception(exc)
+
+        self.executor.submit(environment, call).add_done_callback(done)
+        return observation
+
+
+def episode_metrics(samples: list[Any], results: list[list[ToolResult]]) -> dict[str, float]:
+    """A step's multi-turn metrics: ``samples`` (``rollout.samples.Sample``) and their
+    episodes' tool results. ``turns_mean``: model turns per episode (a turn follows each
+    tool output); ``tool_calls``, ``tool_errors``, ``tool_timeouts``, ``tool_truncated``,
+    ``tool_seconds`` (summed); ``tool_token_share``: the share of response tokens a tool
+    wrote."""
+    from megatron_rl.rollout.samples import TOOL_VERSION
+
+    turns = tool_tokens = tokens = 0
+    for sample in samples:
+        versions = sample.versions
+        tool_tokens += sum(v == TOOL_VERSION for v in versions)
+        tokens += len(versions)
+        # a model turn starts at the response's start and after each run of tool tokens
+        turns += int(bool(versions) and versions[0] != TOOL_VERSION) + sum(
+            a == TOOL_VERSION and b != TOOL_VERSION for a, b in zip(versions, versions[1:])
+        )
+    calls = [r for episode in results for r in episode]
+    return {
+        "turns_mean": turns / max(len(samples), 1),
+        "tool_calls": float(len(calls)),
+        "tool_errors": float(sum(r.outcome == "error" for r in calls)),
+        "tool_timeouts": float(sum(r.outcome == "timeout" for r in calls)),
+        "tool_truncated": float(sum(r.outcome == "truncated" for r in calls)),
+        "tool_seconds": float(sum(r.seconds for r in calls)),
+        "tool_token_share": tool_tokens / max(tokens, 1),
+    }

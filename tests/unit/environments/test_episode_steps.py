@@ -1,0 +1,107 @@
+"""Issue 38: the engine runner drives environments' tool calls through ``EnvironmentSteps``
+(a ``ToolExecutor`` thread per call), token-in / token-out."""
+
+from __future__ import annotations
+
+import queue
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl.environments.config import EnvironmentConfig
+from megatron_rl.environments.episodes import EnvironmentSteps
+from megatron_rl.environments.formats import format_for
+from megatron_rl.environments.protocol import Environment, EnvironmentContext, ToolResult
+from megatron_rl.environments.tools import ToolExecutor
+from megatron_rl.rewards.config import RewardConfig
+from megatron_rl.rewards.isolation import SandboxUnavailableError, box_for
+from megatron_rl.rollout.engine.runner import EngineRunner
+from megatron_rl.rollout.messages import RequestSpec, RunnerSettings, SamplesDone
+
+REWARD = RewardConfig(kind="math", num_workers=1)
+
+
+class Echo(Environment):
+    """Answers every call with its code's length (no sandbox: the executor's threads only)."""
+
+    def run(self, code: str) -> ToolResult:
+        return ToolResult("ok", f"{len(code)}\n")
+
+
+class Scripted:
+    """An engine that writes ``turns[k]`` (ids) as its k-th request's output."""
+
+    max_model_len = 1000
+
+    def __init__(self, turns):
+        self.turns, self.added, self.active = list(turns), [], {}
+
+    def add(self, request_id, prompt_ids, max_tokens, temperature, top_p, stop, **_):
+        self.added.append(list(prompt_ids))
+        self.active[request_id] = (self.turns.pop(0), stop)
+
+    def has_work(self):
+        return bool(self.active)
+
+    def step(self):
+        from megatron_rl.rollout.engine.vllm_engine import TokenDelta
+
+        deltas = []
+        for rid, (ids, stop) in list(self.active.items()):
+            del self.active[rid]
+            reason = "stop" if ids[-1] in stop else "length"
+            deltas.append(TokenDelta(rid, ids, [-0.5] * len(ids), True, reason, None))
+        return deltas
+
+
+def test_a_llama3_call_runs_on_the_executor_and_its_output_is_appended_by_id(llama_tokenizer):
+    try:
+        box_for(REWARD)
+    except SandboxUnavailableError as exc:
+        pytest.skip(f"no code sandbox on this machine: {exc}")
+    tok = llama_tokenizer
+    fmt = format_for("llama3", tok)
+    context = EnvironmentContext(EnvironmentConfig(name="python_tool"), REWARD, tok, max_turns=3)
+    turn1 = tok.encode("x<|python_tag|>print(1)<|eom_id|>", add_special_tokens=False)
+    turn2 = tok.encode("ok<|eot_id|>", add_special_tokens=False)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    engine = Scripted([turn1, turn2])
+    events = queue.Queue()
+    with ToolExecutor(1, REWARD) as executor:
+        steps = EnvironmentSteps(
+            fmt,
+            tok,
+            executor,
+            lambda: Echo(context),
+            lambda i: SimpleNamespace(problem="p"),
+            max_turns=3,
+        )
+        runner = EngineRunner(0, engine, RunnerSettings((eot,)), events, steps)
+        runner.submit(RequestSpec(7, 1, (1, 2), 100, 1.0, 1.0, None))
+        while runner._tools or engine.has_work():
+            runner.step()
+    (sample,) = [s for e in list(events.queue) if isinstance(e, SamplesDone) for s in e.samples]
+    observation = fmt.observation_ids("8\n", tok)  # len("print(1)")
+    assert sample.response_ids == turn1 + observation + turn2
+    assert engine.added == [[1, 2], [1, 2, *turn1, *observation]]
+    assert sample.mask == [True] * len(turn1) + [False] * len(observation) + [True] * len(turn2)
+    assert [r.output for r in steps.results[(7, 1)]] == ["8\n"]
+    assert sample.finish_reason == "stop"
+
+
+def test_episode_metrics_count_turns_calls_outcomes_seconds_and_the_tool_token_share():
+    from megatron_rl.environments.episodes import episode_metrics
+    from megatron_rl.rollout.samples import TOOL_VERSION as T
+    from megatron_rl.rollout.samples import Sample
+
+    three = Sample(0, 0, [1], list(range(9)), [0.0] * 9, [0, 0, T, T, 1, T, 1, 1, 1], [True] * 9)
+    one = Sample(0, 1, [1], [5, 6, 7], [0.0] * 3, [1, 1, 1], [True] * 3)
+    results = [
+        [ToolResult("ok", "", 0.5), ToolResult("timeout", "", 5.0)],
+        [],
+    ]
+    metrics = episode_metrics([three, one], results)
+    assert metrics["turns_mean"] == (3 + 1) / 2
+    assert metrics["tool_calls"] == 2 and metrics["tool_timeouts"] == 1
+    assert metrics["tool_errors"] == 0 and metrics["tool_seconds"] == 5.5
+    assert metrics["tool_token_share"] == 3 / 12
