@@ -71,32 +71,3 @@ class EnvironmentSteps:
 
         self.executor.submit(environment, call).add_done_callback(done)
         return observation
-
-
-def episode_metrics(samples: list[Any], results: list[list[ToolResult]]) -> dict[str, float]:
-    """A step's multi-turn metrics: ``samples`` (``rollout.samples.Sample``) and their
-    episodes' tool results. ``turns_mean``: model turns per episode (a turn follows each
-    tool output); ``tool_calls``, ``tool_errors``, ``tool_timeouts``, ``tool_truncated``,
-    ``tool_seconds`` (summed); ``tool_token_share``: the share of response tokens a tool
-    wrote."""
-    from megatron_rl.rollout.samples import TOOL_VERSION
-
-    turns = tool_tokens = tokens = 0
-    for sample in samples:
-        versions = sample.versions
-        tool_tokens += sum(v == TOOL_VERSION for v in versions)
-        tokens += len(versions)
-        # a model turn starts at the response's start and after each run of tool tokens
-        turns += int(bool(versions) and versions[0] != TOOL_VERSION) + sum(
-            a == TOOL_VERSION and b != TOOL_VERSION for a, b in zip(versions, versions[1:])
-        )
-    calls = [r for episode in results for r in episode]
-    return {
-        "turns_mean": turns / max(len(samples), 1),
-        "tool_calls": float(len(calls)),
-        "tool_errors": float(sum(r.outcome == "error" for r in calls)),
-        "tool_timeouts": float(sum(r.outcome == "timeout" for r in calls)),
-        "tool_truncated": float(sum(r.outcome == "truncated" for r in calls)),
-        "tool_seconds": float(sum(r.seconds for r in calls)),
-        "tool_token_share": tool_tokens / max(tokens, 1),
-    }

@@ -9,10 +9,10 @@ metrics (rewards, pass and truncation rates, staleness; per domain for a mixture
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.rewards.pool import count_timeouts
-from megatron_rl.rollout.samples import Sample
+from megatron_rl.rollout.samples import TOOL_VERSION, Sample
 from megatron_rl.trainer.batch import TrainSample
 from megatron_rl.trainer.rollout_source import DynamicSampling, Group
 
@@ -58,8 +58,6 @@ def model_text(tokenizer, sample: Sample) -> str:
     out (each run of the model's tokens decoded alone, joined: a tool that prints an answer
     cannot answer for the model)."""
     from itertools import groupby
-
-    from megatron_rl.rollout.samples import TOOL_VERSION
 
     if TOOL_VERSION not in sample.versions:
         return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
@@ -138,3 +136,31 @@ def by_domain(key: str, domains: list[str], rewards: list[float], mean: bool) ->
             sum(values) / len(values) if mean else sum(r > 0 for r in values) / len(values)
         )
     return out
+
+
+def episode_metrics(samples: list[Any], results: list[list[Any]]) -> dict[str, float]:
+    """A step's multi-turn metrics (not logged yet: the pool does not run episodes):
+    ``samples`` (``rollout.samples.Sample``) and their episodes' tool results
+    (``environments.protocol.ToolResult``). ``turns_mean``: model turns per episode (a turn
+    follows each tool output); ``tool_calls``, ``tool_errors``, ``tool_timeouts``, ``tool_truncated``,
+    ``tool_seconds`` (summed); ``tool_token_share``: the share of response tokens a tool
+    wrote."""
+    turns = tool_tokens = tokens = 0
+    for sample in samples:
+        versions = sample.versions
+        tool_tokens += sum(v == TOOL_VERSION for v in versions)
+        tokens += len(versions)
+        # a model turn starts at the response's start and after each run of tool tokens
+        turns += int(bool(versions) and versions[0] != TOOL_VERSION) + sum(
+            a == TOOL_VERSION and b != TOOL_VERSION for a, b in zip(versions, versions[1:])
+        )
+    calls = [r for episode in results for r in episode]
+    return {
+        "turns_mean": turns / max(len(samples), 1),
+        "tool_calls": float(len(calls)),
+        "tool_errors": float(sum(r.outcome == "error" for r in calls)),
+        "tool_timeouts": float(sum(r.outcome == "timeout" for r in calls)),
+        "tool_truncated": float(sum(r.outcome == "truncated" for r in calls)),
+        "tool_seconds": float(sum(r.seconds for r in calls)),
+        "tool_token_share": tool_tokens / max(tokens, 1),
+    }

@@ -90,9 +90,9 @@ def test_a_llama3_call_runs_on_the_executor_and_its_output_is_appended_by_id(lla
 
 
 def test_episode_metrics_count_turns_calls_outcomes_seconds_and_the_tool_token_share():
-    from megatron_rl.environments.episodes import episode_metrics
     from megatron_rl.rollout.samples import TOOL_VERSION as T
     from megatron_rl.rollout.samples import Sample
+    from megatron_rl.trainer.scoring import episode_metrics
 
     three = Sample(0, 0, [1], list(range(9)), [0.0] * 9, [0, 0, T, T, 1, T, 1, 1, 1], [True] * 9)
     one = Sample(0, 1, [1], [5, 6, 7], [0.0] * 3, [1, 1, 1], [True] * 3)
