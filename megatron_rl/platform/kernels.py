@@ -14,8 +14,8 @@ library fails late (at model construction or in the first forward). What each ne
   trained inside megatron's ``DistributedDataParallel`` (which gives every weight its
   ``main_grad``), as the trainer does (``trainer.optim.wrap_model``).
 - ``apply_rope_fusion``: Transformer Engine's fused RoPE, which megatron imports as
-  ``rope_utils.fused_apply_rotary_pos_emb``; interleaved RoPE (Llama-4) needs TE >= 2.3
-  (``TransformerConfig.__post_init__``).
+  ``rope_utils.fused_apply_rotary_pos_emb``; interleaved RoPE (Llama-4) stays unfused:
+  megatron-core 0.16.1 drops ``interleaved`` on packed (THD) micro-batches (see ``_te_rope``).
 - ``bias_activation_fusion``: megatron's SwiGLU fusion (``fusions/fused_bias_swiglu.py``),
   compiled by ``torch.compile`` (``megatron.core.jit.jit_fuser``): Triton on CUDA, which
   builds its launcher with the machine's C compiler (``triton/runtime/build.py``).
@@ -97,11 +97,16 @@ def _te_rope() -> tuple[bool, bool]:
         from megatron.core.models.common.embeddings.rope_utils import (
             fused_apply_rotary_pos_emb,
         )
-        from megatron.core.utils import is_te_min_version
 
         if fused_apply_rotary_pos_emb is None:
             return False, False
-        return True, bool(is_te_min_version("2.3.0"))
+        # Interleaved (Llama-4) stays unfused: megatron-core 0.16.1's apply_rotary_pos_emb
+        # (rope_utils.py) hands a packed (THD, cu_seqlens) micro-batch, the GPU default
+        # (batch.pack), to fused_apply_rotary_pos_emb_thd without ``interleaved`` (that
+        # function takes none: extensions/transformer_engine.py), so TE would rotate halves
+        # where Llama-4 rotates pairs. Its unfused THD path passes rotary_interleaved.
+        # Turn it on (with TE >= 2.3: is_te_min_version) once megatron passes the flag there.
+        return True, False
     except Exception as err:  # a TE that imports but is broken: no fusion, say why
         logger.warning("fused RoPE unavailable: %s: %s", type(err).__name__, err)
         return False, False

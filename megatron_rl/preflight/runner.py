@@ -17,7 +17,10 @@ the collective timeout (``parallel.timeout_minutes``, 30) and no report would be
   process with status 1 (``os._exit``: no unwinding through NCCL teardown, which can block
   on a communicator a peer still uses);
 - the launcher then ends the others: ``srun --kill-on-bad-exit=1`` (the sbatch job's steps)
-  and torchrun end every task of a step when one fails. On NCCL that is the only way: an NCCL
+  and torchrun on one node end every task of a step when one fails (torchrun across nodes
+  does not: each node's agent stops only its own workers, so the other nodes' ranks wait
+  for the collective timeout; launch multi-node preflights with srun, as the sbatch job
+  does). On NCCL that is the only way: an NCCL
   collective cannot be interrupted by a flag, and aborting this rank's communicators
   (``ncclCommAbort``) is local and wakes no peer; its watchdog would only fire after the
   collective timeout. On gloo the others' collective fails as soon as this rank's process is

@@ -20,6 +20,7 @@ engines then run with the job's setting (and say so).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import MutableMapping
@@ -32,6 +33,12 @@ ENGINE_NVLS_ENV = "MEGATRON_RL_ENGINE_NCCL_NVLS"  # "0" / "1": the engines' own 
 # (one started by the trainer inherits its environment) drops it before CUDA starts: it would
 # serialise vLLM's streams (the weight receive behind the decode kernels).
 TRAINER_ONLY_VARS = ("CUDA_DEVICE_MAX_CONNECTIONS",)
+# The job's values of the pinned variables (JSON; null: unset), written by the first process of
+# an engine that pins. vLLM loads our plugin in the generator's process and in the engine core
+# before it starts the workers, and a child inherits the pinned environment: pinning again
+# there, vLLM would record the pinned value as the launch one and make the communicators
+# shared with the trainer with it (vLLM 0.32 pins its own settings in the worker alone).
+LAUNCH_VALUES_ENV = "MEGATRON_RL_ENGINE_NCCL_LAUNCH_VALUES"
 
 
 def drop_trainer_only_vars(environ: MutableMapping[str, str] = os.environ) -> None:
@@ -71,5 +78,14 @@ def pin_engine_nccl_env(environ: MutableMapping[str, str] = os.environ) -> dict[
             pins["NCCL_NVLS_ENABLE"],
         )
         return {}
+    saved = environ.get(LAUNCH_VALUES_ENV)
+    if saved is None:
+        environ[LAUNCH_VALUES_ENV] = json.dumps({name: environ.get(name) for name in pins})
+    else:  # a child of a process that pinned: the job's values first, then the pins
+        for name, value in json.loads(saved).items():
+            if value is None:
+                environ.pop(name, None)
+            else:
+                environ[name] = value
     vllm_nccl.pin_nccl_env(pins)
     return pins

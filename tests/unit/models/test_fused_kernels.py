@@ -224,3 +224,47 @@ def test_fused_weight_gradients_equal_unfused_ones_with_the_fp32_head(
         assert grad.abs().sum() > 0, name
         error = (fused[name] - grad).norm() / grad.norm()
         assert error < 2e-2, (name, error.item())
+
+
+def test_megatron_drops_interleaved_on_a_packed_micro_batchs_fused_rope(monkeypatch):
+    # What the detection below rests on (megatron-core 0.16.1, rope_utils.apply_rotary_pos_emb):
+    # with apply_rope_fusion and cu_seqlens (a packed micro-batch, the GPU default) the TE
+    # THD kernel is called without ``interleaved``, whatever rotary_interleaved says. When
+    # megatron passes it, this fails: then let _te_rope turn interleaved fusion back on.
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    calls = []
+
+    def thd(t, cu_seqlens, freqs, *args, **kwargs):
+        calls.append((args, kwargs))
+        return t
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", thd)
+    config = SimpleNamespace(
+        apply_rope_fusion=True, rotary_interleaved=True, multi_latent_attention=False
+    )
+    group = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    t = torch.zeros(8, 1, 4)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    rope_utils.apply_rotary_pos_emb(
+        t, torch.zeros(8, 1, 1, 4), config, cu_seqlens=cu, cp_group=group
+    )
+    assert len(calls) == 1
+    args, kwargs = calls[0]
+    assert "interleaved" not in kwargs and True not in args
+
+
+def test_interleaved_rope_is_not_fused_where_megatron_would_drop_it(monkeypatch):
+    # A Transformer Engine >= 2.3 whose fused RoPE megatron imported: plain RoPE is fused,
+    # Llama-4's interleaved RoPE is not (the test above: packed micro-batches would rotate
+    # the wrong dimensions, silently).
+    import megatron.core.utils as mcore_utils
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_rl.platform import kernels
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)
+    monkeypatch.setattr(mcore_utils, "is_te_min_version", lambda *a, **k: True)
+    assert kernels._te_rope() == (True, False)

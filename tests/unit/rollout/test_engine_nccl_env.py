@@ -30,8 +30,9 @@ def test_the_engines_nvls_variable_is_read_strictly():
 def launch_env(monkeypatch):
     """A job that left NVLS to NCCL (no NCCL_NVLS_ENABLE), vLLM's pin state fresh; every
     variable touched is restored afterwards."""
-    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
-    monkeypatch.delenv("NCCL_NO_CACHE", raising=False)
+    for name in ("NCCL_NVLS_ENABLE", "NCCL_NO_CACHE", nccl_env.LAUNCH_VALUES_ENV):
+        monkeypatch.setenv(name, "")  # so that monkeypatch restores it (unset) afterwards
+        monkeypatch.delenv(name)
     monkeypatch.setenv(nccl_env.ENGINE_NVLS_ENV, "0")
     monkeypatch.setattr(vllm_nccl, "_unpinned_env", None)
 
@@ -48,6 +49,24 @@ def test_the_engines_nvls_is_pinned_off_their_shared_communicators(monkeypatch, 
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"
     assert "NCCL_NVLS_ENABLE" in os.environ["NCCL_NO_CACHE"].split(",")
     with vllm_nccl.unpinned_nccl_env():  # how nccl_common makes the shared communicators
+        assert "NCCL_NVLS_ENABLE" not in os.environ
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_engine_processes_started_by_a_pinned_one_keep_the_jobs_nvls_on_shared_ones(
+    monkeypatch, launch_env
+):
+    """vLLM loads the plugin in the generator's process and the engine core, then starts the
+    workers from them: a worker inherits the pinned NCCL_NVLS_ENABLE=0. Its own pin must still
+    leave the job's setting (unset) to the communicators it shares with the trainer."""
+    from megatron_rl.rollout.weights.cpu_backend import register_backend
+
+    monkeypatch.setattr(vllm_nccl, "_nccl_has_no_cache", lambda: True)
+    register_backend()  # the parent (API server / engine core)
+    monkeypatch.setattr(vllm_nccl, "_unpinned_env", None)  # a child: environment inherited
+    register_backend()
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    with vllm_nccl.unpinned_nccl_env():
         assert "NCCL_NVLS_ENABLE" not in os.environ
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"
 
