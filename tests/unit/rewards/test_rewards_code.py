@@ -474,8 +474,16 @@ def _burners_on_one_core(count: int):
     sandboxes, start there too): each program then gets about 1 / (count + 1) of a core."""
     core = min(os.sched_getaffinity(0))
     previous = os.sched_getaffinity(0)
-    spin = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass\n"
-    burners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
+    spin = (
+        f"import os\nos.sched_setaffinity(0, {{{core}}})\nprint('spinning', flush=True)\n"
+        "while True:\n    pass\n"
+    )
+    burners = [
+        subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
+        for _ in range(count)
+    ]
+    for burner in burners:  # on a loaded machine an interpreter takes a while to start
+        assert burner.stdout.readline().strip() == "spinning"
     os.sched_setaffinity(0, {core})
     try:
         yield
@@ -492,7 +500,7 @@ def test_code_verdicts_do_not_depend_on_load():
     config = dataclasses.replace(CONFIG, code_test_timeout_s=1.0, code_wall_timeout_s=30.0)
     tests = [{"input": "3 4\n", "output": "7\n"}]
     alone = code_reward.code_outcome(respond(BURN_HALF_SECOND), tests, config)
-    with _burners_on_one_core(2):
+    with _burners_on_one_core(3):
         loaded = code_reward.code_outcome(respond(BURN_HALF_SECOND), tests, config)
     assert alone.status == loaded.status == code_reward.CORRECT, (alone, loaded)
     # Under load its 0.5 s of CPU took longer than the limit in wall-clock time (a wall-clock
