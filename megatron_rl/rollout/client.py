@@ -15,7 +15,7 @@ current weights, which only the trainer can send (all its ranks stream them toge
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from megatron_rl.rollout.samples import PushStats, Sample
 
@@ -43,9 +43,11 @@ class RolloutClient(Protocol):
         temperature: float | None = None,
         top_p: float | None = None,
         seeds: Sequence[int] | None = None,
+        problems: Sequence[Any] | None = None,
     ) -> list[int]:
         """Queue ``samples_per_prompt`` samples of every prompt (token ids); returns the
-        prompts' indices (``Sample.prompt_index``). ``seeds``: one per prompt."""
+        prompts' indices (``Sample.prompt_index``). ``seeds``: one per prompt; ``problems``:
+        one per prompt, the samples are multi-turn episodes on them."""
         ...
 
     def poll(self, timeout: float = 0.0) -> list[Sample]:

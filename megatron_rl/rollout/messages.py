@@ -43,6 +43,9 @@ class RequestSpec:
     top_p: float
     budget: int | None = None
     seed: int | None = None  # sampling seed: the same request draws the same tokens anywhere
+    # A multi-turn episode's problem (``data.prompts.Prompt``: its environment resets on it);
+    # None: a single-turn sample, even on an engine that runs episodes.
+    problem: Any = None
 
 
 @_message
@@ -53,6 +56,9 @@ class RunnerSettings:
     text_ids: tuple[int, ...] = ()  # interruption text
     close_ids: tuple[int, ...] = ()  # think-close marker
     answer_budget: int = 0
+    # Multi-turn episodes (``rollout.max_turns`` > 1): the run's ``reward`` section
+    # (``rewards.config.RewardConfig``), whose sandbox settings the tool's programs run under.
+    sandbox: Any = None
 
 
 # -- commands: pool -> engine ---------------------------------------------------------------

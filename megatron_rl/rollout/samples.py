@@ -46,6 +46,9 @@ class Sample:
     thinking_budget: int | None = None
     engine: int = -1
     routed_experts: np.ndarray | None = None
+    # A multi-turn episode's tool calls, in order: (outcome, seconds), outcome one of
+    # ``environments.protocol.OUTCOMES`` (the step's tool metrics).
+    tools: list[tuple[str, float]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.response_ids)

@@ -226,10 +226,14 @@ class EmulatedPool(RolloutClient):
         temperature: float | None = None,
         top_p: float | None = None,
         seeds: Sequence[int] | None = None,
+        problems: Sequence[Any] | None = None,
     ) -> list[int]:
         """Queue ``samples_per_prompt`` samples of each prompt on the least-loaded engine (as
         ``GeneratorPool.submit``); their lengths follow the length model, seeded by ``seeds``
-        (the sampling settings are the length model's)."""
+        (the sampling settings are the length model's). It emulates single-turn samples:
+        ``problems`` (multi-turn episodes) are refused."""
+        if problems is not None:
+            raise ValueError("EmulatedPool emulates single-turn samples: no problems")
         if samples_per_prompt is None:
             raise ValueError("EmulatedPool.submit needs samples_per_prompt (it has no config)")
         indices = []

@@ -29,7 +29,7 @@ from megatron_rl.trainer.rollout_source import (
     RolloutSource,
     token_lag_histogram,
 )
-from megatron_rl.trainer.scoring import by_domain, dynamic_sampling, score_groups
+from megatron_rl.trainer.scoring import by_domain, dynamic_sampling, model_text, score_groups
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update
 
@@ -273,6 +273,7 @@ class Trainer:
             dynamic=dynamic_sampling(self.run),
             capacity=config.rollout.engines * config.rollout.max_num_seqs,
             fill=config.off_policy.pool_fill,
+            problem_of=self.run.data.get if _episodes(config) else None,
         )
 
     def begin(self) -> None:
@@ -470,6 +471,12 @@ def _or_reweigh(make: Callable[[], T], pool: GeneratorPool) -> T | Reweigh:
         return Reweigh(pool.version)
 
 
+def _episodes(config) -> bool:
+    """Whether the run's samples are multi-turn episodes (``rollout.max_turns`` > 1; the
+    config's checks make sure an environment is named then)."""
+    return config.rollout.max_turns > 1
+
+
 def next_batch(run: Run, source: RolloutSource, pool: GeneratorPool, step: int = 0) -> Batch | None:
     """The batch of step ``step + 1``, or None when training must end (main rank only);
     raises ``WeightsNeeded`` (see :func:`on_every_rank`)."""
@@ -515,11 +522,13 @@ def validate(
     def generate() -> list:  # asked again after a reweigh: the same seeds, the same samples
         if not ids:
             return []
+        episodes = {"problems": [run.data.get(i) for i in ids]} if _episodes(run.config) else {}
         return pool.generate(
             [run.encode(i) for i in ids],
             seeds=[_sampling_seed(run.config.seed, -1 - i, step) for i in ids],
             samples_per_prompt=cfg.samples_per_prompt,
             temperature=cfg.temperature,
+            **episodes,
         )
 
     # Blocking validation, accounted apart; the training requests that PipelineRL generators
@@ -528,7 +537,7 @@ def validate(
         samples = generate()  # scoring too: the other ranks wait until the pass is done
         if not samples:
             return None
-        texts = [run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        texts = [model_text(run.tokenizer, s) for s in samples]  # a tool's output left out
         refs = [run.data.get(ids[s.prompt_index - samples[0].prompt_index]) for s in samples]
         kinds = [p.kind for p in refs]
         return samples, kinds, run.rewards.score_batch(texts, [p.reference for p in refs], kinds)
@@ -699,6 +708,7 @@ def start_generators(
         engine_config(run.config, on_gpu),
         encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
         initial_version=step,
+        sandbox=run.config.reward,  # multi-turn episodes: their tools run in the reward's box
     )
 
 

@@ -96,6 +96,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_rl.data.sampler import has_reward_variance
 from megatron_rl.rollout.client import RolloutClient, WeightsNeeded
@@ -180,6 +181,7 @@ class RolloutSource:
         capacity: int | None = None,
         fill: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        problem_of: Callable[[int], Any] | None = None,
     ) -> None:
         if capacity is not None and capacity < 1:
             raise ValueError(f"capacity must be >= 1 sequences, got {capacity}")
@@ -193,6 +195,9 @@ class RolloutSource:
         self.mode = mode
         self.k = k
         self.seed_of = seed_of  # prompt id -> sampling seed (reproducible generation)
+        # prompt id -> its problem (``data.prompts.Prompt``): the samples are multi-turn
+        # episodes on it (``rollout.max_turns`` > 1); None: single-turn samples
+        self.problem_of = problem_of
         self.shuffle_seed = shuffle_seed  # PPO-off-policy-k minibatch order
         self.capacity = capacity
         self.fill = fill
@@ -250,8 +255,14 @@ class RolloutSource:
             return
         with self._lock:
             seeds = [self.seed_of(p) for p in prompt_ids] if self.seed_of else None
+            episodes = (
+                {"problems": [self.problem_of(p) for p in prompt_ids]} if self.problem_of else {}
+            )
             indices = self.pool.submit(
-                [self.encode(p) for p in prompt_ids], self.samples_per_prompt, seeds=seeds
+                [self.encode(p) for p in prompt_ids],
+                self.samples_per_prompt,
+                seeds=seeds,
+                **episodes,
             )
             for index, prompt_id in zip(indices, prompt_ids):
                 self._groups[index] = Group(prompt_id, self.samples_per_prompt, self.pool.version)

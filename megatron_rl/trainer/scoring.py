@@ -124,6 +124,8 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
     }
     if len(run.data.sources) > 1:  # a mixture: the training reward of each domain too
         info.update(by_domain("reward_mean", [p.kind for p in prompts], rewards, mean=True))
+    if run.config.rollout.max_turns > 1:  # multi-turn episodes: their tool use
+        info.update(episode_metrics([s for _, _, s, _ in flat], rewards))
     return samples, info
 
 
@@ -138,13 +140,14 @@ def by_domain(key: str, domains: list[str], rewards: list[float], mean: bool) ->
     return out
 
 
-def episode_metrics(samples: list[Any], results: list[list[Any]]) -> dict[str, float]:
-    """A step's multi-turn metrics (not logged yet: the pool does not run episodes):
-    ``samples`` (``rollout.samples.Sample``) and their episodes' tool results
-    (``environments.protocol.ToolResult``). ``turns_mean``: model turns per episode (a turn
-    follows each tool output); ``tool_calls``, ``tool_errors``, ``tool_timeouts``, ``tool_truncated``,
-    ``tool_seconds`` (summed); ``tool_token_share``: the share of response tokens a tool
-    wrote."""
+def episode_metrics(samples: list[Any], rewards: list[float]) -> dict[str, float]:
+    """A step's multi-turn metrics over its episodes (``rollout.samples.Sample``, their tool
+    calls in ``Sample.tools``) and their ``rewards``. ``turns_mean``: model turns per episode
+    (a turn follows each tool output); ``tool_calls``, ``tool_errors``, ``tool_timeouts``,
+    ``tool_truncated``, ``tool_seconds`` (summed over the step); ``tool_episode_fraction``:
+    the share of episodes with a call; ``tool_token_share``: the share of response tokens a
+    tool wrote; ``pass_rate_with_tool`` / ``_without_tool``: the pass rate of the episodes
+    with / without a call (NaN when there are none)."""
     turns = tool_tokens = tokens = 0
     for sample in samples:
         versions = sample.versions
@@ -154,13 +157,18 @@ def episode_metrics(samples: list[Any], results: list[list[Any]]) -> dict[str, f
         turns += int(bool(versions) and versions[0] != TOOL_VERSION) + sum(
             a == TOOL_VERSION and b != TOOL_VERSION for a, b in zip(versions, versions[1:])
         )
-    calls = [r for episode in results for r in episode]
+    calls = [call for sample in samples for call in sample.tools]
+    used = [r > 0 for s, r in zip(samples, rewards) if s.tools]
+    unused = [r > 0 for s, r in zip(samples, rewards) if not s.tools]
     return {
         "turns_mean": turns / max(len(samples), 1),
         "tool_calls": float(len(calls)),
-        "tool_errors": float(sum(r.outcome == "error" for r in calls)),
-        "tool_timeouts": float(sum(r.outcome == "timeout" for r in calls)),
-        "tool_truncated": float(sum(r.outcome == "truncated" for r in calls)),
-        "tool_seconds": float(sum(r.seconds for r in calls)),
+        "tool_errors": float(sum(outcome == "error" for outcome, _ in calls)),
+        "tool_timeouts": float(sum(outcome == "timeout" for outcome, _ in calls)),
+        "tool_truncated": float(sum(outcome == "truncated" for outcome, _ in calls)),
+        "tool_seconds": float(sum(seconds for _, seconds in calls)),
+        "tool_episode_fraction": len(used) / max(len(samples), 1),
         "tool_token_share": tool_tokens / max(tokens, 1),
+        "pass_rate_with_tool": sum(used) / len(used) if used else float("nan"),
+        "pass_rate_without_tool": sum(unused) / len(unused) if unused else float("nan"),
     }

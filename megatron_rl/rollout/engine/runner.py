@@ -64,20 +64,26 @@ _TOOL_POLL_S = 0.01  # how long an engine with nothing to generate waits on a to
 class EpisodeSteps(Protocol):
     """Multi-turn episodes (issue 38), as an engine runner drives them, token-in / token-out.
 
-    ``stop_token_ids``: the tool-call format's stop ids (added to every request's stops);
+    A request is an episode when its spec carries a ``problem``. ``stop_token_ids`` and
+    ``stop_strings``: the tool-call format's stops (added to every episode request's; a stop
+    string is kept in the output and vLLM cuts the ids after the token that completes it);
     ``max_turns``: model turns per episode. ``tool_step(spec, sample, turn_ids)``: the model
-    turn that just ended on one of those ids (``turn_ids``: exactly the ids the engine
+    turn that just ended on one of those stops (``turn_ids``: exactly the ids the engine
     produced); None ends the episode (no call: a final answer), else a future (a
     ``ToolExecutor`` thread: the engine keeps serving other requests meanwhile) of the
     observation's ids, tokenized once (None: the environment ended the episode).
+    ``end(spec)``: the episode is over; its tool calls as ``(outcome, seconds)``.
     """
 
     stop_token_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...]
     max_turns: int
 
     def tool_step(
         self, spec: RequestSpec, sample: Sample, turn_ids: list[int]
     ) -> Future[list[int] | None] | None: ...
+
+    def end(self, spec: RequestSpec) -> list[tuple[str, float]]: ...
 
 
 @dataclass
@@ -241,8 +247,10 @@ class EngineRunner:
         track.request_id = f"e{self.index}-{self._seq}"
         self.requests[track.request_id] = track
         stop = list(self.settings.stop_token_ids)
-        if self.episodes is not None:
+        stop_strings: tuple[str, ...] = ()
+        if self._episode(track):
             stop += [i for i in self.episodes.stop_token_ids if i not in stop]
+            stop_strings = self.episodes.stop_strings
         seed = track.spec.seed
         if seed is not None:
             # the answer phase after an interruption, and every later turn of an episode,
@@ -258,7 +266,13 @@ class EngineRunner:
             # prefix-cache blocks are shared only among requests of one policy version
             cache_salt=f"v{self.version}",
             seed=seed,
+            **({"stop_strings": stop_strings} if stop_strings else {}),
         )
+
+    def _episode(self, track: _Track) -> bool:
+        """Whether ``track`` is a multi-turn episode (the engine runs episodes and its spec
+        has a problem); other requests (validation of a single-turn run, probes) are not."""
+        return self.episodes is not None and track.spec.problem is not None
 
     def _advance(self, track: _Track, delta) -> None:
         sample = track.sample
@@ -284,18 +298,20 @@ class EngineRunner:
         if delta.finished:
             sample.add_routed_experts(delta.routed_experts)
             del self.requests[delta.request_id]
-            if delta.finish_reason == "stop" and self._call_tool(track):
+            if delta.finish_reason == "stop" and self._call_tool(track, delta.stop_reason):
                 return
             self._finish(track, delta.finish_reason or "length")
 
-    def _call_tool(self, track: _Track) -> bool:
-        """A model turn that ended on a tool-call stop id goes to the episode's tool step
-        (off this thread); False: the episode ends here."""
+    def _call_tool(self, track: _Track, stop_reason: Any = None) -> bool:
+        """A model turn that ended on a tool-call stop (id, or a stop string: vLLM's
+        ``stop_reason``) goes to the episode's tool step (off this thread); False: the
+        episode ends here."""
         episodes, sample = self.episodes, track.sample
-        if episodes is None or track.turns >= episodes.max_turns:
+        if not self._episode(track) or track.turns >= episodes.max_turns:
             return False
         turn = sample.response_ids[track.turn_start :]
-        if not turn or turn[-1] not in episodes.stop_token_ids:
+        on_string = isinstance(stop_reason, str) and stop_reason in episodes.stop_strings
+        if not turn or not (on_string or turn[-1] in episodes.stop_token_ids):
             return False
         future = episodes.tool_step(track.spec, sample, turn)
         if future is None:
@@ -334,6 +350,8 @@ class EngineRunner:
 
     def _finish(self, track: _Track, reason: str) -> None:
         track.sample.finish_reason = reason
+        if self._episode(track):
+            track.sample.tools = self.episodes.end(track.spec)
         self._finished.append(track.sample)
 
     def _flush(self) -> None:
@@ -384,7 +402,7 @@ def run_engine(
     """Build engine ``index`` and serve until stopped; failures become ``Failed`` events.
     ``beat_seconds`` > 0: an ``Alive`` event that often, from a thread of its own, from now
     until the end (the pool's stall check, ``rollout.engine_stall_timeout``)."""
-    engine = None
+    engine = episodes = None
     runner: list[EngineRunner] = []  # the runner once built, for the beat
     done = threading.Event()
     if beat_seconds > 0:
@@ -394,8 +412,9 @@ def run_engine(
     try:
         from megatron_rl.rollout.engine.vllm_engine import VLLMEngine
 
+        episodes = build_episodes(hf_dir, config, settings)
         engine = VLLMEngine(hf_dir, config, index)
-        runner.append(EngineRunner(index, engine, settings, events))
+        runner.append(EngineRunner(index, engine, settings, events, episodes))
         events.put(Ready(index, engine.max_model_len, os.getpid()))
         runner[0].serve(commands, weights_get)
         done.set()
@@ -406,6 +425,23 @@ def run_engine(
         events.put(Failed(index, traceback.format_exc()))
         if engine is not None:
             engine.close()
+    finally:
+        if episodes is not None:
+            episodes.close()
+
+
+def build_episodes(hf_dir: str, config: RolloutConfig, settings: RunnerSettings):
+    """The multi-turn episodes an engine runs (``environments.episodes.EnvironmentSteps``:
+    ``rollout.environment`` with ``hf_dir``'s tokenizer, tools in ``settings.sandbox``), or
+    None when ``rollout.max_turns`` is 1 or no environment is set."""
+    if config.max_turns <= 1 or not config.environment.name:
+        return None
+    from megatron_rl.environments.episodes import EnvironmentSteps
+    from megatron_rl.models.hf_config import load_tokenizer
+
+    return EnvironmentSteps.build(
+        config.environment, settings.sandbox, load_tokenizer(hf_dir), config.max_turns
+    )
 
 
 def _beat(

@@ -14,7 +14,7 @@ import math
 import os
 import random
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,7 @@ class TokenDelta:
     finished: bool
     finish_reason: str | None
     routed_experts: np.ndarray | None = None
+    stop_reason: int | str | None = None  # the stop id or stop string that ended it
 
 
 @contextlib.contextmanager
@@ -170,7 +171,8 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         model=hf_dir,
         # vLLM reads config.json with transformers itself: a coerced copy where it needs one
         hf_config_path=vllm_config_dir(hf_dir),
-        skip_tokenizer_init=True,
+        # the stop strings of a multi-turn episode's tool calls need vLLM's detokenizer
+        skip_tokenizer_init=not (config.max_turns > 1 and config.environment.name),
         dtype=config.dtype,
         seed=config.seed + index,
         max_model_len=config.max_model_len,
@@ -354,9 +356,13 @@ class VLLMEngine:
         stop_token_ids: list[int],
         cache_salt: str | None = None,
         seed: int | None = None,
+        stop_strings: Sequence[str] = (),
     ) -> None:
         """Queue a request; its tokens come back from :meth:`step` as deltas. With ``seed``
-        the request samples from its own generator (reproducible whatever else runs)."""
+        the request samples from its own generator (reproducible whatever else runs).
+        ``stop_strings`` (a tool-call format's, multi-turn episodes): kept in the output;
+        vLLM detokenizes such a request to find them and drops the ids after the token that
+        completes one."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -371,7 +377,9 @@ class VLLMEngine:
             # stop_token_ids); vLLM would otherwise add generation_config.json's EOS
             ignore_eos=True,
             output_kind=RequestOutputKind.DELTA,
-            detokenize=False,
+            detokenize=bool(stop_strings),
+            stop=list(stop_strings) or None,
+            include_stop_str_in_output=True,
             seed=seed,
         )
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
@@ -414,6 +422,7 @@ class VLLMEngine:
                     out.finished,
                     completion.finish_reason,
                     routed.get(out.request_id),
+                    completion.stop_reason,
                 )
             )
         return deltas

@@ -67,7 +67,9 @@ class GeneratorPool(RolloutClient):
     start (the first call that needs them waits), so that the caller can work meanwhile.
     ``launcher`` (default: ``rollout.placement``'s), ``transport`` (default:
     ``rollout.weight_transport``'s) and ``text_config`` (default: ``hf_dir``'s HF config)
-    replace what the pool would make itself.
+    replace what the pool would make itself. ``sandbox``: the run's ``reward`` section
+    (``rewards.config.RewardConfig``), whose sandbox the tools of multi-turn episodes run in
+    (None: its defaults).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class GeneratorPool(RolloutClient):
         launcher: EngineLauncher | None = None,
         transport: Transport | None = None,
         text_config: Any = None,
+        sandbox: Any = None,
     ) -> None:
         config.validate()
         config = config.resolved()  # weight_transport "auto": decided once, here
@@ -98,9 +101,8 @@ class GeneratorPool(RolloutClient):
             )
         self._state = PoolState.STARTING
         self._requests = RequestBook(config.engines, self.policy)
-        launcher = launcher or engine_launcher(
-            self.hf_dir, config, runner_settings(config, self._hf, self.policy)
-        )
+        settings = runner_settings(config, self._hf, self.policy, sandbox)
+        launcher = launcher or engine_launcher(self.hf_dir, config, settings)
         handler = EngineEvents(self._on_event, self._on_death, self._on_restart)
         self._engines = EngineSupervisor(config, launcher, handler)
         self._scheduler = RequestScheduler(
@@ -139,15 +141,24 @@ class GeneratorPool(RolloutClient):
         temperature: float | None = None,
         top_p: float | None = None,
         seeds: Sequence[int] | None = None,
+        problems: Sequence[Any] | None = None,
     ) -> list[int]:
         """Queue ``samples_per_prompt`` samples of every prompt (token ids); returns the
         prompts' indices (``Sample.prompt_index``). Settings default to the config's;
         ``temperature=0`` samples greedily (evaluation). ``seeds`` (one per prompt) make the
         samples (and their thinking budgets) reproducible: sample j of a prompt with seed s
-        uses the seeds derived from (s, j), whichever engine runs it and whatever else runs."""
+        uses the seeds derived from (s, j), whichever engine runs it and whatever else runs.
+        ``problems`` (one per prompt, ``data.prompts.Prompt``): the samples are multi-turn
+        episodes of ``rollout.environment`` on them (the engines must run episodes:
+        ``rollout.max_turns`` > 1)."""
         self._check_open()
+        if problems is not None and not self.episodes:
+            raise ValueError(
+                "problems given, but the engines run single-turn samples: set "
+                "rollout.max_turns > 1 and rollout.environment.name"
+            )
         sampling = Sampling.of(self.config, samples_per_prompt, max_tokens, temperature, top_p)
-        return self._scheduler.submit(prompts, sampling, seeds)
+        return self._scheduler.submit(prompts, sampling, seeds, problems)
 
     def poll(self, timeout: float = 0.0) -> list[Sample]:
         """Finished samples not returned yet, waiting up to ``timeout`` s for the first."""
@@ -182,6 +193,12 @@ class GeneratorPool(RolloutClient):
         return sorted(mine, key=lambda s: (s.prompt_index, s.sample_index))
 
     # -- state ------------------------------------------------------------------------------
+    @property
+    def episodes(self) -> bool:
+        """Whether the engines run multi-turn episodes (``rollout.max_turns`` > 1 with an
+        environment): ``submit(problems=...)`` makes episodes."""
+        return self.config.max_turns > 1 and bool(self.config.environment.name)
+
     @property
     def closed(self) -> bool:
         return self._state is PoolState.CLOSED

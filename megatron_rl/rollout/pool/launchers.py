@@ -338,16 +338,26 @@ def _check_one_rank_world() -> None:
         )
 
 
-def runner_settings(config: RolloutConfig, hf_config: Any, policy: Any = None) -> RunnerSettings:
+def runner_settings(
+    config: RolloutConfig, hf_config: Any, policy: Any = None, sandbox: Any = None
+) -> RunnerSettings:
     """What every engine's runner needs besides the config: the stop tokens (the config's,
-    else the model's EOS) and the interruption ``policy``'s token ids, if any."""
+    else the model's EOS), the interruption ``policy``'s token ids, if any, and for
+    multi-turn episodes the ``sandbox`` their tools run in (the run's ``reward`` section;
+    None: its defaults)."""
     stop = config.stop_token_ids
     if stop is None:
         eos = getattr(hf_config, "eos_token_id", None)
         stop = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    if config.max_turns > 1 and config.environment.name and sandbox is None:
+        from megatron_rl.rewards.config import RewardConfig
+
+        sandbox = RewardConfig()
     if policy is None:
-        return RunnerSettings(tuple(stop))
-    return RunnerSettings(tuple(stop), policy.text_ids, policy.close_ids, policy.answer_budget)
+        return RunnerSettings(tuple(stop), sandbox=sandbox)
+    return RunnerSettings(
+        tuple(stop), policy.text_ids, policy.close_ids, policy.answer_budget, sandbox
+    )
 
 
 def hf_text_config(hf_dir: str) -> Any:

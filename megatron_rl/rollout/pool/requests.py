@@ -87,16 +87,17 @@ class RequestBook:
 
     # -- new requests ----------------------------------------------------------------------
     def new_prompt(
-        self, ids: tuple[int, ...], sampling: Sampling, seed: int | None
+        self, ids: tuple[int, ...], sampling: Sampling, seed: int | None, problem: Any = None
     ) -> list[RequestSpec]:
         """The requests of a new prompt (its index: the next one). With ``seed``, sample j
-        uses the seeds derived from (seed, j), whichever engine runs it."""
+        uses the seeds derived from (seed, j), whichever engine runs it; with ``problem``
+        every sample is an episode of the engines' environment on it."""
         index = self.next_prompt
         self.next_prompt += 1
         n, max_tokens, temperature, top_p = dataclasses.astuple(sampling)
         seeds = [None] * n if seed is None else [sample_seed(seed, j) for j in range(n)]
         return [
-            RequestSpec(index, j, ids, max_tokens, temperature, top_p, self._budget(s), s)
+            RequestSpec(index, j, ids, max_tokens, temperature, top_p, self._budget(s), s, problem)
             for j, s in enumerate(seeds)
         ]
 

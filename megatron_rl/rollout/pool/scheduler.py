@@ -12,7 +12,7 @@ keeps no state of its own: it works on the supervisor's engine records and the p
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.rollout.messages import RequestSpec, Submit
 from megatron_rl.rollout.pool.requests import check_prompt
@@ -41,18 +41,29 @@ class RequestScheduler:
         self._version = version
 
     def submit(
-        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seeds: Sequence[int] | None
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        seeds: Sequence[int] | None,
+        problems: Sequence[Any] | None = None,
     ) -> list[int]:
         """Book and hand out ``sampling.samples_per_prompt`` requests of every prompt (token
-        ids, checked), seeded by ``seeds`` (one per prompt) if given; returns the prompts'
-        indices."""
+        ids, checked), seeded by ``seeds`` (one per prompt) if given, episodes on
+        ``problems`` (one per prompt) if given; returns the prompts' indices."""
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        if problems is not None and len(problems) != len(prompts):
+            raise ValueError(f"{len(problems)} problems for {len(prompts)} prompts")
         limit = min(e.max_model_len for e in self._engines.engines)
         indices = []
         for p, prompt in enumerate(prompts):
             ids = check_prompt(prompt, self._vocab_size, limit)
-            specs = self._requests.new_prompt(ids, sampling, None if seeds is None else seeds[p])
+            specs = self._requests.new_prompt(
+                ids,
+                sampling,
+                None if seeds is None else seeds[p],
+                None if problems is None else problems[p],
+            )
             self.assign(specs)
             indices.append(specs[0].prompt_index)
         return indices

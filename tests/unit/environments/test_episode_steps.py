@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import queue
 from types import SimpleNamespace
 
@@ -73,11 +74,11 @@ def test_a_llama3_call_runs_on_the_executor_and_its_output_is_appended_by_id(lla
             tok,
             executor,
             lambda: Echo(context),
-            lambda i: SimpleNamespace(problem="p"),
             max_turns=3,
         )
         runner = EngineRunner(0, engine, RunnerSettings((eot,)), events, steps)
-        runner.submit(RequestSpec(7, 1, (1, 2), 100, 1.0, 1.0, None))
+        problem = SimpleNamespace(problem="p")
+        runner.submit(RequestSpec(7, 1, (1, 2), 100, 1.0, 1.0, None, problem=problem))
         while runner._tools or engine.has_work():
             runner.step()
     (sample,) = [s for e in list(events.queue) if isinstance(e, SamplesDone) for s in e.samples]
@@ -85,7 +86,7 @@ def test_a_llama3_call_runs_on_the_executor_and_its_output_is_appended_by_id(lla
     assert sample.response_ids == turn1 + observation + turn2
     assert engine.added == [[1, 2], [1, 2, *turn1, *observation]]
     assert sample.mask == [True] * len(turn1) + [False] * len(observation) + [True] * len(turn2)
-    assert [r.output for r in steps.results[(7, 1)]] == ["8\n"]
+    assert sample.tools == [("ok", 0.0)] and steps.results == {}  # handed over at the end
     assert sample.finish_reason == "stop"
 
 
@@ -95,13 +96,15 @@ def test_episode_metrics_count_turns_calls_outcomes_seconds_and_the_tool_token_s
     from megatron_rl.trainer.scoring import episode_metrics
 
     three = Sample(0, 0, [1], list(range(9)), [0.0] * 9, [0, 0, T, T, 1, T, 1, 1, 1], [True] * 9)
+    three.tools = [("ok", 0.5), ("timeout", 5.0)]
     one = Sample(0, 1, [1], [5, 6, 7], [0.0] * 3, [1, 1, 1], [True] * 3)
-    results = [
-        [ToolResult("ok", "", 0.5), ToolResult("timeout", "", 5.0)],
-        [],
-    ]
-    metrics = episode_metrics([three, one], results)
-    assert metrics["turns_mean"] == (3 + 1) / 2
-    assert metrics["tool_calls"] == 2 and metrics["tool_timeouts"] == 1
-    assert metrics["tool_errors"] == 0 and metrics["tool_seconds"] == 5.5
-    assert metrics["tool_token_share"] == 3 / 12
+    err = Sample(0, 2, [1], [5, 6, T], [0.0] * 3, [1, 1, T], [True] * 3)
+    err.tools = [("error", 0.25)]
+    metrics = episode_metrics([three, one, err], [1.0, 1.0, 0.0])
+    assert metrics["turns_mean"] == (3 + 1 + 1) / 3
+    assert metrics["tool_calls"] == 3 and metrics["tool_timeouts"] == 1
+    assert metrics["tool_errors"] == 1 and metrics["tool_seconds"] == 5.75
+    assert metrics["tool_token_share"] == 4 / 15
+    assert metrics["tool_episode_fraction"] == 2 / 3
+    assert metrics["pass_rate_with_tool"] == 1 / 2 and metrics["pass_rate_without_tool"] == 1.0
+    assert math.isnan(episode_metrics([one], [1.0])["pass_rate_with_tool"])

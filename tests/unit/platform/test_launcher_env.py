@@ -48,6 +48,7 @@ def test_engines_started_by_an_srun_trainer_take_gpus_apart_from_its_ranks(monke
         model=SimpleNamespace(dtype="bfloat16"),
         algorithm=SimpleNamespace(routing_replay=False),
         cluster=SimpleNamespace(gpus_per_node=8),
+        reward=None,
     )
     run = SimpleNamespace(config=config, tokenizer=None, hf_dir="/hf")
     loop.start_generators(run, 0, make_pool=make_pool, on_gpu=True)

@@ -120,8 +120,8 @@ def run_to_end(runner, engine, events):
     return samples
 
 
-def spec(prompt, budget, max_tokens=30, index=0):
-    return RequestSpec(index, 0, tuple(prompt), max_tokens, 1.0, 1.0, budget)
+def spec(prompt, budget, max_tokens=30, index=0, problem=None):
+    return RequestSpec(index, 0, tuple(prompt), max_tokens, 1.0, 1.0, budget, problem=problem)
 
 
 def counting(prompt, pos):
@@ -565,6 +565,7 @@ def test_engine_log_directories_of_killed_trainers_are_removed_by_the_next_launc
 
 
 CALL = 5  # a tool-call format's stop id
+PROBLEM = "an episode's problem"
 OBSERVATION = (80, 81, 82)  # a tool's output, tokenized once
 
 
@@ -573,6 +574,7 @@ class ScriptedEpisodes:
     ``gate`` holds the tool calls until set (so that the test can push weights meanwhile)."""
 
     stop_token_ids = (CALL,)
+    stop_strings = ()
 
     def __init__(self, max_turns: int, end_after: int | None = None) -> None:
         import concurrent.futures
@@ -594,6 +596,9 @@ class ScriptedEpisodes:
             return None if calls == self.end_after else list(OBSERVATION)
 
         return self.pool.submit(run)
+
+    def end(self, spec):
+        return [("ok", 0.0)] * sum(t[-1] == CALL for t in self.turns)
 
 
 def calls_tool(prompt, pos):
@@ -639,7 +644,7 @@ def test_episode_continues_from_ids_with_tool_tokens_masked_and_model_versions_a
     episodes = ScriptedEpisodes(max_turns=4)
     runner, engine, events = make_episode_runner(calls_tool, episodes)
     produced = recording(engine)
-    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30))
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30, problem=PROBLEM))
     other = [4] * 20  # past the script's calls: no call
     runner.submit(spec(other, budget=None, max_tokens=8, index=1))
     for _ in range(4):  # turn 1 of the episode ends on CALL; its tool is held
@@ -674,6 +679,22 @@ def test_episode_continues_from_ids_with_tool_tokens_masked_and_model_versions_a
     assert sample.versions == [0] * 4 + [tool] * 3 + [1] * 3 + [tool] * 3 + [1] * 4
     assert (sample.oldest_version, sample.newest_version) == (0, 1)
     assert sample.finish_reason == "stop"
+    assert sample.tools == [("ok", 0.0)] * 2  # the episode's calls, handed over at its end
+
+
+def test_a_request_without_a_problem_is_single_turn_on_an_engine_that_runs_episodes():
+    # validation of a single-turn run, probes, parity: the tool's stop id is not theirs
+    episodes = ScriptedEpisodes(max_turns=4)
+    episodes.gate.set()
+    runner, engine, events = make_episode_runner(calls_tool, episodes)
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30))
+    while runner._tools or engine.has_work():
+        runner.step()
+    (sample,) = drain(events)
+    assert engine.active == {} and len(engine.added) == 1  # one request, no resubmission
+    assert sample.response_ids == [calls_tool(None, p) for p in range(3, 20)]
+    assert CALL in sample.response_ids and episodes.turns == [] and sample.tools == []
+    assert sample.mask == [True] * 17 and sample.finish_reason == "stop"
 
 
 def test_episode_ends_at_max_turns_at_the_budget_and_when_the_environment_says_so():
@@ -681,7 +702,7 @@ def test_episode_ends_at_max_turns_at_the_budget_and_when_the_environment_says_s
     episodes = ScriptedEpisodes(max_turns=2)
     episodes.gate.set()
     runner, engine, events = make_episode_runner(calls_tool, episodes)
-    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30))
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30, problem=PROBLEM))
     while runner._tools or engine.has_work():
         runner.step()
     (sample,) = drain(events)
@@ -690,7 +711,7 @@ def test_episode_ends_at_max_turns_at_the_budget_and_when_the_environment_says_s
 
     # a budget of 6: the observation runs past it, the episode is cut at 6 tokens
     runner, engine, events = make_episode_runner(calls_tool, episodes)
-    runner.submit(spec([1, 2, 3], budget=None, max_tokens=6))
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=6, problem=PROBLEM))
     while runner._tools or engine.has_work():
         runner.step()
     (sample,) = drain(events)
@@ -702,7 +723,7 @@ def test_episode_ends_at_max_turns_at_the_budget_and_when_the_environment_says_s
     ends = ScriptedEpisodes(max_turns=4, end_after=1)
     ends.gate.set()
     runner, engine, events = make_episode_runner(calls_tool, ends)
-    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30))
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30, problem=PROBLEM))
     while runner._tools or engine.has_work():
         runner.step()
     (sample,) = drain(events)
