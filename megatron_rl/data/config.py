@@ -15,6 +15,7 @@ from megatron_rl.config.errors import ConfigError
 
 DATA_FORMATS: tuple[str, ...] = ("polaris", "deepcoder", "custom")
 SYNTHETIC_OPERATIONS: tuple[str, ...] = ("add", "sub", "mul")
+SYNTHETIC_SOLUTIONS: tuple[str, ...] = ("scratchpad", "tool")
 SYNTHETIC_SOURCE = "synthetic"
 SYNTHETIC_CODE_SOURCE = "synthetic_code"
 SYNTHETIC_CODE_TEMPLATES: tuple[str, ...] = ("sum", "diff", "max", "min", "prod")
@@ -38,6 +39,11 @@ class SyntheticConfig:
         max_digits: most digits of an operand (difficulty ceiling).
         num_problems: distinct problems generated (capped by how many exist).
         seed: generator seed; the same settings always write the same file.
+        solution: the worked solutions' style (the warm start's traces): "scratchpad"
+            (column arithmetic in the thinking section) or "tool" (the thinking section
+            asks a Python tool, ToRA's fenced ```python block then its ```output block,
+            and the answer copies the output: multi-turn episodes with ``python_tool`` and
+            the markdown tool format, ``recipes/tiny_cpu_tool.yaml``).
     """
 
     operations: tuple[str, ...] = ("add",)
@@ -45,6 +51,7 @@ class SyntheticConfig:
     max_digits: int = 2
     num_problems: int = 5000
     seed: int = 0
+    solution: str = "scratchpad"
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field."""
@@ -67,6 +74,10 @@ class SyntheticConfig:
             raise ConfigError("max_digits", f"must be <= 18, got {self.max_digits}")
         if not isinstance(self.seed, int):
             raise ConfigError("seed", f"must be an int, got {self.seed!r}")
+        if self.solution not in SYNTHETIC_SOLUTIONS:
+            raise ConfigError(
+                "solution", f"must be one of {list(SYNTHETIC_SOLUTIONS)}, got {self.solution!r}"
+            )
 
 
 @dataclass

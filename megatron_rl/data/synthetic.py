@@ -93,10 +93,25 @@ def scratchpad_mul(a: int, b: int) -> str:
     return ",".join(steps)
 
 
+def tool_solution(problem: str, answer: str, think_start: str, think_end: str) -> str:
+    """A worked solution that asks the Python tool (ToRA's convention, the ``markdown``
+    tool format): the program in a fenced ```python block, the stop at ```output, the
+    program's output as the tool renders it (``MarkdownFormat.observation_text``), then the
+    answer copied from it. In an episode the output block is the tool's (no loss there)."""
+    call = f"```python\nprint({problem})\n```\n```output"
+    return f"{think_start}{call}\n{answer}\n```\n{think_end}\\boxed{{{answer}}}"
+
+
 def make_problem(
-    a: int, b: int, operation: str, think_start: str = "<think>", think_end: str = "</think>"
+    a: int,
+    b: int,
+    operation: str,
+    think_start: str = "<think>",
+    think_end: str = "</think>",
+    solution: str = "scratchpad",
 ) -> dict[str, object]:
-    """One problem record: problem text, exact answer, worked solution, metadata."""
+    """One problem record: problem text, exact answer, worked solution (``solution``: its
+    style, see ``SyntheticConfig``), metadata."""
     if operation == "add":
         result, pad = a + b, scratchpad_add(a, b)
     elif operation == "sub":
@@ -107,10 +122,15 @@ def make_problem(
     else:
         raise ValueError(f"unknown operation {operation!r}")
     answer = str(result)
+    problem = f"{a}{_SYMBOLS[operation]}{b}"
+    if solution == "tool":
+        worked = tool_solution(problem, answer, think_start, think_end)
+    else:
+        worked = f"{think_start}{pad}{think_end}\\boxed{{{answer}}}"
     return {
-        "problem": f"{a}{_SYMBOLS[operation]}{b}",
+        "problem": problem,
         "answer": answer,
-        "solution": f"{think_start}{pad}{think_end}\\boxed{{{answer}}}",
+        "solution": worked,
         "operation": operation,
         "digits": max(len(str(a)), len(str(b))),
     }
@@ -144,7 +164,7 @@ def generate_problems(
         operation = rng.choice(tuple(config.operations))
         a = _operand(rng, rng.randint(config.min_digits, config.max_digits))
         b = _operand(rng, rng.randint(config.min_digits, config.max_digits))
-        record = make_problem(a, b, operation, think_start, think_end)
+        record = make_problem(a, b, operation, think_start, think_end, config.solution)
         if record["problem"] not in seen:
             seen.add(str(record["problem"]))
             problems.append(record)

@@ -196,7 +196,9 @@ class MarkdownFormat(ToolFormat):
         return ToolCall(code.strip("\n") + "\n", text=call)
 
     def observation_text(self, output: str) -> str:
-        return f"\n{output}\n```\n"
+        # ToRA's rendering: "```output\n18\n```" for a program that printed "18\n" (its
+        # trailing newlines are the block's, tests/data/tora_gsm8k_outputs_slice.jsonl)
+        return f"\n{output.rstrip(chr(10))}\n```\n"
 
 
 FORMATS: dict[str, type[ToolFormat]] = {

@@ -198,6 +198,17 @@ def test_markdown_output_fills_the_output_block(char_tokenizer):
     assert char_tokenizer.bos_token_id not in ids
 
 
+def test_markdown_output_block_is_rendered_as_tora_renders_a_printed_line():
+    # ToRA's published GSM8K outputs (tests/data/tora_gsm8k_outputs_slice.jsonl) show a
+    # program that printed "18\n" as "```output\n18\n```": print's newline is not doubled
+    from pathlib import Path
+
+    data = Path(__file__).parents[2] / "data" / "tora_gsm8k_outputs_slice.jsonl"
+    assert "```output\\n18\\n```" in data.read_text()  # the file's JSON-escaped text
+    fmt = format_for("markdown")
+    assert "```output" + fmt.observation_text("18\n") == "```output\n18\n```\n"
+
+
 # ---- choosing the format ---------------------------------------------------------------
 
 
