@@ -400,7 +400,23 @@ def test_ppo_resume_after_sigkill_matches_uninterrupted_run(ppo_full_run, tmp_pa
     assert _comparable(records(ppo_full_run)) == _comparable(records(resumed))
 
 
-def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path):
+# Multi-turn episodes with the sandboxed Python tool (issue 38), as recipes/tiny_cpu_tool.yaml.
+EPISODES = (
+    "data.synthetic.operations=[mul]",
+    "data.synthetic.solution=tool",
+    "rollout.max_turns=2",
+    "rollout.environment.name=python_tool",
+    "rollout.environment.tool_format=markdown",
+    "rollout.interruption.enabled=false",
+    "rollout.max_tokens=80",
+    "rollout.max_model_len=112",
+)
+
+
+@pytest.mark.parametrize("episodes", [False, True], ids=["single_turn", "episodes"])
+def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path, episodes):
+    """SIGKILL after checkpoint 1 with prompts in flight (with episodes: some of them
+    waiting on a tool); the resumed run regenerates them, and trains every prompt once."""
     run_dir = tmp_path / "run"
     # 28 problems - 16 held out = 12 training prompts = 3 steps of 4 per epoch; no retirement.
     args = (
@@ -410,12 +426,18 @@ def test_pipeline_resume_after_sigkill_trains_each_prompt_once(tmp_path):
         "algorithm.npr_threshold=null",
         "checkpoint.every_steps=1",
         "validation.enabled=false",
+        *(EPISODES if episodes else ()),
     )
     _kill_after_checkpoint(run_dir, 1, *args)
     run_train(run_dir, *args)
-    trained = [pid for r in records(run_dir) if "prompt_ids" in r for pid in r["prompt_ids"]]
+    steps = [r for r in records(run_dir) if "prompt_ids" in r]
+    trained = [pid for r in steps for pid in r["prompt_ids"]]
     assert sorted(trained) == sorted(set(trained)) and len(trained) == 12
-    assert [r["step"] for r in records(run_dir) if "prompt_ids" in r] == [1, 2, 3]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    if episodes:  # the warm start's traces call the tool: so do the episodes
+        assert all(r["samples"] == 16 for r in steps)
+        assert sum(r["tool_calls"] for r in steps) > 0
+        assert all(0 <= r["tool_episode_fraction"] <= 1 for r in steps)
 
 
 def _engine_processes(trainer_pid: int) -> list[int]:
