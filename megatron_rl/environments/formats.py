@@ -85,6 +85,12 @@ class ToolFormat(ABC):
         the call: the ids themselves stay what the episode holds)."""
         return self.parse(tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
+    def template_kwargs(self, tool_schema: dict[str, Any]) -> dict[str, Any]:
+        """What the chat template is given (``apply_chat_template(..., **kwargs)``) so that
+        the prompt offers the tool the family's way (``tool_schema``: the environment's
+        ``Environment.tool_schema()``); {}: the prompt text says it (base models)."""
+        return {}
+
     @abstractmethod
     def observation_text(self, output: str) -> str:
         """The text appended after a call's turn: ``output`` in the family's tool turn, and
@@ -115,6 +121,11 @@ class Llama3Format(ToolFormat):
         if not code.strip():
             return ToolCall(None, "empty tool call: no code", call)
         return ToolCall(code, text=call)
+
+    def template_kwargs(self, tool_schema: dict[str, Any]) -> dict[str, Any]:
+        # Llama-3.1's template writes "Environment: ipython" into the system turn when
+        # builtin_tools is given; code_interpreter is the <|python_tag|> tool itself.
+        return {"builtin_tools": ["code_interpreter"]}
 
     def observation_text(self, output: str) -> str:
         return (
@@ -159,6 +170,10 @@ class QwenFormat(ToolFormat):
         if not isinstance(code, str) or not code.strip():
             return ToolCall(None, 'tool call needs "arguments": {"code": "<python code>"}', call)
         return ToolCall(code, text=call)
+
+    def template_kwargs(self, tool_schema: dict[str, Any]) -> dict[str, Any]:
+        # Qwen's templates list the tools in the system turn, with the <tool_call> format
+        return {"tools": [tool_schema]}
 
     def observation_text(self, output: str) -> str:
         # The call ended the assistant's turn at </tool_call>: close it as the chat template

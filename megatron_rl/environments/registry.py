@@ -84,3 +84,10 @@ def tool_format(config: EnvironmentConfig, tokenizer: object = None) -> ToolForm
     from megatron_rl.environments.formats import format_for
 
     return format_for(config.tool_format, tokenizer, environment_class(config.name).tool_name)
+
+
+def template_kwargs(config: EnvironmentConfig, tokenizer: object = None) -> dict:
+    """The chat-template arguments that offer ``config``'s tool in a prompt
+    (``ToolFormat.template_kwargs`` of its format, with its environment's tool schema)."""
+    schema = environment_class(config.name).tool_schema()
+    return tool_format(config, tokenizer).template_kwargs(schema)

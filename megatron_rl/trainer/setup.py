@@ -178,10 +178,12 @@ def build_run(
 
         box_for(config.reward)  # no code sandbox: fail now, not at the first code batch
     prompt_tokens: dict[int, list[int]] = {}
+    tools = template_kwargs(config, tokenizer)
 
     def encode(prompt_id: int) -> list[int]:
         if prompt_id not in prompt_tokens:
-            text = render_prompt(data.get(prompt_id).problem, data.config_of(prompt_id), tokenizer)
+            prompt = data.get(prompt_id)
+            text = render_prompt(prompt.problem, data.config_of(prompt_id), tokenizer, tools)
             prompt_tokens[prompt_id] = tokenizer(text)["input_ids"]
         return prompt_tokens[prompt_id]
 
@@ -236,3 +238,14 @@ def build_run(
     if claim is not None:
         save_config(claim, run_dir)
     return run
+
+
+def template_kwargs(config, tokenizer) -> dict:
+    """What the chat template is given besides the turns: with multi-turn episodes
+    (``rollout.max_turns`` > 1), the environment's tool offered the model family's way
+    (``environments.registry.template_kwargs``); else nothing."""
+    if config.rollout.max_turns <= 1:
+        return {}
+    from megatron_rl.environments.registry import template_kwargs as environment_kwargs
+
+    return environment_kwargs(config.rollout.environment, tokenizer)

@@ -63,7 +63,10 @@ def test_a_real_engine_episode_calls_the_sandboxed_tool_and_continues_from_ids(t
         pytest.skip(f"no code sandbox on this machine: {exc}")
     tok = build_char_tokenizer(tmp_path / "tok")
     hf_dir = make_hf_model(
-        preset_hf_config("tiny-llama"), str(tmp_path / "hf"), seed=0, tokenizer_dir=str(tmp_path / "tok")
+        preset_hf_config("tiny-llama"),
+        str(tmp_path / "hf"),
+        seed=0,
+        tokenizer_dir=str(tmp_path / "tok"),
     )
     fmt = format_for("markdown")
     observation = fmt.observation_ids("42\n", tok)  # what the tool will print, rendered

@@ -239,3 +239,42 @@ def test_the_tool_schema_renders_into_qwens_system_prompt():
     assert "<tools>" in system and '"name": "python"' in system and '"required": ["code"]' in system
     # and it tells the model to call it in the form QwenFormat reads
     assert "<tool_call>" in system
+
+
+# ---- the tool in the prompt ------------------------------------------------------------------
+
+# Only the lines of the families' chat templates that read the tool arguments (Llama-3.1's
+# "Environment: ipython" for builtin_tools; Qwen's tool list in the system turn).
+TOOL_LINES = (
+    "{%- if builtin_tools is defined or tools is not none %}{{ 'Environment: ipython\\n' }}"
+    "{%- endif %}"
+    "{%- if tools is not none %}{%- for t in tools %}[{{ t.function.name }}]{%- endfor %}"
+    "{%- endif %}"
+    "{%- for m in messages %}{{ m.content + '\\n' }}{%- endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("llama3", "Environment: ipython\n"),
+        ("qwen", "Environment: ipython\n[run_tests]"),
+        ("markdown", ""),
+    ],
+)
+def test_prompts_offer_the_tool_the_family_way(char_tokenizer, name, expected):
+    import copy
+
+    from megatron_rl.data.config import DataConfig
+    from megatron_rl.data.rendering import render_prompt
+    from megatron_rl.environments.config import EnvironmentConfig
+    from megatron_rl.environments.registry import template_kwargs
+
+    tok = copy.deepcopy(char_tokenizer)
+    tok.chat_template = "{%- if tools is not defined %}{%- set tools = none %}{%- endif %}"
+    tok.chat_template += TOOL_LINES
+    config = EnvironmentConfig(name="code_feedback", tool_format=name)
+    kwargs = template_kwargs(config, tok)
+    data = DataConfig(use_chat_template=True, prompt_template="{problem}", system_prompt="")
+    assert render_prompt("2+2", data, tok, kwargs) == expected + "2+2\n"
+    assert render_prompt("2+2", data, tok) == "2+2\n"  # single-turn: no tool offered
