@@ -16,7 +16,8 @@
 #     tests/unit/trainer/test_async_checkpoint.py (async checkpoint of CUDA tensors),
 #     tests/unit/rollout/test_fp8_rollouts.py (FP8 rollouts: the engines' FP8 quantizer on
 #       CUDA, bit for bit against the CPU result that the CPU tests hold to vLLM's own
-#       quantizers; an FP8 engine load and push need vLLM, which this machine lacks);
+#       quantizers; its FP8 engine load-and-push test skips here, without vLLM, and
+#       verifies both where a GPU has vLLM);
 #   gpu_check: tools/gpu_check.py's numbers (control collectives, a 4-layer llama3-8b slice
 #     at 16k tokens extrapolated to recipes/scalerl_8b.yaml's layout by megatron_rl/planning,
 #     bucket packing GB/s, FP32 vs BF16-rounded head);

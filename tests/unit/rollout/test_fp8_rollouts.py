@@ -348,3 +348,41 @@ def test_engine_bytes_without_quantization_is_unchanged():
 
     e = engine_bytes(model_shapes(config.model), config.rollout, config.model.dtype)
     assert e.fp8_freed == 0 and e.reload_workspace == 0 and e.quantization is None
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
+def test_fp8_engine_loads_a_push_within_the_fp8_gap(
+    quantization, tiny_hf_dirs, megatron_single_rank
+):
+    """An FP8 engine (vLLM online FP8, bf16 model) on one GPU takes a push of perturbed
+    weights: before it, its log-probs are off by more than the FP8 limit (the probe would
+    catch a broken push); after it, within the limit. Needs vLLM for CUDA: skipped on the
+    check machine (GPU.md: no vLLM there), so it is the line that verifies an FP8 load and
+    push where a GPU has vLLM; not run anywhere yet."""
+    pytest.importorskip("vllm")
+    from megatron_rl.rollout.parity import logprob_deltas, megatron_from_hf, perturb_
+    from megatron_rl.rollout.pool import GeneratorPool
+    from megatron_rl.rollout.weights.push import push_megatron_weights
+
+    hf_dir = tiny_hf_dirs["tiny-llama"]
+    config = RolloutConfig(
+        samples_per_prompt=2,
+        max_tokens=16,
+        dtype="bfloat16",
+        quantization=quantization,
+        stop_token_ids=[],
+        max_num_seqs=8,
+        kv_cache_gb=0.5,
+    )
+    config.validate()
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 128, (4, 8), generator=gen).tolist()
+    model = megatron_from_hf(hf_dir)
+    perturb_(model, seed=1, noise=0.5)
+    with GeneratorPool(hf_dir, config) as pool:
+        stale = logprob_deltas(model, pool.generate(prompts)).mean().item()
+        push_megatron_weights(pool, model, bucket_bytes=256 * 1024)
+        pushed = logprob_deltas(model, pool.generate(prompts)).mean().item()
+    assert pushed < FP8_LOGPROB_GAP_LIMIT < stale, (pushed, stale)
