@@ -203,6 +203,16 @@ def test_recipe_with_fp8_rollouts_loads_for_an_fp8_gpu_and_is_refused_for_float3
     assert "engines run float32" in err.value.message
 
 
+def test_recipe_with_fp8_rollouts_is_refused_at_load_for_an_a100_naming_the_key():
+    fp8 = ("rollout.quantization=fp8_block", "rollout.dtype=bfloat16")
+    with pytest.raises(ConfigError) as err:
+        load_run_config("recipes/tiny_cpu.yaml", (*fp8, "cluster.gpu=a100"))
+    assert err.value.key == "rollout.quantization"
+    assert "cluster.gpu a100 has 8.0" in err.value.message
+    assert load_run_config("recipes/tiny_cpu.yaml", ("cluster.gpu=a100",)).cluster.gpu == "a100"
+    assert load_run_config("recipes/tiny_cpu.yaml", (*fp8, "cluster.gpu=h100")).rollout.quantization
+
+
 def test_engines_on_a_cpu_machine_refuse_fp8_and_pass_vllms_name_on_gpu():
     from megatron_rl.rollout.engine.vllm_engine import fp8_engine_quantization
 
@@ -403,3 +413,20 @@ def test_engine_args_hand_vllm_its_online_fp8_method(tmp_path, monkeypatch):
     args = engine_args(hf_dir, block, 0)
     assert args.quantization == "fp8_per_block" and args.dtype == "bfloat16"
     assert engine_args(hf_dir, RolloutConfig(), 0).quantization is None
+
+
+def test_plan_for_a_gpu_without_fp8_refuses_fp8_rollouts(capsys):
+    """``megatron-rl plan --gpu a100`` (another GPU than the recipe's cluster.gpu, checked at
+    load) refuses FP8 rollouts naming the key."""
+    import argparse
+
+    from megatron_rl.planning.cli import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["recipes/scalerl_8b.yaml", "rollout.quantization=fp8", "--gpu", "a100"]
+    )
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "recipe key 'rollout.quantization'" in err and "--gpu a100 has 8.0" in err
