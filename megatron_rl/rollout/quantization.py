@@ -47,7 +47,11 @@ DeepSeek-style recipe, run by DeepGEMM / CUTLASS block kernels on Hopper and Bla
 Embeddings, the LM head, norms and MoE routers stay in the model dtype (vLLM quantizes
 ``LinearBase`` layers and routed experts only: online/base.py ``resolve_quant_method_cls``).
 
-:func:`quantize_fp8` is what an engine holds for one linear layer after a push; the tests check
+:func:`quantize_fp8` is what vLLM's quantizer makes of one linear layer at a push (before the
+GEMM kernel's own repacking: on Blackwell, DeepGEMM re-expresses block scales as UE8M0 powers of
+two, ``deepgemm_post_process_fp8_weight_block``, model_executor/kernels/linear/scaled_mm/
+deep_gemm.py:84-99; layerwise reload re-runs that too, into tensors of the shape the first load
+made, so the reload failures SGLang had with repacked scales do not arise); the tests check
 it against vLLM's own quantizers on CPU (``per_block_cast_to_fp8``, utils/deep_gemm.py:984;
 ``QuantFP8.forward_native``, the torch form of ``_custom_ops.scaled_fp8_quant``'s static
 per-tensor kernel, which vLLM's CPU build does not have) and ``tools/gpu_check.sh`` on CUDA.
@@ -109,7 +113,7 @@ def quantization_problem(
 
 
 def quantize_fp8(weight: torch.Tensor, quantization: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 weight, float32 scale) that an engine of ``rollout.quantization`` holds for one
+    """(FP8 weight, float32 scale) that vLLM's quantizer for ``rollout.quantization`` makes of one
     linear layer whose unquantized weight is ``weight`` [out, in] (the engine's layer: fused
     projections stacked, :func:`engine_linear_weights`; whole, as at tensor parallel 1 or after
     vLLM's TP amax all-reduce). The weight comes back [out, in] (vLLM's per-tensor path stores
