@@ -191,8 +191,9 @@ def fp8_recipe_problem(model: Any, gpu: str, recipes: Sequence[str]) -> tuple[st
 def check_gpu_paths(config: RunConfig) -> None:
     """Raise ConfigError naming the key when the recipe asks for a GPU path that its layout
     or its GPU (``cluster.gpu``) cannot run: ``nccl_m2n`` on a layout it cannot describe
-    (:func:`m2n_layout_problem`), an FP8 recipe the GPU lacks (:func:`fp8_recipe_problem`).
-    Pure (no I/O): part of ``RunConfig.validate``, so a recipe fails at load, not after the
+    (:func:`m2n_layout_problem`), an FP8 recipe the GPU lacks (:func:`fp8_recipe_problem`),
+    FP8 rollouts (``rollout.quantization``) on a GPU without FP8 or with a float32 engine
+    (:func:`rollout_quantization_problem`). Pure (no I/O): part of ``RunConfig.validate``, so a recipe fails at load, not after the
     model is built on the allocation."""
     from megatron_rl.planning.gpus import get_gpu
 
@@ -205,6 +206,32 @@ def check_gpu_paths(config: RunConfig) -> None:
     problem = fp8_recipe_problem(config.model, f"cluster.gpu {gpu.name}", gpu.fp8_recipes)
     if problem is not None:
         raise ConfigError(*problem)
+    why = rollout_quantization_problem(config, f"cluster.gpu {gpu.name}", gpu.capability)
+    if why is not None:
+        raise ConfigError("rollout.quantization", why)
+
+
+def rollout_quantization_problem(
+    config: RunConfig, where: str, capability: tuple[int, int] | None
+) -> str | None:
+    """Why FP8 rollouts (``rollout.quantization``) cannot run for ``config`` on ``where`` (a
+    GPU of compute ``capability``; None: no GPU), or None. Serves the load-time check
+    against ``cluster.gpu``, ``megatron-rl plan --gpu`` and the preflight's engine check
+    against the GPU it runs on."""
+    from megatron_rl.rollout.quantization import quantization_problem
+
+    rollout = config.rollout
+    if rollout.quantization is None:
+        return None
+    engine_dtype = config.model.dtype if rollout.dtype == "auto" else rollout.dtype
+    if engine_dtype == "float32":
+        return (
+            f"{rollout.quantization!r} needs an engine dtype of bfloat16 or float16 (vLLM's FP8 "
+            "methods take no float32 model); the engines run float32 (rollout.dtype "
+            f"{rollout.dtype!r}, model.dtype {config.model.dtype!r}): set rollout.dtype: "
+            "bfloat16"
+        )
+    return quantization_problem(rollout.quantization, where, capability)
 
 
 def prompt_token_limit(config: RunConfig) -> int | None:

@@ -68,11 +68,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     gpu = args.gpu or config.cluster.gpu
     if gpu != config.cluster.gpu:  # the recipe was checked against cluster.gpu at load
-        from megatron_rl.config.checks import fp8_recipe_problem
+        from megatron_rl.config.checks import fp8_recipe_problem, rollout_quantization_problem
 
         problem = fp8_recipe_problem(config.model, f"--gpu {gpu}", GPUS[gpu].fp8_recipes)
         if problem is not None:
             print(f"megatron-rl plan: error: {ConfigError(*problem)}", file=sys.stderr)
+            return 2
+        why = rollout_quantization_problem(config, f"--gpu {gpu}", GPUS[gpu].capability)
+        if why is not None:
+            error = ConfigError("rollout.quantization", why)
+            print(f"megatron-rl plan: error: {error}", file=sys.stderr)
             return 2
     plan = plan_run(
         config,

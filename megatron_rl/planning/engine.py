@@ -6,6 +6,17 @@
   placed whole instead, ``tensor_parallel`` GPUs sharing them (the fullest GPU is counted). The FP32 head costs nothing extra on CUDA: vLLM keeps the
   head weight in the model dtype and accumulates in fp32 (GPU.md), and the trainer pushes it
   in the model dtype.
+  With ``rollout.quantization`` (FP8 rollouts, ``megatron_rl.rollout.quantization``) the
+  linear layers' weights (attention and MLP projections, every expert) are 1 byte each plus
+  their float32 scales (one per layer, per expert for routed experts; ``fp8_block``: one per
+  128 x 128 block), while embeddings, head, norms and routers keep the model dtype. The bytes
+  this frees (``fp8_freed``) are what ``rollout.kv_cache_gb`` can grow by at the same total:
+  the report says to how many full-length sequences.
+- FP8 reload workspace (``rollout.quantization`` only): a push quantizes on the engine, one
+  layer at a time (vLLM's layerwise reload materialises the layer in the model dtype, then
+  the quantizer writes its FP8 copy; ``fp8_block`` also makes two float32 intermediates of a
+  weight, vLLM ``per_block_cast_to_fp8``): the largest layer's model-dtype and FP8 bytes plus,
+  for ``fp8_block``, two float32 copies of its largest weight.
 - KV cache: ``rollout.kv_cache_gb`` GiB, which ``megatron_rl.rollout.engine.vllm_engine`` hands vLLM as
   ``kv_cache_memory_bytes`` ("Size of KV Cache per GPU in bytes", vllm/config/cache.py).
   The plan also says how many full-length sequences that holds against ``max_num_seqs``.
@@ -40,6 +51,7 @@ from megatron_rl.planning.gpus import (
     NVLS_BYTES_PER_COMMUNICATOR,
 )
 from megatron_rl.planning.shapes import DTYPE_BYTES, ModelShapes
+from megatron_rl.rollout.quantization import BLOCK
 
 FP32 = 4
 VLLM_MAX_NUM_BATCHED_TOKENS = 16384
@@ -61,6 +73,9 @@ class EngineBytes:
     graph_captures: int = 0  # batch sizes x modes vLLM captures (0: enforce_eager)
     nvls: int = 0
     fragmentation: int = 0
+    reload_workspace: int = 0  # FP8 rollouts: quantizing the largest layer during a push
+    fp8_freed: int = 0  # FP8 rollouts: weight bytes saved against the model dtype
+    quantization: str | None = None
 
     @property
     def parts(self) -> dict[str, int]:
@@ -68,6 +83,7 @@ class EngineBytes:
             "weights": self.weights,
             "KV cache": self.kv_cache,
             "weight receive buffers": self.receive_buffers,
+            "FP8 reload workspace (estimate)": self.reload_workspace,
             "forward workspace (estimate)": self.workspace,
             "CUDA graphs (estimate)": self.cuda_graphs,
             "NVLS buffers (estimate)": self.nvls,
@@ -107,6 +123,69 @@ def engine_weight_elements(shapes: ModelShapes, tp: int, expert_parallel: bool =
     return total
 
 
+def engine_linear_matrices(
+    shapes: ModelShapes, tp: int, expert_parallel: bool = False
+) -> list[list[tuple[int, int, int]]]:
+    """Per decoder layer, the linear weights vLLM quantizes on one engine GPU as (rows, cols,
+    count): fused qkv and o projections, fused gate_up and down projections of the MLP, the
+    shared expert, and every local routed expert's w13 / w2 (count: local experts). Their
+    elements are part of :func:`engine_weight_elements`."""
+    s = shapes
+    h, hd = s.hidden, s.head_dim
+    kv = max(s.kv_heads // tp, 1)
+    layers = []
+    for i in range(s.layers):
+        mats = [((s.heads // tp + 2 * kv) * hd, h, 1), (h, (s.heads // tp) * hd, 1)]
+        if s.moe[i]:
+            if expert_parallel:
+                local, f = -(-s.experts // tp), s.expert_ffn
+            else:
+                local, f = s.experts, s.expert_ffn // tp
+            mats += [(2 * f, h, local), (h, f, local)]
+            if s.shared_ffn:
+                mats += [(2 * (s.shared_ffn // tp), h, 1), (h, s.shared_ffn // tp, 1)]
+        else:
+            mats += [(2 * (s.ffn // tp), h, 1), (h, s.ffn // tp, 1)]
+        layers.append([m for m in mats if m[0] and m[1] and m[2]])
+    return layers
+
+
+def _fp8_bytes(rows: int, cols: int, count: int, quantization: str) -> int:
+    """FP8 bytes of ``count`` [rows, cols] weights with their float32 scales."""
+    if quantization == "fp8_block":
+        scales = -(-rows // BLOCK[0]) * -(-cols // BLOCK[1])
+    else:
+        scales = 1  # fp8: one per layer (per expert for routed experts)
+    return count * (rows * cols + 4 * scales)
+
+
+def engine_weight_bytes(
+    shapes: ModelShapes,
+    tp: int,
+    dtype_bytes: int,
+    expert_parallel: bool = False,
+    quantization: str | None = None,
+) -> tuple[int, int]:
+    """(weight bytes, FP8 reload workspace bytes) of one engine GPU: the model dtype's
+    ``dtype_bytes`` per element, or with ``quantization`` (``rollout.quantization``) the
+    linear weights in FP8 with their scales (see the module docstring)."""
+    total = engine_weight_elements(shapes, tp, expert_parallel) * dtype_bytes
+    if quantization is None:
+        return total, 0
+    layers = engine_linear_matrices(shapes, tp, expert_parallel)
+    workspace = 0
+    for mats in layers:
+        unquantized = sum(r * c * n for r, c, n in mats) * dtype_bytes
+        fp8 = sum(_fp8_bytes(r, c, n, quantization) for r, c, n in mats)
+        total += fp8 - unquantized
+        layer = unquantized + fp8
+        if quantization == "fp8_block":  # two float32 intermediates of the largest weight
+            r, c, _ = max(mats, key=lambda m: m[0] * m[1])
+            layer += 2 * 4 * (-(-r // BLOCK[0]) * BLOCK[0]) * (-(-c // BLOCK[1]) * BLOCK[1])
+        workspace = max(workspace, layer)
+    return total, workspace
+
+
 def largest_pushed_tensor(shapes: ModelShapes, dtype_bytes: int) -> tuple[int, str]:
     """Bytes and name of the largest HF-named tensor of a weight push (full, unsplit)."""
     s = shapes
@@ -132,7 +211,9 @@ def engine_bytes(
     s, tp = shapes, rollout.tensor_parallel
     dtype = model_dtype if rollout.dtype == "auto" else rollout.dtype
     d = DTYPE_BYTES[dtype]
-    weights = engine_weight_elements(s, tp, rollout.expert_parallel) * d
+    quantization = getattr(rollout, "quantization", None)
+    weights, reload_workspace = engine_weight_bytes(s, tp, d, rollout.expert_parallel, quantization)
+    unquantized = engine_weight_elements(s, tp, rollout.expert_parallel) * d
     kv_cache = int(rollout.kv_cache_gb * 2**30)
     length = rollout.max_model_len or 2**31
     kv = max(s.kv_heads // tp, 1)
@@ -163,4 +244,7 @@ def engine_bytes(
         graph_captures=captures,
         nvls=NVLS_BYTES_PER_COMMUNICATOR if nvls and tp > 1 else 0,
         fragmentation=int(FRAGMENTATION * workspace),
+        reload_workspace=reload_workspace,
+        fp8_freed=unquantized - weights,
+        quantization=quantization,
     )

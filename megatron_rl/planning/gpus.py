@@ -66,6 +66,14 @@ GPUS: dict[str, GPU] = {
         "nvidia-smi memory.total 81559 MiB (datasheet: 80 GB)",
         capability=(9, 0),
     ),
+    # A100 SXM4 80GB datasheet: 80 GB HBM2e; nvidia-smi reports 81920 MiB (80.0 GiB). Compute
+    # capability 8.0: no FP8 (neither Transformer Engine's recipes nor FP8 rollouts).
+    "a100": GPU(
+        "a100",
+        81920 * MiB,
+        "nvidia-smi memory.total 81920 MiB (datasheet: 80 GB)",
+        capability=(8, 0),
+    ),
 }
 
 # Transformer Engine 2.9-2.11 (setup.py's pin), ``pytorch/quantization.py``

@@ -86,9 +86,13 @@ def trainer_rows(plan: Plan, trainer: TrainerPlan | None = None) -> list[Row]:
 def engine_rows(plan: Plan) -> list[Row]:
     e = plan.engine.bytes
     notes = {
-        "weights": "model dtype, split over rollout.tensor_parallel",
+        "weights": "model dtype, split over rollout.tensor_parallel"
+        if not e.quantization
+        else f"rollout.quantization {e.quantization}: linear layers in FP8 + scales, "
+        f"{gb(e.fp8_freed)} GiB less than the model dtype; split over rollout.tensor_parallel",
         "KV cache": f"rollout.kv_cache_gb: {e.sequences_in_kv} full-length sequences",
         "weight receive buffers": f"2 x (bucket + {e.largest_tensor})",
+        "FP8 reload workspace (estimate)": "a push quantizes one layer at a time on the engine",
         "forward workspace (estimate)": "16384 batched tokens + sampler logits",
         "CUDA graphs (estimate)": f"{e.graph_captures} captures (vLLM's default sizes)"
         if e.graph_captures
@@ -118,7 +122,21 @@ def notes(plan: Plan) -> list[str]:
             f"The engines' KV cache holds {concurrency} sequences of max_model_len; vLLM "
             f"queues or preempts beyond that (max_num_seqs {plan.max_num_seqs})."
         )
+    if e.fp8_freed > 0:
+        out.append(fp8_kv_note(e))
     return out
+
+
+def fp8_kv_note(e) -> str:
+    """Where the weight bytes FP8 rollouts free go: the KV cache, at the same total."""
+    grown = e.kv_cache + e.fp8_freed
+    sequences = grown // e.kv_bytes_per_sequence if e.kv_bytes_per_sequence else 0
+    return (
+        f"FP8 weights (rollout.quantization {e.quantization}) free {gb(e.fp8_freed)} GiB per "
+        f"engine GPU: at the same total, rollout.kv_cache_gb can grow from "
+        f"{e.kv_cache / GiB:g} to {grown / GiB:.4g} ({e.sequences_in_kv} -> {sequences} "
+        "full-length sequences)."
+    )
 
 
 def _md_table(rows: list[Row], total: int, capacity: int, target: float) -> list[str]:

@@ -17,7 +17,9 @@ THROUGHPUT_TOKENS = 32
 def check_engines(ctx: PreflightContext) -> Outcome:
     """Start the pool (``trainer.loop.start_generators``), push the weights
     (``push_weights``: every rank), probe: trainer vs engine log-probs of samples generated
-    right after the push (``trainer.probe.LogprobProbe``) against ``training.max_logprob_gap``."""
+    right after the push (``trainer.probe.LogprobProbe``) against ``training.max_logprob_gap``
+    (FP8 rollouts, ``rollout.quantization``: ``training.max_logprob_gap_fp8``, and first the
+    GPU must have FP8: :func:`fp8_engine_problem`)."""
     from megatron_rl.platform import collectives
     from megatron_rl.rollout.weights import m2n_ranks
     from megatron_rl.trainer.batch import token_multiple
@@ -30,8 +32,14 @@ def check_engines(ctx: PreflightContext) -> Outcome:
     error, t0 = None, time.perf_counter()
     with m2n_ranks.serving(run.model, config.rollout):  # nccl_m2n: the source ranks follow
         if ctx.main:
+            # FP8 rollouts on a GPU without FP8: decided by the main rank (the one that
+            # starts the engines) and agreed on by the broadcast below, like a failed start.
             try:
-                ctx.pool = start_generators(run, 0)
+                fp8_problem = fp8_engine_problem(config)
+                if fp8_problem is not None:
+                    error = f"recipe key 'rollout.quantization': {fp8_problem}"
+                else:
+                    ctx.pool = start_generators(run, 0)
             except Exception as err:  # reported as this check's failure, on every rank
                 error = f"{type(err).__name__}: {err}"
     error = collectives.broadcast_object(error, group=startup)
@@ -51,7 +59,9 @@ def check_engines(ctx: PreflightContext) -> Outcome:
     push = collectives.broadcast_object(
         None if push is None else (push.bytes, push.seconds, push.gb_per_second)
     )
-    limit = config.training.logprob_gap_limit(config.model.dtype)
+    quantization = config.rollout.quantization
+    limit = config.training.logprob_gap_limit(config.model.dtype, quantization)
+    limit_key = config.training.logprob_gap_key(quantization)
     training = config.training
     probe = LogprobProbe(
         run.data.val_ids or run.data.train_ids,
@@ -61,6 +71,7 @@ def check_engines(ctx: PreflightContext) -> Outcome:
         max_tokens=training.logprob_probe_max_tokens,
         temperature=config.rollout.temperature,
         limit=limit,
+        limit_key=limit_key,
         seed=config.seed,
         token_multiple=token_multiple(
             config.model.fp8_scaling, config.parallel.tensor, config.parallel.sequence_parallel
@@ -75,19 +86,39 @@ def check_engines(ctx: PreflightContext) -> Outcome:
 
         message = (
             f"trainer vs engine log-prob gap {result.gap:.3g} (max {result.max_gap:.3g}, "
-            f"{result.tokens} tokens) exceeds training.max_logprob_gap {limit}: the engines do "
+            f"{result.tokens} tokens) exceeds {limit_key} {limit}: the engines do "
             "not run the trainer's weights. " + GAP_CAUSES
         )
     return Outcome(
         gap_ok,
         f"{engines} engines up in {start_seconds:.0f} s; push {push_bytes / 1e9:.3g} GB at "
-        f"{push_gbps:.3g} GB/s; gap {result.gap:.3g} ({result.tokens} tokens)",
-        f"gap <= {limit if limit is not None else 'n/a (training.check_logprob_gap off)'}",
+        f"{push_gbps:.3g} GB/s; gap {result.gap:.3g} ({result.tokens} tokens)"
+        + (f"; engines run {quantization}" if quantization else ""),
+        f"gap <= {limit if limit is not None else 'n/a (training.check_logprob_gap off)'}"
+        + (f" ({limit_key})" if limit is not None else ""),
         message,
         {"start_seconds": start_seconds, "push_bytes": push_bytes, "push_seconds": push_seconds,
          "push_gb_per_s": push_gbps, "gap": result.gap, "max_gap": result.max_gap,
-         "gap_tokens": result.tokens, "gap_limit": limit},
+         "gap_tokens": result.tokens, "gap_limit": limit, "gap_limit_key": limit_key,
+         "quantization": quantization},
     )  # fmt: skip
+
+
+def fp8_engine_problem(config) -> str | None:
+    """Why this machine cannot run the recipe's FP8 rollouts (``rollout.quantization``): its
+    GPU (the engines' are of the same kind in a job; ``cluster.gpu`` was checked at load) has
+    no FP8, or it has no GPU; None when it can or the rollouts are not FP8."""
+    if config.rollout.quantization is None:
+        return None
+    from megatron_rl.config.checks import rollout_quantization_problem
+    from megatron_rl.platform.inventory import device_inventory
+
+    inv = device_inventory()
+    if inv.capability is None:
+        where = "this machine (CPU only)"
+    else:
+        where = f"{inv.device_name} (compute capability {inv.capability[0]}.{inv.capability[1]})"
+    return rollout_quantization_problem(config, where, inv.capability)
 
 
 def validation_estimate(

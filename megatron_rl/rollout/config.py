@@ -13,6 +13,7 @@ from typing import Literal
 
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.environments.config import EnvironmentConfig
+from megatron_rl.rollout.quantization import QUANTIZATIONS, VLLM_QUANTIZATION
 
 # rollout.weight_bucket_mb when unset. GPU: 1 GiB (vLLM's own packed-broadcast default; a
 # Scout push is ~850 header / broadcast rounds at 256 MiB, ~210 at 1 GiB). CPU: 256 MiB: a
@@ -83,6 +84,20 @@ class RolloutConfig:
             thinking; an interrupted sample ends at budget + len(text) + answer_budget).
         fp32_head: compute the generator's LM head in FP32 (vLLM ``head_dtype``).
         dtype: the engines' weight dtype ("auto": the HF config's).
+        quantization: FP8 rollouts: null (the default: the engines run ``dtype``), "fp8"
+            (vLLM ``fp8_per_tensor``: linear layers' weights in FP8 e4m3 with one float32
+            scale per layer, activations quantized per token on the fly) or "fp8_block" (vLLM
+            ``fp8_per_block``: a scale per 128 x 128 weight block, activations per 1 x 128
+            group; the DeepSeek-style recipe). Embeddings, LM head (``fp32_head`` unchanged),
+            norms and routers keep ``dtype``. Every push sends the trainer's weights
+            unquantized and each engine quantizes them on load with vLLM's own quantizer
+            (why: ``megatron_rl.rollout.quantization``). Needs GPUs with FP8 (compute
+            capability >= 8.9: H100, H200, B200, GB200; checked against ``cluster.gpu`` at
+            load and on the machine by the preflight), an engine dtype of bfloat16 or float16
+            (vLLM's FP8 methods take no float32 model) and a weight transport other than
+            ``nccl_m2n``. The trainer-vs-engine log-prob gap is then checked against
+            ``training.max_logprob_gap_fp8``. Pair it with ``algorithm.mismatch`` (the
+            peers' importance-sampling correction of the larger mismatch).
         logprobs_mode: the generator log-probs returned per token: "processed_logprobs" (of
             the distribution actually sampled from: after temperature / top-p) or
             "raw_logprobs" (of the model's plain softmax).
@@ -174,6 +189,7 @@ class RolloutConfig:
     max_tokens: int = 512
     fp32_head: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["fp8", "fp8_block"] | None = None
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     kv_on_push: Literal["keep", "recompute"] = "keep"
     stop_token_ids: list[int] | None = None
@@ -221,6 +237,7 @@ class RolloutConfig:
         _check_choice("kv_on_push", self.kv_on_push, KV_ON_PUSH)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("weight_transport", self.weight_transport, WEIGHT_TRANSPORTS)
+        self._validate_quantization()
         nccl = self.weight_transport in ("nccl", "nccl_m2n")
         if nccl and self.placement == "in_process":
             raise ConfigError(
@@ -293,6 +310,32 @@ class RolloutConfig:
                 "interruption.thinking_budget",
                 f"upper end {self.interruption.thinking_budget[1]} exceeds rollout.max_tokens "
                 f"{self.max_tokens}",
+            )
+
+    def _validate_quantization(self) -> None:
+        if self.quantization is None:
+            return
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                "quantization",
+                f"must be null or one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}",
+            )
+        if self.dtype == "float32":
+            raise ConfigError(
+                "quantization",
+                f"{self.quantization!r} needs an engine dtype of bfloat16 or float16 (vLLM "
+                f"{VLLM_QUANTIZATION[self.quantization]} takes no float32 model), and "
+                "rollout.dtype is float32",
+            )
+        if self.weight_transport == "nccl_m2n":
+            # vLLM's per-tensor FP8 all-reduces each layer's amax over the engine's TP group
+            # when the layer completes; with nccl_m2n every worker receives its own shards,
+            # and that the layers complete in the same order on every worker is not verified.
+            raise ConfigError(
+                "quantization",
+                f"{self.quantization!r} is not verified with weight_transport nccl_m2n (each "
+                "engine worker quantizes a layer when its own shards complete, with a TP "
+                "all-reduce of the scale): use weight_transport nccl or host",
             )
 
     def _validate_turns(self) -> None:

@@ -244,7 +244,9 @@ class Trainer:
         # after a push; an update without a push (PPO-off-policy-k) puts the trainer ahead of
         # every sample, and the log-prob gap monitor then has nothing exact to compare.
         self.synced = True
-        self.gap_limit = config.training.logprob_gap_limit(config.model.dtype)
+        quantization = config.rollout.quantization  # FP8 engines: their own limit
+        self.gap_limit = config.training.logprob_gap_limit(config.model.dtype, quantization)
+        self.gap_key = config.training.logprob_gap_key(quantization)
         parallel = config.parallel
         self.token_multiple = token_multiple(
             config.model.fp8_scaling, parallel.tensor, parallel.sequence_parallel
@@ -316,6 +318,7 @@ class Trainer:
                 temperature=config.rollout.temperature,
                 monitor_version=batch.generator_version if self.synced else None,
                 max_logprob_gap=self.gap_limit,
+                max_logprob_gap_key=self.gap_key,
                 token_multiple=self.token_multiple,
             )
         self.synced = batch.wants_push

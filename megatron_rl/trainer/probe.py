@@ -58,7 +58,7 @@ class LogprobProbe:
 
     ``prompt_ids``: the ids the probe's prompts are taken from in turn; ``encode``: id ->
     prompt token ids; ``every``: 0 disables the probe; ``limit``: the gap limit (None: log
-    only).
+    only), the recipe key ``limit_key`` (FP8 rollouts: ``training.max_logprob_gap_fp8``).
     """
 
     def __init__(
@@ -73,6 +73,7 @@ class LogprobProbe:
         seed: int = 0,
         start_step: int = 0,
         token_multiple: int = 1,
+        limit_key: str = "training.max_logprob_gap",
     ) -> None:
         self.prompt_ids = list(prompt_ids)
         self.encode = encode
@@ -81,6 +82,7 @@ class LogprobProbe:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.limit = limit
+        self.limit_key = limit_key
         self.seed = seed
         self.token_multiple = token_multiple
         self._last_push = start_step  # the step of the last push seen (resume: its step)
@@ -96,10 +98,11 @@ class LogprobProbe:
             training.logprob_probe_samples,
             training.logprob_probe_max_tokens,
             config.rollout.temperature,
-            training.logprob_gap_limit(config.model.dtype),
+            training.logprob_gap_limit(config.model.dtype, config.rollout.quantization),
             seed=config.seed,
             start_step=start_step,
             token_multiple=token_multiple,
+            limit_key=training.logprob_gap_key(config.rollout.quantization),
         )
 
     def due(self, step: int, pushed: bool) -> bool:
@@ -180,7 +183,7 @@ class LogprobProbe:
                 f"trainer vs generator log-prob gap {result.gap:.3g} (mean over "
                 f"{result.tokens} tokens of {result.samples} probe samples generated right "
                 f"after the push of policy version {result.version}; max {result.max_gap:.3g}) "
-                f"exceeds training.max_logprob_gap {self.limit:g}: the generator no longer "
+                f"exceeds {self.limit_key} {self.limit:g}: the generator no longer "
                 "runs the trainer's weights; the run stops before training on samples of that version. "
                 + GAP_CAUSES
             )

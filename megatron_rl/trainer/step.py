@@ -163,7 +163,8 @@ GAP_CAUSES = (
     "two sides (model.dtype / model.fp32_head vs rollout.dtype / rollout.fp32_head), a weight "
     "name or layout mapping error in the HF export, or attention settings that differ "
     "(Llama-4 chunking / temperature tuning). Run `megatron-rl check-parity HF_DIR` on the "
-    "model; raise training.max_logprob_gap only if the gap is expected (e.g. bf16 kernels)"
+    "model; raise training.max_logprob_gap only if the gap is expected (e.g. bf16 kernels; "
+    "with FP8 rollouts, rollout.quantization, the limit is training.max_logprob_gap_fp8)"
 )
 
 
@@ -205,6 +206,7 @@ def policy_update(
     token_multiple: int = 1,
     micro_batch_tokens: int | None = None,
     pack: bool | None = None,
+    max_logprob_gap_key: str = "training.max_logprob_gap",
 ) -> StepResult:
     """One optimizer step on the step's whole batch (``samples``, the same on every rank).
 
@@ -216,7 +218,8 @@ def policy_update(
 
     The log-prob gap is measured on the samples generated entirely by ``monitor_version``
     (the trainer's current weights; None: the trainer is ahead of every sample): above
-    ``max_logprob_gap`` :class:`LogprobGapError` is raised before the optimizer steps.
+    ``max_logprob_gap`` (the recipe key ``max_logprob_gap_key``: the FP8 limit with FP8
+    rollouts) :class:`LogprobGapError` is raised before the optimizer steps.
     Micro-batches hold ``micro_batch_size`` sequences or fill a ``micro_batch_tokens`` budget,
     longest sequences first (``batch.plan_micro_batches``); their lengths are padded to a
     ``token_multiple`` (FP8, see ``batch.token_multiple``). ``pack`` (``batch.pack``; None: on
@@ -252,7 +255,7 @@ def policy_update(
     sums, maxes, expert_load = backward_sums(model, optimizer, trained, loss_fn, token_multiple)
     sums = UpdateSums.of(sums + gap_sums)
     # The sums are global: every rank raises, or none does.
-    check_logprob_gap(sums, max_logprob_gap, monitor_version)
+    check_logprob_gap(sums, max_logprob_gap, monitor_version, max_logprob_gap_key)
     # A global token count: every rank steps, or none does.
     grad_norm = optimizer.step()[1] if norms.num_tokens else 0.0
     return StepResult.of(sums, grad_norm, maxes, effective, expert_load, share.loads)
@@ -432,14 +435,20 @@ def backward_sums(
     return sums, maxes, monitor.reduce() if monitor else None
 
 
-def check_logprob_gap(sums: UpdateSums, limit: float | None, version: int | None) -> None:
-    """Raise :class:`LogprobGapError` when the measured gap exceeds ``limit`` (None: none)."""
+def check_logprob_gap(
+    sums: UpdateSums,
+    limit: float | None,
+    version: int | None,
+    key: str = "training.max_logprob_gap",
+) -> None:
+    """Raise :class:`LogprobGapError` when the measured gap exceeds ``limit`` (None: none),
+    naming its recipe ``key``."""
     gap_tokens = int(sums.gap_tokens)
     if limit is not None and gap_tokens and sums.logprob_gap > limit:
         raise LogprobGapError(
             f"trainer vs generator log-prob gap {sums.logprob_gap:.3g} (mean over {gap_tokens} "
             f"tokens sampled with the trainer's current weights, policy version {version}) "
-            f"exceeds training.max_logprob_gap {limit:g}; the update was not applied. " + GAP_CAUSES
+            f"exceeds {key} {limit:g}; the update was not applied. " + GAP_CAUSES
         )
 
 

@@ -156,6 +156,8 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
             kwargs["block_size"] < 32 and not get_platform().is_gpu
         ):
             raise ValueError(f"attention_chunk_size {chunk} is not a multiple of a KV block size")
+    if config.quantization is not None:
+        kwargs["quantization"] = fp8_engine_quantization(config, get_platform().is_gpu)
     if config.expert_parallel and not routed_expert_count(text):
         raise ValueError(f"rollout.expert_parallel: {hf_dir} has no routed experts")
     if config.return_routed_experts:
@@ -193,6 +195,22 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         disable_log_stats=True,
         **kwargs,
     )
+
+
+def fp8_engine_quantization(config: RolloutConfig, gpu: bool) -> str:
+    """vLLM's ``quantization`` for ``rollout.quantization`` (its online FP8 method: the engine
+    quantizes the trainer's unquantized weights at load and at every push,
+    ``megatron_rl.rollout.quantization``). On a machine without GPUs: ConfigError naming the
+    key (vLLM's CPU build has no static FP8 quantizer). Which GPU the engines run on is checked
+    before they start (``cluster.gpu`` at load, the preflight on the machine): asking CUDA
+    here would initialise it in the process that then starts vLLM's workers."""
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.rollout.quantization import VLLM_QUANTIZATION, quantization_problem
+
+    if not gpu:
+        why = quantization_problem(config.quantization, "this machine (CPU only)", None)
+        raise ConfigError("rollout.quantization", why)
+    return VLLM_QUANTIZATION[config.quantization]
 
 
 def _check_process_layout(hf_dir: str) -> None:

@@ -78,7 +78,9 @@ def test_an_fp8_recipe_the_cluster_gpu_lacks_is_refused_at_load():
         load_run_config(
             SCOUT, [f"cluster.gpu={gpu}", "model.fp8=e4m3", "model.fp8_recipe=blockwise"]
         )
-    assert _error(SCOUT, ["cluster.gpu=a100"]).key == "cluster.gpu"
+    assert _error(SCOUT, ["cluster.gpu=v100"]).key == "cluster.gpu"  # not in the table
+    # the A100 is (compute capability 8.0): no FP8 recipe runs there
+    assert _error(SCOUT, ["cluster.gpu=a100", *fp8]).key == "model.fp8_recipe"
 
 
 def test_plan_plans_for_the_recipes_gpu_unless_told_otherwise():

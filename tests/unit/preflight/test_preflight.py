@@ -701,6 +701,21 @@ def test_logprob_gap_above_the_limit_fails_the_engines_check(tmp_path):
     assert "exceeds training.max_logprob_gap 1e-12" in engines["message"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_fp8_rollouts_fail_the_engines_check_on_a_machine_without_fp8(tmp_path):
+    """The main rank decides (no GPU here: no FP8) before starting any engine and every rank
+    reports it through the start-up broadcast, naming the key."""
+    args = ("rollout.quantization=fp8", "rollout.dtype=bfloat16", "--only", "engines")
+    proc, report = _preflight(tmp_path / "run", *args)
+    assert proc.returncode == 1
+    assert _statuses(report)["engines"] == "FAIL"
+    engines = report["checks"][2]
+    assert engines["value"].startswith("engines failed to start")
+    assert "recipe key 'rollout.quantization'" in engines["message"]
+    assert "CPU only" in engines["message"]
+
+
 # -- the sbatch job runs it first ------------------------------------------------------------
 FAKE_SRUN = r"""#!/bin/bash
 # srun stand-in: one task, the command after the options, output appended to --output

@@ -43,6 +43,7 @@ GPU_PATHS = (
     "tests/unit/platform/test_streams_gpu.py",
     "tests/unit/rollout/test_weight_push_fast.py",
     "tests/unit/trainer/test_async_checkpoint.py",
+    "tests/unit/rollout/test_fp8_rollouts.py",
 )
 
 
