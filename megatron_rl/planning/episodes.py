@@ -66,7 +66,7 @@ class EpisodePlan:
             later turn its whole context, at most the longest sequence.
         prefix_caching: the engines cache prefixes at all.
         tool_workers: tool calls running at once per engine; ``tool_timeout_s``: the limit
-            of one.
+            of one; ``tool_memory_mb``: the address-space limit of each (host memory).
     """
 
     max_turns: int
@@ -84,6 +84,12 @@ class EpisodePlan:
     prefix_caching: bool
     tool_workers: int
     tool_timeout_s: float
+    tool_memory_mb: int = 0
+
+    @property
+    def tool_memory_bytes(self) -> int:
+        """Host memory of one engine's tool sandboxes at their limits."""
+        return self.tool_workers * self.tool_memory_mb * 2**20
 
     @property
     def tool_share(self) -> float:
@@ -128,4 +134,5 @@ def episode_plan(config, block: int = VLLM_BLOCK_SIZE) -> EpisodePlan | None:
         prefix_caching=caching,
         tool_workers=env.tool_workers,
         tool_timeout_s=env.tool_timeout_s,
+        tool_memory_mb=env.tool_memory_mb,
     )

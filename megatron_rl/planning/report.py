@@ -149,6 +149,11 @@ def episode_rows(plan: Plan) -> list[tuple[str, str, str]]:
             f"per engine / per engine node (rollout.environment.tool_workers); each <= "
             f"{e.tool_timeout_s:g} s",
         ),
+        (
+            "tool sandboxes' host memory (GiB)",
+            f"{gb(e.tool_memory_bytes)} / {gb(e.tool_memory_bytes * plan.engines_per_node)}",
+            "per engine / per engine node at most: tool_workers x tool_memory_mb",
+        ),
     ]
 
 

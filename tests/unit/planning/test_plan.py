@@ -538,10 +538,12 @@ def test_episode_plan_of_the_tool_recipe_by_hand():
     assert e.prefill_cached == 2048 + 1536 + 3 * 16
     assert e.prefill_uncached == 2048 + 3 * 16384
     assert (e.tool_workers, tool.engines_per_node) == (16, 4)
+    assert e.tool_memory_bytes == 16 * 2048 * 2**20  # 32 GiB of host memory per engine
     text = markdown(tool)
     assert "| tool tokens (prefilled, never decoded) | <= 1536 |" in text
     assert "| prefill, no hits | <= 51200 |" in text
     assert "| tool calls at once | 16 / 64 |" in text
+    assert "| tool sandboxes' host memory (GiB) | 32.0 / 128.0 |" in text
     assert "Episodes" not in markdown(single)
     # Prefix caching off (engines returning routed experts): every later turn is a miss;
     # tool output larger than the budget: every turn still decodes its stop token.
