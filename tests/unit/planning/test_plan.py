@@ -372,7 +372,7 @@ def test_engine_expert_parallel_weights_by_hand():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("recipe", ["scalerl_8b", "scalerl_scout"])
+@pytest.mark.parametrize("recipe", ["scalerl_8b", "scalerl_8b_tool", "scalerl_scout"])
 def test_production_recipes_fit_with_headroom(recipe):
     plan = plan_run(load_run_config(ROOT / f"recipes/{recipe}.yaml"), search=False)
     assert plan.trainer.headroom >= 0.20, plan.trainer.total
