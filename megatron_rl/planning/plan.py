@@ -4,7 +4,8 @@ smallest change of the trainer's layout that fits (no torch import).
 ``plan_run(config)`` reads everything from the RunConfig: model shapes (preset or HF config),
 ``parallel`` and ``model.recompute_activations`` (the layout), ``cluster.trainer_gpus`` (the
 data-parallel sizes), ``batch.micro_batch_tokens`` and the longest sequence (activations),
-``optimizer.distributed`` / ``overlap_grad_reduce`` (GPU defaults: on), ``rollout`` (engines).
+``optimizer.distributed`` / ``overlap_grad_reduce`` (GPU defaults: on), ``rollout`` (engines;
+multi-turn episodes: ``episodes.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from megatron_rl.planning.activations import ActivationBytes, ActivationSettings, activation_bytes
 from megatron_rl.planning.engine import EngineBytes, engine_bytes, largest_pushed_tensor
+from megatron_rl.planning.episodes import EpisodePlan, episode_plan, kv_block_size
 from megatron_rl.planning.gpus import (
     ENGINE_RUNTIME_RESERVE,
     FRAGMENTATION,
@@ -146,6 +148,8 @@ class Plan:
     engines: int
     engine_tp: int
     max_num_seqs: int
+    episode: EpisodePlan | None = None  # multi-turn episodes (rollout.max_turns > 1)
+    engines_per_node: int = 0
 
     @property
     def trainer_fits(self) -> bool:
@@ -406,4 +410,6 @@ def plan_run(
         engines=config.rollout.engines,
         engine_tp=config.rollout.tensor_parallel,
         max_num_seqs=config.rollout.max_num_seqs,
+        episode=episode_plan(config, kv_block_size(shapes.chunk)),
+        engines_per_node=max(1, config.cluster.gpus_per_node // config.rollout.tensor_parallel),
     )

@@ -108,6 +108,59 @@ def engine_rows(plan: Plan) -> list[Row]:
     return rows
 
 
+def episode_rows(plan: Plan) -> list[tuple[str, str, str]]:
+    """The episode table (multi-turn runs; empty otherwise): what, tokens, how it is counted
+    (``megatron_rl.planning.episodes``)."""
+    e = plan.episode
+    if e is None:
+        return []
+    per_node = e.tool_workers * plan.engines_per_node
+    return [
+        (
+            "turns / tool calls",
+            f"{e.max_turns} / {e.calls}",
+            f"rollout.max_turns; {e.environment}, tool format {e.tool_format}",
+        ),
+        ("episode budget", str(e.budget), "rollout.max_tokens: model and tool tokens together"),
+        (
+            "longest sequence",
+            str(e.longest_sequence),
+            f"prompt {e.prompt} + longest response: micro-batches and a request's KV, as "
+            "single-turn",
+        ),
+        (
+            "tool tokens (prefilled, never decoded)",
+            f"<= {e.tool_tokens}",
+            f"{e.calls} x max_tool_output_tokens (wrappers apart): {e.tool_share:.0%} of the budget",
+        ),
+        ("model tokens (decoded)", f">= {e.model_tokens}", "when every call returns its most"),
+        (
+            "prefill, prefix-cache hits",
+            f"<= {e.prefill_cached}",
+            f"prompt + tool tokens + a KV block ({e.block}) per later turn"
+            if e.prefix_caching
+            else "prefix caching off: every turn prefills its whole context",
+        ),
+        (
+            "prefill, no hits",
+            f"<= {e.prefill_uncached}",
+            f"prompt + {e.calls} x the longest context ({e.prefill_growth:.1f}x): a push since "
+            "the previous turn began, or eviction",
+        ),
+        (
+            "tool calls at once",
+            f"{e.tool_workers} / {per_node}",
+            f"per engine / per engine node (rollout.environment.tool_workers); each <= "
+            f"{e.tool_timeout_s:g} s",
+        ),
+        (
+            "tool sandboxes' host memory (GiB)",
+            f"{gb(e.tool_memory_bytes)} / {gb(e.tool_memory_bytes * plan.engines_per_node)}",
+            "per engine / per engine node at most: tool_workers x tool_memory_mb",
+        ),
+    ]
+
+
 def notes(plan: Plan) -> list[str]:
     """Caveats that apply to this plan."""
     out = []
@@ -122,6 +175,12 @@ def notes(plan: Plan) -> list[str]:
             f"The engines' KV cache holds {concurrency} sequences of max_model_len; vLLM "
             f"queues or preempts beyond that (max_num_seqs {plan.max_num_seqs})."
         )
+        if plan.episode is not None and plan.episode.prefix_caching:
+            out.append(
+                "An episode waiting on a tool keeps its context only in the prefix cache, "
+                "whose blocks running sequences take first when the KV cache is short: "
+                "expect long episodes' later turns to be prefilled whole."
+            )
     if e.fp8_freed > 0:
         out.append(fp8_kv_note(e))
     return out
@@ -169,6 +228,10 @@ def markdown(plan: Plan, alternatives: int = 5) -> str:
             engine_rows(plan), plan.engine.total, plan.engine.capacity, plan.headroom_target
         ),
     ]
+    episode = episode_rows(plan)
+    if episode:
+        lines += ["", "Episodes (tokens per episode):", "", "| what | tokens | how |"]
+        lines += ["|---|---:|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in episode]
     if plan.alternatives and not plan.trainer_fits:
         lines += ["", "Layouts that fit, smallest change first:", ""]
         lines += alternatives_md(plan, alternatives)
@@ -233,6 +296,15 @@ def print_rich(plan: Plan, alternatives: int = 5) -> None:
     console.print(_rich_table(plan, title, trainer_rows(plan), t.total))
     title = f"Engine GPU: {plan.engines} engines x TP {plan.engine_tp}"
     console.print(_rich_table(plan, title, engine_rows(plan), plan.engine.total))
+    episode = episode_rows(plan)
+    if episode:
+        tab = Table(title="Episodes (tokens per episode)", title_justify="left")
+        tab.add_column("what")
+        tab.add_column("tokens", justify="right")
+        tab.add_column("how")
+        for row in episode:
+            tab.add_row(*row)
+        console.print(tab)
     if not plan.trainer_fits:
         if plan.suggestion is None:
             console.print("[red]No layout of these GPUs fits.[/]")

@@ -372,7 +372,7 @@ def test_engine_expert_parallel_weights_by_hand():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("recipe", ["scalerl_8b", "scalerl_scout"])
+@pytest.mark.parametrize("recipe", ["scalerl_8b", "scalerl_8b_tool", "scalerl_scout"])
 def test_production_recipes_fit_with_headroom(recipe):
     plan = plan_run(load_run_config(ROOT / f"recipes/{recipe}.yaml"), search=False)
     assert plan.trainer.headroom >= 0.20, plan.trainer.total
@@ -511,3 +511,48 @@ def test_packed_micro_batch_fills_the_token_budget_in_the_plan():
     default = load_run_config(ROOT / "recipes/tiny_cpu.yaml", keys)  # pack null
     assert micro_batch_shape(default) == (4096, 80)  # the GPU plan: packed
     assert micro_batch_shape(default, gpu=False) == (51 * 80, 80)
+
+
+def test_episode_plan_of_the_tool_recipe_by_hand():
+    """Issue 38: multi-turn episodes in the plan. rollout.max_tokens (14,336) is the budget
+    of model and tool tokens together, so the longest sequence (trainer micro-batch, an
+    engine request's KV) is the single-turn one; what changes is counted per episode:
+    3 calls x 512 tool tokens prefilled and never decoded, and later turns prefilled again,
+    one KV block (16) each with a prefix-cache hit, the whole context without."""
+    from megatron_rl.planning.episodes import kv_block_size
+    from megatron_rl.planning.report import markdown
+
+    tool = plan_run(load_run_config(ROOT / "recipes/scalerl_8b_tool.yaml"), search=False)
+    single = plan_run(load_run_config(ROOT / "recipes/scalerl_8b.yaml"), search=False)
+    e = tool.episode
+    assert single.episode is None and e is not None
+    assert (e.max_turns, e.calls, e.tool_format, e.environment) == (4, 3, "llama3", "python_tool")
+    assert (e.prompt, e.budget, e.longest_sequence) == (2048, 14336, 2048 + 14336)
+    assert tool.seq_len == single.seq_len == 16384 and tool.tokens == single.tokens
+    # KV of one 16,384-token request: 32 layers x K and V x 8 heads x 128 x 2 bytes x 16,384
+    per_seq = 32 * 2 * 8 * 128 * 2 * 16384
+    assert tool.engine.bytes.kv_bytes_per_sequence == per_seq
+    assert single.engine.bytes.kv_bytes_per_sequence == per_seq
+    assert (e.tool_tokens, e.model_tokens) == (1536, 14336 - 1536)
+    assert e.block == 16 and e.prefix_caching
+    assert e.prefill_cached == 2048 + 1536 + 3 * 16
+    assert e.prefill_uncached == 2048 + 3 * 16384
+    assert (e.tool_workers, tool.engines_per_node) == (16, 4)
+    assert e.tool_memory_bytes == 16 * 2048 * 2**20  # 32 GiB of host memory per engine
+    text = markdown(tool)
+    assert "| tool tokens (prefilled, never decoded) | <= 1536 |" in text
+    assert "| prefill, no hits | <= 51200 |" in text
+    assert "| tool calls at once | 16 / 64 |" in text
+    assert "| tool sandboxes' host memory (GiB) | 32.0 / 128.0 |" in text
+    assert "Episodes" not in markdown(single)
+    # Prefix caching off (engines returning routed experts): every later turn is a miss;
+    # tool output larger than the budget: every turn still decodes its stop token.
+    off = load_run_config(
+        ROOT / "recipes/scalerl_8b_tool.yaml",
+        ["rollout.prefix_caching=false", "rollout.environment.max_tool_output_tokens=8000"],
+    )
+    e = plan_run(off, search=False).episode
+    assert e.tool_tokens == 14336 - 4 and e.model_tokens == 4
+    assert e.prefill_cached == e.prefill_uncached == 2048 + 3 * 16384
+    # Chunked local attention (Llama-4, chunk 8192): the engine's blocks are 128 tokens.
+    assert kv_block_size((8192, 8192, None)) == 128 and kv_block_size((None,)) == 16

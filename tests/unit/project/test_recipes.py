@@ -23,7 +23,7 @@ def test_recipes_are_shipped():
     expected = {
         "base_scalerl", "scalerl_8b", "scalerl_scout", "deepseek_grpo", "qwen25_dapo",
         "magistral", "minimax_m1", "tiny_cpu", "tiny_cpu_ppo", "scalerl_8b_math_code",
-        "tiny_cpu_math_code", *LOO,
+        "tiny_cpu_math_code", "scalerl_8b_tool", *LOO,
     }  # fmt: skip
     assert expected <= names
 
@@ -219,6 +219,30 @@ def test_scalerl_8b_math_code_is_the_paper_run_on_polaris_and_deepcoder():
     # 1,000 held-out prompts of each domain (SCALERL.md section 1).
     assert sum(s.config.val_size for s in math) == sum(s.config.val_size for s in code) == 1000
     assert sum(s.weight for s in math) == pytest.approx(sum(s.weight for s in code))
+
+
+def test_scalerl_8b_tool_is_the_8b_run_with_llama3_python_tool_episodes():
+    """Issue 38: the production tool recipe changes only the episodes (turns, environment)
+    and the system turn that switches Llama-3.1's code interpreter on; the episode's token
+    budget and every ScaleRL setting stay those of scalerl_8b."""
+    main, tool = load("scalerl_8b"), load("scalerl_8b_tool")
+    changed = diff_keys(main, tool) - {"name"}
+    assert {k.split(".")[0] for k in changed} == {"data", "rollout"}
+    assert {k for k in changed if k.startswith("data")} == {"data.system_prompt"}
+    assert {k for k in changed if k.startswith("rollout")} - {"rollout.max_turns"} == {
+        k for k in changed if k.startswith("rollout.environment")
+    }
+    # Meta's switch, "Environment: ipython", is the chat template's (builtin_tools), not ours
+    assert "Environment: ipython" not in tool.data.system_prompt
+    from megatron_rl.trainer.setup import template_kwargs
+
+    assert template_kwargs(tool, None) == {"builtin_tools": ["code_interpreter"]}
+    env = tool.rollout.environment
+    assert (tool.rollout.max_turns, env.name, env.tool_format) == (4, "python_tool", "llama3")
+    assert tool.rollout.max_tokens == main.rollout.max_tokens == 14336
+    assert tool.rollout.interruption == main.rollout.interruption
+    # the tool's output of all calls is a small part of the budget
+    assert (tool.rollout.max_turns - 1) * env.max_tool_output_tokens <= tool.rollout.max_tokens / 8
 
 
 def test_tiny_math_code_mixes_the_arithmetic_and_code_tasks_at_cpu_scale():
