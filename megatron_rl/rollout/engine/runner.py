@@ -95,6 +95,7 @@ class _Track:
     request_id: str = ""
     turns: int = 1  # model turns so far (multi-turn episodes)
     turn_start: int = 0  # where the current model turn starts in the response
+    salt: str = ""  # the prefix-cache salt of its first request (see EngineRunner._salt)
 
 
 class EngineRunner:
@@ -115,6 +116,7 @@ class EngineRunner:
         self.episodes = episodes
         self._tools: dict[Future, _Track] = {}  # episodes waiting on a tool call
         self.version = 0
+        self.kv_on_push = "keep"  # of the last push: whether KV of older weights is kept
         self.requests: dict[str, _Track] = {}
         self._finished: list[Sample] = []
         self._seq = 0
@@ -221,6 +223,7 @@ class EngineRunner:
                 pass
             raise
         self.version = version
+        self.kv_on_push = kv_on_push
         seconds = time.perf_counter() - start
         self.events.put(
             Pushed(self.index, version, seconds, tensors, nbytes, self.oldest_version())
@@ -263,11 +266,21 @@ class EngineRunner:
             track.spec.temperature,
             track.spec.top_p,
             stop,
-            # prefix-cache blocks are shared only among requests of one policy version
-            cache_salt=f"v{self.version}",
+            cache_salt=self._salt(track),
             seed=seed,
             **({"stop_strings": stop_strings} if stop_strings else {}),
         )
+
+    def _salt(self, track: _Track) -> str:
+        """The request's prefix-cache salt: blocks are shared only among requests of one
+        policy version. An episode's later turn keeps its first request's salt while pushes
+        keep the KV of older weights (``kv_on_push: keep``, PipelineRL): it then continues
+        from its own cached context as an unfinished request would, where a new salt would
+        prefill the whole context again at every turn after a push (its tokens are exactly
+        the cached ones; only the new ones are computed by the current weights)."""
+        if not track.salt or self.kv_on_push != "keep":
+            track.salt = f"v{self.version}"
+        return track.salt
 
     def _episode(self, track: _Track) -> bool:
         """Whether ``track`` is a multi-turn episode (the engine runs episodes and its spec

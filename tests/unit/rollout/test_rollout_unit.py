@@ -728,3 +728,36 @@ def test_episode_ends_at_max_turns_at_the_budget_and_when_the_environment_says_s
         runner.step()
     (sample,) = drain(events)
     assert sample.response_ids == [13, 14, 15, CALL] and sample.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kv_on_push, salts", [("keep", ["v0", "v0"]), ("recompute", ["v0", "v1"])])
+def test_an_episode_turn_after_a_push_keeps_its_prefix_cache_salt_while_pushes_keep_kv(
+    kv_on_push, salts
+):
+    """The second turn's request is the first's ids plus the tool's: with kv_on_push keep
+    (in-flight requests keep the old weights' KV) it keeps the first turn's salt and hits
+    its cached context; a new salt would prefill the whole context again after every push.
+    With recompute, the new weights' salt (what a recompute would give)."""
+    episodes = ScriptedEpisodes(max_turns=2)
+    runner, engine, events = make_episode_runner(calls_tool, episodes)
+    seen = []
+    add = engine.add
+
+    def recording(request_id, prompt_ids, *args, cache_salt=None, **kwargs):
+        seen.append(cache_salt)
+        add(request_id, prompt_ids, *args, cache_salt=cache_salt, **kwargs)
+
+    engine.add = recording
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30, problem=PROBLEM))
+    for _ in range(4):  # the first turn ends on CALL; its tool is held
+        runner.step()
+    weights = queue.Queue()
+    weights.put("bucket")
+    weights.put(None)
+    runner.push(1, kv_on_push, weights.get)
+    episodes.gate.set()
+    while runner._tools or engine.has_work():
+        runner.step()
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=2, index=1))  # a new request
+    runner.step()
+    assert seen == [*salts, "v1"]
