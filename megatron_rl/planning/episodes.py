@@ -16,10 +16,10 @@ and tool tokens together (``EngineRunner._continue_episodes`` cuts there), so:
   ``max_tool_output_tokens`` (plus each call's wrapper of a few tokens) of the budget.
 - Each later turn prefills its context again. With a prefix-cache hit
   (``rollout.prefix_caching``: vLLM's ``enable_prefix_caching``) only the tool's tokens and
-  the last, partial KV block of the context are computed. The cache is keyed by the policy
-  version the previous turn *started* with (``cache_salt``, which vLLM hashes into a
-  sequence's first block and so into every block after it): after any weight push since
-  then (PipelineRL pushes every step, in flight), or when the blocks were evicted, or with
+  the last, partial KV block of the context are computed. An episode's turns keep the
+  cache salt of its first request while pushes keep the KV of older weights
+  (``kv_on_push: keep``, PipelineRL), so a push between turns costs no hit; with
+  ``kv_on_push: recompute`` (a new salt after a push), when the blocks were evicted, or with
   prefix caching off (engines that return routed experts), the whole context is prefilled
   again, under the new weights.
 """
@@ -61,8 +61,8 @@ class EpisodePlan:
         prefill_cached: prefilled tokens of an episode whose later turns hit the prefix
             cache: the prompt, the tool tokens, and per later turn at most one block of the
             context (the partial block the cache does not hold, and the turn's stop token).
-        prefill_uncached: prefilled tokens when no later turn hits the cache (a push since
-            the previous turn began, eviction, prefix caching off): the prompt, then per
+        prefill_uncached: prefilled tokens when no later turn hits the cache (eviction, a
+            push with kv_on_push recompute, prefix caching off): the prompt, then per
             later turn its whole context, at most the longest sequence.
         prefix_caching: the engines cache prefixes at all.
         tool_workers: tool calls running at once per engine; ``tool_timeout_s``: the limit

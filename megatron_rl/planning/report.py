@@ -144,8 +144,8 @@ def episode_rows(plan: Plan) -> list[tuple[str, str, str]]:
         (
             "prefill, no hits",
             f"<= {e.prefill_uncached}",
-            f"prompt + {e.calls} x the longest context ({e.prefill_growth:.1f}x): a push since "
-            "the previous turn began, or eviction",
+            f"prompt + {e.calls} x the longest context ({e.prefill_growth:.1f}x): eviction, or "
+            "a push with kv_on_push recompute",
         ),
         (
             "tool calls at once",
