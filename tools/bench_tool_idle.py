@@ -193,7 +193,7 @@ def run_once(
                         if submitted < episodes:
                             submit()
         wall = time.perf_counter() - start
-    results = [r for rs in steps.results.values() for r in rs]
+    calls = [call for sample in samples for call in sample.tools]  # (outcome, seconds)
     model_tokens = sum(sum(s.mask) for s in samples)
     return RunResult(
         max_turns=max_turns,
@@ -201,8 +201,8 @@ def run_once(
         episodes=len(samples),
         requests=timed.requests,
         turns=timed.requests / len(samples),
-        tool_calls=len(results),
-        tool_seconds=sum(r.seconds for r in results),
+        tool_calls=len(calls),
+        tool_seconds=sum(seconds for _, seconds in calls),
         steps=timed.steps,
         idle_fraction=timed.idle_s / wall,
         tokens_per_s=model_tokens / wall,
