@@ -200,7 +200,8 @@ class Trainer:
     probe: LogprobProbe
     stop: StopFlag
     bar: tqdm | None  # from begin() on
-    round: list[Batch]  # mismatch_reference recompute: the round's batches not yet trained
+    round: list[Batch]  # mismatch_reference recompute: the round's batches not yet handed out
+    unrecomputed: list[Batch]  # the round's batches, until its first update recomputes them
 
     def __init__(
         self,
@@ -215,7 +216,7 @@ class Trainer:
         self.run = build_run(config, run_dir, restart, allow_changes)  # rundir.py claims
         self.main = _is_main()  # once build_run has joined the process group
         self.step, self.pool, self.forecast, self.source, self.bar = 0, None, None, None, None
-        self.round = []
+        self.round, self.unrecomputed = [], []
         try:
             self._start()
         except BaseException:
@@ -314,10 +315,8 @@ class Trainer:
 
     def _next_round_batch(self) -> Batch | None:
         """``algorithm.mismatch_reference: recompute`` (PPO-off-policy-k): at a round's first
-        step, take all its batches (up to the one after which the weights are pushed) and
-        recompute their pi_old at the current weights, which generated them all (the pool
-        is idle during a round and the push comes after its last update); then hand them
-        out one a step. ``recompute_seconds``: that forward, 0 on the round's other steps."""
+        step, take all its batches (up to the one after which the weights are pushed; their
+        pi_old is recomputed by that step's :meth:`update`), then hand them out one a step."""
         if not self.round:
             first = self._fetch_batch()
             if first is None:
@@ -329,28 +328,38 @@ class Trainer:
                     break
                 batches.append(more)
             self._check_round(batches)
-            t0 = time.perf_counter()
-            recompute_old_logprobs(
-                self.run.ddp,
-                [b.samples for b in batches],
-                self.config.algorithm,
-                self.config.batch.micro_batch_size,
-                self.config.rollout.temperature,
-                # the first update is monitored (see update()): the same rank shares
-                [first.generator_version] + [None] * (len(batches) - 1),
-                self.token_multiple,
-                self.config.batch.micro_batch_tokens,
-                self.config.batch.pack,
-            )
-            first.info["recompute_seconds"] = time.perf_counter() - t0
-            for batch in batches[1:]:
-                batch.info["recompute_seconds"] = 0.0
-            self.round = batches
+            self.round, self.unrecomputed = batches, list(batches)
         batch = self.round.pop(0)
         self.in_flight.held = [
             pid for b in self.round for pid in dict.fromkeys(s.prompt_id for s in b.samples)
         ]
         return batch
+
+    def _recompute_round(self, batch: Batch) -> None:
+        """Before a round's first update (``batch``): pi_old of all the round's batches at the
+        current weights, which generated them all (the pool is idle during a round and the
+        push comes after its last update; :meth:`_check_round`). ``recompute_seconds``: that
+        forward, in the round's first step; 0 in the others."""
+        batches, self.unrecomputed = self.unrecomputed, []
+        if not batches:
+            batch.info["recompute_seconds"] = 0.0
+            return
+        if batches[0] is not batch:
+            raise RuntimeError("the round's pi_old must be recomputed before its first update")
+        start = time.perf_counter()
+        recompute_old_logprobs(
+            self.run.ddp,
+            [b.samples for b in batches],
+            self.config.algorithm,
+            self.config.batch.micro_batch_size,
+            self.config.rollout.temperature,
+            # the first update is monitored (see update()): the same rank shares as there
+            [batch.generator_version if self.synced else None] + [None] * (len(batches) - 1),
+            self.token_multiple,
+            self.config.batch.micro_batch_tokens,
+            self.config.batch.pack,
+        )
+        batch.info["recompute_seconds"] = time.perf_counter() - start
 
     def _check_round(self, batches: list[Batch]) -> None:
         """The recompute is exact only at the weights that generated every sample of the
@@ -375,6 +384,8 @@ class Trainer:
         meanwhile (PipelineRL)."""
         config = self.config
         watchdog.beat(f"step {self.step + 1}: update")
+        if config.algorithm.recompute:  # the round's pi_old (its first update; else nothing)
+            self._recompute_round(batch)
         with self.source.feeding() if self.source is not None else contextlib.nullcontext():
             result = policy_update(
                 self.run.ddp,

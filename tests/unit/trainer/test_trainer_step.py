@@ -640,10 +640,10 @@ def test_recompute_stores_pi_old_at_the_rounds_starting_weights(model):
 @pytest.mark.timeout(60)
 def test_the_round_is_taken_and_recomputed_before_its_first_step(model):
     """Trainer with mismatch_reference recompute: at a round's first step it takes every batch
-    up to the one after which the weights are pushed, recomputes their pi_old (the
-    ``recompute_seconds`` of the first step, 0 on the others), holds the rest of the round's
-    prompts for a checkpoint's in-flight list and hands the batches out one a step; samples
-    of another version are refused."""
+    up to the one after which the weights are pushed, holds the rest of the round's prompts
+    for a checkpoint's in-flight list and hands the batches out one a step; the round's first
+    update recomputes the pi_old of all of them (its ``recompute_seconds``; 0 in the others);
+    samples of another version are refused."""
     from types import SimpleNamespace
 
     from megatron_rl.trainer.loop import Batch, InFlight, Trainer
@@ -660,20 +660,26 @@ def test_the_round_is_taken_and_recomputed_before_its_first_step(model):
         rollout=SimpleNamespace(temperature=1.0),
     )
     trainer = SimpleNamespace(
-        config=config, run=SimpleNamespace(ddp=model), round=[], synced=True,
-        in_flight=InFlight(), token_multiple=1, _fetch_batch=lambda: queue.pop(0),
+        config=config, run=SimpleNamespace(ddp=model), round=[], unrecomputed=[], synced=True,
+        in_flight=InFlight(SimpleNamespace(in_flight_prompt_ids=lambda: [5])), token_multiple=1,
+        _fetch_batch=lambda: queue.pop(0),
     )  # fmt: skip
     trainer._check_round = lambda batches: Trainer._check_round(trainer, batches)
     first = Trainer._next_round_batch(trainer)
     assert first.samples is samples[0] and not queue
+    assert trainer.in_flight.state_dict() == [5, 11, 12]  # a checkpoint regenerates them
+    assert all(s.old_logprobs is None for b in samples for s in b)
+    Trainer._recompute_round(trainer, first)  # in update(), before the optimizer step
     assert first.info["recompute_seconds"] > 0
-    assert trainer.in_flight.held == [11, 12]
     assert all(s.old_logprobs is not None for b in samples for s in b)
+    trainer.synced = False  # the round's first update was not pushed
     second = Trainer._next_round_batch(trainer)
-    assert second.samples is samples[1] and second.info["recompute_seconds"] == 0.0
-    assert trainer.in_flight.held == [12]
+    assert second.samples is samples[1] and trainer.in_flight.held == [12]
+    Trainer._recompute_round(trainer, second)
+    assert second.info["recompute_seconds"] == 0.0
     Trainer._next_round_batch(trainer)
     assert trainer.in_flight.held == [] and trainer.round == []
+    trainer.synced = True  # pushed after the round's last update
     stale = make_samples(model, [[1, -1]], seed=9)
     stale[0].versions = [1] * len(stale[0].versions)  # a token of a later version
     queue.append(Batch(stale, {}, True, 0))
