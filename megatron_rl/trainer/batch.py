@@ -20,9 +20,10 @@ class TrainSample:
     ``policy_mask`` is False on tokens the policy did not generate (interruption text).
     ``group`` numbers the sample's prompt within the step (unique per step).
     ``routed_experts [P, layers, topk]``: the generator's routing (routing replay), or None.
-    ``old_logprobs``: per response token, the trainer's recompute at the weights that
-    generated the sample (``algorithm.mismatch_reference: recompute``; ``step.recompute``),
-    or None.
+    ``old_logprobs``: ``[R]`` float32, per response token, the trainer's recompute at the
+    weights that generated the sample (``algorithm.mismatch_reference: recompute``;
+    ``step.recompute_old_logprobs``; a tensor: 4 bytes a token where a list of floats takes
+    32), or None.
     """
 
     prompt_id: int
@@ -36,7 +37,7 @@ class TrainSample:
     truncated: bool = False
     interrupted: bool = False
     routed_experts: np.ndarray | None = None
-    old_logprobs: list[float] | None = None
+    old_logprobs: torch.Tensor | None = None
 
 
 @dataclass
@@ -146,7 +147,7 @@ def flat_response_tensors(
     if samples and all(s.old_logprobs is not None for s in samples):
         if any(len(s.old_logprobs) != len(s.response_tokens) for s in samples):
             raise ValueError("a sample's old_logprobs must have one entry per response token")
-        flat["old"] = torch.tensor([x for s in samples for x in s.old_logprobs])
+        flat["old"] = torch.cat([s.old_logprobs.float() for s in samples])
     return flat
 
 

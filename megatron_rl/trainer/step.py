@@ -459,7 +459,7 @@ def _storing_old_logprobs(by_id: dict[int, TrainSample], temperature: float):
         ids, counts = torch.unique_consecutive(mb.sample_ids, return_counts=True)
         parts = logprobs.detach().float().cpu().split(counts.tolist())
         for sid, part in zip(ids.tolist(), parts):
-            by_id[sid].old_logprobs = part.tolist()
+            by_id[sid].old_logprobs = part.clone()
         return 0.0 * logits.float().sum(), torch.zeros(1), torch.zeros(0)
 
     return store

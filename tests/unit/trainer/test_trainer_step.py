@@ -584,7 +584,9 @@ def _flat_loss(model, samples, algo, old=True):
             for s in samples
         ])  # fmt: skip
     # samples not trained (no pi_old) have no token with a loss: any value does
-    pi_old = torch.tensor([x for s in samples for x in s.old_logprobs or s.gen_logprobs])
+    pi_old = torch.cat([
+        torch.tensor(s.gen_logprobs) if s.old_logprobs is None else s.old_logprobs for s in samples
+    ])  # fmt: skip
     loss, _ = policy_loss(
         algo.loss, lp, flat["gen"], flat["adv"], flat["mask"], flat["sid"], flat["pid"],
         aggregation=algo.aggregation, mismatch=MismatchCorrection(**algo.mismatch_params()),
@@ -594,13 +596,15 @@ def _flat_loss(model, samples, algo, old=True):
 
 
 @pytest.mark.timeout(60)
-def test_recompute_stores_pi_old_at_the_rounds_starting_weights(model):
+@pytest.mark.parametrize("pack", [False, True])
+def test_recompute_stores_pi_old_at_the_rounds_starting_weights(model, pack):
     """mismatch_reference recompute: one no-grad forward over a round's batches (one per
     micro-batch of their trained samples) stores pi_old equal to a separate forward at the
     round's starting weights (make_samples' log-probs, before the generator's are shifted);
     at the round's first step the update equals the ``update`` reference's (same loss, same
     weights after); at its second step, after the weights moved, the update's loss is the
-    one with the stored pi_old (ratio pi_theta / pi_old), not the update reference's."""
+    one with the stored pi_old (ratio pi_theta / pi_old), not the update reference's. Padded
+    and packed micro-batches alike."""
     from megatron_rl.trainer.step import recompute_old_logprobs
 
     algo = AlgorithmConfig(loss="ppo_clip", mismatch="tis", mismatch_reference="recompute")
@@ -612,7 +616,7 @@ def test_recompute_stores_pi_old_at_the_rounds_starting_weights(model):
     forwards = []
     hook = model.module.register_forward_hook(lambda *_: forwards.append(1))
     try:
-        assert recompute_old_logprobs(model, rounds, algo, 2) == 2 + 1
+        assert recompute_old_logprobs(model, rounds, algo, 2, pack=pack) == 2 + 1
     finally:
         hook.remove()
     assert len(forwards) == 3
@@ -621,18 +625,18 @@ def test_recompute_stores_pi_old_at_the_rounds_starting_weights(model):
             if sample.reward == 2:  # not trained: no pi_old
                 assert sample.old_logprobs is None
                 continue
-            assert torch.allclose(torch.tensor(sample.old_logprobs), torch.tensor(lp), atol=1e-5)
+            assert torch.allclose(sample.old_logprobs, torch.tensor(lp), atol=1e-5)
     # the round's first step: pi_old is the update's own forward
     update = dataclasses.replace(algo, mismatch_reference="update")
-    after_update, res_update = params_after(model, rounds[0], update, 2)
+    after_update, res_update = params_after(model, rounds[0], update, 2, pack=pack)
     optimizer = sgd(model)  # params_after's
-    res = policy_update(model, optimizer, rounds[0], algo, 2)
+    res = policy_update(model, optimizer, rounds[0], algo, 2, pack=pack)
     after = torch.cat([p.detach().flatten().clone() for p in model.module.parameters()])
     assert res.loss == pytest.approx(res_update.loss, rel=1e-6)
     assert torch.allclose(after, after_update, atol=1e-6)
     # the second step, at the moved weights: the stored pi_old is the loss's reference
     want, without = _flat_loss(model, rounds[1], algo), _flat_loss(model, rounds[1], algo, False)
-    res = policy_update(model, optimizer, rounds[1], algo, 2)
+    res = policy_update(model, optimizer, rounds[1], algo, 2, pack=pack)
     assert res.loss == pytest.approx(want, rel=1e-4, abs=1e-6)
     assert abs(want - without) > 1e-3 * max(abs(want), 1e-3)  # the reference matters
 
