@@ -28,6 +28,9 @@ LENGTH_PENALTY_ON: tuple[str, ...] = ("correct", "all")
 # (megatron_rl.algorithms.mismatch).
 MISMATCH_NAMES: tuple[str, ...] = ("none", "tis", "mis", "icepop")
 MISMATCH_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+# Where the trainer's side of the mismatch (and the loss's "old" policy with a correction)
+# comes from: the update's own forward, or a recompute at the generator's weights.
+MISMATCH_REFERENCES: tuple[str, ...] = ("update", "recompute")
 # Band [low, high] when the recipe leaves it unset: TIS's cap C = 2 (verl's
 # rollout_is_threshold, slime's --tis-clip); MIS's lower bound 1 / upper (verl); IcePop's
 # [0.5, 2] (the IcePop band, slime's icepop_function). TIS has no lower bound.
@@ -92,6 +95,20 @@ class AlgorithmConfig:
             (product of the token ratios) or per sample's geometric mean; icepop: token.
         mismatch_low: lower end of the mis / icepop band, in [0, 1]; None: 0.5. Not for tis.
         mismatch_high: TIS's cap C, or the upper end of the band, >= 1; None: 2.
+        mismatch_reference: the trainer's log-probs the correction compares with the
+            generator's, one of MISMATCH_REFERENCES: "update" (the update's own forward, no
+            extra forward) or "recompute" (off_policy.mode ppo only: pi_old recomputed at the
+            round's generating weights by one extra forward per batch; the loss's ratio
+            pi_theta / pi_old, the correction of pi_old / generator). With "update"
+            (AReaL's proximal policy, detached) the loss's ratio is 1 in value and
+            r = trainer / generator carries the staleness too. With "recompute" (verl's three
+            policies), before the first update of a PPO-off-policy-k round one no-grad
+            forward over the round's k batches at the weights that generated them stores
+            pi_old; each update then keeps the staleness inside the loss's clip and the
+            correction sees the mismatch alone (with mismatch none: no weight, verl's
+            recomputed old log-probs). PipelineRL is refused: its samples span versions
+            whose weights are gone. Its cost: the ``recompute_seconds`` metric;
+            tools/bench_train_step.py --recompute.
     """
 
     loss: str = "cispo"
@@ -112,6 +129,7 @@ class AlgorithmConfig:
     mismatch_level: str = "token"
     mismatch_low: float | None = None
     mismatch_high: float | None = None
+    mismatch_reference: str = "update"
 
     def __post_init__(self) -> None:
         if self.aggregation is None:
@@ -164,6 +182,7 @@ class AlgorithmConfig:
     def _validate_mismatch(self) -> None:
         _check_choice("mismatch", self.mismatch, MISMATCH_NAMES)
         _check_choice("mismatch_level", self.mismatch_level, MISMATCH_LEVELS)
+        _check_choice("mismatch_reference", self.mismatch_reference, MISMATCH_REFERENCES)
         if self.mismatch == "icepop" and self.mismatch_level != "token":
             raise ConfigError(
                 "mismatch_level",
@@ -191,6 +210,12 @@ class AlgorithmConfig:
                 "algorithm.mismatch_low / mismatch_high are set but algorithm.mismatch is none: "
                 "no correction is applied"
             )
+
+    @property
+    def recompute(self) -> bool:
+        """Whether the trainer recomputes pi_old at the generator's weights
+        (``mismatch_reference: recompute``)."""
+        return self.mismatch_reference == "recompute"
 
     def mismatch_params(self) -> dict[str, str | float]:
         """Keyword parameters of ``mismatch.MismatchCorrection`` for this recipe (the band's

@@ -38,6 +38,7 @@ def policy_loss(
     aggregation: str = "prompt",
     normalizers: LossNormalizers | None = None,
     mismatch: MismatchCorrection | None = None,
+    old_logprobs: torch.Tensor | None = None,
     **params: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Aggregated policy loss of one micro-batch (tokens flattened over its samples).
@@ -53,6 +54,13 @@ def policy_loss(
     update) and each token's objective is multiplied by the correction's weight of
     r = exp(logprobs - gen_logprobs); see ``megatron_rl.algorithms.mismatch``.
 
+    With ``old_logprobs`` (pi_old: the trainer's recompute at the weights that generated the
+    samples, ``algorithm.mismatch_reference: recompute``) they take the place of the
+    detached ``logprobs`` in both: the loss's ratio is pi_theta / pi_old (the staleness,
+    inside the loss's clip) and the correction's r = pi_old / pi_gen (the mismatch alone),
+    with or without a correction (verl's three policies; ``mismatch_kl`` then measures
+    pi_old against pi_gen too).
+
     Args:
         kind: loss name, a key of ``LOSSES`` ("cispo", "ppo_clip", "gspo", "reinforce").
         logprobs: ``[T]`` trainer log-probs of the sampled tokens (requires grad).
@@ -64,6 +72,7 @@ def policy_loss(
         aggregation: "prompt", "sample" or "token".
         normalizers: global counts of the step; None computes them from these tokens.
         mismatch: the train-inference mismatch correction; None: none.
+        old_logprobs: ``[T]`` pi_old of the same tokens, or None (pi_prox = ``logprobs``).
         **params: hyper-parameters of the loss (eps_max; eps_low, eps_high).
 
     Returns:
@@ -83,6 +92,8 @@ def policy_loss(
     _check_float_inputs(
         loss_mask, logprobs=logprobs, gen_logprobs=gen_logprobs, advantages=advantages
     )
+    if old_logprobs is not None:
+        _check_float_inputs(loss_mask, old_logprobs=old_logprobs)
     accepted = set(inspect.signature(LOSSES[kind]).parameters)
     unknown = sorted(set(params) - accepted)
     if unknown:
@@ -99,17 +110,25 @@ def policy_loss(
     gen_logprobs = torch.where(loss_mask, gen_logprobs.detach().to(logprobs.dtype), zero)
     advantages = torch.where(loss_mask, advantages.detach().to(logprobs.dtype), zero)
     correction = mismatch if mismatch is not None else MismatchCorrection()
-    corrected = correction.weights(logprobs, gen_logprobs, loss_mask, sample_ids, normalizers)
-    # The ratio's reference: the generator's log-probs, or with a correction the trainer's
-    # own (pi_theta / pi_prox: the correction carries pi_prox / pi_gen, counted once).
-    reference = logprobs.detach() if correction.decoupled else gen_logprobs
+    # The trainer's side of the mismatch: pi_old recomputed at the generator's weights, or
+    # the update's own forward (pi_prox, detached).
+    if old_logprobs is None:
+        trainer = logprobs.detach()
+    else:
+        trainer = torch.where(loss_mask, old_logprobs.detach().to(logprobs.dtype), zero)
+    corrected = correction.weights(trainer, gen_logprobs, loss_mask, sample_ids, normalizers)
+    # The ratio's reference: the generator's log-probs, or with a correction (or a recompute)
+    # the trainer's own (pi_theta / pi_prox or pi_old: the correction carries the rest of
+    # pi_theta / pi_gen, counted once).
+    decoupled = correction.decoupled or old_logprobs is not None
+    reference = trainer if decoupled else gen_logprobs
     terms = loss_fn.terms(logprobs, reference, advantages, loss_mask, sample_ids, normalizers)
     objective = terms.objective
     if correction.decoupled:
         objective = corrected.weights.to(objective.dtype) * objective
     loss = -(weights * torch.where(loss_mask, objective, zero)).sum()
     stats = _stats(logprobs, gen_logprobs, loss_mask, terms.clipped, weights, loss)
-    stats.update(_mismatch_stats(logprobs, gen_logprobs, loss_mask, corrected))
+    stats.update(_mismatch_stats(trainer, gen_logprobs, loss_mask, corrected))
     return loss, stats
 
 

@@ -34,15 +34,30 @@ The loss ratio ``pi_theta / pi_prox`` is 1 in value, so every loss reduces to
 AReaL's decoupled objective with its proximal policy; the extra forward AReaL spends on the
 recompute (it takes several optimizer steps per batch) is none here
 (tests/unit/trainer/test_trainer_step.py checks the log-probs against a separate forward and
-counts the forwards). Not built: verl's three-policy split, where the correction is the
-mismatch alone (the trainer's recompute at the *generator's* version over pi_gen) and the
-loss's ratio keeps the staleness; it needs the weights of that version (PPO-off-policy-k: one
-extra forward over the round's k batches before its first update; PipelineRL: samples span
-versions whose weights are gone).
+counts the forwards).
 
-**The corrections** (``r = pi_prox / pi_gen`` at ``level``: per token; ``sequence``: the
-product over the sample's tokens, exp(sum log r); ``geometric``: exp(mean log r); the log
-ratio clamped to +-20 before exp as verl and slime do):
+**verl's three policies** (``algorithm.mismatch_reference: recompute``, PPO-off-policy-k
+only). The ``update`` reference above folds the staleness into the correction. The
+``recompute`` one separates them: before a round's first update the trainer runs one
+no-grad forward over the round's k batches at the weights that generated them (the round's
+starting weights: the pool generates the k batches with one version and is idle during the
+k updates; ``trainer.step.recompute_old_logprobs``, the update's own forward path) and
+stores ``pi_old``. Each update then takes
+
+    objective_t = f(pi_old / pi_gen) * loss_objective_t(ratio pi_theta / pi_old)
+
+so the correction is the train-inference mismatch alone and the loss's ratio carries the
+staleness inside its clip (verl: ``old_log_prob`` recomputed by the actor,
+``compute_rollout_correction_weights(old_log_prob, rollout_log_prob)`` and
+``compute_policy_loss_vanilla(old_log_prob, log_prob, ..., rollout_is_weights)``). It
+costs one extra forward per batch (the ``recompute_seconds`` metric; measured by
+tools/bench_train_step.py). PipelineRL's samples span versions whose weights are gone, so
+the config refuses it there. At a round's first update pi_old is the update's own forward
+and the two references give the same loss.
+
+**The corrections** (``r = pi_prox / pi_gen``, or ``pi_old / pi_gen``, at ``level``: per
+token; ``sequence``: the product over the sample's tokens, exp(sum log r); ``geometric``:
+exp(mean log r); the log ratio clamped to +-20 before exp as verl and slime do):
 
 - ``tis``: ``w = min(r, C)`` (truncated importance sampling; verl
   ``compute_rollout_correction_weights``, rollout_is_threshold default 2; slime
@@ -59,7 +74,7 @@ A masked token keeps its share of the loss normalisers (its objective is 0), as 
 token-mean denominators. Here the normalisers are counted before the forward.
 
 Peers' source read: volcengine/verl@b178a3cd56f58b2d502255daba591e92833930a7
-(verl/trainer/ppo/rollout_corr_helper.py), THUDM/slime@624b824a898ab0ec1fcb4d373004c7f3852bf515
+(verl/trainer/ppo/rollout_corr_helper.py, verl/trainer/ppo/core_algos.py), THUDM/slime@624b824a898ab0ec1fcb4d373004c7f3852bf515
 (slime/backends/megatron_utils/loss.py, examples/train_infer_mismatch_helper/mis.py).
 """
 

@@ -106,6 +106,7 @@ class RunConfig:
             )
         self._validate_validation()
         self._validate_pool_fill()
+        self._validate_mismatch_reference()
         self._validate_lengths()
         self._validate_cluster()
         from megatron_rl.config.checks import check_gpu_paths
@@ -148,6 +149,16 @@ class RunConfig:
                 f"rollout.max_num_seqs {self.rollout.max_num_seqs} = {seats:g} sequences in "
                 f"flight hold no prompt of batch.samples_per_prompt "
                 f"{self.batch.samples_per_prompt} samples",
+            )
+
+    def _validate_mismatch_reference(self) -> None:
+        if self.algorithm.recompute and self.off_policy.mode != "ppo":
+            _fail(
+                "algorithm.mismatch_reference",
+                f"recompute needs off_policy.mode ppo, got {self.off_policy.mode!r}: it "
+                "recomputes the log-probs at the weights that generated the samples, and a "
+                "PipelineRL sample spans several policy versions whose weights are gone (use "
+                "update there)",
             )
 
     def max_response_tokens(self) -> int:

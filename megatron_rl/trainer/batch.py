@@ -20,6 +20,10 @@ class TrainSample:
     ``policy_mask`` is False on tokens the policy did not generate (interruption text).
     ``group`` numbers the sample's prompt within the step (unique per step).
     ``routed_experts [P, layers, topk]``: the generator's routing (routing replay), or None.
+    ``old_logprobs``: ``[R]`` float32, per response token, the trainer's recompute at the
+    weights that generated the sample (``algorithm.mismatch_reference: recompute``;
+    ``step.recompute_old_logprobs``; a tensor: 4 bytes a token where a list of floats takes
+    32), or None.
     """
 
     prompt_id: int
@@ -33,6 +37,7 @@ class TrainSample:
     truncated: bool = False
     interrupted: bool = False
     routed_experts: np.ndarray | None = None
+    old_logprobs: torch.Tensor | None = None
 
 
 @dataclass
@@ -55,6 +60,9 @@ class MicroBatch:
     padding: torch.Tensor | None = None  # [b, s] bool: right padding (True), for the routers
     # [n + 1] int32: a packed micro-batch's sequence starts (b = 1; trainer.packing), or None
     cu_seqlens: torch.Tensor | None = None
+    # [T]: the samples' recomputed pi_old (TrainSample.old_logprobs), or None: not every
+    # sample has one
+    old_logprobs: torch.Tensor | None = None
 
     def to(self, device) -> MicroBatch:
         moved = (getattr(self, f.name) for f in fields(self))
@@ -118,7 +126,8 @@ def flat_response_tensors(
 ) -> dict[str, torch.Tensor]:
     """Per-token tensors of the response tokens of ``samples`` (sample i has id ``ids[i]``,
     default i: ids must be unique over the step's whole batch, all ranks included).
-    ``monitor``: the policy tokens of samples generated entirely by ``monitor_version``."""
+    ``monitor``: the policy tokens of samples generated entirely by ``monitor_version``.
+    ``old``: the samples' ``old_logprobs``, only where every sample has them."""
     ids = list(range(len(samples))) if ids is None else list(ids)
     cols: dict[str, list] = {k: [] for k in ("gen", "adv", "mask", "sid", "pid", "monitor")}
     for i, s in enumerate(samples):
@@ -131,10 +140,15 @@ def flat_response_tensors(
         cols["pid"].append(torch.full((n,), s.group, dtype=torch.long))
         cols["monitor"].append(policy & is_on_policy(s, monitor_version))
     empty = {"mask": torch.bool, "monitor": torch.bool, "sid": torch.long, "pid": torch.long}
-    return {
+    flat = {
         k: torch.cat(v) if v else torch.empty(0, dtype=empty.get(k, torch.float32))
         for k, v in cols.items()
     }
+    if samples and all(s.old_logprobs is not None for s in samples):
+        if any(len(s.old_logprobs) != len(s.response_tokens) for s in samples):
+            raise ValueError("a sample's old_logprobs must have one entry per response token")
+        flat["old"] = torch.cat([s.old_logprobs.float() for s in samples])
+    return flat
 
 
 def plan_micro_batches(
@@ -202,6 +216,7 @@ def make_micro_batches(
                 flat["monitor"],
                 _routing(chunk, tokens.shape[1]),
                 torch.arange(tokens.shape[1]) >= torch.tensor([lengths[i] for i in part])[:, None],
+                old_logprobs=flat.get("old"),
             )
         )
     return batches

@@ -18,6 +18,7 @@ from megatron_rl.config.schema import RunConfig
 from megatron_rl.platform import collectives, get_platform, watchdog
 from megatron_rl.rewards.pool import count_timeouts
 from megatron_rl.rollout.client import WeightsNeeded
+from megatron_rl.rollout.samples import TOOL_VERSION
 from megatron_rl.rollout.weights import m2n_ranks
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer import hf_export, summary
@@ -31,7 +32,7 @@ from megatron_rl.trainer.rollout_source import (
 )
 from megatron_rl.trainer.scoring import by_domain, dynamic_sampling, model_text, score_groups
 from megatron_rl.trainer.setup import Run, build_run
-from megatron_rl.trainer.step import policy_update
+from megatron_rl.trainer.step import policy_update, recompute_old_logprobs
 
 if TYPE_CHECKING:
     from megatron_rl.rollout import GeneratorPool, PushStats, RolloutConfig
@@ -146,9 +147,14 @@ class InFlight:
     def __init__(self, source: RolloutSource | None = None) -> None:
         self.source = source
         self.prompt_ids: list[int] = []
+        # prompts of batches the trainer took from the source ahead of their step (the rest
+        # of a round under algorithm.mismatch_reference recompute): in flight as well
+        self.held: list[int] = []
 
     def state_dict(self) -> list[int]:
-        return self.source.in_flight_prompt_ids() if self.source is not None else []
+        if self.source is None:
+            return []
+        return self.source.in_flight_prompt_ids() + self.held
 
     def load_state_dict(self, prompt_ids: list[int]) -> None:
         self.prompt_ids = list(prompt_ids)
@@ -194,6 +200,8 @@ class Trainer:
     probe: LogprobProbe
     stop: StopFlag
     bar: tqdm | None  # from begin() on
+    round: list[Batch]  # mismatch_reference recompute: the round's batches not yet handed out
+    unrecomputed: list[Batch]  # the round's batches, until its first update recomputes them
 
     def __init__(
         self,
@@ -208,6 +216,7 @@ class Trainer:
         self.run = build_run(config, run_dir, restart, allow_changes)  # rundir.py claims
         self.main = _is_main()  # once build_run has joined the process group
         self.step, self.pool, self.forecast, self.source, self.bar = 0, None, None, None, None
+        self.round, self.unrecomputed = [], []
         try:
             self._start()
         except BaseException:
@@ -296,16 +305,90 @@ class Trainer:
         """The next step's batch on every rank (generated and rewarded on the main rank), or
         None when training must end."""
         watchdog.beat(f"step {self.step + 1}: batch")
-        batch = self._on_every_rank(lambda: next_batch(self.run, self.source, self.pool, self.step))
+        if self.config.algorithm.recompute:
+            batch = self._next_round_batch()
+        else:
+            batch = self._fetch_batch()
         if batch is not None:
             batch.info["lr"] = self.optim.lr  # the rate of this update (the scheduler moves on)
         return batch
+
+    def _fetch_batch(self) -> Batch | None:
+        return self._on_every_rank(lambda: next_batch(self.run, self.source, self.pool, self.step))
+
+    def _next_round_batch(self) -> Batch | None:
+        """``algorithm.mismatch_reference: recompute`` (PPO-off-policy-k): at a round's first
+        step, take all its batches (up to the one after which the weights are pushed; their
+        pi_old is recomputed by that step's :meth:`update`), then hand them out one a step."""
+        if not self.round:
+            first = self._fetch_batch()
+            if first is None:
+                return None
+            batches = [first]
+            while not batches[-1].wants_push:
+                more = self._fetch_batch()
+                if more is None:  # prompts exhausted or budget spent: train what was taken
+                    break
+                batches.append(more)
+            self._check_round(batches)
+            self.round, self.unrecomputed = batches, list(batches)
+        batch = self.round.pop(0)
+        self.in_flight.held = [
+            pid for b in self.round for pid in dict.fromkeys(s.prompt_id for s in b.samples)
+        ]
+        return batch
+
+    def _recompute_round(self, batch: Batch) -> None:
+        """Before a round's first update (``batch``): pi_old of all the round's batches at the
+        current weights, which generated them all (the pool is idle during a round and the
+        push comes after its last update; :meth:`_check_round`). ``recompute_seconds``: that
+        forward, in the round's first step; 0 in the others."""
+        batches, self.unrecomputed = self.unrecomputed, []
+        if not batches:
+            batch.info["recompute_seconds"] = 0.0
+            return
+        if batches[0] is not batch:
+            raise RuntimeError("the round's pi_old must be recomputed before its first update")
+        start = time.perf_counter()
+        recompute_old_logprobs(
+            self.run.ddp,
+            [b.samples for b in batches],
+            self.config.algorithm,
+            self.config.batch.micro_batch_size,
+            self.config.rollout.temperature,
+            # the first update is monitored (see update()): the same rank shares as there
+            [batch.generator_version if self.synced else None] + [None] * (len(batches) - 1),
+            self.token_multiple,
+            self.config.batch.micro_batch_tokens,
+            self.config.batch.pack,
+        )
+        batch.info["recompute_seconds"] = time.perf_counter() - start
+
+    def _check_round(self, batches: list[Batch]) -> None:
+        """The recompute is exact only at the weights that generated every sample of the
+        round: the trainer's own (synced: just pushed) and the generator's version of each
+        sample's every token (a RuntimeError otherwise: never a silent approximation)."""
+        version = batches[0].generator_version
+        stale = [
+            s.prompt_id
+            for b in batches
+            for s in b.samples
+            if b.generator_version != version or set(s.versions) - {TOOL_VERSION} - {version}
+        ]
+        if not self.synced or stale:
+            raise RuntimeError(
+                "algorithm.mismatch_reference recompute: the round's samples were not all "
+                f"generated by the trainer's current weights (policy version {version}; "
+                f"trainer synced: {self.synced}; prompts of other versions: {stale[:8]})"
+            )
 
     def update(self, batch: Batch) -> StepResult:
         """One optimizer step on ``batch``; the main rank's feeder keeps the engines topped up
         meanwhile (PipelineRL)."""
         config = self.config
         watchdog.beat(f"step {self.step + 1}: update")
+        if config.algorithm.recompute:  # the round's pi_old (its first update; else nothing)
+            self._recompute_round(batch)
         with self.source.feeding() if self.source is not None else contextlib.nullcontext():
             result = policy_update(
                 self.run.ddp,

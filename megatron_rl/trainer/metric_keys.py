@@ -77,6 +77,11 @@ STEP: dict[str, tuple[str, str]] = {
         "fraction",
     ),
     "mismatch_masked_frac": ("fraction of tokens masked by the correction", "fraction"),
+    "recompute_seconds": (
+        "mismatch_reference recompute: the pi_old forward over the round's batches (its "
+        "first step; 0 on the others)",
+        "s",
+    ),
     "dp_token_imbalance": ("largest / mean tokens of a data-parallel rank", "ratio"),
     "train_tokens_per_s": ("tokens the update processed per second of update", "tokens/s"),
     "gen_tokens_per_s": ("response tokens per second of the whole step", "tokens/s"),

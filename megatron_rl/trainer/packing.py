@@ -105,6 +105,7 @@ def packed_micro_batch(
         _packed_routing(samples, total),
         padding[None],
         cu,
+        old_logprobs=flat.get("old"),
     )
 
 

@@ -361,6 +361,11 @@ def update_loss(algo: AlgorithmConfig, norms, temperature: float):
 
     def loss_fn(mb, logits):
         logprobs = logits_to_logprobs(logits, mb.tokens, temperature)[mb.select]
+        if algo.recompute and mb.old_logprobs is None and bool(mb.loss_mask.any()):
+            raise RuntimeError(
+                "algorithm.mismatch_reference recompute: a micro-batch with a loss has no "
+                "recomputed pi_old (recompute_old_logprobs was not run on its samples)"
+            )
         loss, stats = policy_loss(
             algo.loss,
             logprobs,
@@ -372,6 +377,7 @@ def update_loss(algo: AlgorithmConfig, norms, temperature: float):
             aggregation=algo.aggregation,
             normalizers=norms,
             mismatch=mismatch,
+            old_logprobs=mb.old_logprobs if algo.recompute else None,
             **params,
         )
         n = stats["num_tokens"].float()
@@ -395,6 +401,71 @@ def update_loss(algo: AlgorithmConfig, norms, temperature: float):
         return loss + 0.0 * logprobs.sum(), sums, maxes
 
     return loss_fn
+
+
+def recompute_old_logprobs(
+    model,
+    batches: Sequence[Sequence[TrainSample]],
+    algo: AlgorithmConfig,
+    micro_batch_size: int | None = None,
+    temperature: float = 1.0,
+    monitor_versions: Sequence[int | None] | None = None,
+    token_multiple: int = 1,
+    micro_batch_tokens: int | None = None,
+    pack: bool | None = None,
+) -> int:
+    """pi_old of ``algorithm.mismatch_reference: recompute``: one no-grad forward over the
+    samples each of ``batches`` will train on this rank, at the model's current weights (those
+    that generated them: call it before the round's first update), stored in each sample's
+    ``old_logprobs`` (in place; on the last pipeline stage, where the loss runs). Returns the
+    number of micro-batches forwarded on this rank.
+
+    The forward is the update's own (:func:`forward_backward`: the same rank shares,
+    micro-batches, packing, TP / PP / EP and routing replay), so each sample's pi_old is
+    what :func:`policy_update` would compute at these weights. ``monitor_versions``: each
+    batch's ``monitor_version`` in its update (it moves forward-only work between data-parallel
+    ranks: the shares must be the update's). The other arguments are :func:`policy_update`'s.
+    """
+    from megatron.core import parallel_state
+
+    dp_group = parallel_state.get_data_parallel_group()
+    pack = resolve_pack(pack)
+    monitor_versions = list(monitor_versions or [None] * len(batches))
+    if len(monitor_versions) != len(batches):
+        raise ValueError(f"{len(monitor_versions)} monitor_versions for {len(batches)} batches")
+    forwarded = 0
+    for samples, monitor_version in zip(batches, monitor_versions):
+        adv, keep = advantages_and_keep(samples, algo)
+        share = RankShare.of(samples, adv, keep, monitor_version, dp_group)
+        if routing_replay.is_enabled(model):
+            routing_replay.require_routing(share.samples)
+        micro_batches = share.micro_batches(
+            share.trained(), micro_batch_size, micro_batch_tokens, None, token_multiple, pack
+        )
+        store = _storing_old_logprobs(dict(zip(share.ids, share.samples)), temperature)
+        with torch.no_grad():
+            forward_backward(
+                model, None, micro_batches, store, 1, token_multiple=token_multiple,
+                forward_only=True,
+            )  # fmt: skip
+        forwarded += len(micro_batches)
+    return forwarded
+
+
+def _storing_old_logprobs(by_id: dict[int, TrainSample], temperature: float):
+    """The ``loss_fn`` of :func:`recompute_old_logprobs`: each micro-batch's log-probs into
+    its samples' ``old_logprobs`` (``by_id``: the samples by their id in the batch)."""
+
+    def store(mb, logits):
+        logprobs = logits_to_logprobs(logits, mb.tokens, temperature)[mb.select]
+        # each sample's response tokens lie together, in the micro-batch's sample order
+        ids, counts = torch.unique_consecutive(mb.sample_ids, return_counts=True)
+        parts = logprobs.detach().float().cpu().split(counts.tolist())
+        for sid, part in zip(ids.tolist(), parts):
+            by_id[sid].old_logprobs = part.clone()
+        return 0.0 * logits.float().sum(), torch.zeros(1), torch.zeros(0)
+
+    return store
 
 
 def forward_sums(model, micro_batches: list, loss_fn, token_multiple: int) -> torch.Tensor:

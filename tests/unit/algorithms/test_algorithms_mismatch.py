@@ -2,6 +2,7 @@
 formulas transcribed below (float64, the same tensors), and hand-computed values."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,3 +331,117 @@ def test_mismatch_params_fill_the_defaults():
         MismatchCorrection(**AlgorithmConfig(mismatch=mode).mismatch_params())
     with pytest.raises(ValueError, match="mismatch must be one of"):
         MismatchCorrection("bogus")
+
+
+# ------------------------------------------------ verl's three policies (mismatch_reference)
+def verl_vanilla_policy_loss(
+    old_log_prob, log_prob, advantages, response_mask, clip_low, clip_high, clip_ratio_c,
+    rollout_is_weights=None,
+):  # fmt: skip
+    """verl/trainer/ppo/core_algos.py ``compute_policy_loss_vanilla`` (commit: VERL above),
+    loss_agg_mode token-mean on one batch (``agg_loss``: masked_sum / mask.sum()): ratio =
+    exp(clamp(log_prob - old_log_prob, +-20)); pg_losses = max(-A * ratio, -A * clip(ratio,
+    1 - low, 1 + high)), dual-clipped at -A * clip_ratio_c for A < 0; times
+    rollout_is_weights; pg_clipfrac = masked mean of pg_losses2 > pg_losses1."""
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = (torch.gt(pg_losses2, pg_losses1).double() * response_mask).sum()
+    pg_clipfrac = pg_clipfrac / response_mask.sum()
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    dual = (torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0) * response_mask).sum()
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    loss = (pg_losses * response_mask).sum() / response_mask.sum()
+    return loss, pg_clipfrac, dual
+
+
+def _three_policies(seed=5):
+    """``_batch``'s tokens with three policies: the generator's (glp), the trainer's recompute
+    at the generator's version (old: glp + a mismatch of std 0.5, both sides of TIS's C = 2)
+    and the current one (lp: old + a staleness of std 0.15, both sides of the clip range)."""
+    _, glp, adv, mask, sids, pids = _batch(seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    old = glp + torch.randn(len(glp), generator=gen, dtype=torch.float64) * 0.5
+    lp = old + torch.randn(len(glp), generator=gen, dtype=torch.float64) * 0.15
+    return lp, old, glp, adv, mask, sids, pids
+
+
+@pytest.mark.parametrize("mode,level", [("tis", "token"), ("tis", "sequence"), ("none", "token")])
+def test_recomputed_old_logprobs_loss_and_gradient_equal_verls(mode, level):
+    """``old_logprobs`` (mismatch_reference recompute): PPO-clip's ratio is pi_theta / pi_old
+    and TIS's weight is min(pi_old / pi_gen, C): verl's compute_policy_loss_vanilla with
+    old_log_prob = the actor's recompute and rollout_is_weights =
+    compute_rollout_correction_weights(old_log_prob, rollout_log_prob) (none: no weights),
+    same tensors, float64: loss, gradient and clip fraction."""
+    lp, old, glp, adv, mask, sids, pids = _three_policies()
+    m = padded(mask.double(), sids)
+    x = padded(lp, sids).requires_grad_()
+    weights = None
+    if mode == "tis":
+        weights, _ = verl_tis_weights(padded(old, sids), padded(glp, sids), m, level, 2.0)
+    ref, clipfrac, dual = verl_vanilla_policy_loss(
+        padded(old, sids), x, padded(adv, sids), m, 0.2, 0.28, 3.0, weights
+    )
+    ref.backward()
+    assert dual == 0  # verl's dual clip (ours has none) does not bind on these tensors
+    assert 0 < clipfrac < 1  # the staleness leaves the clip range on some tokens
+    ours_lp = lp.clone().requires_grad_()
+    loss, stats = policy_loss(
+        "ppo_clip", ours_lp, glp, adv, mask, sids, pids, "token",
+        mismatch=MismatchCorrection(mode, level, high=2.0), old_logprobs=old,
+        eps_low=0.2, eps_high=0.28,
+    )  # fmt: skip
+    loss.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+    grad = torch.where(mask, unpadded(x.grad, sids), 0.0)
+    assert torch.allclose(ours_lp.grad, grad, rtol=1e-12, atol=1e-15)
+    assert stats["clip_frac"].item() == pytest.approx(clipfrac.item(), rel=1e-6)
+    if mode == "tis":  # the mismatch measured is pi_old's, not the current policy's
+        k3 = verl_k3_kl(padded(old, sids), padded(glp, sids), m)
+        assert stats["mismatch_kl"].item() == pytest.approx(k3.item(), rel=1e-6)
+        assert 0 < stats["truncated_frac"].item() < 1
+
+
+def test_recompute_at_the_update_weights_is_the_update_reference():
+    """At a round's first step pi_old is the update's own forward: the loss and its gradient
+    equal those of mismatch_reference update (old_logprobs None), for every loss."""
+    lp, _, glp, adv, mask, sids, pids = _three_policies()
+    for kind in LOSSES:
+        got = []
+        for old in (None, lp.clone()):
+            x = lp.clone().requires_grad_()
+            loss, _ = policy_loss(
+                kind, x, glp, adv, mask, sids, pids, "prompt",
+                mismatch=MismatchCorrection("icepop"), old_logprobs=old,
+            )  # fmt: skip
+            loss.backward()
+            got.append((loss.item(), x.grad))
+        assert got[0][0] == got[1][0], kind
+        assert torch.equal(got[0][1], got[1][1]), kind
+
+
+def test_mismatch_reference_config():
+    """mismatch_reference: a known name (else the key is named); recompute needs PPO-off-policy
+    (PipelineRL's samples span versions: refused at load, naming the key and why)."""
+    with pytest.raises(ConfigError, match="must be one of") as info:
+        AlgorithmConfig(mismatch_reference="generator").validate()
+    assert info.value.key == "mismatch_reference"
+    assert AlgorithmConfig(mismatch="tis", mismatch_reference="recompute").recompute
+    assert not AlgorithmConfig().recompute
+
+
+def test_recompute_is_refused_with_pipeline_rl():
+    from megatron_rl.config.schema import load_run_config
+
+    recipes = Path(__file__).resolve().parents[3] / "recipes"
+    recompute = ["algorithm.mismatch_reference=recompute", "algorithm.mismatch=tis"]
+    with pytest.raises(ConfigError, match="spans several policy versions") as info:
+        load_run_config(recipes / "tiny_cpu.yaml", recompute, check_model=False)  # PipelineRL-8
+    assert info.value.key == "algorithm.mismatch_reference"
+    config = load_run_config(recipes / "tiny_cpu_ppo.yaml", recompute, check_model=False)
+    assert config.algorithm.recompute and config.off_policy.mode == "ppo"

@@ -565,3 +565,127 @@ def test_the_proximal_log_probs_are_a_recompute_at_no_extra_forward(model, monke
     assert got.shape == want.shape
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
     assert len(forwards) == len(seen)  # no forward beyond the update's own
+
+
+def _flat_loss(model, samples, algo, old=True):
+    """The policy loss of ``samples`` from log-probs by a separate forward of each sample at
+    the model's current weights (``old``: with their stored pi_old), by ``policy_loss``."""
+    from megatron_rl.algorithms import policy_loss
+    from megatron_rl.algorithms.mismatch import MismatchCorrection
+    from megatron_rl.trainer.batch import flat_response_tensors
+
+    adv, keep = advantages_and_keep(samples, algo)
+    flat = flat_response_tensors(samples, adv, keep)
+    with torch.no_grad():
+        lp = torch.cat([
+            token_logprobs(model, torch.tensor([s.prompt_tokens + s.response_tokens]))[
+                0, len(s.prompt_tokens) - 1 :
+            ]
+            for s in samples
+        ])  # fmt: skip
+    # samples not trained (no pi_old) have no token with a loss: any value does
+    pi_old = torch.cat([
+        torch.tensor(s.gen_logprobs) if s.old_logprobs is None else s.old_logprobs for s in samples
+    ])  # fmt: skip
+    loss, _ = policy_loss(
+        algo.loss, lp, flat["gen"], flat["adv"], flat["mask"], flat["sid"], flat["pid"],
+        aggregation=algo.aggregation, mismatch=MismatchCorrection(**algo.mismatch_params()),
+        old_logprobs=pi_old if old else None, **algo.loss_params(),
+    )  # fmt: skip
+    return float(loss)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pack", [False, True])
+def test_recompute_stores_pi_old_at_the_rounds_starting_weights(model, pack):
+    """mismatch_reference recompute: one no-grad forward over a round's batches (one per
+    micro-batch of their trained samples) stores pi_old equal to a separate forward at the
+    round's starting weights (make_samples' log-probs, before the generator's are shifted);
+    at the round's first step the update equals the ``update`` reference's (same loss, same
+    weights after); at its second step, after the weights moved, the update's loss is the
+    one with the stored pi_old (ratio pi_theta / pi_old), not the update reference's. Padded
+    and packed micro-batches alike."""
+    from megatron_rl.trainer.step import recompute_old_logprobs
+
+    algo = AlgorithmConfig(loss="ppo_clip", mismatch="tis", mismatch_reference="recompute")
+    # the second batch's second group has no reward variance: not trained, not forwarded
+    rounds = [make_samples(model, [[1, -1], [-1, 1]], 6), make_samples(model, [[1, 0], [2, 2]], 7)]
+    start = [[list(s.gen_logprobs) for s in b] for b in rounds]
+    for batch in rounds:
+        _shift_generator(batch, [0.3, -0.2, 0.5])
+    forwards = []
+    hook = model.module.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        assert recompute_old_logprobs(model, rounds, algo, 2, pack=pack) == 2 + 1
+    finally:
+        hook.remove()
+    assert len(forwards) == 3
+    for batch, want in zip(rounds, start):
+        for sample, lp in zip(batch, want):
+            if sample.reward == 2:  # not trained: no pi_old
+                assert sample.old_logprobs is None
+                continue
+            assert torch.allclose(sample.old_logprobs, torch.tensor(lp), atol=1e-5)
+    # the round's first step: pi_old is the update's own forward
+    update = dataclasses.replace(algo, mismatch_reference="update")
+    after_update, res_update = params_after(model, rounds[0], update, 2, pack=pack)
+    optimizer = sgd(model)  # params_after's
+    res = policy_update(model, optimizer, rounds[0], algo, 2, pack=pack)
+    after = torch.cat([p.detach().flatten().clone() for p in model.module.parameters()])
+    assert res.loss == pytest.approx(res_update.loss, rel=1e-6)
+    assert torch.allclose(after, after_update, atol=1e-6)
+    # the second step, at the moved weights: the stored pi_old is the loss's reference
+    want, without = _flat_loss(model, rounds[1], algo), _flat_loss(model, rounds[1], algo, False)
+    res = policy_update(model, optimizer, rounds[1], algo, 2, pack=pack)
+    assert res.loss == pytest.approx(want, rel=1e-4, abs=1e-6)
+    assert abs(want - without) > 1e-3 * max(abs(want), 1e-3)  # the reference matters
+
+
+@pytest.mark.timeout(60)
+def test_the_round_is_taken_and_recomputed_before_its_first_step(model):
+    """Trainer with mismatch_reference recompute: at a round's first step it takes every batch
+    up to the one after which the weights are pushed, holds the rest of the round's prompts
+    for a checkpoint's in-flight list and hands the batches out one a step; the round's first
+    update recomputes the pi_old of all of them (its ``recompute_seconds``; 0 in the others);
+    samples of another version are refused."""
+    from types import SimpleNamespace
+
+    from megatron_rl.trainer.loop import Batch, InFlight, Trainer
+
+    algo = AlgorithmConfig(mismatch="tis", mismatch_reference="recompute")
+    samples = [make_samples(model, [[1, -1]], seed=i) for i in range(3)]
+    for i, batch in enumerate(samples):
+        for s in batch:
+            s.prompt_id = 10 + i
+    queue = [Batch(b, {}, i == 2, 0) for i, b in enumerate(samples)]
+    config = SimpleNamespace(
+        algorithm=algo,
+        batch=SimpleNamespace(micro_batch_size=4, micro_batch_tokens=None, pack=False),
+        rollout=SimpleNamespace(temperature=1.0),
+    )
+    trainer = SimpleNamespace(
+        config=config, run=SimpleNamespace(ddp=model), round=[], unrecomputed=[], synced=True,
+        in_flight=InFlight(SimpleNamespace(in_flight_prompt_ids=lambda: [5])), token_multiple=1,
+        _fetch_batch=lambda: queue.pop(0),
+    )  # fmt: skip
+    trainer._check_round = lambda batches: Trainer._check_round(trainer, batches)
+    first = Trainer._next_round_batch(trainer)
+    assert first.samples is samples[0] and not queue
+    assert trainer.in_flight.state_dict() == [5, 11, 12]  # a checkpoint regenerates them
+    assert all(s.old_logprobs is None for b in samples for s in b)
+    Trainer._recompute_round(trainer, first)  # in update(), before the optimizer step
+    assert first.info["recompute_seconds"] > 0
+    assert all(s.old_logprobs is not None for b in samples for s in b)
+    trainer.synced = False  # the round's first update was not pushed
+    second = Trainer._next_round_batch(trainer)
+    assert second.samples is samples[1] and trainer.in_flight.held == [12]
+    Trainer._recompute_round(trainer, second)
+    assert second.info["recompute_seconds"] == 0.0
+    Trainer._next_round_batch(trainer)
+    assert trainer.in_flight.held == [] and trainer.round == []
+    trainer.synced = True  # pushed after the round's last update
+    stale = make_samples(model, [[1, -1]], seed=9)
+    stale[0].versions = [1] * len(stale[0].versions)  # a token of a later version
+    queue.append(Batch(stale, {}, True, 0))
+    with pytest.raises(RuntimeError, match="not all generated by the trainer's current"):
+        Trainer._next_round_batch(trainer)
