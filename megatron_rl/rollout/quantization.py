@@ -6,9 +6,11 @@ path. The alternative, FP8 weights plus scales from the trainer (half the bytes 
 is not taken, for these reasons (vLLM 0.32.0, paths under ``vllm/``):
 
 - The engines are started from the trainer's HF export, which is not an FP8 checkpoint. vLLM
-  0.32's ``fp8`` method is for FP8-serialized checkpoints only: ``Fp8Config.__init__``
+  0.32's ``fp8`` method is for FP8-serialized checkpoints: ``Fp8Config.__init__``
   refuses online quantization and points to ``fp8_per_tensor``
-  (model_executor/layers/quantization/fp8.py:106-112). Online FP8 is
+  (model_executor/layers/quantization/fp8.py:106-112); ``quantization="fp8"`` on an
+  unquantized checkpoint survives only as a deprecated alias of ``fp8_per_tensor``
+  (model_executor/model_loader/weight_utils.py:351-358), so we name the shorthand itself. Online FP8 is
   ``OnlineQuantizationConfig`` with the shorthands ``fp8_per_tensor`` / ``fp8_per_block``
   (config/quantization.py:192-200; model_executor/layers/quantization/online/base.py).
 - Those online methods create the layer's weight in the model dtype on the meta device and
