@@ -181,19 +181,29 @@ def notes(plan: Plan) -> list[str]:
                 "whose blocks running sequences take first when the KV cache is short: "
                 "expect long episodes' later turns to be prefilled whole."
             )
-    if e.fp8_freed > 0:
+    if fp8_kv_cache_bytes(e) > e.kv_cache:
         out.append(fp8_kv_note(e))
     return out
 
 
+def fp8_kv_cache_bytes(e) -> int:
+    """The KV cache (``rollout.kv_cache_gb``, bytes) that FP8 rollouts leave room for at the
+    total of the same plan without them: the weight bytes they free (``fp8_freed``) less the
+    FP8 reload workspace they add (a push quantizes on the engine; a part of the FP8 plan's
+    total that the unquantized plan does not have)."""
+    return e.kv_cache + e.fp8_freed - e.reload_workspace
+
+
 def fp8_kv_note(e) -> str:
-    """Where the weight bytes FP8 rollouts free go: the KV cache, at the same total."""
-    grown = e.kv_cache + e.fp8_freed
+    """Where the weight bytes FP8 rollouts free go: the KV cache, at the same total as
+    without FP8 (:func:`fp8_kv_cache_bytes`)."""
+    grown = fp8_kv_cache_bytes(e)
     sequences = grown // e.kv_bytes_per_sequence if e.kv_bytes_per_sequence else 0
     return (
         f"FP8 weights (rollout.quantization {e.quantization}) free {gb(e.fp8_freed)} GiB per "
-        f"engine GPU: at the same total, rollout.kv_cache_gb can grow from "
-        f"{e.kv_cache / GiB:g} to {grown / GiB:.4g} ({e.sequences_in_kv} -> {sequences} "
+        f"engine GPU, {gb(e.fp8_freed - e.reload_workspace)} GiB net of the FP8 reload "
+        "workspace: at the total of the unquantized plan, rollout.kv_cache_gb can grow from "
+        f"{e.kv_cache / GiB:g} to {grown / GiB:.2f} ({e.sequences_in_kv} -> {sequences} "
         "full-length sequences)."
     )
 

@@ -328,14 +328,16 @@ class RolloutConfig:
                 "rollout.dtype is float32",
             )
         if self.weight_transport == "nccl_m2n":
-            # vLLM's per-tensor FP8 all-reduces each layer's amax over the engine's TP group
-            # when the layer completes; with nccl_m2n every worker receives its own shards,
-            # and that the layers complete in the same order on every worker is not verified.
+            # vLLM 0.32's m2n engine reshards directly into a worker's parameters only for an
+            # unquantized model (m2n_engine.py:249-256, allow_direct): with quantization every
+            # parameter is a fallback, received whole by every worker and loaded through
+            # load_weights, so nccl_m2n keeps none of its per-shard transfer, and that path
+            # (with the quantizer's TP all-reduce of per-tensor scales) is not verified.
             raise ConfigError(
                 "quantization",
-                f"{self.quantization!r} is not verified with weight_transport nccl_m2n (each "
-                "engine worker quantizes a layer when its own shards complete, with a TP "
-                "all-reduce of the scale): use weight_transport nccl or host",
+                f"{self.quantization!r} is not verified with weight_transport nccl_m2n (with a "
+                "quantized engine vLLM's m2n engine sends every worker whole tensors for "
+                "load_weights instead of its shards): use weight_transport nccl or host",
             )
 
     def _validate_turns(self) -> None:

@@ -6,9 +6,11 @@ path. The alternative, FP8 weights plus scales from the trainer (half the bytes 
 is not taken, for these reasons (vLLM 0.32.0, paths under ``vllm/``):
 
 - The engines are started from the trainer's HF export, which is not an FP8 checkpoint. vLLM
-  0.32's ``fp8`` method is for FP8-serialized checkpoints only: ``Fp8Config.__init__``
+  0.32's ``fp8`` method is for FP8-serialized checkpoints: ``Fp8Config.__init__``
   refuses online quantization and points to ``fp8_per_tensor``
-  (model_executor/layers/quantization/fp8.py:106-112). Online FP8 is
+  (model_executor/layers/quantization/fp8.py:106-112); ``quantization="fp8"`` on an
+  unquantized checkpoint survives only as a deprecated alias of ``fp8_per_tensor``
+  (model_executor/model_loader/weight_utils.py:351-358), so we name the shorthand itself. Online FP8 is
   ``OnlineQuantizationConfig`` with the shorthands ``fp8_per_tensor`` / ``fp8_per_block``
   (config/quantization.py:192-200; model_executor/layers/quantization/online/base.py).
 - Those online methods create the layer's weight in the model dtype on the meta device and
@@ -19,8 +21,10 @@ is not taken, for these reasons (vLLM 0.32.0, paths under ``vllm/``):
   into (the failure verl hit sending FP8 into vLLM's ``load_weights``: verl issue 6112;
   vLLM issue 17272 is the same mismatch without layerwise reload).
 - Every weight transport we use loads through vLLM's layerwise reload: ``nccl``
-  (distributed/weight_transfer/nccl_engine.py:159-173), ``nccl_m2n``
-  (distributed/weight_transfer/m2n_engine.py:338-348) and our host backend
+  (distributed/weight_transfer/nccl_engine.py:159-173), ``nccl_m2n`` with a quantized
+  engine (distributed/weight_transfer/m2n_engine.py:338-348; its direct resharding into
+  live parameters is for unquantized engines only, m2n_engine.py:249-256, so every
+  parameter then arrives whole and goes through ``load_weights``) and our host backend
   (``rollout.weights.cpu_backend``). ``initialize_layerwise_reload`` puts each layer back in
   model format on meta (model_executor/model_loader/reload/layerwise.py:83-117); when a
   layer's tensors have all arrived, ``_layerwise_process`` materialises it, loads them, clears
@@ -28,7 +32,8 @@ is not taken, for these reasons (vLLM 0.32.0, paths under ``vllm/``):
   that, online FP8's ``process_weights_after_loading`` runs once per engine life, online/fp8.py
   :253-273) and re-runs the quantizer, then copies the result into the kernel tensors the
   engine (and its CUDA graphs) already hold (layerwise.py:395-398). This is vLLM's
-  RL reload design (vLLM PR 32133 "[QeRL] Layerwise Reloading", PR 33814).
+  RL reload design (vLLM PR 32133 "[QeRL] Layerwise Reloading", PR 38032 "[QeRL] Compose
+  online quantization with quantized reloading").
 - Per-tensor scales of fused and TP-sharded layers need the whole layer: vLLM takes the amax
   over the fused qkv / gate_up rows and all-reduces it over the TP group
   (online/fp8.py:258-261, ``amax_for_tp_weight_quant``). A trainer-side quantizer would have
@@ -45,7 +50,9 @@ linear layer, dynamic activation scales); ``fp8_block`` = vLLM ``fp8_per_block``
 scale per 128 x 128 weight block, ``weight_scale_inv``; activations per 1 x 128 group: the
 DeepSeek-style recipe, run by DeepGEMM / CUTLASS block kernels on Hopper and Blackwell).
 Embeddings, the LM head, norms and MoE routers stay in the model dtype (vLLM quantizes
-``LinearBase`` layers and routed experts only: online/base.py ``resolve_quant_method_cls``).
+``LinearBase`` layers and routed experts only: online/base.py ``resolve_quant_method_cls``;
+Llama-4's router is a ``LinearBase``, ``GateLinear``, but built without the quantization
+config, models/llama4.py:101-105, so it gets vLLM's unquantized method).
 
 :func:`quantize_fp8` is what vLLM's quantizer makes of one linear layer at a push (before the
 GEMM kernel's own repacking: on Blackwell, DeepGEMM re-expresses block scales as UE8M0 powers of
