@@ -57,8 +57,13 @@ def test_staleness_skips_tool_tokens_and_the_reward_reads_the_model_text_only():
         ),
         rewards=rewards,
         tracker=None,
+        config=SimpleNamespace(rollout=SimpleNamespace(max_turns=2)),
     )
+    sample.tools = [("ok", 0.5)]
     _, info = score_groups(run, [group], version=5)
+    # a multi-turn run's step metrics: its episodes' tool use
+    assert info["tool_calls"] == 1 and info["tool_seconds"] == 0.5
+    assert info["tool_episode_fraction"] == 1.0
     assert info["staleness_max"] == 2 and info["staleness_mean"] == 2.0  # 5 - 3, not 5 - (-1)
     # each model turn decoded alone, the tool's output (80, 81) left out
     assert rewards.texts == ["<10><11><12><20><21>"]

@@ -18,7 +18,7 @@ from megatron_rl.models.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-TINY = {"tiny_cpu", "tiny_cpu_ppo", "tiny_cpu_math_code"}
+TINY = {"tiny_cpu", "tiny_cpu_ppo", "tiny_cpu_math_code", "tiny_cpu_tool"}
 
 
 def _checkpoint(tmp_path: Path, preset: str) -> Path:
