@@ -322,6 +322,8 @@ class EngineRunner:
         episodes, sample = self.episodes, track.sample
         if not self._episode(track) or track.turns >= episodes.max_turns:
             return False
+        if track.phase != "think":  # after a forced interruption: the answer, no more calls
+            return False
         turn = sample.response_ids[track.turn_start :]
         on_string = isinstance(stop_reason, str) and stop_reason in episodes.stop_strings
         if not turn or not (on_string or turn[-1] in episodes.stop_token_ids):

@@ -761,3 +761,23 @@ def test_an_episode_turn_after_a_push_keeps_its_prefix_cache_salt_while_pushes_k
     runner.submit(spec([1, 2, 3], budget=None, max_tokens=2, index=1))  # a new request
     runner.step()
     assert seen == [*salts, "v1"]
+
+
+def test_a_tool_call_in_the_answer_phase_after_an_interruption_ends_the_episode():
+    """After a forced interruption the model must answer within answer_budget: a call there
+    is not run (the tool's output would come on top of the answer budget, and past the
+    episode's budget a cut would take the model's last tokens with it)."""
+    episodes = ScriptedEpisodes(max_turns=4)
+    episodes.gate.set()
+    events = queue.Queue()
+    engine = FakeEngine(lambda prompt, pos: CALL if pos == 10 else counting(prompt, pos))
+    settings = RunnerSettings((STOP,), TEXT, CLOSE, answer_budget=5)
+    runner = EngineRunner(0, engine, settings, events, episodes)
+    # thinking: positions 3, 4, 5 (budget 3), the text at 6-8, the answer from position 9
+    runner.submit(spec([1, 2, 3], budget=3, max_tokens=30, problem=PROBLEM))
+    while runner._tools or engine.has_work():
+        runner.step()
+    (sample,) = drain(events)
+    assert sample.interrupted and episodes.turns == [] and sample.tools == []
+    assert sample.response_ids == [13, 14, 15, *TEXT, 19, CALL]
+    assert sample.finish_reason == "stop" and len(engine.added) == 2
