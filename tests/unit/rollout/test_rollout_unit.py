@@ -781,3 +781,25 @@ def test_a_tool_call_in_the_answer_phase_after_an_interruption_ends_the_episode(
     assert sample.interrupted and episodes.turns == [] and sample.tools == []
     assert sample.response_ids == [13, 14, 15, *TEXT, 19, CALL]
     assert sample.finish_reason == "stop" and len(engine.added) == 2
+
+
+def test_episode_routing_is_each_turns_request_and_the_tools_tokens_are_the_next_turns():
+    """Routing replay per token of an episode: the rows of a model turn are those its request
+    routed them with; the tool's tokens were first processed by the next turn's request (its
+    prefill), whose rows the sample takes from there on."""
+    episodes = ScriptedEpisodes(max_turns=4)
+    episodes.gate.set()
+    events = queue.Queue()
+    engine = FakeEngine(calls_tool, routing=lambda r, p: 100 * r + p)
+    runner = EngineRunner(0, engine, RunnerSettings((STOP,)), events, episodes)
+    runner.submit(spec([1, 2, 3], budget=None, max_tokens=30, problem=PROBLEM))
+    while runner._tools or engine.has_work():
+        runner.step()
+    (sample,) = drain(events)
+    # requests 0, 1, 2: turn 1 ends at position 6 (CALL), the tool's 3 tokens at 7-9, turn 2
+    # ends at 12, the tool at 13-15, turn 3 ends at 19 (STOP). Request r processed its prompt
+    # and all but its last token.
+    sequence = len(sample.prompt_ids) + len(sample)
+    assert sequence == 20 and sample.routed_experts.shape == (sequence - 1, 2, 1)
+    expected = list(range(6)) + [100 + p for p in range(6, 12)] + [200 + p for p in range(12, 19)]
+    assert sample.routed_experts[:, 1, 0].tolist() == expected
