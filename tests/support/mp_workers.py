@@ -188,6 +188,7 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
     class Sample(list):
         prompt_index = 0
         response_ids = [1, 2]
+        versions = [0, 0]
 
     class Pool:
         def generate(self, prompts, seeds, samples_per_prompt, temperature):
