@@ -113,8 +113,12 @@ def logits_to_logprobs(
     if temperature != 1.0:
         logits = logits / temperature
     targets = tokens[:, 1:]
-    # vocab_parallel_cross_entropy expects [s, b, V/tp] and returns [s, b]
-    nll = tensor_parallel.vocab_parallel_cross_entropy(
-        logits.transpose(0, 1).contiguous(), targets.t().contiguous()
-    )
+    # vocab_parallel_cross_entropy expects [s, b, V/tp] and returns [s, b]. It works on its
+    # input in place: that input must be a tensor of its own, never a view (megatron-core
+    # 0.16's custom Function; autograd refuses an in-place change of a view in its backward).
+    # For b > 1 the transpose's contiguous() copies; for b = 1 (a packed micro-batch) it
+    # would return the view itself, so copy then too (the same one copy as b > 1).
+    sbv = logits.transpose(0, 1)
+    sbv = sbv.contiguous() if not sbv.is_contiguous() else sbv.clone()
+    nll = tensor_parallel.vocab_parallel_cross_entropy(sbv, targets.t().contiguous())
     return -nll.t()

@@ -412,13 +412,13 @@ def test_engine_args_hand_vllm_its_online_fp8_method(tmp_path, monkeypatch):
     """On a GPU machine the engines' EngineArgs carry vLLM's shorthand (and none without
     rollout.quantization)."""
     pytest.importorskip("vllm")
-    import megatron_rl.platform as platform
+    import megatron_rl.platform.device as device
     from megatron_rl.models import make_hf_model, preset_hf_config
     from megatron_rl.platform.device import Platform
     from megatron_rl.rollout.engine.vllm_engine import engine_args
 
     hf_dir = make_hf_model(preset_hf_config("tiny-llama"), str(tmp_path / "tiny"), seed=0)
-    monkeypatch.setattr(platform, "get_platform", lambda: Platform("cuda", "nccl", True))
+    monkeypatch.setattr(device, "get_platform", lambda: Platform("cuda", "nccl", True))
     block = RolloutConfig(quantization="fp8_block", dtype="bfloat16")
     args = engine_args(hf_dir, block, 0)
     assert args.quantization == "fp8_per_block" and args.dtype == "bfloat16"

@@ -78,7 +78,7 @@ def test_train_refuses_before_any_work_and_dry_run_only_warns(tmp_path, capsys, 
 def test_build_run_refuses_on_every_rank_before_distributed_init(tmp_path, monkeypatch):
     # Refused on rank 0 alone (where the random model is written), the other ranks would wait
     # on the barrier: build_run checks before initialising anything.
-    import megatron_rl.platform as platform
+    import megatron_rl.platform.parallel as parallel
     from megatron_rl.trainer.setup import build_run
 
     class Started(Exception):
@@ -87,7 +87,7 @@ def test_build_run_refuses_on_every_rank_before_distributed_init(tmp_path, monke
     def init_distributed(*args, **kwargs):
         raise Started
 
-    monkeypatch.setattr(platform, "init_distributed", init_distributed)
+    monkeypatch.setattr(parallel, "init_distributed", init_distributed)
     config = load_run_config(ROOT / "recipes/scalerl_8b.yaml")
     with pytest.raises(ConfigError, match="model.hf_path"):
         build_run(config, tmp_path / "run")
