@@ -100,11 +100,10 @@ class BatchConfig:
             layout: positions restart and attention stays within each sequence;
             ``trainer.packing``), filled to ``micro_batch_tokens`` first-fit decreasing (with
             ``micro_batch_size``: that many sequences, packed). The loss and update are the
-            padded ones. null (default) or true: packed, on a GPU through Transformer
-            Engine's ``thd`` attention, on the CPU through SDPA per packed sequence (the
-            same packing, position and loss-unpacking code; ~10% faster than padded on
-            tiny-llama: 48 lognormal samples, 0.92-0.94 s vs 1.0-1.1 s a step); false:
-            padded to each micro-batch's longest sequence.
+            padded ones. null (default): on a GPU (Transformer Engine's ``thd`` attention),
+            off on the CPU (where packing also measured ~10% faster on tiny-llama: 48
+            lognormal samples, 1.0-1.1 s vs 0.92-0.94 s a step; kept off there until the
+            whole CPU suite has run packed).
     """
 
     prompts_per_step: int = 48

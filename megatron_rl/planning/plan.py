@@ -167,12 +167,12 @@ class Plan:
         return self.alternatives[0]
 
 
-def micro_batch_shape(config) -> tuple[int, int]:
+def micro_batch_shape(config, gpu: bool = True) -> tuple[int, int]:
     """(tokens, sequence length) of the largest micro-batch the trainer builds: sequences of
     the longest length, as many as ``batch.micro_batch_tokens`` holds (at least one;
     ``megatron_rl.trainer.batch.plan_micro_batches``), or ``batch.micro_batch_size`` of them.
 
-    Packed (``batch.pack``; null packs, ``trainer.step.resolve_pack``) with a
+    Packed (``batch.pack``; null packs on a ``gpu``, ``trainer.step.resolve_pack``) with a
     token budget, a micro-batch is filled first-fit to ``batch.micro_batch_tokens`` with
     shorter sequences (``trainer.packing.plan_packed``): up to the whole budget, not only the
     longest sequences that fit it whole (16384 with 12k-token sequences: 16384 tokens, not
@@ -180,7 +180,7 @@ def micro_batch_shape(config) -> tuple[int, int]:
     longest = config.data.max_prompt_tokens + config.max_response_tokens()
     if config.batch.micro_batch_size:
         return config.batch.micro_batch_size * longest, longest
-    pack = config.batch.pack is not False  # null packs (``trainer.step.resolve_pack``)
+    pack = gpu if config.batch.pack is None else config.batch.pack
     if pack:
         return max(config.batch.micro_batch_tokens, longest), longest
     count = max(1, config.batch.micro_batch_tokens // longest)
@@ -250,7 +250,7 @@ def plan_trainer(
     distributed = True if opt.distributed is None else opt.distributed
     overlap = True if opt.overlap_grad_reduce is None else opt.overlap_grad_reduce
     d = DTYPE_BYTES[config.model.dtype]
-    tokens, seq_len = micro_batch_shape(config)
+    tokens, seq_len = micro_batch_shape(config, gpu=kernels == "gpu")
     push = push_extra_bytes(shapes, config) if push is None else push
     nvls = trainer_nvls_bytes(config, layout, dp, expert_dp)
     transfer, _ = transfer_buffer_bytes(config)

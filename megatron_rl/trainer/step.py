@@ -617,9 +617,9 @@ def forward_backward(
 
 
 def resolve_pack(pack: bool | None) -> bool:
-    """``batch.pack``: None (the default) packs, on a GPU and on the CPU alike (see
-    ``BatchConfig.pack``)."""
-    return True if pack is None else bool(pack)
+    """``batch.pack``: None packs on a GPU (Transformer Engine's ``thd`` attention) and pads
+    on the CPU (see ``BatchConfig.pack``)."""
+    return _is_gpu() if pack is None else bool(pack)
 
 
 def _is_gpu() -> bool:

@@ -500,7 +500,7 @@ def test_planner_imports_no_torch():
 
 
 def test_packed_micro_batch_fills_the_token_budget_in_the_plan():
-    """Packed micro-batches (batch.pack, null or true) are filled first-fit to
+    """Packed micro-batches (batch.pack, null on a GPU) are filled first-fit to
     micro_batch_tokens with shorter sequences: the planner's activations must count the whole
     budget (4096 here), not only the longest sequences that fit it whole (51 x 80 = 4080)."""
     keys = ["batch.micro_batch_tokens=4096", "rollout.max_tokens=64"]  # longest 16 + 64 = 80
@@ -509,7 +509,8 @@ def test_packed_micro_batch_fills_the_token_budget_in_the_plan():
     packed = load_run_config(ROOT / "recipes/tiny_cpu.yaml", [*keys, "batch.pack=true"])
     assert micro_batch_shape(packed) == (4096, 80)
     default = load_run_config(ROOT / "recipes/tiny_cpu.yaml", keys)  # pack null
-    assert micro_batch_shape(default) == (4096, 80)  # packed, on a GPU and a CPU alike
+    assert micro_batch_shape(default) == (4096, 80)  # the GPU plan: packed
+    assert micro_batch_shape(default, gpu=False) == (51 * 80, 80)
 
 
 def test_episode_plan_of_the_tool_recipe_by_hand():
