@@ -503,9 +503,10 @@ def test_code_verdicts_do_not_depend_on_load():
     with _burners_on_one_core(3):
         loaded = code_reward.code_outcome(respond(BURN_HALF_SECOND), tests, config)
     assert alone.status == loaded.status == code_reward.CORRECT, (alone, loaded)
-    # Under load its 0.5 s of CPU took longer than the limit in wall-clock time (a wall-clock
-    # limit would have failed it), and the start of its box counted in neither.
-    assert loaded.wall_s > config.code_test_timeout_s, loaded
+    # Under load its 0.5 s of CPU took well over 0.5 s of wall-clock time (a wall-clock limit
+    # at the CPU time would have failed it), and the start of its box counted in neither. (Its
+    # share of the core varies with the machine's scheduler: 0.86 s to over 2 s were seen.)
+    assert loaded.wall_s > 1.3 * loaded.cpu_s, loaded
     assert 0.45 <= alone.cpu_s < 0.9 and 0.45 <= loaded.cpu_s < 0.9, (alone, loaded)
     # Past the CPU-time limit: a verdict (too slow), not a wall-clock timeout.
     spin = code_reward.code_outcome(respond("while True:\n    pass\n"), tests, config)
