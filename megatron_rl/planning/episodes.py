@@ -106,7 +106,7 @@ def episode_plan(config, block: int = VLLM_BLOCK_SIZE) -> EpisodePlan | None:
     """The episode's token counts of ``config`` (a RunConfig); None for single-turn runs.
     ``block``: the engines' KV block size (``kv_block_size``)."""
     rollout = config.rollout
-    if rollout.max_turns < 2:
+    if not rollout.episodes:
         return None
     env = rollout.environment
     calls = rollout.max_turns - 1

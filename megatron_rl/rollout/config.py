@@ -363,6 +363,13 @@ class RolloutConfig:
             )
 
     @property
+    def episodes(self) -> bool:
+        """Whether samples are multi-turn episodes of ``environment``: ``max_turns`` > 1
+        (``validate`` requires an environment exactly then). The one test of it, for the
+        engines, the pool, the trainer and the planner."""
+        return self.max_turns > 1 and bool(self.environment.name)
+
+    @property
     def weight_bucket_bytes(self) -> int:
         """``weight_bucket_mb`` in bytes; unset: this machine's default (the platform layer
         says whether it has GPUs)."""

@@ -284,7 +284,7 @@ class Trainer:
             dynamic=dynamic_sampling(self.run),
             capacity=config.rollout.engines * config.rollout.max_num_seqs,
             fill=config.off_policy.pool_fill,
-            problem_of=self.run.data.get if _episodes(config) else None,
+            problem_of=self.run.data.get if config.rollout.episodes else None,
         )
 
     def begin(self) -> None:
@@ -557,12 +557,6 @@ def _or_reweigh(make: Callable[[], T], pool: GeneratorPool) -> T | Reweigh:
         return Reweigh(pool.version)
 
 
-def _episodes(config) -> bool:
-    """Whether the run's samples are multi-turn episodes (``rollout.max_turns`` > 1; the
-    config's checks make sure an environment is named then)."""
-    return config.rollout.max_turns > 1
-
-
 def next_batch(run: Run, source: RolloutSource, pool: GeneratorPool, step: int = 0) -> Batch | None:
     """The batch of step ``step + 1``, or None when training must end (main rank only);
     raises ``WeightsNeeded`` (see :func:`on_every_rank`)."""
@@ -608,7 +602,9 @@ def validate(
     def generate() -> list:  # asked again after a reweigh: the same seeds, the same samples
         if not ids:
             return []
-        episodes = {"problems": [run.data.get(i) for i in ids]} if _episodes(run.config) else {}
+        episodes = (
+            {"problems": [run.data.get(i) for i in ids]} if run.config.rollout.episodes else {}
+        )
         return pool.generate(
             [run.encode(i) for i in ids],
             seeds=[_sampling_seed(run.config.seed, -1 - i, step) for i in ids],

@@ -124,7 +124,7 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
     }
     if len(run.data.sources) > 1:  # a mixture: the training reward of each domain too
         info.update(by_domain("reward_mean", [p.kind for p in prompts], rewards, mean=True))
-    if run.config.rollout.max_turns > 1:  # multi-turn episodes: their tool use
+    if run.config.rollout.episodes:  # multi-turn episodes: their tool use
         info.update(episode_metrics([s for _, _, s, _ in flat], rewards))
     return samples, info
 

@@ -244,7 +244,7 @@ def template_kwargs(config, tokenizer) -> dict:
     """What the chat template is given besides the turns: with multi-turn episodes
     (``rollout.max_turns`` > 1), the environment's tool offered the model family's way
     (``environments.registry.template_kwargs``); else nothing."""
-    if config.rollout.max_turns <= 1:
+    if not config.rollout.episodes:
         return {}
     from megatron_rl.environments.registry import template_kwargs as environment_kwargs
 

@@ -229,7 +229,7 @@ def test_score_groups_routes_rewards_by_domain(joint):
             for k, text in enumerate((right, other, right))
         ]
         groups.append(Group(pid, 3, 0, samples))
-    config = SimpleNamespace(rollout=SimpleNamespace(max_turns=1))
+    config = SimpleNamespace(rollout=SimpleNamespace(episodes=False))
     run = SimpleNamespace(tokenizer=tok, data=data, rewards=rewards, tracker=None, config=config)
     samples, info = score_groups(run, groups, version=0)
     assert [s.reward for s in samples] == [1.0, -1.0, 1.0] * 2
@@ -269,7 +269,7 @@ def _validation_run(joint, tmp_path):
     cfg = ValidationConfig(samples_per_prompt=2, num_prompts=5)
     ids = [i for v in data.val_by_domain().values() for i in v[:5]]
     run = SimpleNamespace(
-        config=SimpleNamespace(validation=cfg, seed=0, rollout=SimpleNamespace(max_turns=1)),
+        config=SimpleNamespace(validation=cfg, seed=0, rollout=SimpleNamespace(episodes=False)),
         data=data,
         tokenizer=TextTokenizer(),
         rewards=rewards,

@@ -176,19 +176,22 @@ class EngineRunner:
 
     def oldest_version(self) -> int | None:
         """The oldest policy version among the samples in flight (None if there are none)."""
-        tracks = [*self.requests.values(), *self._tools.values()]
         versions = [
             self.version if t.sample.oldest_version is None else t.sample.oldest_version
-            for t in tracks
+            for t in self._in_flight()
         ]
         return min(versions, default=None)
+
+    def _in_flight(self) -> list[_Track]:
+        """The samples in flight: generating, or an episode waiting on its tool call."""
+        return [*self.requests.values(), *self._tools.values()]
 
     def status(self) -> dict[str, Any]:
         """Version, requests and tokens in flight, oldest version in flight."""
         return {
             "version": self.version,
             "requests": len(self.requests) + len(self._tools),
-            "tokens": sum(len(t.sample) for t in [*self.requests.values(), *self._tools.values()]),
+            "tokens": sum(len(t.sample) for t in self._in_flight()),
             "oldest_version": self.oldest_version(),
         }
 
@@ -449,7 +452,7 @@ def build_episodes(hf_dir: str, config: RolloutConfig, settings: RunnerSettings)
     """The multi-turn episodes an engine runs (``environments.episodes.EnvironmentSteps``:
     ``rollout.environment`` with ``hf_dir``'s tokenizer, tools in ``settings.sandbox``), or
     None when ``rollout.max_turns`` is 1 or no environment is set."""
-    if config.max_turns <= 1 or not config.environment.name:
+    if not config.episodes:
         return None
     from megatron_rl.environments.episodes import EnvironmentSteps
     from megatron_rl.models.hf_config import load_tokenizer

@@ -174,7 +174,7 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         # vLLM reads config.json with transformers itself: a coerced copy where it needs one
         hf_config_path=vllm_config_dir(hf_dir),
         # the stop strings of a multi-turn episode's tool calls need vLLM's detokenizer
-        skip_tokenizer_init=not (config.max_turns > 1 and config.environment.name),
+        skip_tokenizer_init=not config.episodes,
         dtype=config.dtype,
         seed=config.seed + index,
         max_model_len=config.max_model_len,

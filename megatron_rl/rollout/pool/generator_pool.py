@@ -197,7 +197,7 @@ class GeneratorPool(RolloutClient):
     def episodes(self) -> bool:
         """Whether the engines run multi-turn episodes (``rollout.max_turns`` > 1 with an
         environment): ``submit(problems=...)`` makes episodes."""
-        return self.config.max_turns > 1 and bool(self.config.environment.name)
+        return self.config.episodes
 
     @property
     def closed(self) -> bool:

@@ -349,7 +349,7 @@ def runner_settings(
     if stop is None:
         eos = getattr(hf_config, "eos_token_id", None)
         stop = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    if config.max_turns > 1 and config.environment.name and sandbox is None:
+    if config.episodes and sandbox is None:
         from megatron_rl.rewards.config import RewardConfig
 
         sandbox = RewardConfig()

@@ -112,6 +112,10 @@ def make_runner(script, max_model_len=1000, answer_budget=5, routing=None):
 def run_to_end(runner, engine, events):
     while engine.has_work():
         runner.step()
+    return drain(events)
+
+
+def drain(events):
     samples = []
     while not events.empty():
         event = events.get()
@@ -622,20 +626,18 @@ def recording(engine):
     return produced
 
 
-def make_episode_runner(script, episodes):
+def make_episode_runner(script, episodes, settings=None, routing=None):
     events = queue.Queue()
-    engine = FakeEngine(script)
-    runner = EngineRunner(0, engine, RunnerSettings((STOP,)), events, episodes)
+    engine = FakeEngine(script, routing=routing)
+    runner = EngineRunner(0, engine, settings or RunnerSettings((STOP,)), events, episodes)
     return runner, engine, events
 
 
-def drain(events):
-    samples = []
-    while not events.empty():
-        event = events.get()
-        if isinstance(event, SamplesDone):
-            samples += event.samples
-    return samples
+def run_episodes(runner, engine, events):
+    """Step until no request generates and no episode waits on its tool; the samples."""
+    while runner._tools or engine.has_work():
+        runner.step()
+    return drain(events)
 
 
 def test_episode_continues_from_ids_with_tool_tokens_masked_and_model_versions_across_a_push():
@@ -659,9 +661,7 @@ def test_episode_continues_from_ids_with_tool_tokens_masked_and_model_versions_a
     weights.put(None)
     runner.push(1, "keep", weights.get)  # a push between the turns
     episodes.gate.set()
-    while runner._tools or engine.has_work():
-        runner.step()
-    (sample,) = drain(events)
+    (sample,) = run_episodes(runner, engine, events)
     # token-in / token-out: what the engine produced and was given is what the sample holds
     requests = [a for a in engine.added if a[1][:3] == [1, 2, 3]]
     assert [len(r[1]) for r in requests] == [3, 3 + 4 + 3, 3 + 4 + 3 + 3 + 3]
@@ -688,9 +688,7 @@ def test_a_request_without_a_problem_is_single_turn_on_an_engine_that_runs_episo
     episodes.gate.set()
     runner, engine, events = make_episode_runner(calls_tool, episodes)
     runner.submit(spec([1, 2, 3], budget=None, max_tokens=30))
-    while runner._tools or engine.has_work():
-        runner.step()
-    (sample,) = drain(events)
+    (sample,) = run_episodes(runner, engine, events)
     assert engine.active == {} and len(engine.added) == 1  # one request, no resubmission
     assert sample.response_ids == [calls_tool(None, p) for p in range(3, 20)]
     assert CALL in sample.response_ids and episodes.turns == [] and sample.tools == []
@@ -703,18 +701,14 @@ def test_episode_ends_at_max_turns_at_the_budget_and_when_the_environment_says_s
     episodes.gate.set()
     runner, engine, events = make_episode_runner(calls_tool, episodes)
     runner.submit(spec([1, 2, 3], budget=None, max_tokens=30, problem=PROBLEM))
-    while runner._tools or engine.has_work():
-        runner.step()
-    (sample,) = drain(events)
+    (sample,) = run_episodes(runner, engine, events)
     assert sample.response_ids == [13, 14, 15, CALL, *OBSERVATION, 20, 21, CALL]
     assert sample.finish_reason == "stop" and len(engine.added) == 2
 
     # a budget of 6: the observation runs past it, the episode is cut at 6 tokens
     runner, engine, events = make_episode_runner(calls_tool, episodes)
     runner.submit(spec([1, 2, 3], budget=None, max_tokens=6, problem=PROBLEM))
-    while runner._tools or engine.has_work():
-        runner.step()
-    (sample,) = drain(events)
+    (sample,) = run_episodes(runner, engine, events)
     assert sample.response_ids == [13, 14, 15, CALL, 80, 81]
     assert sample.mask == [True] * 4 + [False] * 2 and sample.finish_reason == "length"
     assert len(engine.added) == 1
@@ -724,9 +718,7 @@ def test_episode_ends_at_max_turns_at_the_budget_and_when_the_environment_says_s
     ends.gate.set()
     runner, engine, events = make_episode_runner(calls_tool, ends)
     runner.submit(spec([1, 2, 3], budget=None, max_tokens=30, problem=PROBLEM))
-    while runner._tools or engine.has_work():
-        runner.step()
-    (sample,) = drain(events)
+    (sample,) = run_episodes(runner, engine, events)
     assert sample.response_ids == [13, 14, 15, CALL] and sample.finish_reason == "stop"
 
 
@@ -769,15 +761,14 @@ def test_a_tool_call_in_the_answer_phase_after_an_interruption_ends_the_episode(
     episode's budget a cut would take the model's last tokens with it)."""
     episodes = ScriptedEpisodes(max_turns=4)
     episodes.gate.set()
-    events = queue.Queue()
-    engine = FakeEngine(lambda prompt, pos: CALL if pos == 10 else counting(prompt, pos))
-    settings = RunnerSettings((STOP,), TEXT, CLOSE, answer_budget=5)
-    runner = EngineRunner(0, engine, settings, events, episodes)
+    runner, engine, events = make_episode_runner(
+        lambda prompt, pos: CALL if pos == 10 else counting(prompt, pos),
+        episodes,
+        RunnerSettings((STOP,), TEXT, CLOSE, answer_budget=5),
+    )
     # thinking: positions 3, 4, 5 (budget 3), the text at 6-8, the answer from position 9
     runner.submit(spec([1, 2, 3], budget=3, max_tokens=30, problem=PROBLEM))
-    while runner._tools or engine.has_work():
-        runner.step()
-    (sample,) = drain(events)
+    (sample,) = run_episodes(runner, engine, events)
     assert sample.interrupted and episodes.turns == [] and sample.tools == []
     assert sample.response_ids == [13, 14, 15, *TEXT, 19, CALL]
     assert sample.finish_reason == "stop" and len(engine.added) == 2
@@ -789,13 +780,11 @@ def test_episode_routing_is_each_turns_request_and_the_tools_tokens_are_the_next
     prefill), whose rows the sample takes from there on."""
     episodes = ScriptedEpisodes(max_turns=4)
     episodes.gate.set()
-    events = queue.Queue()
-    engine = FakeEngine(calls_tool, routing=lambda r, p: 100 * r + p)
-    runner = EngineRunner(0, engine, RunnerSettings((STOP,)), events, episodes)
+    runner, engine, events = make_episode_runner(
+        calls_tool, episodes, routing=lambda r, p: 100 * r + p
+    )
     runner.submit(spec([1, 2, 3], budget=None, max_tokens=30, problem=PROBLEM))
-    while runner._tools or engine.has_work():
-        runner.step()
-    (sample,) = drain(events)
+    (sample,) = run_episodes(runner, engine, events)
     # requests 0, 1, 2: turn 1 ends at position 6 (CALL), the tool's 3 tokens at 7-9, turn 2
     # ends at 12, the tool at 13-15, turn 3 ends at 19 (STOP). Request r processed its prompt
     # and all but its last token.

@@ -57,7 +57,7 @@ def test_staleness_skips_tool_tokens_and_the_reward_reads_the_model_text_only():
         ),
         rewards=rewards,
         tracker=None,
-        config=SimpleNamespace(rollout=SimpleNamespace(max_turns=2)),
+        config=SimpleNamespace(rollout=SimpleNamespace(episodes=True)),
     )
     sample.tools = [("ok", 0.5)]
     _, info = score_groups(run, [group], version=5)

@@ -35,7 +35,7 @@ def test_wall_clock_timeouts_are_counted_apart_in_the_step_metrics():
         ),  # fmt: skip
         rewards=FixedRewards(),
         tracker=None,
-        config=SimpleNamespace(rollout=SimpleNamespace(max_turns=1)),
+        config=SimpleNamespace(rollout=SimpleNamespace(episodes=False)),
     )
     _, info = score_groups(run, [group], version=0)
     assert (group.reward_timeouts, group.reward_timeouts_wall) == (2, 1)

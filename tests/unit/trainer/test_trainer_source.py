@@ -321,7 +321,7 @@ def test_dropped_groups_count_in_the_no_positive_resampling_history(history):
     )
     config = SimpleNamespace(data=SimpleNamespace(dynamic_sampling=True,
                                                   dynamic_sampling_max_rounds=8),
-                             rollout=SimpleNamespace(max_turns=1))  # fmt: skip
+                             rollout=SimpleNamespace(episodes=False))  # fmt: skip
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "")
     run = SimpleNamespace(config=config, tokenizer=tokenizer, data=data, tracker=tracker,
                           rewards=ScriptedRewards())  # fmt: skip
