@@ -10,6 +10,7 @@ as YAML scalars. Unknown keys, wrong types and failed ``validate()`` checks rais
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -190,11 +191,18 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             # YAML 1.1 reads "5e-7" (no dot) as a string; accept numeric strings.
             if isinstance(value, str):
                 try:
-                    return float(value)
+                    number = float(value)
                 except ValueError:
                     pass
+                else:
+                    return _coerce(float, number, path)
             raise _error(path, f"expected a number, got {value!r}")
-        return float(value)
+        number = float(value)
+        # NaN passes every `<= 0` check of the sections' validate() and inf overflows later
+        # (a timedelta of inf minutes after the warm start): no key means either.
+        if not math.isfinite(number):
+            raise _error(path, f"expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             # YAML turns unquoted 12:30:00 into 45000 (base 60), yes/no into booleans ...

@@ -208,3 +208,44 @@ def test_no_section_validation_raises_a_keyless_error():
                     keyless.append(f"{name}.{method.name} (line {node.lineno} of the class)")
     assert len(_config_classes(RunConfig, {})) >= 15  # the walk reaches the nested sections
     assert keyless == []
+
+
+def _float_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every float-typed key of a config tree (a float inside an optional counts)."""
+    import dataclasses
+    import typing
+
+    keys = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if typing.get_origin(tp) in (list, tuple, dict):
+            continue  # entries of a list: data.sources[i].weight, checked below
+        args = typing.get_args(tp) or (tp,)
+        key = f"{prefix}{f.name}"
+        nested = [a for a in args if dataclasses.is_dataclass(a)]
+        if nested:
+            keys += _float_keys(nested[0], key + ".")
+        elif float in args:
+            keys.append(key)
+    return keys
+
+
+def test_non_finite_floats_are_refused_at_load_for_every_float_key() -> None:
+    """NaN passed every `<= 0` check (rollout.temperature, kv_cache_gb, the timeouts) and the
+    run crashed after the warm start; inf overflowed a timedelta. Every float key refuses
+    both, named, from YAML (.nan / .inf) and from a numeric string."""
+    from megatron_rl.config.schema import RunConfig
+
+    keys = _float_keys(RunConfig)
+    assert {"rollout.temperature", "rollout.kv_cache_gb", "optimizer.lr"} <= set(keys)
+    for key in keys:
+        for value in (".nan", ".inf", "-.inf", "'nan'", "'1e999'"):
+            with pytest.raises(ConfigError) as err:
+                load_run_config(TINY, [f"{key}={value}"], check_model=False)
+            assert err.value.key == key, (key, value, err.value)
+            assert "finite" in str(err.value), (key, value, err.value)
+    with pytest.raises(ConfigError) as err:
+        load_run_config(TINY, [TWO_SOURCES % "weight: .nan"], check_model=False)
+    assert err.value.key == "data.sources[1].weight"
+    # A finite value still loads (the control).
+    load_run_config(TINY, ["rollout.temperature=0.7"], check_model=False)
