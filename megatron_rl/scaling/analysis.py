@@ -68,6 +68,11 @@ def select_points(run: RunData, config: FitConfig) -> np.ndarray:
     return mask
 
 
+def _lower(min_x: float) -> str:
+    """The lower bound of ``select_points`` as the error message states it."""
+    return "> 0" if min_x <= 0 else f">= {min_x:g}"
+
+
 def fit_run(run: RunData, config: FitConfig) -> RunFit:
     """Fit ``run`` by ``config`` (grid, refinement, bootstrap when ``config.bootstrap > 0``)."""
     config.validate()
@@ -79,7 +84,7 @@ def fit_run(run: RunData, config: FitConfig) -> RunFit:
         )
         raise ValueError(
             f"{run.source}: too few points after filtering: {n_fit} of {len(run.x)} records "
-            f"with {run.y_field!r} have {run.x_field} >= {config.min_x:g}{until} (need at least "
+            f"with {run.y_field!r} have {run.x_field} {_lower(config.min_x)}{until} (need at least "
             f"{config.min_points}; --min-x drops early points)"
         )
     r0 = config.r0 if config.r0 is not None else run.default_r0()

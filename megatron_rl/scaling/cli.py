@@ -78,8 +78,10 @@ def _add_data_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--label", action="append", help="run name (repeat, one per file)")
     group.add_argument("--r0", type=float, help="R0 (default: y at the smallest x)")
     group.add_argument(
-        "--min-x", type=float, default=d.min_x, help=f"fit points with x >= this ({d.min_x:g})"
-    )
+        "--min-x", type=float, default=None,
+        help=f"fit points with x >= this ({d.min_x:g}, the paper's; when no run reaches it and "
+        "neither --min-x nor a grid is given, every point x > 0 with a grid from the data)",
+    )  # fmt: skip
     group.add_argument("--fit-until", type=float, help="fit only points with x <= this")
     group.add_argument("--extrapolate-to", type=float, help="report (and plot) R at this x")
 
@@ -88,12 +90,12 @@ def _add_grid_arguments(group: argparse._ArgumentGroup) -> None:
     d = _DEFAULTS
     group.add_argument("--fix-a", type=float, help="fix the asymptote A")
     group.add_argument(
-        "--a-range", type=_range, default=d.a_range,
+        "--a-range", type=_range, default=None,
         help=f"A grid LOW,HIGH or 'auto' (default {_fmt(d.a_range)})",
     )  # fmt: skip
     group.add_argument("--a-step", type=float, default=d.a_step, help=f"A step ({d.a_step:g})")
     group.add_argument(
-        "--c-mid-range", type=_range, default=d.c_mid_range,
+        "--c-mid-range", type=_range, default=None,
         help=f"C_mid grid LOW,HIGH or 'auto' (default {_fmt(d.c_mid_range)})",
     )  # fmt: skip
     group.add_argument(
@@ -137,18 +139,23 @@ def _add_output_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--title", help="plot title")
 
 
-def config_from_args(args: argparse.Namespace) -> FitConfig:
-    """The FitConfig named by the command-line options (validated)."""
+def config_from_args(args: argparse.Namespace, from_data: bool = False) -> FitConfig:
+    """The FitConfig named by the command-line options (validated); ``from_data``: every
+    point x > 0 and a grid from the data where the options leave the range unset."""
+    d = _DEFAULTS
+    auto = args.auto_grid or from_data
     return FitConfig(
         x_field=args.x,
         y_field=args.y,
-        min_x=args.min_x,
+        min_x=args.min_x if args.min_x is not None else (0.0 if from_data else d.min_x),
         fit_until=args.fit_until,
         r0=args.r0,
         fix_a=args.fix_a,
-        a_range=AUTO if args.auto_grid else args.a_range,
+        a_range=AUTO if auto else (args.a_range if args.a_range is not None else d.a_range),
         a_step=args.a_step,
-        c_mid_range=AUTO if args.auto_grid else args.c_mid_range,
+        c_mid_range=AUTO
+        if auto
+        else (args.c_mid_range if args.c_mid_range is not None else d.c_mid_range),
         c_mid_num=args.c_mid_num,
         c_mid_spacing=args.c_mid_spacing,
         b_range=args.b_range,
@@ -167,6 +174,22 @@ def _labels(args: argparse.Namespace) -> list[str | None]:
     if len(args.label) != len(args.metrics):
         raise ValueError(f"--label given {len(args.label)} times for {len(args.metrics)} files")
     return list(args.label)
+
+
+def _range_from_data(args: argparse.Namespace, runs: list) -> bool:
+    """True (and a note on stderr) when no run reaches the paper's cutoff (1.5k GPU-hours: a
+    CPU run, a short one) and no option sets the range: the fit then takes every point x > 0
+    and a grid from the data, as ``--min-x 0 --auto-grid`` would."""
+    unset = args.min_x is None and args.a_range is None and args.c_mid_range is None
+    largest = max((float(r.x.max()) for r in runs if len(r.x)), default=0.0)
+    if not unset or largest >= _DEFAULTS.min_x:
+        return False
+    sys.stderr.write(
+        f"megatron-rl fit: note: no point reaches {_DEFAULTS.min_x:g} {args.x} (the paper's "
+        f"cutoff; the largest here is {largest:.4g}): fitting every point with {args.x} > 0 "
+        "on a grid from the data, as --min-x 0 --auto-grid (set --min-x to choose)\n"
+    )
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -192,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
             load_run(path, config.x_field, config.y_field, name)
             for path, name in zip(args.metrics, _labels(args))
         ]
+        if _range_from_data(args, runs):
+            config = config_from_args(args, from_data=True)
         counts = Counter(r.name for r in runs)
         for r in runs:
             if counts[r.name] > 1:

@@ -125,12 +125,15 @@ def _read_jsonl(
 ) -> tuple[list[tuple[int, float, float]], set[str]]:
     rows: list[tuple[int, float, float]] = []
     seen: set[str] = set()
-    for line_no, line in enumerate(text.splitlines(), start=1):
+    lines = text.splitlines()
+    for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
+            if line_no == len(lines) and not text.endswith("\n"):
+                break  # a torn last line: the run is writing it (or died writing it)
             raise ValueError(f"{path} line {line_no}: invalid JSON ({err.msg})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path} line {line_no}: expected a JSON object per line")

@@ -229,3 +229,44 @@ def test_fit_one_domain_of_a_joint_run(tmp_path, capsys):
         assert fits[domain]["B"] == pytest.approx(params.b, rel=0.1)
     assert main(["fit", str(path), "--y", "val_pass_rate/science"]) == 2
     assert "val_pass_rate/code" in capsys.readouterr().err  # the fields it has
+
+
+def test_the_runs_own_next_command_works_on_a_cpu_run(tmp_path, capsys):
+    """The end-of-run block suggests `megatron-rl fit RUN/metrics.jsonl --plot RUN/fit.png`;
+    on a CPU run (GPU-hours ~1e-3, none past the paper's 1.5k cutoff) it exited 2 with
+    '0 of N records have gpu_hours >= 1500'. Without range options fit now takes the range
+    from the data and says so; the file's torn last line (a run writing it) is skipped."""
+    run = synthetic_run(CurveParams(0.9, 1.5, 3e-4, 0.1), 2e-3, 400, eval_every=10, seed=0)
+    lines = [json.dumps({"step": 0, "gpu_hours": 0.0, "reward_mean": 0.0})]
+    lines += [
+        json.dumps({"step": i * 10, "gpu_hours": float(x), "val_pass_rate": float(y)})
+        for i, (x, y) in enumerate(zip(run.x, run.y))
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(lines) + '\n{"step": 400, "gpu_hou')  # torn last line
+    plot = tmp_path / "fit.png"
+    assert main(["fit", str(path), "--plot", str(plot), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "as --min-x 0 --auto-grid" in err and "largest here is 0.002" in err
+    fit = json.loads(out)["runs"][0]["fit"]
+    assert abs(fit["A"] - 0.9) < 0.02
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+    # An explicit --min-x keeps its meaning (no silent change of the user's range) ...
+    assert main(["fit", str(path), "--min-x", "1500"]) == 2
+    assert "have gpu_hours >= 1500" in capsys.readouterr().err
+    # ... and the message states the filter x > 0 as it is, not ">= 0".
+    few = tmp_path / "few.jsonl"
+    few.write_text(
+        "".join(
+            json.dumps({"gpu_hours": x, "val_pass_rate": 0.3}) + "\n" for x in (0.0, 1e-3, 2e-3)
+        )
+    )
+    assert main(["fit", str(few), "--min-x", "0"]) == 2
+    assert "2 of 3 records with 'val_pass_rate' have gpu_hours > 0" in capsys.readouterr().err
+
+
+def test_a_torn_line_inside_the_file_is_still_an_error(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"gpu_hours": 0, "val_pass_rate": 0.1}\n{"gpu_ho\n{"gpu_hours": 1}\n')
+    assert main(["fit", str(path)]) == 2
+    assert f"{path} line 2: invalid JSON" in capsys.readouterr().err
