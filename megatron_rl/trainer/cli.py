@@ -72,9 +72,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"megatron-rl train: error: {problem}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config.name
-    not_a_dir = next(
-        (p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None
-    )
+    try:
+        not_a_dir = next(
+            (p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None
+        )
+    except OSError as err:  # a parent this user may not search
+        print(f"megatron-rl train: error: run directory {run_dir}: {err}", file=sys.stderr)
+        return 2
     if not_a_dir is not None:
         print(
             f"megatron-rl train: error: run directory {run_dir}: {not_a_dir} is a file, "

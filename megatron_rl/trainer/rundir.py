@@ -68,7 +68,13 @@ class RunLock:
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / LOCK_FILE
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # read-only file system, no write permission, a directory ...
+            raise RunDirError(
+                f"{run_dir} cannot be written ({err.strerror}: {self.path}): a run writes its "
+                "checkpoints and metrics there; make it writable or pass another --run-dir"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -109,7 +115,10 @@ def claim_run_dir(
 
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"--run-dir {run_dir} is a file, not a directory")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunDirError(f"--run-dir {run_dir} cannot be created ({err.strerror})") from None
     lock = RunLock(run_dir)
     try:
         text = to_yaml(config)  # before the run fills in derived fields (hf_path, dtype ...)

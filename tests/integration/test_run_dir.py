@@ -336,3 +336,44 @@ def test_a_job_preempted_at_each_phase_of_its_start_up_is_requeued_and_finishes(
     assert len([r for r in records if "warm_start_loss" in r]) == 1
     assert _steps(run_dir) == [1, 2, 3, 4]
     assert [r.get("run_finished") for r in records].count(True) == 1
+
+
+def test_a_read_only_run_dir_is_one_line_and_exit_2(tmp_path):
+    """A run directory the trainer cannot write ended in a traceback at run.lock (exit 1).
+    Run as an unprivileged user (root writes anywhere): one line naming the directory, exit 2,
+    both for an existing read-only directory and one that cannot be created."""
+    import shutil
+    import tempfile
+
+    # Under a directory any user can search (pytest's tmp_path is root's alone).
+    top = Path(tempfile.mkdtemp(prefix="megatron_rl_ro_"))
+    os.chmod(top, 0o755)
+    base = top / "ro"
+    (base / "run").mkdir(parents=True)
+    os.chmod(base / "run", 0o555)
+    os.chmod(base, 0o555)
+    prefix: list[str] = []
+    if os.getuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: cannot drop to an unprivileged user")
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    try:
+        _refuse_read_only(prefix, tmp_path, (base / "run", base / "new", top / "no" / "x"))
+    finally:
+        os.chmod(base, 0o755)
+        shutil.rmtree(top)
+
+
+def _refuse_read_only(prefix: list[str], home: Path, run_dirs: tuple[Path, ...]) -> None:
+    os.chmod(run_dirs[-1].parent.parent, 0o755)
+    run_dirs[-1].parent.mkdir(mode=0o700)  # a parent the user may not search
+    for run_dir in run_dirs:
+        proc = subprocess.run(
+            [*prefix, sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE),
+             "--run-dir", str(run_dir), "--quiet"],
+            capture_output=True, text=True, timeout=120, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(home)},
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert str(run_dir) in proc.stderr and "megatron-rl train: error:" in proc.stderr
