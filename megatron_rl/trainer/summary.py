@@ -45,7 +45,9 @@ def start_block(config: RunConfig, run: Run, step: int, world: int | None = None
     """The start summary's text."""
     world = _world_size() if world is None else world
     m = config.model
-    if m.hf_path:
+    if step:  # resumed: the weights are the checkpoint's, whatever the run started from
+        weights = f"weights from the step-{step} checkpoint in {run.run_dir}/checkpoints/"
+    elif m.hf_path:
         weights = f"weights from {m.hf_path}"
     else:
         weights = f"random initialisation of preset {m.preset}, written to {run.hf_dir}"

@@ -48,7 +48,11 @@ def test_start_block_names_layout_model_data_budget_and_outputs(tmp_path):
     text = summary.start_block(config, _run(tmp_path), step=10, world=4)
     assert "4 trainer ranks: TP 2, PP 1, EP 1, CP 1, DP 2" in text
     assert "3 engines x TP 1, placement subprocess" in text
-    assert f"random initialisation of preset tiny-llama, written to {tmp_path}/hf_init" in text
+    # Resumed at step 10: the weights are the checkpoint's, not a random initialisation.
+    assert f"weights from the step-10 checkpoint in {tmp_path}/checkpoints/" in text
+    assert "random initialisation" not in text
+    fresh = summary.start_block(config, _run(tmp_path), step=0, world=4)
+    assert f"random initialisation of preset tiny-llama, written to {tmp_path}/hf_init" in fresh
     assert "arith (math, synthetic, weight 2): 3 train, 2 validation prompts" in text
     assert "code (code, synthetic_code, weight 1): 2 train, 1 validation prompts" in text
     assert "budget: 40 steps, from step 10 (resumed)" in text
