@@ -20,7 +20,7 @@ import logging
 import re
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from megatron_rl.environments.formats import ToolCall
@@ -115,22 +115,42 @@ class ToolExecutor:
         box_for(config, announce=True)
         self._executor = ThreadPoolExecutor(num_workers, "tool-call")
         self._lock = threading.Lock()
+        self._pending: set[Future] = set()
         self.submitted = 0
 
     def submit(self, environment: Environment, call: ToolCall) -> Future[tuple[ToolResult, bool]]:
         """Run ``environment.step(call)`` on a tool thread."""
         with self._lock:
             self.submitted += 1
-        return self._executor.submit(environment.step, call)
+            future = self._executor.submit(environment.step, call)
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            self._pending.discard(future)
 
     def map(self, steps: Sequence[tuple[Environment, ToolCall]]) -> list[tuple[ToolResult, bool]]:
         """Run several steps at once; their results in order."""
         futures = [self.submit(environment, call) for environment, call in steps]
         return [future.result() for future in futures]
 
-    def close(self) -> None:
-        """Wait for the running steps (each bounded by its sandbox's limits) and stop."""
-        self._executor.shutdown(wait=True)
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel the queued steps, wait up to ``timeout`` seconds for the running ones (each
+        is bounded by its sandbox's limits, ``rollout.environment.tool_timeout_s``, at most
+        an hour) and stop. A stop on a signal must fit the
+        signal's window: running every queued call first took minutes (hundreds of calls
+        queued behind blocking tools), past the window, so the job was killed, not requeued.
+        """
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            running = list(self._pending)
+        _, left = wait(running, timeout=timeout)
+        if left:  # their boxes die with this process (a death signal, as every box has)
+            logger.warning(
+                "%d tool calls still running after %.0f s at shutdown", len(left), timeout
+            )
 
     def __enter__(self) -> ToolExecutor:
         return self
