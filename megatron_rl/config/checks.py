@@ -21,7 +21,11 @@ def model_fields(config: RunConfig) -> tuple[dict[str, Any], str]:
     saying where they come from."""
     model = config.model
     if model.hf_path is not None:
-        from megatron_rl.models.hf_config import config_from_dict, read_config_dict
+        from megatron_rl.models.hf_config import (
+            SUPPORTED_ARCHITECTURES,
+            config_from_dict,
+            read_config_dict,
+        )
 
         path = Path(model.hf_path) / "config.json"
         if not path.is_file():
@@ -33,6 +37,14 @@ def model_fields(config: RunConfig) -> tuple[dict[str, Any], str]:
             config_from_dict(fields, path)
         except ValueError as err:
             raise ConfigError("model.hf_path", str(err)) from None
+        architecture = (fields.get("architectures") or [None])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            # at load (and --dry-run), not minutes later when the trainer builds the model
+            raise ConfigError(
+                "model.hf_path",
+                f"{path}: architecture {architecture!r} is not supported; megatron_rl trains "
+                f"Llama 3.x and Llama 4: {', '.join(SUPPORTED_ARCHITECTURES)}",
+            )
         source = f"model.hf_path {model.hf_path}"
     else:
         from megatron_rl.models.presets import PRESETS

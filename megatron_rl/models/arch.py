@@ -10,14 +10,9 @@ import transformers
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.models.config import MoERouterConfig
+from megatron_rl.models.hf_config import SUPPORTED_ARCHITECTURES
 from megatron_rl.platform import ParallelConfig
 from megatron_rl.platform.kernels import FusedKernels
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Llama4ForCausalLM",
-    "Llama4ForConditionalGeneration",
-)
 
 
 @dataclass(frozen=True)

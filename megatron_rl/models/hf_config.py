@@ -27,6 +27,12 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
+# The architectures megatron_rl builds (config.json "architectures"): Llama 3.x and Llama 4.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration",
+)
 
 # field -> the type transformers 5.x declares, for values published with another type whose
 # meaning is unambiguous. attn_temperature_tuning: Llama-4's first configs wrote 4 (truthy:

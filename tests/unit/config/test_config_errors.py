@@ -249,3 +249,33 @@ def test_non_finite_floats_are_refused_at_load_for_every_float_key() -> None:
     assert err.value.key == "data.sources[1].weight"
     # A finite value still loads (the control).
     load_run_config(TINY, ["rollout.temperature=0.7"], check_model=False)
+
+
+@pytest.mark.parametrize(
+    "architecture,model_type", [("Qwen2ForCausalLM", "qwen2"), ("MistralForCausalLM", "mistral")]
+)
+def test_an_unsupported_architecture_is_refused_at_load_and_in_the_dry_run(
+    tmp_path, capsys, architecture, model_type
+):
+    """A model megatron_rl does not build was refused only when the trainer built it, after
+    the engines and data: now at load (and so in --dry-run), naming model.hf_path and the
+    supported list. Meta's real Llama-3.1 config (the control) still loads."""
+    from support.hf_configs import hf_dir_with_config, llama31_8b_config
+
+    from megatron_rl.cli import main
+
+    llama = hf_dir_with_config(tmp_path / "llama", llama31_8b_config())
+    other = hf_dir_with_config(
+        tmp_path / "other",
+        {**llama31_8b_config(), "architectures": [architecture], "model_type": model_type},
+    )
+    overrides = ["model.preset=null", "parallel.tensor=1"]
+    load_run_config(TINY, [*overrides, f"model.hf_path={llama}"])
+    with pytest.raises(ConfigError) as err:
+        load_run_config(TINY, [*overrides, f"model.hf_path={other}"])
+    assert err.value.key == "model.hf_path"
+    message = str(err.value)
+    assert f"architecture {architecture!r} is not supported" in message
+    assert "LlamaForCausalLM, Llama4ForCausalLM, Llama4ForConditionalGeneration" in message
+    assert main(["train", str(TINY), *overrides, f"model.hf_path={other}", "--dry-run"]) == 2
+    assert "model.hf_path" in capsys.readouterr().err
