@@ -166,7 +166,13 @@ def test_hf_path_model_is_checked_from_its_config_json(tmp_path):
     }
     # Llama-4 multimodal configs nest the text model's fields.
     (model_dir / "config.json").write_text(
-        json.dumps({"model_type": "llama4", "text_config": config})
+        json.dumps(
+            {
+                "architectures": ["Llama4ForConditionalGeneration"],
+                "model_type": "llama4",
+                "text_config": config,
+            }
+        )
     )
     base = [f"model.hf_path={model_dir}", "cluster.gpus_per_node=5", "cluster.generator_gpus=1"]
     msg = error_of(TINY, [*base, "parallel.tensor=4", "cluster.trainer_gpus=4"])
