@@ -10,6 +10,7 @@ as YAML scalars. Unknown keys, wrong types and failed ``validate()`` checks rais
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -124,7 +125,9 @@ def _build(cls: type, data: Any, path: str) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = f"{path}.{unknown[0]}" if path else unknown[0]
-        raise _error(key, f"unknown key; known keys here: {', '.join(sorted(fields))}")
+        close = difflib.get_close_matches(unknown[0], fields, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise _error(key, f"unknown key; {hint}known keys here: {', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():

@@ -279,3 +279,14 @@ def test_an_unsupported_architecture_is_refused_at_load_and_in_the_dry_run(
     assert "LlamaForCausalLM, Llama4ForCausalLM, Llama4ForConditionalGeneration" in message
     assert main(["train", str(TINY), *overrides, f"model.hf_path={other}", "--dry-run"]) == 2
     assert "model.hf_path" in capsys.readouterr().err
+
+
+def test_a_misspelled_key_names_its_closest_match():
+    """A typo listed the section's 35 keys but not the one meant."""
+    with pytest.raises(ConfigError) as err:
+        load_run_config(TINY, ["rollout.temprature=0.7"], check_model=False)
+    assert err.value.key == "rollout.temprature"
+    assert "did you mean 'temperature'?" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # nothing close: no guess
+        load_run_config(TINY, ["rollout.zzz=1"], check_model=False)
+    assert "did you mean" not in str(err.value) and "known keys here" in str(err.value)
