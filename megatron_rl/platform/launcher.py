@@ -72,3 +72,26 @@ def local_world_size(environ: Mapping[str, str] | None = None) -> int:
         return 1
     # A task of this node has SLURM_LOCALID below the count; the world holds at most its size.
     return min(max(count, local_rank(env) + 1), int(env["WORLD_SIZE"]))
+
+
+def lone_process_problem(
+    parallel, trainer_gpus: int, command: str, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """Why a recipe that needs several trainer ranks cannot run in this lone process (no
+    launcher's ``WORLD_SIZE``), with how to launch it; None when it can. ``parallel``: the
+    recipe's ``parallel`` section; ``trainer_gpus``: ``cluster.trainer_gpus``."""
+    env = os.environ if environ is None else environ
+    if env.get("WORLD_SIZE", "") != "":
+        return None
+    needed = max(parallel.model_parallel_size, parallel.expert)
+    if needed <= 1:
+        return None
+    ranks = trainer_gpus if trainer_gpus % needed == 0 else needed
+    return (
+        f"this recipe needs {ranks} trainer ranks (parallel.tensor x pipeline x context = "
+        f"{parallel.tensor} x {parallel.pipeline} x {parallel.context}, parallel.expert "
+        f"{parallel.expert}, cluster.trainer_gpus {trainer_gpus}) and this is one process: "
+        f"start it on every rank, as `megatron-rl launch` jobs do (srun), or with torchrun: "
+        f"`python -m torch.distributed.run --standalone --nproc-per-node {ranks} "
+        f"-m megatron_rl.cli {command} ...`"
+    )

@@ -50,6 +50,12 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"megatron-rl preflight: error: {err}", file=sys.stderr)
         return 2
+    from megatron_rl.platform.launcher import lone_process_problem
+
+    problem = lone_process_problem(config.parallel, config.cluster.trainer_gpus, "preflight")
+    if problem:
+        print(f"megatron-rl preflight: error: {problem}", file=sys.stderr)
+        return 2
     import torch.distributed as dist
 
     from megatron_rl.preflight.report import render_table

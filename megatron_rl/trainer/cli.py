@@ -71,6 +71,12 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"megatron-rl train: error: {problem}", file=sys.stderr)
         return 2
+    from megatron_rl.platform.launcher import lone_process_problem
+
+    lone = lone_process_problem(config.parallel, config.cluster.trainer_gpus, "train")
+    if lone:  # megatron's 'world size 1 is not divisible ...' traceback, per rank, otherwise
+        print(f"megatron-rl train: error: {lone}", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / config.name
     try:
         not_a_dir = next(

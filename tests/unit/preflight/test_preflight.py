@@ -780,3 +780,28 @@ def test_sbatch_job_runs_the_preflight_first_and_stops_on_a_failure(tmp_path):
 
     rc, out, calls = _job(tmp_path / "off", 0, "preflight=false")
     assert rc == 0 and [c for c in calls if "cli" in c] == ["megatron_rl.cli train"]
+
+
+@pytest.mark.parametrize("command", ["preflight", "train"])
+def test_a_multi_rank_recipe_in_one_process_says_how_to_launch_it(
+    command, capsys, monkeypatch, tmp_path
+):
+    """preflight (and train) of a TP=2 recipe started without srun/torchrun ended in
+    megatron's 'world size 1 is not divisible ...' traceback: one line saying how to launch."""
+    from megatron_rl.cli import main
+
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    overrides = [
+        "parallel.tensor=2",
+        "cluster.gpus_per_node=3",
+        "cluster.trainer_gpus=2",
+        "cluster.generator_gpus=1",
+        "rollout.placement=subprocess",
+    ]
+    argv = [command, str(TINY), *overrides, "--run-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"megatron-rl {command}: error: this recipe needs 2 trainer ranks" in err
+    assert f"--nproc-per-node 2 -m megatron_rl.cli {command}" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
