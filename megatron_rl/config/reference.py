@@ -103,11 +103,21 @@ def _comment_entries(cls: type) -> dict[str, str]:
 _SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bal)(?<!\bvs)\.(?=\s+[A-Z]|$)")
 
 
+def _sentence_end(text: str, start: int = 0) -> re.Match | None:
+    """The next sentence end at or after ``start`` that is not inside parentheses or a quote
+    (``("The final answer is $X$. I hope ...")`` was cut after its first sentence)."""
+    for m in _SENTENCE_END.finditer(text, start):
+        before = text[: m.start()]
+        if before.count("(") <= before.count(")") and before.count('"') % 2 == 0:
+            return m
+    return None
+
+
 def _first_sentence(text: str) -> str:
     """The first sentence (the second too when the first is a mere word or two)."""
-    m = _SENTENCE_END.search(text)
+    m = _sentence_end(text)
     if m and m.end() < 25:
-        nxt = _SENTENCE_END.search(text, m.end())
+        nxt = _sentence_end(text, m.end())
         m = nxt or m
     return text[: m.end()] if m else text
 

@@ -290,3 +290,16 @@ def test_a_misspelled_key_names_its_closest_match():
     with pytest.raises(ConfigError) as err:  # nothing close: no guess
         load_run_config(TINY, ["rollout.zzz=1"], check_model=False)
     assert "did you mean" not in str(err.value) and "known keys here" in str(err.value)
+
+
+def test_no_key_meaning_in_the_reference_is_cut_inside_parentheses_or_quotes():
+    """config.md's meaning of reward.stated_answer stopped at '("The final answer is $X$.':
+    the first sentence was cut at a full stop inside a quote. Every generated meaning closes
+    what it opens."""
+    from megatron_rl.config.reference import keys
+
+    docs = {doc.key: doc.meaning for doc in keys()}
+    assert docs["reward.stated_answer"].endswith("``stated.stated_answer``.")
+    for key, meaning in docs.items():
+        assert meaning.count("(") == meaning.count(")"), (key, meaning)
+        assert meaning.count('"') % 2 == 0, (key, meaning)

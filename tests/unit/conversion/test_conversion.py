@@ -231,3 +231,30 @@ def test_layout_larger_than_the_node_fails_clearly(tiny_hf_dirs, tmp_path, monke
     err = capsys.readouterr().err
     assert "--tp 2 --pp 1 --ep 1 needs 2 ranks" in err and "1 GPU(s)" in err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.timeout(300)
+def test_mcore_to_hf_takes_a_step_directory_and_both_say_what_they_wrote(
+    tiny_hf_dirs, tmp_path, capsys
+):
+    """mcore-to-hf refused a run's step directory (it wanted STEP/model, which nothing said),
+    and hf-to-mcore ended on its progress bar with no line saying what it wrote."""
+    step = tmp_path / "run" / "checkpoints" / "step_00000003"
+    argv = ["convert", "hf-to-mcore", tiny_hf_dirs["tiny-llama"], str(step / "model")]
+    assert main([*argv, "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"wrote a megatron dist checkpoint (TP 1, PP 1, EP 1; it reshards on load) to {step / 'model'}"
+        in out
+    )
+    assert main(["convert", "mcore-to-hf", str(step), str(tmp_path / "hf")]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote an HF model directory from {step / 'model'} to {tmp_path / 'hf'}" in out
+    original, converted = (
+        read_safetensors(tiny_hf_dirs["tiny-llama"]),
+        read_safetensors(tmp_path / "hf"),
+    )
+    assert all(torch.equal(converted[k], v) for k, v in original.items())
+    # A run directory with no intact checkpoint (step_00000003 has no loop state): named.
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "run"), str(tmp_path / "o")]) == 2
+    assert "a run directory without an intact checkpoint" in capsys.readouterr().err
