@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -98,8 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tp < 1 or args.ep < 1:
-        raise ValueError(f"--tp and --ep must be >= 1, got {args.tp}, {args.ep}")
+    problem = _launch_problem(args)
+    if problem:
+        print(f"megatron-rl check-parity: error: {problem}", file=sys.stderr)
+        return 2
     options = ParityOptions(
         hf_dir=args.hf_dir,
         tensor=args.tp,
@@ -167,6 +170,27 @@ def _report(r: ParityResult, threshold: float, passed: bool) -> str:
             f"  -> push / copy = {r.push_to_copy_ratio:.1f}x",
             f"  {'PASS' if passed else 'FAIL'} (threshold {threshold:g})",
         ]
+    )
+
+
+def _launch_problem(args: argparse.Namespace) -> str | None:
+    """Why the check cannot run as asked, in the options' terms (not a recipe key the user
+    never set: ``--transport nccl`` on a CPU machine named ``rollout.gpu_ids``)."""
+    if args.tp < 1 or args.ep < 1:
+        return f"--tp and --ep must be >= 1, got {args.tp}, {args.ep}"
+    if args.transport != "nccl":
+        return None
+    from megatron_rl.platform import local_device_count
+
+    world = math.lcm(args.tp, args.ep)
+    devices = local_device_count()
+    if devices is not None and devices > world:
+        return None
+    return (
+        f"--transport nccl pushes the weights GPU to GPU: it needs {world + 1} GPUs on this "
+        f"node ({world} trainer rank(s) for --tp {args.tp} --ep {args.ep}, and the engine's), "
+        f"and this machine has {devices or 'no'} GPU(s); check the host path with "
+        "--transport host"
     )
 
 

@@ -792,3 +792,22 @@ def test_episode_routing_is_each_turns_request_and_the_tools_tokens_are_the_next
     assert sequence == 20 and sample.routed_experts.shape == (sequence - 1, 2, 1)
     expected = list(range(6)) + [100 + p for p in range(6, 12)] + [200 + p for p in range(12, 19)]
     assert sample.routed_experts[:, 1, 0].tolist() == expected
+
+
+def test_check_parity_nccl_without_gpus_names_its_options_not_a_recipe_key(capsys, monkeypatch):
+    """`check-parity --transport nccl` on a machine without GPUs failed on rollout.gpu_ids, a
+    key the user never set; it now says what the option needs, in the options' terms."""
+    import megatron_rl.platform.device as device
+    from megatron_rl.cli import main
+
+    monkeypatch.setattr(device, "local_device_count", lambda: None)
+    assert main(["check-parity", "/nonexistent", "--transport", "nccl", "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--transport nccl pushes the weights GPU to GPU: it needs 3 GPUs" in err
+    assert "this machine has no GPU(s)" in err and "--transport host" in err
+    assert "rollout.gpu_ids" not in err and "Traceback" not in err
+    monkeypatch.setattr(device, "local_device_count", lambda: 2)  # 2 GPUs: 3 needed
+    assert main(["check-parity", "/nonexistent", "--transport", "nccl", "--tp", "2"]) == 2
+    assert "this machine has 2 GPU(s)" in capsys.readouterr().err
+    assert main(["check-parity", "/nonexistent", "--tp", "0"]) == 2
+    assert "--tp and --ep must be >= 1, got 0, 1" in capsys.readouterr().err
