@@ -1,6 +1,7 @@
 """Write the generated references of docs/: ``docs/config.md`` (every recipe key, from the
-config dataclasses and their docstrings) and ``docs/metrics.md`` (every metrics.jsonl key,
-from ``megatron_rl/trainer/metric_keys.py``).
+config dataclasses and their docstrings), ``docs/metrics.md`` (every metrics.jsonl key,
+from ``megatron_rl/trainer/metric_keys.py``) and the plans shown in ``docs/planning.md``
+(its ``<!-- plan: ... -->`` blocks, from ``megatron-rl plan``).
 
 Usage: python tools/gen_docs.py [--check]
 
@@ -25,9 +26,14 @@ def pages() -> dict[Path, Callable[[], str]]:
     from megatron_rl.config import reference
     from megatron_rl.trainer import metric_keys
 
+    from megatron_rl.planning.docs import refresh_plans
+
+    planning = ROOT / "docs" / "planning.md"
     return {
         ROOT / "docs" / "config.md": reference.markdown,
         ROOT / "docs" / "metrics.md": metric_keys.markdown,
+        # hand-written, with the plans it shows (<!-- plan: ... --> blocks) from the planner
+        planning: lambda: refresh_plans(planning.read_text(), ROOT),
     }
 
 
