@@ -24,9 +24,8 @@ logger = logging.getLogger("gen_docs")
 def pages() -> dict[Path, Callable[[], str]]:
     """Generated page -> the function that writes its text."""
     from megatron_rl.config import reference
-    from megatron_rl.trainer import metric_keys
-
     from megatron_rl.planning.docs import refresh_plans
+    from megatron_rl.trainer import metric_keys
 
     planning = ROOT / "docs" / "planning.md"
     return {
