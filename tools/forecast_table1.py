@@ -1,5 +1,5 @@
 """Does a forecast made at half the budget predict the final pass rate? Per Table-1 row of
-SCALERL.md: synthetic runs (R0 = 0.35, a point every 100 steps, noise as given), fitted by
+docs/paper.md: synthetic runs (R0 = 0.35, a point every 100 steps, noise as given), fitted by
 the paper's protocol on the points up to half the budget, against R(budget).
 
 Usage: python tools/forecast_table1.py [--seeds 20] [--noise-sd 0.015] [--ar1 0.0]

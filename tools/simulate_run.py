@@ -85,6 +85,11 @@ def main() -> int:
         action="store_true",
         help="--calibrate without the ScaleRL 8B / Scout predictions (quicker)",
     )
+    parser.add_argument(
+        "--write-readme",
+        action="store_true",
+        help="--calibrate: also rewrite the predictions block of tools/README.md",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.calibrate:
@@ -101,6 +106,8 @@ def main() -> int:
             recipes, refit=args.refit, trained_fraction=args.trained_fraction
         )
         print(text)
+        if args.write_readme:
+            write_readme(root, text)
         if args.calibrate_plot:
             print(f"\nplot: {plot_calibration(rows, args.calibrate_plot)}")
         return 0
@@ -167,6 +174,25 @@ def main() -> int:
     if args.plot:
         print(f"\nplot: {plot_utilisation(runs, args.plot)}")
     return 0
+
+
+def write_readme(root: Path, report: str) -> None:
+    """Put the report's predictions (from its 'Ranges below' line) into tools/README.md's
+    ``<!-- simulate --calibrate ... -->`` block, with the digest of the inputs they come from."""
+    import re
+
+    from megatron_rl.simulation.report import prediction_inputs_digest
+
+    readme = root / "tools" / "README.md"
+    predictions = report[report.index("Ranges below:") :].replace("\n### ", "\n#### ").strip()
+    digest = prediction_inputs_digest(root)
+    block = re.compile(r"<!-- simulate --calibrate, inputs \w+ -->\n.*?<!-- end simulate -->", re.S)
+    text = readme.read_text()
+    if not block.search(text):
+        raise SystemExit(f"{readme}: no <!-- simulate --calibrate ... --> block to rewrite")
+    new = f"<!-- simulate --calibrate, inputs {digest} -->\n{predictions}\n\n<!-- end simulate -->"
+    readme.write_text(block.sub(lambda _: new, text))
+    print(f"wrote the predictions into {readme} (inputs {digest})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Recipe-facing configuration of the RL algorithm (imports no torch).
 
-Defaults are the ScaleRL recipe (SCALERL.md section 2): CISPO with eps_max 4, prompt-level
+Defaults are the ScaleRL recipe (docs/paper.md section 2): CISPO with eps_max 4, prompt-level
 loss aggregation, batch-level advantage normalisation, zero-variance filtering and
 No-Positive-Resampling at pass rate 0.9; forced interruptions instead of a length penalty.
 Dynamic sampling (refilling the batch, ``data.dynamic_sampling``) is done by the trainer's rollout
@@ -78,7 +78,7 @@ class AlgorithmConfig:
         length_penalty_l_max: L_max of the length penalty, in tokens (paper: 14k).
         length_penalty_l_cache: L_cache of the length penalty, in tokens (paper: 2k).
         length_penalty_on: the samples whose reward gets the penalty: "correct" (ScaleRL's
-            alternative to interruptions, SCALERL.md section 2) or "all" (DAPO's soft overlong
+            alternative to interruptions, docs/paper.md section 2) or "all" (DAPO's soft overlong
             punishment, arXiv 2503.14476 section 3.4, added to every response's reward).
         routing_replay: MoE models: the policy forward routes every token to the experts the
             generator routed it to (R3; ``megatron_rl.trainer.routing_replay``). The engines

@@ -5,7 +5,7 @@ rollout; each defined next to its code) and the run-level sections of
 :mod:`megatron_rl.config.sections` (optimizer, batch, off-policy mode, validation,
 checkpoints, budget, warm start, logging, Slurm cluster) and the live forecast
 (:mod:`megatron_rl.scaling.config`).
-Field defaults are the ScaleRL 8B run (SCALERL.md sections 2-3) wherever the paper gives a
+Field defaults are the ScaleRL 8B run (docs/paper.md sections 2-3) wherever the paper gives a
 value; where it is silent the default is documented as ours.
 
 ``RunConfig.validate()`` checks combinations across sections (pure, no I/O); the checks that

@@ -1,7 +1,7 @@
 """Run-level sections of the run config: optimizer, batch, off-policy mode, validation,
 checkpoints, budget, warm start, logging and the Slurm cluster (no torch import).
 
-Defaults are the ScaleRL 8B run (SCALERL.md sections 2-3) where the paper gives a value;
+Defaults are the ScaleRL 8B run (docs/paper.md sections 2-3) where the paper gives a value;
 where it is silent the default is ours and documented as such.
 """
 

@@ -1,6 +1,6 @@
 """Recipe-facing configuration of the prompt data (imports no torch).
 
-Defaults follow ScaleRL (SCALERL.md sections 1-3): 1,000 prompts held out at random by seed
+Defaults follow ScaleRL (docs/paper.md sections 1-3): 1,000 prompts held out at random by seed
 for validation, Polaris-53K fields (problem, answer), thinking as ``<think> ... </think>``
 followed by the answer, No-Positive-Resampling handled by the sampler, no dynamic sampling
 (zero-variance groups are filtered by the algorithm, not refilled).

@@ -1,6 +1,6 @@
 """Recipe-facing configuration of the verifiers (imports no torch).
 
-Defaults follow ScaleRL (SCALERL.md section 2): reward +1 / -1 by answer verification after
+Defaults follow ScaleRL (docs/paper.md section 2): reward +1 / -1 by answer verification after
 stripping the thinking. Every verification has a hard time limit: math runs in worker
 processes that are killed on timeout, code runs in a sandboxed subprocess (a bubblewrap box,
 ``megatron_rl.rewards.isolation``).

@@ -1,6 +1,6 @@
 """Recipe-facing configuration of the generator pool (imports no torch).
 
-Defaults follow ScaleRL (SCALERL.md): 16 samples per prompt at temperature 1, FP32 LM head,
+Defaults follow ScaleRL (docs/paper.md): 16 samples per prompt at temperature 1, FP32 LM head,
 forced interruptions at a thinking budget drawn from [10240, 12288] tokens with a 2048-token
 answer budget (off by default here: the tiny CPU recipes switch it on with small budgets).
 """

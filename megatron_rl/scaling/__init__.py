@@ -1,4 +1,4 @@
-"""Post-hoc compute-curve tool (SCALERL.md section 1). Imports no torch.
+"""Post-hoc compute-curve tool (docs/paper.md section 1). Imports no torch.
 
 Fits R(C) = R0 + (A - R0) / (1 + (C_mid / C) ** B) to a run's validation pass rate against
 training GPU-hours by the paper's procedure (grid over A and C_mid, B fitted at each grid

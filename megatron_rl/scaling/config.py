@@ -11,7 +11,7 @@ from megatron_rl.config.errors import ConfigError
 
 AUTO = "auto"
 
-# The paper's grid (SCALERL.md section 1): A in {0.450, 0.455, ..., 0.800}, C_mid over 100
+# The paper's grid (docs/paper.md section 1): A in {0.450, 0.455, ..., 0.800}, C_mid over 100
 # linearly spaced values in [100, 40000] GPU-hours, points before 1.5k GPU-hours excluded.
 PAPER_A_RANGE = (0.450, 0.800)
 PAPER_A_STEP = 0.005

@@ -1,6 +1,6 @@
 """Fitting the sigmoid compute curve: the paper's grid search, vectorised, then joint refinement.
 
-Grid search (SCALERL.md section 1): for every (A, C_mid) grid point, B is fitted by least
+Grid search (docs/paper.md section 1): for every (A, C_mid) grid point, B is fitted by least
 squares and the grid point with the least squared residual wins. For a fixed (C_mid, B) the
 curve is linear in the gain g = A - R0, so the residual of every A is a closed-form quadratic
 in g; this scores all (A, C_mid, B) triples on a coarse log-spaced B grid at the cost of the

@@ -1,9 +1,9 @@
-"""The paper's published fits (Table 1 of SCALERL.md) as synthetic runs with realistic noise,
+"""The paper's published fits (Table 1 of docs/paper.md) as synthetic runs with realistic noise,
 and the check that a forecast made at half the budget predicts the final pass rate.
 
 Assumptions the paper leaves open (stated, not hidden): R0 = 0.35 for every row (the paper
 gives no R0); the 8B rows run 7,400 steps over 100k GPU-hours and Scout 7,100 steps over
-50k (SCALERL.md section 3), evaluated every 100 steps. Noise: a validation point is mean@16
+50k (docs/paper.md section 3), evaluated every 100 steps. Noise: a validation point is mean@16
 on 1,000 prompts; its sampling sd alone is ~0.003-0.004, but points scatter around a fitted
 curve by ~0.01-0.015 (policy fluctuation between checkpoints), so the default is independent
 Gaussian noise of sd 0.015; ``ar1`` > 0 makes successive points' noise correlated.

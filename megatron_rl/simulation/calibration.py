@@ -50,7 +50,7 @@ PIPELINERL = (
     "training); "
     "setup from github.com/ServiceNow/PipelineRL README and conf/base.yaml"
 )
-SCALERL = "Khatri et al., The Art of Scaling RL Compute for LLMs, arXiv 2510.13786 (SCALERL.md)"
+SCALERL = "Khatri et al., The Art of Scaling RL Compute for LLMs, arXiv 2510.13786 (docs/paper.md)"
 
 # HF config fields of the calibration models (config.json of each checkpoint).
 LLAMA31_8B = dict(  # meta-llama/Llama-3.1-8B-Instruct

@@ -83,7 +83,7 @@ def plot_utilisation(runs: dict[str, list[SimResult]], path: str | Path) -> Path
     return out
 
 
-# The papers' runs the predictions are set against (SCALERL.md section 3): steps, GPUs and
+# The papers' runs the predictions are set against (docs/paper.md section 3): steps, GPUs and
 # GPU-hours (source: arXiv 2510.13786; the 8B run's 608 s a step is 100k GPU-h / 7,400 / 80).
 # The paper gives no Scout cluster: 128 GPUs is our recipe's (its s/step follows from that).
 PAPER_RUNS = {
@@ -243,3 +243,29 @@ def plot_calibration(rows, path: str | Path) -> Path:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+# What the predictions in tools/README.md are computed from: the simulator, the scheduler it
+# drives, the recipes it predicts. A change to any of them leaves the README's block stale
+# until `tools/simulate_run.py --calibrate --write-readme` rewrites it (minutes, so not in CI:
+# tests/unit/project compares this digest with the one the block records).
+PREDICTION_INPUTS = (
+    "megatron_rl/simulation/*.py",
+    "megatron_rl/trainer/rollout_source.py",
+    "recipes/base_scalerl.yaml",
+    "recipes/scalerl_8b.yaml",
+    "recipes/scalerl_scout.yaml",
+)
+
+
+def prediction_inputs_digest(root) -> str:
+    """sha256 (16 hex digits) of :data:`PREDICTION_INPUTS` under the repository ``root``."""
+    import hashlib
+    from pathlib import Path
+
+    digest = hashlib.sha256()
+    for pattern in PREDICTION_INPUTS:
+        for path in sorted(Path(root).glob(pattern)):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]

@@ -1,5 +1,5 @@
 """The real public config files of the production models (tests/data/hf_configs, copies of
-../shared/models; origins in tests/data/README.md) and HF directories made around them."""
+the public checkpoints' files; origins in tests/data/README.md) and HF directories made around them."""
 
 from __future__ import annotations
 

@@ -87,9 +87,12 @@ def test_llama31_eom_is_the_real_models_eos_id():
     # engine stops there already, and the format must treat it as a call's end.
     import json
 
-    config = Path("/work/shared/models/Llama-3.1-8B-Instruct/generation_config.json")
-    if not config.exists():
-        pytest.skip("no Llama-3.1 config here")
+    config = (
+        Path(__file__).resolve().parents[2]
+        / "data"
+        / "hf_configs"
+        / "Llama-3.1-8B-Instruct.generation_config.json"
+    )
     assert 128008 in json.loads(config.read_text())["eos_token_id"]
 
 

@@ -52,7 +52,7 @@ def test_8b_dry_run_is_20_nodes_of_4_gpus_with_16_trainer_and_64_generator_gpus(
     code, script, _ = launch(capsys, str(ROOT / "recipes/scalerl_8b.yaml"), "--dry-run")
     assert code == 0
     d, v = directives(script), variables(script)
-    # SCALERL.md section 3: 80 GB200 GPUs = 20 nodes x 4; 16 train, 64 generate (1 GPU each)
+    # docs/paper.md section 3: 80 GB200 GPUs = 20 nodes x 4; 16 train, 64 generate (1 GPU each)
     assert (d["nodes"], d["gpus-per-node"]) == ("20", "4")
     assert (v["TRAINER_TASKS"], v["TRAINER_NODES"], v["TRAINER_TASKS_PER_NODE"]) == ("16", "4", "4")
     assert (v["GENERATOR_TASKS"], v["GENERATOR_NODES"], v["ENGINE_GPUS"]) == ("64", "16", "1")

@@ -237,7 +237,7 @@ def test_model_check_refuses_a_production_preset_without_its_checkpoint(tmp_path
     assert "model.hf_path" not in model.check_model(_ctx(tmp_path, allowed)).message
 
 
-# -- model check on the real public config files (../shared/models, tests/data/hf_configs) -------
+# -- model check on the real public config files (tests/data/hf_configs) -------
 def test_model_check_passes_on_metas_own_config_files(tmp_path):
     """Llama-3.1-8B's config.json has no head_dim (transformers derives 128) and Scout's keeps
     tie_word_embeddings at the top level: both are the presets as transformers reads them."""

@@ -1,5 +1,5 @@
 """Every shipped recipe loads; each published recipe has its distinguishing settings
-(SCALERL.md sections 2-4); each leave-one-out variant differs from ScaleRL in exactly its
+(docs/paper.md sections 2-4); each leave-one-out variant differs from ScaleRL in exactly its
 one component."""
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def test_scalerl_8b_math_code_is_the_paper_run_on_polaris_and_deepcoder():
     assert [s.config.source for s in math] == ["POLARIS-Project/Polaris-Dataset-53K"]
     assert {s.config.source for s in code} == {"agentica-org/DeepCoder-Preview-Dataset"}
     assert all(s.config.format == "deepcoder" and s.config.fields()[2] == "tests" for s in code)
-    # 1,000 held-out prompts of each domain (SCALERL.md section 1).
+    # 1,000 held-out prompts of each domain (docs/paper.md section 1).
     assert sum(s.config.val_size for s in math) == sum(s.config.val_size for s in code) == 1000
     assert sum(s.weight for s in math) == pytest.approx(sum(s.weight for s in code))
 

@@ -21,7 +21,7 @@ from megatron_rl.scaling import (
 )
 
 R0 = 0.35  # the paper does not publish R0; any value below A
-# SCALERL.md Table 1 (C_mid, B, A); the 8B runs spend 100k GPU-hours over 7,400 steps and
+# docs/paper.md Table 1 (C_mid, B, A); the 8B runs spend 100k GPU-hours over 7,400 steps and
 # Scout 50k over 7,100 steps; the paper evaluates every 100 steps.
 TABLE1 = {
     "8b": (2542, 1.92, 0.610, 100_000, 7400),
