@@ -240,5 +240,10 @@ def test_engines_build_no_multimodal_processor(tmp_path, monkeypatch):
         transformers.AutoTokenizer.from_pretrained(scout)  # what the processor's load does
     args = engine_args(str(scout), RolloutConfig(), 0)
     assert args.language_model_only is True
+    # Scout's real config (Llama4ForConditionalGeneration): vLLM's registry reads the copy
+    from vllm.tokenizers.registry import get_tokenizer
+
+    want = hf_config.load_tokenizer(scout).encode("x=1", add_special_tokens=False)
+    assert get_tokenizer(args.tokenizer).encode("x=1", add_special_tokens=False) == want
     mm = MultiModalConfig(language_model_only=args.language_model_only)
     assert mm.get_limit_per_prompt("image") == 0 and mm.get_limit_per_prompt("video") == 0
