@@ -18,6 +18,9 @@
 #       CUDA, bit for bit against the CPU result that the CPU tests hold to vLLM's own
 #       quantizers; its FP8 engine load-and-push test skips here, without vLLM, and
 #       verifies both where a GPU has vLLM);
+#     tests/unit/trainer/test_mismatch_gpu.py (the mismatch correction's weights, loss and
+#       gradient on CUDA against float64 on the CPU; algorithm.mismatch_reference recompute
+#       on a CUDA model: pi_old stored, the updates take it);
 #   gpu_check: tools/gpu_check.py's numbers (control collectives, a 4-layer llama3-8b slice
 #     at 16k tokens extrapolated to recipes/scalerl_8b.yaml's layout by megatron_rl/planning,
 #     bucket packing GB/s, FP32 vs BF16-rounded head);
@@ -104,7 +107,8 @@ step tests 150 "$PY" -m pytest -p no:xdist -o 'addopts=-ra' -q -p no:cacheprovid
     --durations=15 -m gpu \
     tests/unit/models/test_gpu_paths.py tests/unit/models/test_fused_kernels_gpu.py \
     tests/unit/platform/test_streams_gpu.py tests/unit/rollout/test_weight_push_fast.py \
-    tests/unit/trainer/test_async_checkpoint.py tests/unit/rollout/test_fp8_rollouts.py
+    tests/unit/trainer/test_async_checkpoint.py tests/unit/rollout/test_fp8_rollouts.py \
+    tests/unit/trainer/test_mismatch_gpu.py
 if [ "$SMOKE" = 1 ]; then
     step gpu_check 120 "$PY" tools/gpu_check.py --smoke
     step attention 45 "$PY" tools/bench_chunked_attention.py --device cpu --tokens 256 \

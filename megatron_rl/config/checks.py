@@ -133,10 +133,7 @@ def _check_routing_replay(config: RunConfig, moe: bool, source: str) -> None:
             "needs dropless experts (model.moe.capacity_factor null); the generator "
             "drops no tokens",
         )
-    p = config.parallel
-    if p.context > 1:
-        raise ConfigError(key, "not supported with context parallelism (parallel.context)")
-    if config.model.recompute_activations and p.pipeline > 1:
+    if config.model.recompute_activations and config.parallel.pipeline > 1:
         # A pipeline schedule runs other micro-batches' forwards between a micro-batch's
         # forward and its recompute: the replayed indices would be another micro-batch's.
         raise ConfigError(

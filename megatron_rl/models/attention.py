@@ -26,16 +26,19 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+HOST_BOUNDS = "_megatron_rl_host_bounds"  # PackedSeqParams attribute: cu_seqlens_q as a list
+
 
 def host_bounds(params) -> list[int]:
     """``params.cu_seqlens_q`` as a host list, read once per forward: every layer gets the
     same ``PackedSeqParams`` object, and reading a CUDA tensor is a device sync that would
     stop the host from queueing ahead at each layer (Scout: SDPA on every layer). Kept on
-    the params object, whose life is the micro-batch's forward (and its recompute)."""
-    bounds = getattr(params, "_megatron_rl_host_bounds", None)
+    the params object, whose life is the micro-batch's forward (and its recompute);
+    ``models.logprobs`` puts the bounds it has read there when it makes the params."""
+    bounds = getattr(params, HOST_BOUNDS, None)
     if bounds is None:
         bounds = params.cu_seqlens_q.tolist()
-        params._megatron_rl_host_bounds = bounds
+        setattr(params, HOST_BOUNDS, bounds)
     return bounds
 
 

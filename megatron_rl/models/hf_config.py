@@ -7,8 +7,9 @@ int, the default of transformers 4.51's Llama4TextConfig; transformers 5.x's str
 dataclasses want a bool and raise. Every reader (model builder, conversion, engines, launchers,
 preflight, the config checks of ``plan`` and ``--dry-run``) goes through :func:`load_hf_config`,
 which coerces the known fields (:data:`COERCED_FIELDS`) and, on a value that is really wrong,
-raises a ``ValueError`` naming the file and the key. vLLM reads config.json itself: an engine
-whose config needs coercion gets a coerced copy (:func:`vllm_config_dir`).
+raises a ``ValueError`` naming the file and the key. vLLM reads config.json itself, and its
+tokenizer registry reads it again from the tokenizer's directory: an engine whose config needs
+coercion gets a coerced copy with the tokenizer beside it (:func:`vllm_config_dir`).
 
 Imports transformers on first use only: the config checks import this module.
 """
@@ -42,8 +43,9 @@ COERCED_FIELDS: dict[str, type] = {"attn_temperature_tuning": bool}
 # where a multimodal config nests its models' configs (Llama-4: text_config, vision_config)
 _SUB_CONFIGS = ("text_config", "vision_config")
 
-# files vLLM reads from the config directory besides config.json (vllm_config_dir copies them)
-_VLLM_CONFIG_FILES = ("generation_config.json", "hf_quant_config.json")
+# what vllm_config_dir leaves out of its copy: the weights (every other top-level file is
+# small: the tokenizer's, generation_config.json, hf_quant_config.json, the processor's)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
 def _config_path(hf_dir: str | Path) -> Path:
@@ -167,17 +169,27 @@ def load_tokenizer(hf_dir: str | Path) -> Any:
 
 
 def vllm_config_dir(hf_dir: str | Path) -> str | None:
-    """A directory vLLM can read ``hf_dir``'s config from (``EngineArgs.hf_config_path``):
-    None when config.json loads as it is, else a copy with the coerced config.json (and
-    generation_config.json) in the temp directory, named by its content (made once per
-    node; concurrent makers race harmlessly)."""
+    """A directory vLLM can read ``hf_dir``'s config and tokenizer from (``EngineArgs``'s
+    ``hf_config_path`` and ``tokenizer``): None when config.json loads as it is, else a copy
+    with the coerced config.json and every other top-level file but the weights (the
+    tokenizer's files, generation_config.json, ...) in the temp directory, named by its
+    content (made once per node; concurrent makers race harmlessly).
+
+    The tokenizer goes with it because vLLM 0.32's ``get_tokenizer`` reads config.json from
+    the tokenizer's directory (``vllm/tokenizers/registry.py:237-245``, ``get_config``) and
+    suppresses only ValueError and OSError: the strict-dataclass error of the original file
+    escaped and every engine that loads a tokenizer (episodes) failed at start."""
     path = _config_path(hf_dir)
     fields = _read_json(path)
     if not coerce_config_dict(fields, path):
         return None
     config_from_dict(fields, path)  # a config transformers refuses fails here, not in vLLM
     text = json.dumps(fields, indent=2, sort_keys=True)
-    copied = [path.parent / name for name in _VLLM_CONFIG_FILES if (path.parent / name).is_file()]
+    copied = sorted(
+        file
+        for file in path.parent.iterdir()
+        if file.is_file() and file.name != CONFIG_NAME and not file.name.endswith(_WEIGHT_SUFFIXES)
+    )
     digest = hashlib.sha256(text.encode())
     for file in copied:
         digest.update(file.name.encode() + file.read_bytes())

@@ -27,10 +27,13 @@ def forward_logits(
     (``PackedSeqParams``), positions restarting at 0 in each sequence, no attention across them.
     """
     b, s = tokens.shape
-    if cu_seqlens is not None and (b != 1 or int(cu_seqlens[-1]) != s):
+    # the sequence bounds on the host: the forward's one read of cu_seqlens (a device sync
+    # where it is on the GPU); the positions, the attention and the RoPE all take them from here
+    bounds = None if cu_seqlens is None else cu_seqlens.tolist()
+    if bounds is not None and (b != 1 or bounds[-1] != s):
         raise ValueError(
             f"a packed micro-batch is [1, T] with cu_seqlens ending at T: got tokens "
-            f"{tuple(tokens.shape)} and cu_seqlens ending at {int(cu_seqlens[-1])}"
+            f"{tuple(tokens.shape)} and cu_seqlens ending at {bounds[-1]}"
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     sequence_parallel = model.config.sequence_parallel and tp > 1
@@ -43,24 +46,16 @@ def forward_logits(
         if cu_seqlens is not None:  # the padding: a sequence of its own, attending to itself
             end = torch.tensor([tokens.shape[1]], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
             cu_seqlens = torch.cat([cu_seqlens, end])
+            bounds = [*bounds, tokens.shape[1]]
     extra = {}
     if cu_seqlens is None:
         position_ids = (
             torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand(b, -1)
         )
     else:
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         cu_seqlens = cu_seqlens.to(device=tokens.device, dtype=torch.int32)
-        position_ids = packed_positions(cu_seqlens).unsqueeze(0)
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        extra["packed_seq_params"] = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu_seqlens,
-            cu_seqlens_kv=cu_seqlens,
-            max_seqlen_q=longest,
-            max_seqlen_kv=longest,
-        )
+        position_ids = packed_positions(cu_seqlens, bounds[-1]).unsqueeze(0)
+        extra["packed_seq_params"] = _packed_seq_params(cu_seqlens, bounds)
     if padding is not None:
         if sequence_parallel and not parallel_state.is_pipeline_first_stage():
             # megatron-core 0.16.1: GPTModel._preprocess cuts padding_mask to this rank's
@@ -76,11 +71,61 @@ def forward_logits(
     return output  # an earlier pipeline stage's hidden states, for the next stage
 
 
-def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``[T]`` each token's position in its own sequence (0 at every start)."""
+def packed_positions(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """``[T]`` each token's position in its own sequence (0 at every start). ``total``: T, when
+    the caller knows it (no device sync: repeat_interleave otherwise reads its output size)."""
+    total = int(cu_seqlens[-1]) if total is None else total
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
-    return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
+    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
+    return torch.arange(total, device=cu_seqlens.device) - starts
+
+
+_HOST_COPY = "_megatron_rl_host_copy"  # a device cu_seqlens' host copy, for _rope_thd_on_host
+
+
+def _packed_seq_params(cu_seqlens: torch.Tensor, bounds: list[int]):
+    """megatron's ``PackedSeqParams`` (THD) for the sequences ``cu_seqlens [n + 1]`` (int32, on
+    the model's device), whose values ``bounds`` the caller has read: no layer reads them
+    from the device again (the attention: ``models.attention.host_bounds``; the RoPE:
+    :func:`_rope_thd_on_host`)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_rl.models.attention import HOST_BOUNDS
+
+    longest = max(z - a for a, z in zip(bounds[:-1], bounds[1:]))
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+    setattr(params, HOST_BOUNDS, bounds)
+    setattr(cu_seqlens, _HOST_COPY, torch.tensor(bounds, dtype=torch.int32))
+    _install_rope_thd_on_host()
+    return params
+
+
+def _rope_thd_on_host(t: torch.Tensor, cu_seqlens: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """megatron-core 0.16.1's unfused THD RoPE (``rope_utils._apply_rotary_pos_emb_thd``: Llama-4's
+    interleaved RoPE on a packed micro-batch, which ``platform.kernels`` leaves unfused) on
+    the host copy of ``cu_seqlens`` that :func:`_packed_seq_params` made. It reads the bounds
+    at every call, query and key of every layer: ``.tolist()`` (rope_utils.py:204), a tensor
+    compared as a bool (211) and, when one sequence fills the pack, ``.item()`` per sequence
+    (218): 2-4 device syncs per layer. The same function on the same values: the same output."""
+    return _rope_thd_on_host.megatron(
+        t, getattr(cu_seqlens, _HOST_COPY, cu_seqlens), *args, **kwargs
+    )
+
+
+def _install_rope_thd_on_host() -> None:
+    """Route megatron's THD RoPE (called through its module global, rope_utils.py:303) through
+    :func:`_rope_thd_on_host`; once per process."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils._apply_rotary_pos_emb_thd is not _rope_thd_on_host:
+        _rope_thd_on_host.megatron = rope_utils._apply_rotary_pos_emb_thd
+        rope_utils._apply_rotary_pos_emb_thd = _rope_thd_on_host
 
 
 def gather_vocab(logits: torch.Tensor) -> torch.Tensor:

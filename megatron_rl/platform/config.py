@@ -22,7 +22,8 @@ class ParallelConfig:
     # usual choice for MoE and the only one modelopt 0.47's packed Llama-4 expert import slices
     # correctly (it cuts the fused gate/up tensor contiguously across ranks).
     expert_tensor: int = 1
-    context: int = 1  # context-parallel size (CP)
+    # context-parallel size (CP): only 1; the forward splits no sequence across CP ranks
+    context: int = 1
     sequence_parallel: bool = False  # Megatron sequence parallelism (needs tensor > 1)
     timeout_minutes: int = 30  # collectives time out instead of hanging forever
 
@@ -32,6 +33,15 @@ class ParallelConfig:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.expert_tensor < 1:
             raise ConfigError("expert_tensor", f"must be >= 1, got {self.expert_tensor}")
+        if self.context > 1:
+            # megatron-core's GPTModel leaves the split of each sequence (and of its positions
+            # and packed boundaries) across context-parallel ranks to the caller; ours passes
+            # whole sequences, so every CP rank would train on wrong positions, silently.
+            raise ConfigError(
+                "context",
+                f"must be 1, got {self.context}: context parallelism is not implemented (the "
+                "trainer's forward does not split sequences across context-parallel ranks)",
+            )
         if self.sequence_parallel and self.tensor == 1:
             raise ConfigError("sequence_parallel", "needs parallel.tensor > 1")
 

@@ -169,12 +169,20 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         # vLLM switches Llama-4 temperature tuning on only above 32k context; the trainer
         # (and transformers) follow the config: make vLLM follow it too.
         overrides["attn_temperature_tuning"] = bool(text.attn_temperature_tuning)
+    # vLLM reads config.json with transformers itself, from the config's directory and again
+    # from the tokenizer's: a coerced copy, with the tokenizer in it, where it needs one
+    coerced = vllm_config_dir(hf_dir)
     return EngineArgs(
         model=hf_dir,
-        # vLLM reads config.json with transformers itself: a coerced copy where it needs one
-        hf_config_path=vllm_config_dir(hf_dir),
+        hf_config_path=coerced,
+        tokenizer=coerced,
         # the stop strings of a multi-turn episode's tool calls need vLLM's detokenizer
         skip_tokenizer_init=not config.episodes,
+        # Text in, text out: no multimodal processor (vLLM builds Llama-4's at start from the
+        # original directory, whose tokenizer transformers loads through the original
+        # config.json: renderers/base.py:181-196, transformers_utils/processor.py:357-404)
+        # and no vision tower (limits 0: config/multimodal.py:699, interfaces.py:339)
+        language_model_only=True,
         dtype=config.dtype,
         seed=config.seed + index,
         max_model_len=config.max_model_len,

@@ -89,3 +89,13 @@ def test_plan_plans_for_the_recipes_gpu_unless_told_otherwise():
     config = load_run_config(SCOUT, ["cluster.gpu=h100"])
     assert plan_run(config, search=False).gpu.name == "h100"
     assert plan_run(config, gpu="gb200", search=False).gpu.name == "gb200"
+
+
+def test_context_parallelism_is_refused_at_load_naming_the_key():
+    """No forward of ours splits sequences across context-parallel ranks (megatron's GPTModel
+    leaves it to the caller): CP > 1 would train every rank on whole sequences at wrong
+    positions. Refused at load; no shipped recipe asks for it."""
+    err = _error(SCOUT, ["parallel.context=2"])
+    assert err.key == "parallel.context" and "must be 1, got 2" in err.message
+    for recipe in sorted(RECIPES.glob("*.yaml")):
+        assert load_run_config(recipe).parallel.context == 1, recipe.name

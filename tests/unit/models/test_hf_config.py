@@ -182,3 +182,68 @@ def test_vllm_gets_a_copy_exactly_when_a_field_was_coerced(tmp_path, monkeypatch
     if copied:
         text = json.loads(Path(out, "config.json").read_text())["text_config"]
         assert text["attn_temperature_tuning"] is bool(value)
+
+
+def test_an_episode_engine_loads_its_tokenizer_through_vllm(tmp_path, tiny_hf_dirs, monkeypatch):
+    """An engine that runs episodes loads its tokenizer (vLLM's registry, which reads
+    config.json from the tokenizer's directory and lets the strict-dataclass error of
+    ``attn_temperature_tuning: 4`` through): its engine args name the coerced copy, which holds
+    the tokenizer, and vLLM's own ModelConfig and tokenizer registry load it."""
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
+    from vllm.tokenizers.registry import cached_tokenizer_from_config, get_tokenizer
+
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+    from megatron_rl.environments.config import EnvironmentConfig
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.engine.vllm_engine import engine_args
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the copy goes
+    hf_dir = tmp_path / "tiny-llama4"
+    shutil.copytree(tiny_hf_dirs["tiny-llama4"], hf_dir)
+    want = build_char_tokenizer(tmp_path / "tok")
+    for file in (tmp_path / "tok").iterdir():
+        shutil.copy(file, hf_dir / file.name)
+    fields = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**fields, "attn_temperature_tuning": 4}))
+    with pytest.raises(StrictDataclassFieldValidationError, match="attn_temperature_tuning"):
+        get_tokenizer(str(hf_dir))  # vLLM's registry on the original directory
+    episodes = RolloutConfig(max_turns=2, environment=EnvironmentConfig(name="python_tool"))
+    args = engine_args(str(hf_dir), episodes, 0)
+    assert not args.skip_tokenizer_init and args.tokenizer == args.hf_config_path
+    assert not any(Path(args.tokenizer).glob("*.safetensors"))  # the weights stay where they are
+    model_config = args.create_model_config()  # vLLM's own reading of the engine args
+    assert model_config.model == str(hf_dir) and model_config.tokenizer == args.tokenizer
+    assert model_config.hf_config.attn_temperature_tuning is True
+    tokenizer = cached_tokenizer_from_config(model_config)
+    assert tokenizer.encode("a+b=c", add_special_tokens=False) == want.encode(
+        "a+b=c", add_special_tokens=False
+    )
+    assert len(tokenizer) == len(want)
+
+
+def test_engines_build_no_multimodal_processor(tmp_path, monkeypatch):
+    """vLLM builds a Llama-4 engine's multimodal processor at start (renderers/base.py:181-196)
+    from the original directory (``cached_processor_from_config`` loads ``model_config.model``,
+    transformers_utils/processor.py:393-404), whose tokenizer transformers' AutoTokenizer
+    builds from the original config.json (first, without the tokenizer it is given:
+    processor.py:357-371): the same strict error. The engines generate from text only: they
+    ask for the language model alone, and vLLM then makes no processor (every modality's
+    limit is 0, config/model.py:941-955) nor the vision tower."""
+    from vllm.config.multimodal import MultiModalConfig
+
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.engine.vllm_engine import engine_args
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    scout = hf_dir_with_config(tmp_path / "scout", scout_with_int_tuning())
+    with pytest.raises(Exception, match="attn_temperature_tuning"):
+        transformers.AutoTokenizer.from_pretrained(scout)  # what the processor's load does
+    args = engine_args(str(scout), RolloutConfig(), 0)
+    assert args.language_model_only is True
+    # Scout's real config (Llama4ForConditionalGeneration): vLLM's registry reads the copy
+    from vllm.tokenizers.registry import get_tokenizer
+
+    want = hf_config.load_tokenizer(scout).encode("x=1", add_special_tokens=False)
+    assert get_tokenizer(args.tokenizer).encode("x=1", add_special_tokens=False) == want
+    mm = MultiModalConfig(language_model_only=args.language_model_only)
+    assert mm.get_limit_per_prompt("image") == 0 and mm.get_limit_per_prompt("video") == 0

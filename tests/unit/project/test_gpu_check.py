@@ -44,6 +44,7 @@ GPU_PATHS = (
     "tests/unit/rollout/test_weight_push_fast.py",
     "tests/unit/trainer/test_async_checkpoint.py",
     "tests/unit/rollout/test_fp8_rollouts.py",
+    "tests/unit/trainer/test_mismatch_gpu.py",
 )
 
 

@@ -3,8 +3,14 @@ are its own, and the update is the padded one."""
 
 from __future__ import annotations
 
+import traceback
+from collections import Counter
+from pathlib import Path
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from megatron_rl.algorithms.config import AlgorithmConfig
 from megatron_rl.models import ModelConfig
@@ -198,3 +204,79 @@ def test_packed_attention_reads_cu_seqlens_once_per_forward():
     assert Counted.calls == 1
     fresh = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     assert host_bounds(fresh) == [0, 3, 5] and Counted.calls == 2  # a new micro-batch reads
+
+
+class _DeviceReads(TorchFunctionMode):
+    """Counts, by call site, the host's reads of tensor values (``tolist``, ``item``,
+    ``bool(t)``, ``int(t)``, ...) during a CPU forward, of the tensors that would be on the
+    GPU there, where each read is a device sync: every tensor but those made on the host (a
+    factory without ``device``: ``torch.tensor(bounds)``) and those computed from them. Reads
+    inside torch kernels (``repeat_interleave`` without ``output_size``) are not seen."""
+
+    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__}
+    READS |= {torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+    FACTORIES = {torch.tensor, torch.as_tensor, torch.arange, torch.zeros, torch.ones, torch.full}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host: dict[int, torch.Tensor] = {}  # id -> tensor (kept alive: ids stay unique)
+        self.sites: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if func in self.READS and id(args[0]) not in self.host:
+            caller = next(
+                f for f in reversed(traceback.extract_stack()[:-1]) if "torch/" not in f.filename
+            )
+            self.sites[f"{Path(caller.filename).name}:{caller.lineno}"] += 1
+        out = func(*args, **kwargs)
+        moved = func in (torch.Tensor.to, torch.Tensor.cuda) and (
+            "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])
+        )
+        if (func in self.FACTORIES and kwargs.get("device") is None) or (
+            not moved and any(id(t) in self.host for t in inputs)
+        ):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.host[id(t)] = t
+        return out
+
+
+@pytest.fixture(scope="module")
+def llama4(megatron_single_rank_module):
+    torch.manual_seed(0)
+    return build_model(ModelConfig(preset="tiny-llama4", dtype="float32"), ParallelConfig()).eval()
+
+
+@pytest.mark.parametrize("lengths", [(40, 7, 19), (50,)])
+def test_a_packed_forward_reads_its_bounds_from_the_device_once(llama4, lengths, monkeypatch):
+    """megatron-core 0.16.1's unfused THD RoPE (Llama-4, interleaved) read cu_seqlens at every
+    call, query and key of every RoPE layer (rope_utils.py:204 tolist, 211 a tensor as a bool,
+    218 item per sequence when one sequence fills the pack): 12-18 device syncs in tiny-llama4's
+    three RoPE layers, plus the forward's own. Now one read per forward, the same logits bit
+    for bit as megatron's own RoPE on the device tensor; the other reads of the forward are the
+    MoE dispatch's, which the padded forward makes too."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_rl.models import logprobs
+
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(3, 128, (1, sum(lengths)), generator=gen)
+    cu = cu_seqlens_of(lengths)
+    with torch.no_grad():
+        with _DeviceReads() as packed:
+            forward_logits(llama4, tokens, cu_seqlens=cu)
+        with _DeviceReads() as padded:
+            forward_logits(llama4, tokens)
+        rope = {site: n for site, n in packed.sites.items() if site.startswith("rope_utils")}
+        assert rope == {}, packed.sites
+        assert sum(packed.sites.values()) == sum(padded.sites.values()) + 1, packed.sites
+        out = forward_logits(llama4, tokens, cu_seqlens=cu)
+        # megatron's own THD RoPE, on the (device) cu_seqlens itself
+        monkeypatch.setattr(
+            rope_utils, "_apply_rotary_pos_emb_thd", logprobs._rope_thd_on_host.megatron
+        )
+        monkeypatch.setattr(logprobs, "_install_rope_thd_on_host", lambda: None)
+        monkeypatch.setattr(logprobs, "_HOST_COPY", "_not_set")
+        assert torch.equal(forward_logits(llama4, tokens, cu_seqlens=cu), out)
