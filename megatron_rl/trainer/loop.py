@@ -16,7 +16,12 @@ from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.platform import collectives, get_platform, watchdog
-from megatron_rl.rewards.pool import count_timeouts
+from megatron_rl.rewards.pool import (
+    RewardFailure,
+    check_error_fraction,
+    count_errors,
+    count_timeouts,
+)
 from megatron_rl.rollout.client import WeightsNeeded
 from megatron_rl.rollout.samples import TOOL_VERSION
 from megatron_rl.rollout.weights import m2n_ranks
@@ -447,8 +452,23 @@ class Trainer:
             if run.exporter is not None:
                 run.exporter.poll()
 
-    def validate(self) -> float:
-        return validate(self.run, self.pool, self.step, self.main, self.waits, self.forecast)
+    def validate(self, at_end: bool = False) -> float:
+        """Validation of this step (``at_end``: the one of ``finish``). When the reward fails
+        in it (``RewardFailure``, on every rank), the step was trained all the same: its
+        checkpoint, if due now, is saved before the error ends the run."""
+        try:
+            return validate(self.run, self.pool, self.step, self.main, self.waits, self.forecast)
+        except RewardFailure:
+            checkpoint = self.config.checkpoint
+            due = _due(self.step, checkpoint.every_steps) or (at_end and checkpoint.save_at_end)
+            if self.step > 0 and due:
+                logger.error(
+                    "the reward failed in the validation of step %d: saving the step's "
+                    "checkpoint before the run stops",
+                    self.step,
+                )
+                self.save_checkpoint(wait=True)
+            raise
 
     def save_checkpoint(self, wait: bool = False) -> None:
         """Checkpoint this step: in the background if ``checkpoint.async_save`` unless
@@ -468,7 +488,7 @@ class Trainer:
         validation, checkpoint = self.config.validation, self.config.checkpoint
         validated_at_end = validation.enabled and self.step % validation.every_steps != 0
         if validated_at_end:
-            self.validate()
+            self.validate(at_end=True)
         # The loop's own checkpoint of this step holds everything unless validation ran since.
         saved = self.step > 0 and _due(self.step, checkpoint.every_steps) and not validated_at_end
         if checkpoint.save_at_end and not saved:
@@ -543,7 +563,9 @@ def on_every_rank(
             watchdog.paused("waiting for the main rank") if not main else contextlib.nullcontext()
         )
         with waiting:
-            sent = broadcast(value if share or isinstance(value, Reweigh) else None)
+            # unshared values: a reweigh, or a RewardFailure (every rank raises it)
+            unshared = isinstance(value, (Reweigh, RewardFailure))
+            sent = broadcast(value if share or unshared else None)
         if not isinstance(sent, Reweigh):
             return value if main else sent
         push_weights(run, pool, reweigh=True)
@@ -591,7 +613,9 @@ def validate(
     ranks' bound (None: the world's); ``forecast``: the live forecast to update."""
     wait = waits.validation if waits is not None else None
     if not main:  # waits for the whole pass, scoring included
-        on_every_rank(run, pool, False, lambda: None, wait, share=False)
+        failed = on_every_rank(run, pool, False, lambda: None, wait, share=False)
+        if isinstance(failed, RewardFailure):  # the main rank's reward failed: every rank stops
+            raise failed
         return float("nan")
     cfg = run.config.validation
     # ``num_prompts`` counts per domain, so a cap never leaves a domain out.
@@ -615,21 +639,30 @@ def validate(
 
     # Blocking validation, accounted apart; the training requests that PipelineRL generators
     # keep decoding meanwhile are training compute (their token share of the window).
-    def score() -> tuple[list, list[str], list[float]] | None:
+    def score() -> tuple | RewardFailure | None:
         samples = generate()  # scoring too: the other ranks wait until the pass is done
         if not samples:
             return None
         texts = [model_text(run.tokenizer, s) for s in samples]  # a tool's output left out
         refs = [run.data.get(ids[s.prompt_index - samples[0].prompt_index]) for s in samples]
         kinds = [p.kind for p in refs]
-        return samples, kinds, run.rewards.score_batch(texts, [p.reference for p in refs], kinds)
+        try:  # a failed reward is handed to every rank (on_every_rank), which all raise it
+            rewards = run.rewards.score_batch(texts, [p.reference for p in refs], kinds)
+            statuses = list(run.rewards.last_statuses)
+            limit = run.config.reward.max_error_fraction
+            check_error_fraction(statuses, limit, f"the validation pass of step {step}")
+        except RewardFailure as err:
+            return err
+        return samples, kinds, rewards, statuses, sum(run.rewards.last_crashes)
 
     with run.clock.window("validation") as window:
         tokens_before = pool.generated_tokens()
         scored = on_every_rank(run, pool, True, score, wait, share=False)
         if scored is None:
             return float("nan")
-        samples, kinds, rewards = scored
+        if isinstance(scored, RewardFailure):
+            raise scored
+        samples, kinds, rewards, statuses, crashes = scored
         val_tokens = sum(len(s) for s in samples)
         train_tokens = pool.generated_tokens() - tokens_before - val_tokens
         window.train_fraction = generation_share(train_tokens, val_tokens)
@@ -646,7 +679,9 @@ def validate(
             "val_pass_rate": rate,
             **per_domain,
             "val_samples": len(rewards),
-            **{f"val_reward_{k}": v for k, v in count_timeouts(run.rewards.last_statuses).items()},
+            **{f"val_reward_{k}": v for k, v in count_timeouts(statuses).items()},
+            "val_reward_errors": count_errors(statuses),
+            "val_reward_crashes": crashes,
             "val_train_fraction": window.train_fraction,
             "val_seconds": time.perf_counter() - t0,
         }

@@ -229,7 +229,7 @@ def test_score_groups_routes_rewards_by_domain(joint):
             for k, text in enumerate((right, other, right))
         ]
         groups.append(Group(pid, 3, 0, samples))
-    config = SimpleNamespace(rollout=SimpleNamespace(episodes=False))
+    config = SimpleNamespace(rollout=SimpleNamespace(episodes=False), reward=rewards.config)
     run = SimpleNamespace(tokenizer=tok, data=data, rewards=rewards, tracker=None, config=config)
     samples, info = score_groups(run, groups, version=0)
     assert [s.reward for s in samples] == [1.0, -1.0, 1.0] * 2

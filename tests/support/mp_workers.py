@@ -174,6 +174,7 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
 
     from megatron_rl.config.sections import ValidationConfig
     from megatron_rl.platform import collectives
+    from megatron_rl.rewards.config import RewardConfig
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.trainer import loop
     from megatron_rl.trainer.compute import ComputeClock
@@ -206,6 +207,7 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
         seed=0,
         validation=ValidationConfig(samples_per_prompt=2, timeout_minutes=wait_min),
         rollout=RolloutConfig(startup_timeout_minutes=wait_min / 2, batch_timeout_minutes=wait_min),
+        reward=RewardConfig(),
     )
     run = SimpleNamespace(
         config=config,
@@ -215,7 +217,7 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
             sources=["math"],
         ),
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "1"),
-        rewards=SimpleNamespace(score_batch=score_batch, last_statuses=[]),
+        rewards=SimpleNamespace(score_batch=score_batch, last_statuses=[], last_crashes=[]),
         clock=ComputeClock(1),
         metrics=SimpleNamespace(log=lambda record: None),
         exporter=None,
