@@ -311,3 +311,96 @@ def preflight_failure_worker(config, run_dir: str) -> dict:
     )
     report = run_preflight(config, run_dir, checks=checks)
     return dataclasses.asdict(report)
+
+
+def validation_reward_failure_worker(sync_dir: str, world_timeout_s: float) -> list[str]:
+    """Rank 0's reward fails in a validation pass (every response's scoring failed, over
+    reward.max_error_fraction): every rank runs the loop's ``Trainer.validate`` of step 2
+    (its checkpoint due), whose save is a world collective here. Returns the events of this
+    rank: ``saved`` and the error it raised, in order."""
+    import datetime
+    import os
+    import time
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_rl.config.sections import ValidationConfig
+    from megatron_rl.platform import collectives
+    from megatron_rl.rewards.config import RewardConfig
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.trainer import loop
+    from megatron_rl.trainer.compute import ComputeClock
+
+    rank = int(os.environ["RANK"])
+    sync = Path(sync_dir)
+    (sync / f"up{rank}").touch()
+    while not all((sync / f"up{r}").exists() for r in (0, 1)):
+        time.sleep(0.02)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=world_timeout_s))
+
+    class Sample(list):
+        prompt_index = 0
+        response_ids = [1, 2]
+        versions = [0, 0]
+
+    class Pool:
+        def generate(self, prompts, seeds, samples_per_prompt, temperature):
+            return [Sample([1, 2]) for _ in range(len(prompts) * samples_per_prompt)]
+
+        def generated_tokens(self) -> int:
+            return 0
+
+    class BrokenRewards:
+        last_statuses: list[str] = []
+        last_crashes: list[int] = []
+
+        def score_batch(self, texts, refs, kinds):
+            self.last_statuses, self.last_crashes = ["error"] * len(texts), [0] * len(texts)
+            return [-1.0] * len(texts)
+
+    config = SimpleNamespace(
+        seed=0,
+        validation=ValidationConfig(samples_per_prompt=2, timeout_minutes=2.0),
+        rollout=RolloutConfig(startup_timeout_minutes=1.0, batch_timeout_minutes=2.0),
+        reward=RewardConfig(),
+        checkpoint=SimpleNamespace(every_steps=2, save_at_end=True),
+    )
+    run = SimpleNamespace(
+        config=config,
+        data=SimpleNamespace(
+            val_by_domain=lambda: {"math": [0]},
+            get=lambda i: SimpleNamespace(kind="math", reference="1"),
+            sources=["math"],
+        ),
+        tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "1"),
+        rewards=BrokenRewards(),
+        clock=ComputeClock(1),
+        metrics=SimpleNamespace(log=lambda record: None),
+        exporter=None,
+        forecast=None,
+        encode=lambda i: [i],
+    )
+    events: list[str] = []
+
+    def save_checkpoint(wait: bool = False) -> None:
+        collectives.any_rank(False)  # a collective, as the real save: every rank or none
+        events.append("saved")
+
+    trainer = SimpleNamespace(
+        run=run,
+        pool=Pool() if rank == 0 else None,
+        step=2,
+        main=rank == 0,
+        waits=loop.rank_zero_waits(config),
+        forecast=None,
+        config=config,
+        save_checkpoint=save_checkpoint,
+    )
+    try:
+        loop.Trainer.validate(trainer)
+        events.append("passed")
+    except Exception as err:  # noqa: BLE001 - the outcome is the test's finding
+        events.append(f"{type(err).__name__}: {err}")
+    return events
