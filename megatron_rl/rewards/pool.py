@@ -208,18 +208,28 @@ class RewardPool:
             self.last_crashes = crashes
         return rewards
 
-    def _failed(self, domain: str, kind: str, detail: str, response: Any, reference: Any) -> None:
-        """Count a response whose scoring failed; log the first failure of each ``kind``
-        (an exception's type) in ``domain`` with the response, later ones at debug level."""
+    def _failed(
+        self,
+        domain: str,
+        kind: str,
+        detail: str,
+        response: Any,
+        reference: Any,
+        status: str = ERROR,
+    ) -> None:
+        """Count a response whose scoring failed (its ``status``); log the first failure of
+        each ``kind`` (an exception's type) in ``domain`` with the response, later ones at
+        debug level."""
         self.stats[f"{domain}_failed_{kind}"] += 1
         first = (domain, kind) not in self._logged_failures
         self._logged_failures.add((domain, kind))
         logger.log(
             logging.WARNING if first else logging.DEBUG,
             "scoring a %s response failed (%s); it scores reward.incorrect_reward with the "
-            "status 'error'%s.\n  response: %s\n  reference: %s",
+            "status '%s'%s.\n  response: %s\n  reference: %s",
             domain,
             detail,
+            status,
             " (only the first failure of this kind is logged)" if first else "",
             _clip(response),
             _clip(reference),
@@ -270,9 +280,9 @@ class RewardPool:
         except WorkersUnavailable as err:
             self._math = None  # closed by the failure
             raise RewardFailure(
-                f"{err}: math answers cannot be verified (reward.worker_memory_mb "
-                f"{config.worker_memory_mb} MB over a worker's size after its imports; "
-                "the worker's error is above)"
+                f"{err}; math answers cannot be verified (does the verifier import in this "
+                f"environment? does it fit reward.worker_memory_mb, {config.worker_memory_mb} "
+                "MB over a worker's size after its imports?)"
             ) from err
         for i, result in zip(to_verify, results):
             status = result.value if result.status == "ok" else result.status
@@ -285,7 +295,7 @@ class RewardPool:
                 detail = f"in a worker: {result.error}"
                 self._failed("math", kind, detail, responses[i], references[i])
             elif status == CRASHED:
-                self._failed("math", CRASHED, result.error, responses[i], references[i])
+                self._failed("math", CRASHED, result.error, responses[i], references[i], CRASHED)
             if result.blocked:
                 self.stats["blocked_events"] += len(result.blocked)
             if status == "timeout":
