@@ -55,6 +55,10 @@ def _crash() -> None:
     os._exit(3)
 
 
+def _unpicklable():
+    return lambda: 0  # a result the worker cannot send back
+
+
 def _failing_init() -> None:
     raise ImportError("no module named 'math_verify' (a broken environment)")
 
@@ -155,6 +159,17 @@ def test_a_task_whose_worker_dies_twice_is_crashed_and_the_pool_goes_on():
         (result,) = workers.map(_crash, [()])
         assert (result.status, result.crashes) == ("crashed", 2)
         assert "exit status 3" in result.error and workers.num_crashed == 2
+        assert workers.map(abs, [(-3,)])[0].value == 3
+
+
+def test_a_result_the_worker_cannot_send_is_an_error_of_its_task_alone():
+    """A worker whose result does not pickle used to die in its send ("crashed", and now a
+    retry): the task is an "error" and the worker serves the next task."""
+    with WorkerPool(num_workers=1, timeout_s=5.0) as workers:
+        before = workers.worker_pids()
+        (result,) = workers.map(_unpicklable, [()])
+        assert result.status == "error" and "unsendable result" in result.error
+        assert result.crashes == 0 and workers.worker_pids() == before
         assert workers.map(abs, [(-3,)])[0].value == 3
 
 
