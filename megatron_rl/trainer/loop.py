@@ -319,7 +319,10 @@ class Trainer:
         return batch
 
     def _fetch_batch(self) -> Batch | None:
-        return self._on_every_rank(lambda: next_batch(self.run, self.source, self.pool, self.step))
+        batch = self._on_every_rank(lambda: next_batch(self.run, self.source, self.pool, self.step))
+        if isinstance(batch, RewardFailure):  # the main rank's reward failed: every rank stops
+            raise batch
+        return batch
 
     def _next_round_batch(self) -> Batch | None:
         """``algorithm.mismatch_reference: recompute`` (PPO-off-policy-k): at a round's first
@@ -579,18 +582,23 @@ def _or_reweigh(make: Callable[[], T], pool: GeneratorPool) -> T | Reweigh:
         return Reweigh(pool.version)
 
 
-def next_batch(run: Run, source: RolloutSource, pool: GeneratorPool, step: int = 0) -> Batch | None:
+def next_batch(
+    run: Run, source: RolloutSource, pool: GeneratorPool, step: int = 0
+) -> Batch | RewardFailure | None:
     """The batch of step ``step + 1``, or None when training must end (main rank only);
-    raises ``WeightsNeeded`` (see :func:`on_every_rank`)."""
+    raises ``WeightsNeeded`` (see :func:`on_every_rank`). A ``RewardFailure`` of its scoring
+    is returned, to be handed to every rank."""
     if _budget_spent(run):
         logger.info("GPU-hour budget spent: stopping at step %d", step)
         return None
     try:
-        groups = source.next_batch(pool.version)
+        groups = source.next_batch(pool.version)  # dynamic sampling scores groups in it
+        samples, info = score_groups(run, groups, pool.version)
     except PromptsExhausted:
         logger.info("every training prompt is retired: stopping at step %d", step)
         return None
-    samples, info = score_groups(run, groups, pool.version)
+    except RewardFailure as err:
+        return err
     info["staleness_hist"] = token_lag_histogram(groups, pool.version, _lag(run.config))
     info["generator_version"] = pool.version  # of the weights the generator holds now
     info.update(source.counts)  # prompts drawn this step; dynamic sampling's kept / dropped

@@ -56,8 +56,7 @@ def reward_groups(run: Run, groups: list[Group]) -> None:
         g.reward_errors = count_errors(statuses[start:end])
         g.reward_crashes = sum(crashes[start:end])
         start = end
-    what = f"a training batch ({len(todo)} groups)"
-    check_error_fraction(statuses, run.config.reward.max_error_fraction, what)
+    check_error_fraction(statuses, run.config.reward.max_error_fraction, "a training batch")
 
 
 def model_text(tokenizer, sample: Sample) -> str:

@@ -313,11 +313,12 @@ def preflight_failure_worker(config, run_dir: str) -> dict:
     return dataclasses.asdict(report)
 
 
-def validation_reward_failure_worker(sync_dir: str, world_timeout_s: float) -> list[str]:
-    """Rank 0's reward fails in a validation pass (every response's scoring failed, over
-    reward.max_error_fraction): every rank runs the loop's ``Trainer.validate`` of step 2
-    (its checkpoint due), whose save is a world collective here. Returns the events of this
-    rank: ``saved`` and the error it raised, in order."""
+def reward_failure_worker(sync_dir: str, world_timeout_s: float) -> list[str]:
+    """Rank 0's reward fails (every response's scoring failed, over
+    reward.max_error_fraction) in a validation pass, then in a training batch: every rank
+    runs the loop's ``Trainer.validate`` of step 2 (its checkpoint due), whose save is a
+    world collective here, then ``Trainer._fetch_batch``. Returns the events of this rank:
+    ``saved`` and the errors it raised, in order."""
     import datetime
     import os
     import time
@@ -330,8 +331,10 @@ def validation_reward_failure_worker(sync_dir: str, world_timeout_s: float) -> l
     from megatron_rl.platform import collectives
     from megatron_rl.rewards.config import RewardConfig
     from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.samples import Sample as RolloutSample
     from megatron_rl.trainer import loop
     from megatron_rl.trainer.compute import ComputeClock
+    from megatron_rl.trainer.rollout_source import Group
 
     rank = int(os.environ["RANK"])
     sync = Path(sync_dir)
@@ -346,11 +349,18 @@ def validation_reward_failure_worker(sync_dir: str, world_timeout_s: float) -> l
         versions = [0, 0]
 
     class Pool:
+        version = 1
+
         def generate(self, prompts, seeds, samples_per_prompt, temperature):
             return [Sample([1, 2]) for _ in range(len(prompts) * samples_per_prompt)]
 
         def generated_tokens(self) -> int:
             return 0
+
+    class Source:
+        def next_batch(self, version):
+            samples = [RolloutSample(0, i, [1], [2], [-0.1], [1], [True]) for i in range(2)]
+            return [Group(prompt_id=0, size=2, submitted_version=1, samples=samples)]
 
     class BrokenRewards:
         last_statuses: list[str] = []
@@ -363,9 +373,10 @@ def validation_reward_failure_worker(sync_dir: str, world_timeout_s: float) -> l
     config = SimpleNamespace(
         seed=0,
         validation=ValidationConfig(samples_per_prompt=2, timeout_minutes=2.0),
-        rollout=RolloutConfig(startup_timeout_minutes=1.0, batch_timeout_minutes=2.0),
+        rollout=RolloutConfig(startup_timeout_minutes=0.25, batch_timeout_minutes=0.5),
         reward=RewardConfig(),
         checkpoint=SimpleNamespace(every_steps=2, save_at_end=True),
+        training=SimpleNamespace(max_gpu_hours=None),
     )
     run = SimpleNamespace(
         config=config,
@@ -381,6 +392,7 @@ def validation_reward_failure_worker(sync_dir: str, world_timeout_s: float) -> l
         exporter=None,
         forecast=None,
         encode=lambda i: [i],
+        tracker=None,
     )
     events: list[str] = []
 
@@ -397,10 +409,13 @@ def validation_reward_failure_worker(sync_dir: str, world_timeout_s: float) -> l
         forecast=None,
         config=config,
         save_checkpoint=save_checkpoint,
+        source=Source() if rank == 0 else None,
     )
-    try:
-        loop.Trainer.validate(trainer)
-        events.append("passed")
-    except Exception as err:  # noqa: BLE001 - the outcome is the test's finding
-        events.append(f"{type(err).__name__}: {err}")
+    trainer._on_every_rank = lambda make: loop.Trainer._on_every_rank(trainer, make)
+    for phase in (loop.Trainer.validate, loop.Trainer._fetch_batch):
+        try:
+            phase(trainer)
+            events.append("passed")
+        except Exception as err:  # noqa: BLE001 - the outcome is the test's finding
+            events.append(f"{type(err).__name__}: {err}")
     return events

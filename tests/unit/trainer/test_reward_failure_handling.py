@@ -81,20 +81,25 @@ def test_a_step_with_more_failures_than_the_fraction_stops_the_run():
 
 
 @pytest.mark.timeout(120)
-def test_a_validation_whose_reward_fails_checkpoints_on_every_rank_then_stops_them(tmp_path):
-    """Two gloo ranks: rank 0's validation scoring fails; both save the due checkpoint of
-    step 2 (a collective) and then raise the RewardFailure naming the setting. Rank 1 used
-    to wait for rank 0 until validation.timeout_minutes (2 min), and no step was saved."""
-    from support.mp_workers import validation_reward_failure_worker
+def test_a_failed_reward_stops_every_rank_after_the_due_checkpoint(tmp_path):
+    """Two gloo ranks, rank 0's reward fails (every response). In step 2's validation both
+    ranks save the due checkpoint (a collective) and then raise the RewardFailure naming
+    the setting; in a training batch both raise it. The other rank used to wait for rank 0
+    until validation.timeout_minutes / rollout.batch_timeout_minutes, and nothing was
+    saved."""
+    from support.mp_workers import reward_failure_worker
 
     from megatron_rl.platform import run_local_ranks
 
     started = time.monotonic()
-    rank0, rank1 = run_local_ranks(validation_reward_failure_worker, 2, str(tmp_path), 60.0)
+    rank0, rank1 = run_local_ranks(reward_failure_worker, 2, str(tmp_path), 60.0)
     assert rank0 == rank1, (rank0, rank1)
-    saved, error = rank0
+    saved, in_validation, in_batch = rank0
     assert saved == "saved"
-    assert error.startswith("RewardFailure: scoring failed on 2 of the 2 responses of the "
-                            "validation pass of step 2 (2 error)"), error  # fmt: skip
-    assert "reward.max_error_fraction 0.5" in error
-    assert time.monotonic() - started < 60  # not a wait for the validation timeout
+    assert in_validation.startswith("RewardFailure: scoring failed on 2 of the 2 responses of "
+                                    "the validation pass of step 2 (2 error)"), in_validation  # fmt: skip
+    assert in_batch.startswith("RewardFailure: scoring failed on 2 of the 2 responses of a "
+                               "training batch (2 error)"), in_batch  # fmt: skip
+    for error in (in_validation, in_batch):
+        assert "reward.max_error_fraction 0.5" in error
+    assert time.monotonic() - started < 60  # not a wait for a timeout
