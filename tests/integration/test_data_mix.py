@@ -269,7 +269,9 @@ def _validation_run(joint, tmp_path):
     cfg = ValidationConfig(samples_per_prompt=2, num_prompts=5)
     ids = [i for v in data.val_by_domain().values() for i in v[:5]]
     run = SimpleNamespace(
-        config=SimpleNamespace(validation=cfg, seed=0, rollout=SimpleNamespace(episodes=False)),
+        config=SimpleNamespace(
+            validation=cfg, seed=0, rollout=SimpleNamespace(episodes=False), reward=rewards.config
+        ),
         data=data,
         tokenizer=TextTokenizer(),
         rewards=rewards,
@@ -297,6 +299,7 @@ def test_validation_logs_each_domain_to_metrics_tensorboard_and_the_plot(joint, 
     assert record["val_samples"] == 20  # 5 prompts of each domain x 2 samples
     assert record["val_pass_rate/math"] == 1.0 and record["val_pass_rate/code"] == 0.0
     assert record["val_pass_rate"] == rate == 0.5
+    assert record["val_reward_errors"] == record["val_reward_crashes"] == 0  # verdicts all
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert {"val_pass_rate", "val_pass_rate/math", "val_pass_rate/code"} <= set(
