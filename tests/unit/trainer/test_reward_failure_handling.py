@@ -7,6 +7,7 @@ checkpoint."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -103,3 +104,20 @@ def test_a_failed_reward_stops_every_rank_after_the_due_checkpoint(tmp_path):
     for error in (in_validation, in_batch):
         assert "reward.max_error_fraction 0.5" in error
     assert time.monotonic() - started < 60  # not a wait for a timeout
+
+
+def test_a_stopped_run_resumes_with_a_higher_max_error_fraction(tmp_path):
+    """The stop's message says to raise reward.max_error_fraction: a resume may, without
+    --allow-changes (it changes no verdict and no update)."""
+    from megatron_rl.config import load_run_config, to_yaml
+    from megatron_rl.trainer.rundir import RunDirError, check_changes
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "tiny_cpu.yaml"
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(load_run_config(recipe, [], check_model=False)))
+    raised = to_yaml(load_run_config(recipe, ["reward.max_error_fraction=0.9"], check_model=False))
+    changes = check_changes(path, raised, allow_changes=False)
+    assert changes == {"reward.max_error_fraction": (0.5, 0.9)}
+    other = to_yaml(load_run_config(recipe, ["reward.timeout_s=9"], check_model=False))
+    with pytest.raises(RunDirError, match="reward.timeout_s"):  # a verdict may change
+        check_changes(path, other, allow_changes=False)
