@@ -343,6 +343,11 @@ class RewardPool:
             self._code = ThreadPoolExecutor(self.config.num_workers, "reward-code")
         return self._code
 
+    def worker_pids(self) -> list[int]:
+        """Process ids of the math workers ([] before the first batch that needs them), for
+        tests and diagnostics."""
+        return self._math.worker_pids() if self._math is not None else []
+
     def close(self) -> None:
         """Stop the worker processes and threads."""
         if self._math is not None:
