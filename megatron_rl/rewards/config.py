@@ -76,6 +76,13 @@ class RewardConfig:
         python_executable: interpreter of the sandboxed programs (bound read-only into the
             box with its prefixes); empty = this interpreter, or when the sandbox user cannot
             reach it (a Python under /root), the system's python3.X of the same version.
+        max_error_fraction: training stops when scoring fails on more than this fraction
+            of the responses of one batch (a training step's, or a validation pass's).
+            Scoring one response fails when the verifier raises on it, the code sandbox
+            fails, or its math worker dies twice: that response alone scores
+            ``incorrect_reward`` (status "error" or "crashed"), is counted in the
+            ``reward_errors`` metric and the run goes on, unless so many fail that the
+            reward itself is broken. 1: never stop; 0: stop at the first failure.
     """
 
     kind: str = "math"
@@ -105,6 +112,7 @@ class RewardConfig:
     code_bwrap: str = "bwrap"
     code_allow_unsafe_sandbox: bool = False
     python_executable: str = ""
+    max_error_fraction: float = 0.5
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field."""
@@ -179,6 +187,11 @@ class RewardConfig:
         for name in ("python_executable", "code_bwrap"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(name, f"must be a string, got {getattr(self, name)!r}")
+        fraction = self.max_error_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise ConfigError("max_error_fraction", f"must be a number, got {fraction!r}")
+        if not (math.isfinite(fraction) and 0 <= fraction <= 1):
+            raise ConfigError("max_error_fraction", f"must be in [0, 1], got {fraction!r}")
         if not isinstance(self.code_allow_unsafe_sandbox, bool):
             raise ConfigError(
                 "code_allow_unsafe_sandbox",

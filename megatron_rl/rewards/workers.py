@@ -5,7 +5,10 @@ evaluation inside a C big-integer routine ignores signals) and a worker that die
 the whole executor. Here every task has limits measured by the parent: CPU time of the
 worker (from ``/proc``; load on the machine does not make it run out, so a task gets the
 same outcome under load) and a wall-clock backstop. On either, the worker is SIGKILLed and
-replaced, and the task reports ``timeout``. Workers are fresh
+replaced, and the task reports ``timeout``. A worker that dies while it runs a task (killed
+from outside, out of memory, a crash in C) is replaced and the task runs once more on
+another worker, with a warning; a task whose worker dies twice reports ``crashed``, as the
+count of deaths in ``TaskResult.crashes`` does for every task. Workers are fresh
 interpreters (``sys.executable -c``), so they inherit neither the trainer's threads nor its
 CUDA state nor its ``__main__``, and each one installs a guard (``guard.install_guard``) that blocks process creation, network
 and file writes before it accepts any task.
@@ -33,6 +36,8 @@ logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 120.0
 # Consecutive start failures after which the pool gives up (a broken environment).
 _MAX_START_FAILURES = 3
+# Times a task runs again after the worker running it died (a second death: ``crashed``).
+_RETRIES_AFTER_DEATH = 1
 # How often the parent reads the CPU time of busy workers.
 _POLL_S = 0.05
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -48,15 +53,33 @@ def _cpu_seconds(pid: int) -> float | None:
         return None
 
 
+class WorkersUnavailable(RuntimeError):
+    """Worker processes fail to start (again and again): a broken environment, not a task."""
+
+
 @dataclass
 class TaskResult:
-    """Outcome of one task: ``status`` is ok | timeout | error | crashed."""
+    """Outcome of one task: ``status`` is ok | timeout | error (the task raised, or its
+    result could not be read) | crashed (its worker died twice)."""
 
     status: str
     value: Any = None
     error: str = ""
     blocked: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0  # wall-clock time from sending the task to its result
+    crashes: int = 0  # workers that died while running the task (it ran again after one)
+
+
+def _exit_reason(returncode: int | None) -> str:
+    """How a worker process ended, in words (``killed by SIGKILL``, ``exit status 3``)."""
+    if returncode is None:
+        return "exit status unknown"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
 
 
 def _vm_bytes() -> int:
@@ -102,8 +125,22 @@ def _worker_main(conn: Connection) -> None:
             value = fn(*args)
             status, payload = "ok", value
         except BaseException as exc:  # noqa: BLE001 - a task's failure is data
-            status, payload = "error", f"{type(exc).__name__}: {str(exc)[:300]}"
-        conn.send((status, task_id, payload, guard.blocked_events()[before:]))
+            status, payload = "error", describe_exception(exc)
+        blocked = guard.blocked_events()[before:]
+        try:
+            conn.send((status, task_id, payload, blocked))
+        except Exception as exc:  # noqa: BLE001 - a result that cannot be sent is an error
+            conn.send(("error", task_id, f"unsendable result: {describe_exception(exc)}", blocked))
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` of an exception, cut to 300 characters (its ``str`` may
+    itself raise: an int past the digit limit, a hostile ``__str__``)."""
+    try:
+        message = str(exc)[:300]
+    except Exception:  # noqa: BLE001
+        message = "(no message)"
+    return f"{type(exc).__name__}: {message}"
 
 
 def _child_entry(fd: int) -> None:
@@ -180,7 +217,11 @@ class WorkerPool:
         self._init = init
         self._workers = [self._spawn() for _ in range(num_workers)]
         self._start_failures = 0
-        self.num_killed = 0
+        self.num_killed = 0  # workers killed at a task's time limit
+        self.num_crashed = 0  # workers that died while running a task
+        # The running map's tasks to send and its count of deaths per task.
+        self._pending: deque[int] = deque()
+        self._deaths: list[int] = []
 
     def _spawn(self) -> _Worker:
         return _Worker(self._init, self._memory_mb)
@@ -190,11 +231,15 @@ class WorkerPool:
         self._workers[self._workers.index(worker)] = self._spawn()
 
     def map(self, fn: Callable[..., Any], args_list: Sequence[tuple]) -> list[TaskResult]:
-        """Run ``fn(*args)`` for every ``args`` in parallel; results in input order."""
+        """Run ``fn(*args)`` for every ``args`` in parallel; results in input order. A task
+        whose worker dies runs once more (``TaskResult.crashes``). Raises
+        ``WorkersUnavailable`` when workers fail to start again and again."""
         if self._workers is None:
             raise RuntimeError("WorkerPool is closed")
         results: list[TaskResult | None] = [None] * len(args_list)
         pending = deque(range(len(args_list)))
+        deaths = [0] * len(args_list)
+        self._pending, self._deaths = pending, deaths
         while pending or any(w.task is not None for w in self._workers):
             for worker in self._workers:
                 if worker.ready and worker.task is None and pending:
@@ -210,7 +255,10 @@ class WorkerPool:
                         self._on_death(worker, results)
             self._wait_and_collect(results)
             self._enforce_deadlines(results)
-        return [r if r is not None else TaskResult("crashed") for r in results]
+        done = [r if r is not None else TaskResult("crashed") for r in results]
+        for result, crashes in zip(done, deaths):
+            result.crashes = crashes
+        return done
 
     def _wait_and_collect(self, results: list[TaskResult | None]) -> None:
         now = time.monotonic()
@@ -227,6 +275,15 @@ class WorkerPool:
             except (EOFError, OSError):
                 self._on_death(worker, results)
                 continue
+            except Exception as exc:  # noqa: BLE001 - a message read whole that won't unpickle
+                if worker.task is None:
+                    self._on_start_failure(worker, f"unreadable message: {describe_exception(exc)}")
+                    continue
+                results[worker.task] = TaskResult(
+                    "error", error=f"unreadable result: {describe_exception(exc)}"
+                )
+                worker.task = None
+                continue
             if status == "ready":
                 worker.ready, self._start_failures = True, 0
             elif status == "failed":
@@ -240,18 +297,42 @@ class WorkerPool:
                 worker.task = None
 
     def _on_death(self, worker: _Worker, results: list[TaskResult | None]) -> None:
-        if worker.task is not None:
-            results[worker.task] = TaskResult("crashed", error="worker died")
-        elif not worker.ready:
+        task = worker.task
+        if task is None and not worker.ready:
             self._on_start_failure(worker, "worker exited before it was ready")
             return
+        if task is not None:
+            worker.kill()  # reaped: its exit status says how it ended
+            how = _exit_reason(worker.process.returncode)
+            self.num_crashed += 1
+            self._deaths[task] += 1
+            if self._deaths[task] <= _RETRIES_AFTER_DEATH:
+                logger.warning(
+                    "reward worker %d died (%s) while running task %d of a batch; the task "
+                    "runs again on a new worker",
+                    worker.process.pid,
+                    how,
+                    task,
+                )
+                self._pending.appendleft(task)
+            else:
+                logger.warning(
+                    "reward worker %d died (%s) while running task %d again: the task is "
+                    "reported crashed (no verdict)",
+                    worker.process.pid,
+                    how,
+                    task,
+                )
+                results[task] = TaskResult("crashed", error=f"its worker died twice ({how})")
         self._replace(worker)
 
     def _on_start_failure(self, worker: _Worker, reason: str) -> None:
         self._start_failures += 1
         if self._start_failures >= _MAX_START_FAILURES:
             self.close()
-            raise RuntimeError(f"reward workers fail to start: {reason}")
+            raise WorkersUnavailable(
+                f"reward workers fail to start ({_MAX_START_FAILURES} times in a row): {reason}"
+            )
         logger.warning("reward worker failed to start (%s); retrying", reason)
         self._replace(worker)
 

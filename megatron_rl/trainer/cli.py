@@ -2,7 +2,9 @@
 
 A malformed recipe fails before anything starts, with the dotted key path in one line on
 stderr and exit status 2 (no traceback); a run stopped by the log-prob gap monitor exits
-with status 3 and its reason on stderr. ``--dry-run`` prints the resolved config and exits.
+with status 3 and its reason on stderr, as is one whose reward fails (``RewardFailure``: more
+than ``reward.max_error_fraction`` of a batch's responses fail to score, or the reward
+workers cannot start). ``--dry-run`` prints the resolved config and exits.
 Re-running the same command on an existing run directory resumes it from its newest intact
 checkpoint; a directory in use by another run, or with history but no checkpoint, or a recipe
 that changed more than the safe keys, is refused with exit status 2 (``--restart``,
@@ -93,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     from megatron_rl.data import DataError
+    from megatron_rl.rewards.pool import RewardFailure
     from megatron_rl.trainer.loop import train
     from megatron_rl.trainer.rundir import RunDirError
     from megatron_rl.trainer.step import LogprobGapError
@@ -103,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     except (RunDirError, TrackingError) as err:  # busy, history, changes; W&B cannot start
         print(f"megatron-rl train: error: {err}", file=sys.stderr)
         return 2
-    except LogprobGapError as err:  # the run is stopped on purpose: say why, no traceback
+    except (LogprobGapError, RewardFailure) as err:  # stopped on purpose: say why, no traceback
         print(f"megatron-rl train: error: {err}", file=sys.stderr)
         return 3
     except DataError as err:  # a bad data file or row: its message names it

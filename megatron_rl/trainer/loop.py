@@ -16,7 +16,12 @@ from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.platform import collectives, get_platform, watchdog
-from megatron_rl.rewards.pool import count_timeouts
+from megatron_rl.rewards.pool import (
+    RewardFailure,
+    check_error_fraction,
+    count_errors,
+    count_timeouts,
+)
 from megatron_rl.rollout.client import WeightsNeeded
 from megatron_rl.rollout.samples import TOOL_VERSION
 from megatron_rl.rollout.weights import m2n_ranks
@@ -314,7 +319,10 @@ class Trainer:
         return batch
 
     def _fetch_batch(self) -> Batch | None:
-        return self._on_every_rank(lambda: next_batch(self.run, self.source, self.pool, self.step))
+        batch = self._on_every_rank(lambda: next_batch(self.run, self.source, self.pool, self.step))
+        if isinstance(batch, RewardFailure):  # the main rank's reward failed: every rank stops
+            raise batch
+        return batch
 
     def _next_round_batch(self) -> Batch | None:
         """``algorithm.mismatch_reference: recompute`` (PPO-off-policy-k): at a round's first
@@ -447,8 +455,23 @@ class Trainer:
             if run.exporter is not None:
                 run.exporter.poll()
 
-    def validate(self) -> float:
-        return validate(self.run, self.pool, self.step, self.main, self.waits, self.forecast)
+    def validate(self, at_end: bool = False) -> float:
+        """Validation of this step (``at_end``: the one of ``finish``). When the reward fails
+        in it (``RewardFailure``, on every rank), the step was trained all the same: its
+        checkpoint, if due now, is saved before the error ends the run."""
+        try:
+            return validate(self.run, self.pool, self.step, self.main, self.waits, self.forecast)
+        except RewardFailure:
+            checkpoint = self.config.checkpoint
+            due = _due(self.step, checkpoint.every_steps) or (at_end and checkpoint.save_at_end)
+            if self.step > 0 and due:
+                logger.error(
+                    "the reward failed in the validation of step %d: saving the step's "
+                    "checkpoint before the run stops",
+                    self.step,
+                )
+                self.save_checkpoint(wait=True)
+            raise
 
     def save_checkpoint(self, wait: bool = False) -> None:
         """Checkpoint this step: in the background if ``checkpoint.async_save`` unless
@@ -468,7 +491,7 @@ class Trainer:
         validation, checkpoint = self.config.validation, self.config.checkpoint
         validated_at_end = validation.enabled and self.step % validation.every_steps != 0
         if validated_at_end:
-            self.validate()
+            self.validate(at_end=True)
         # The loop's own checkpoint of this step holds everything unless validation ran since.
         saved = self.step > 0 and _due(self.step, checkpoint.every_steps) and not validated_at_end
         if checkpoint.save_at_end and not saved:
@@ -543,7 +566,9 @@ def on_every_rank(
             watchdog.paused("waiting for the main rank") if not main else contextlib.nullcontext()
         )
         with waiting:
-            sent = broadcast(value if share or isinstance(value, Reweigh) else None)
+            # unshared values: a reweigh, or a RewardFailure (every rank raises it)
+            unshared = isinstance(value, (Reweigh, RewardFailure))
+            sent = broadcast(value if share or unshared else None)
         if not isinstance(sent, Reweigh):
             return value if main else sent
         push_weights(run, pool, reweigh=True)
@@ -557,18 +582,23 @@ def _or_reweigh(make: Callable[[], T], pool: GeneratorPool) -> T | Reweigh:
         return Reweigh(pool.version)
 
 
-def next_batch(run: Run, source: RolloutSource, pool: GeneratorPool, step: int = 0) -> Batch | None:
+def next_batch(
+    run: Run, source: RolloutSource, pool: GeneratorPool, step: int = 0
+) -> Batch | RewardFailure | None:
     """The batch of step ``step + 1``, or None when training must end (main rank only);
-    raises ``WeightsNeeded`` (see :func:`on_every_rank`)."""
+    raises ``WeightsNeeded`` (see :func:`on_every_rank`). A ``RewardFailure`` of its scoring
+    is returned, to be handed to every rank."""
     if _budget_spent(run):
         logger.info("GPU-hour budget spent: stopping at step %d", step)
         return None
     try:
-        groups = source.next_batch(pool.version)
+        groups = source.next_batch(pool.version)  # dynamic sampling scores groups in it
+        samples, info = score_groups(run, groups, pool.version)
     except PromptsExhausted:
         logger.info("every training prompt is retired: stopping at step %d", step)
         return None
-    samples, info = score_groups(run, groups, pool.version)
+    except RewardFailure as err:
+        return err
     info["staleness_hist"] = token_lag_histogram(groups, pool.version, _lag(run.config))
     info["generator_version"] = pool.version  # of the weights the generator holds now
     info.update(source.counts)  # prompts drawn this step; dynamic sampling's kept / dropped
@@ -591,7 +621,9 @@ def validate(
     ranks' bound (None: the world's); ``forecast``: the live forecast to update."""
     wait = waits.validation if waits is not None else None
     if not main:  # waits for the whole pass, scoring included
-        on_every_rank(run, pool, False, lambda: None, wait, share=False)
+        failed = on_every_rank(run, pool, False, lambda: None, wait, share=False)
+        if isinstance(failed, RewardFailure):  # the main rank's reward failed: every rank stops
+            raise failed
         return float("nan")
     cfg = run.config.validation
     # ``num_prompts`` counts per domain, so a cap never leaves a domain out.
@@ -615,21 +647,30 @@ def validate(
 
     # Blocking validation, accounted apart; the training requests that PipelineRL generators
     # keep decoding meanwhile are training compute (their token share of the window).
-    def score() -> tuple[list, list[str], list[float]] | None:
+    def score() -> tuple | RewardFailure | None:
         samples = generate()  # scoring too: the other ranks wait until the pass is done
         if not samples:
             return None
         texts = [model_text(run.tokenizer, s) for s in samples]  # a tool's output left out
         refs = [run.data.get(ids[s.prompt_index - samples[0].prompt_index]) for s in samples]
         kinds = [p.kind for p in refs]
-        return samples, kinds, run.rewards.score_batch(texts, [p.reference for p in refs], kinds)
+        try:  # a failed reward is handed to every rank (on_every_rank), which all raise it
+            rewards = run.rewards.score_batch(texts, [p.reference for p in refs], kinds)
+            statuses = list(run.rewards.last_statuses)
+            limit = run.config.reward.max_error_fraction
+            check_error_fraction(statuses, limit, f"the validation pass of step {step}")
+        except RewardFailure as err:
+            return err
+        return samples, kinds, rewards, statuses, sum(run.rewards.last_crashes)
 
     with run.clock.window("validation") as window:
         tokens_before = pool.generated_tokens()
         scored = on_every_rank(run, pool, True, score, wait, share=False)
         if scored is None:
             return float("nan")
-        samples, kinds, rewards = scored
+        if isinstance(scored, RewardFailure):
+            raise scored
+        samples, kinds, rewards, statuses, crashes = scored
         val_tokens = sum(len(s) for s in samples)
         train_tokens = pool.generated_tokens() - tokens_before - val_tokens
         window.train_fraction = generation_share(train_tokens, val_tokens)
@@ -646,7 +687,9 @@ def validate(
             "val_pass_rate": rate,
             **per_domain,
             "val_samples": len(rewards),
-            **{f"val_reward_{k}": v for k, v in count_timeouts(run.rewards.last_statuses).items()},
+            **{f"val_reward_{k}": v for k, v in count_timeouts(statuses).items()},
+            "val_reward_errors": count_errors(statuses),
+            "val_reward_crashes": crashes,
             "val_train_fraction": window.train_fraction,
             "val_seconds": time.perf_counter() - t0,
         }

@@ -38,6 +38,16 @@ STEP: dict[str, tuple[str, str]] = {
         "of them, programs stopped by the sandbox's wall-clock backstop",
         "count",
     ),
+    "reward_errors": (
+        "responses whose scoring failed (the verifier raised, the sandbox failed, or a worker "
+        "died twice): scored incorrect; over reward.max_error_fraction of a batch stops the run",
+        "count",
+    ),
+    "reward_crashes": (
+        "reward worker processes that died verifying the step's responses (each response "
+        "runs again once)",
+        "count",
+    ),
     "turns_mean": ("multi-turn episodes: model turns per episode", "turns"),
     "tool_calls": ("multi-turn episodes: tool calls made in the step's episodes", "count"),
     "tool_errors": ("of them, calls that failed or could not be read", "count"),
@@ -129,6 +139,8 @@ VALIDATION: dict[str, tuple[str, str]] = {
     "val_samples": ("samples the validation scored", "samples"),
     "val_reward_timeouts": ("validation verifications that ran out of time", "count"),
     "val_reward_timeouts_wall": ("of them, stopped by the sandbox's wall-clock backstop", "count"),
+    "val_reward_errors": ("validation responses whose scoring failed (scored incorrect)", "count"),
+    "val_reward_crashes": ("reward worker processes that died in the validation pass", "count"),
     "val_train_fraction": ("token share of the validation window counted as training", "fraction"),
     "val_seconds": ("wall time of the validation pass", "s"),
 }

@@ -123,6 +123,8 @@ class Group:
     rewards: list[float] | None = None  # one per sample, once scored
     reward_timeouts: int = 0  # verifications of its samples that ran out of time
     reward_timeouts_wall: int = 0  # of them, code runs stopped by the wall-clock backstop
+    reward_errors: int = 0  # samples whose scoring failed (status "error" or "crashed")
+    reward_crashes: int = 0  # reward workers that died verifying its samples
 
     @property
     def complete(self) -> bool:

@@ -56,6 +56,7 @@ SAFE_CHANGES = (
     "cluster.",
     "rollout.startup_timeout_minutes",
     "parallel.timeout_minutes",
+    "reward.max_error_fraction",  # when a failing reward stops the run; no verdict changes
 )
 
 

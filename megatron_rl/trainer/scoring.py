@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from megatron_rl.rewards.pool import count_timeouts
+from megatron_rl.rewards.pool import check_error_fraction, count_errors, count_timeouts
 from megatron_rl.rollout.samples import TOOL_VERSION, Sample
 from megatron_rl.trainer.batch import TrainSample
 from megatron_rl.trainer.rollout_source import DynamicSampling, Group
@@ -33,7 +33,9 @@ def dynamic_sampling(run: Run) -> DynamicSampling | None:
 
 
 def reward_groups(run: Run, groups: list[Group]) -> None:
-    """Score the samples of every group not scored yet (sets ``rewards``, ``reward_timeouts``)."""
+    """Score the samples of every group not scored yet (sets ``rewards`` and the counts
+    ``reward_timeouts``, ``reward_errors``, ``reward_crashes``). Raises ``RewardFailure``
+    when scoring failed on more than ``reward.max_error_fraction`` of them."""
     todo = [g for g in groups if g.rewards is None]
     flat = [(g, s) for g in todo for s in g.samples]
     if not flat:
@@ -44,13 +46,17 @@ def reward_groups(run: Run, groups: list[Group]) -> None:
         texts, [p.reference for p in prompts], [p.kind for p in prompts]
     )
     statuses = list(run.rewards.last_statuses)
+    crashes = list(run.rewards.last_crashes)
     start = 0
     for g in todo:
         end = start + len(g.samples)
         g.rewards = [float(r) for r in rewards[start:end]]
         counts = count_timeouts(statuses[start:end])
         g.reward_timeouts, g.reward_timeouts_wall = counts["timeouts"], counts["timeouts_wall"]
+        g.reward_errors = count_errors(statuses[start:end])
+        g.reward_crashes = sum(crashes[start:end])
         start = end
+    check_error_fraction(statuses, run.config.reward.max_error_fraction, "a training batch")
 
 
 def model_text(tokenizer, sample: Sample) -> str:
@@ -116,6 +122,10 @@ def score_groups(run: Run, groups: list[Group], version: int) -> tuple[list[Trai
         "reward_timeouts": sum(g.reward_timeouts for g in groups),
         # Of them, programs stopped by the code sandbox's wall-clock backstop (no verdict).
         "reward_timeouts_wall": sum(g.reward_timeouts_wall for g in groups),
+        # Responses whose scoring failed (scored incorrect, the run goes on below
+        # reward.max_error_fraction), and reward workers that died (their item ran again).
+        "reward_errors": sum(g.reward_errors for g in groups),
+        "reward_crashes": sum(g.reward_crashes for g in groups),
         "prompt_ids": [g.prompt_id for g in groups],
         "group_pass_rates": [
             sum(s.reward > 0 for s in samples if s.group == i) / max(len(g.samples), 1)

@@ -229,7 +229,7 @@ def test_score_groups_routes_rewards_by_domain(joint):
             for k, text in enumerate((right, other, right))
         ]
         groups.append(Group(pid, 3, 0, samples))
-    config = SimpleNamespace(rollout=SimpleNamespace(episodes=False))
+    config = SimpleNamespace(rollout=SimpleNamespace(episodes=False), reward=rewards.config)
     run = SimpleNamespace(tokenizer=tok, data=data, rewards=rewards, tracker=None, config=config)
     samples, info = score_groups(run, groups, version=0)
     assert [s.reward for s in samples] == [1.0, -1.0, 1.0] * 2
@@ -269,7 +269,9 @@ def _validation_run(joint, tmp_path):
     cfg = ValidationConfig(samples_per_prompt=2, num_prompts=5)
     ids = [i for v in data.val_by_domain().values() for i in v[:5]]
     run = SimpleNamespace(
-        config=SimpleNamespace(validation=cfg, seed=0, rollout=SimpleNamespace(episodes=False)),
+        config=SimpleNamespace(
+            validation=cfg, seed=0, rollout=SimpleNamespace(episodes=False), reward=rewards.config
+        ),
         data=data,
         tokenizer=TextTokenizer(),
         rewards=rewards,
@@ -297,6 +299,7 @@ def test_validation_logs_each_domain_to_metrics_tensorboard_and_the_plot(joint, 
     assert record["val_samples"] == 20  # 5 prompts of each domain x 2 samples
     assert record["val_pass_rate/math"] == 1.0 and record["val_pass_rate/code"] == 0.0
     assert record["val_pass_rate"] == rate == 0.5
+    assert record["val_reward_errors"] == record["val_reward_crashes"] == 0  # verdicts all
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert {"val_pass_rate", "val_pass_rate/math", "val_pass_rate/code"} <= set(

@@ -174,6 +174,7 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
 
     from megatron_rl.config.sections import ValidationConfig
     from megatron_rl.platform import collectives
+    from megatron_rl.rewards.config import RewardConfig
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.trainer import loop
     from megatron_rl.trainer.compute import ComputeClock
@@ -206,6 +207,7 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
         seed=0,
         validation=ValidationConfig(samples_per_prompt=2, timeout_minutes=wait_min),
         rollout=RolloutConfig(startup_timeout_minutes=wait_min / 2, batch_timeout_minutes=wait_min),
+        reward=RewardConfig(),
     )
     run = SimpleNamespace(
         config=config,
@@ -215,7 +217,7 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
             sources=["math"],
         ),
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "1"),
-        rewards=SimpleNamespace(score_batch=score_batch, last_statuses=[]),
+        rewards=SimpleNamespace(score_batch=score_batch, last_statuses=[], last_crashes=[]),
         clock=ComputeClock(1),
         metrics=SimpleNamespace(log=lambda record: None),
         exporter=None,
@@ -309,3 +311,111 @@ def preflight_failure_worker(config, run_dir: str) -> dict:
     )
     report = run_preflight(config, run_dir, checks=checks)
     return dataclasses.asdict(report)
+
+
+def reward_failure_worker(sync_dir: str, world_timeout_s: float) -> list[str]:
+    """Rank 0's reward fails (every response's scoring failed, over
+    reward.max_error_fraction) in a validation pass, then in a training batch: every rank
+    runs the loop's ``Trainer.validate`` of step 2 (its checkpoint due), whose save is a
+    world collective here, then ``Trainer._fetch_batch``. Returns the events of this rank:
+    ``saved`` and the errors it raised, in order."""
+    import datetime
+    import os
+    import time
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_rl.config.sections import ValidationConfig
+    from megatron_rl.platform import collectives
+    from megatron_rl.rewards.config import RewardConfig
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.samples import Sample as RolloutSample
+    from megatron_rl.trainer import loop
+    from megatron_rl.trainer.compute import ComputeClock
+    from megatron_rl.trainer.rollout_source import Group
+
+    rank = int(os.environ["RANK"])
+    sync = Path(sync_dir)
+    (sync / f"up{rank}").touch()
+    while not all((sync / f"up{r}").exists() for r in (0, 1)):
+        time.sleep(0.02)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=world_timeout_s))
+
+    class Sample(list):
+        prompt_index = 0
+        response_ids = [1, 2]
+        versions = [0, 0]
+
+    class Pool:
+        version = 1
+
+        def generate(self, prompts, seeds, samples_per_prompt, temperature):
+            return [Sample([1, 2]) for _ in range(len(prompts) * samples_per_prompt)]
+
+        def generated_tokens(self) -> int:
+            return 0
+
+    class Source:
+        def next_batch(self, version):
+            samples = [RolloutSample(0, i, [1], [2], [-0.1], [1], [True]) for i in range(2)]
+            return [Group(prompt_id=0, size=2, submitted_version=1, samples=samples)]
+
+    class BrokenRewards:
+        last_statuses: list[str] = []
+        last_crashes: list[int] = []
+
+        def score_batch(self, texts, refs, kinds):
+            self.last_statuses, self.last_crashes = ["error"] * len(texts), [0] * len(texts)
+            return [-1.0] * len(texts)
+
+    config = SimpleNamespace(
+        seed=0,
+        validation=ValidationConfig(samples_per_prompt=2, timeout_minutes=2.0),
+        rollout=RolloutConfig(startup_timeout_minutes=0.25, batch_timeout_minutes=0.5),
+        reward=RewardConfig(),
+        checkpoint=SimpleNamespace(every_steps=2, save_at_end=True),
+        training=SimpleNamespace(max_gpu_hours=None),
+    )
+    run = SimpleNamespace(
+        config=config,
+        data=SimpleNamespace(
+            val_by_domain=lambda: {"math": [0]},
+            get=lambda i: SimpleNamespace(kind="math", reference="1"),
+            sources=["math"],
+        ),
+        tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "1"),
+        rewards=BrokenRewards(),
+        clock=ComputeClock(1),
+        metrics=SimpleNamespace(log=lambda record: None),
+        exporter=None,
+        forecast=None,
+        encode=lambda i: [i],
+        tracker=None,
+    )
+    events: list[str] = []
+
+    def save_checkpoint(wait: bool = False) -> None:
+        collectives.any_rank(False)  # a collective, as the real save: every rank or none
+        events.append("saved")
+
+    trainer = SimpleNamespace(
+        run=run,
+        pool=Pool() if rank == 0 else None,
+        step=2,
+        main=rank == 0,
+        waits=loop.rank_zero_waits(config),
+        forecast=None,
+        config=config,
+        save_checkpoint=save_checkpoint,
+        source=Source() if rank == 0 else None,
+    )
+    trainer._on_every_rank = lambda make: loop.Trainer._on_every_rank(trainer, make)
+    for phase in (loop.Trainer.validate, loop.Trainer._fetch_batch):
+        try:
+            phase(trainer)
+            events.append("passed")
+        except Exception as err:  # noqa: BLE001 - the outcome is the test's finding
+            events.append(f"{type(err).__name__}: {err}")
+    return events

@@ -36,11 +36,13 @@ def test_tool_tokens_get_no_loss_and_an_all_one_version_episode_is_monitored_on_
 class Rewards:
     def __init__(self):
         self.last_statuses: list[str] = []
+        self.last_crashes: list[int] = []
         self.texts: list[str] = []
 
     def score_batch(self, texts, references, kinds):
         self.texts = list(texts)
         self.last_statuses = ["correct"] * len(texts)
+        self.last_crashes = [0] * len(texts)
         return [1.0] * len(texts)
 
 
@@ -57,7 +59,9 @@ def test_staleness_skips_tool_tokens_and_the_reward_reads_the_model_text_only():
         ),
         rewards=rewards,
         tracker=None,
-        config=SimpleNamespace(rollout=SimpleNamespace(episodes=True)),
+        config=SimpleNamespace(
+            rollout=SimpleNamespace(episodes=True), reward=SimpleNamespace(max_error_fraction=0.5)
+        ),
     )
     sample.tools = [("ok", 0.5)]
     _, info = score_groups(run, [group], version=5)

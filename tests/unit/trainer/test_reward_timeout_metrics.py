@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.samples import Sample
 from megatron_rl.trainer.rollout_source import Group
 from megatron_rl.trainer.scoring import score_groups
@@ -17,9 +18,11 @@ STATUSES = ["correct", "wrong", "timeout", "timeout_wall", "timeout_cpu"]
 class FixedRewards:
     def __init__(self):
         self.last_statuses: list[str] = []
+        self.last_crashes: list[int] = []
 
     def score_batch(self, texts, references, kinds):
         self.last_statuses = list(STATUSES)
+        self.last_crashes = [0] * len(STATUSES)
         return [1.0 if s == "correct" else -1.0 for s in STATUSES]
 
 
@@ -35,7 +38,7 @@ def test_wall_clock_timeouts_are_counted_apart_in_the_step_metrics():
         ),  # fmt: skip
         rewards=FixedRewards(),
         tracker=None,
-        config=SimpleNamespace(rollout=SimpleNamespace(episodes=False)),
+        config=SimpleNamespace(rollout=SimpleNamespace(episodes=False), reward=RewardConfig()),
     )
     _, info = score_groups(run, [group], version=0)
     assert (group.reward_timeouts, group.reward_timeouts_wall) == (2, 1)

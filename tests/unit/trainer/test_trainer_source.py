@@ -290,6 +290,7 @@ class ScriptedRewards:
     def __init__(self):
         self.visits: dict[int, int] = {}
         self.last_statuses: list[str] = []
+        self.last_crashes: list[int] = []
 
     def score_batch(self, texts, references, kinds):
         rewards = []
@@ -300,6 +301,7 @@ class ScriptedRewards:
             correct = (1 if seen == 0 else 4) if pid == 0 else 2
             rewards += [1.0] * correct + [-1.0] * (4 - correct)
         self.last_statuses = ["correct" if r > 0 else "wrong" for r in rewards]
+        self.last_crashes = [0] * len(rewards)
         return rewards
 
 
@@ -321,7 +323,8 @@ def test_dropped_groups_count_in_the_no_positive_resampling_history(history):
     )
     config = SimpleNamespace(data=SimpleNamespace(dynamic_sampling=True,
                                                   dynamic_sampling_max_rounds=8),
-                             rollout=SimpleNamespace(episodes=False))  # fmt: skip
+                             rollout=SimpleNamespace(episodes=False),
+                             reward=SimpleNamespace(max_error_fraction=0.5))  # fmt: skip
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "")
     run = SimpleNamespace(config=config, tokenizer=tokenizer, data=data, tracker=tracker,
                           rewards=ScriptedRewards())  # fmt: skip
