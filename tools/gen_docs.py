@@ -27,13 +27,15 @@ def pages() -> dict[Path, Callable[[], str]]:
     from megatron_rl.planning.docs import refresh_plans
     from megatron_rl.trainer import metric_keys
 
-    planning = ROOT / "docs" / "planning.md"
-    return {
+    pages = {
         ROOT / "docs" / "config.md": reference.markdown,
         ROOT / "docs" / "metrics.md": metric_keys.markdown,
-        # hand-written, with the plans it shows (<!-- plan: ... --> blocks) from the planner
-        planning: lambda: refresh_plans(planning.read_text(), ROOT),
     }
+    # hand-written, with the plans they show (<!-- plan: ... --> blocks) from the planner
+    for name in ("planning.md", "bring-your-own.md"):
+        path = ROOT / "docs" / name
+        pages[path] = lambda path=path: refresh_plans(path.read_text(), ROOT)
+    return pages
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,15 @@ SYNTHETIC_CODE_TEMPLATES: tuple[str, ...] = ("sum", "diff", "max", "min", "prod"
 # A prompt's domain picks its verifier (the reward kinds of megatron_rl.rewards).
 DOMAINS: tuple[str, ...] = ("math", "code")
 
+
+def domains() -> list[str]:
+    """The domains a source may name: the built-in verifiers and the installed reward
+    plug-ins (``megatron_rl.rewards.registry``: a domain of that name is scored by it)."""
+    from megatron_rl.rewards.registry import kinds
+
+    return kinds()
+
+
 # Default field names of each format: (problem, answer, tests).
 FORMAT_FIELDS: dict[str, tuple[str, str, str]] = {
     "polaris": ("problem", "answer", ""),
@@ -129,9 +138,9 @@ class DataSourceConfig:
         source: as ``data.source`` (hub name, local file or directory, "synthetic",
             "synthetic_code").
         name: name of the source in logs and errors; empty: the domain.
-        domain: "math" or "code": the verifier of its prompts and the suffix of its
-            validation metrics (``val_pass_rate/<domain>``); empty: "code" when the
-            format has tests (deepcoder), else "math".
+        domain: "math", "code" or an installed reward plug-in's name: the verifier of its
+            prompts and the suffix of its validation metrics (``val_pass_rate/<domain>``);
+            empty: "code" when the format has tests (deepcoder), else "math".
         weight: mixing weight; a source gets ``weight / sum(weights)`` of the drawn prompts.
         format, hub_subset, hub_split, problem_field, answer_field, tests_field,
             solution_field, prompt_template: as in ``data``; empty: ``data``'s value
@@ -315,9 +324,10 @@ class DataConfig:
                 or entry.val_size < 0
             ):
                 raise ConfigError(f"sources[{i}].val_size", "must be an int >= 0 or null")
-            if entry.domain and entry.domain not in DOMAINS:
+            if entry.domain and entry.domain not in domains():
                 raise ConfigError(
-                    f"sources[{i}].domain", f"must be one of {list(DOMAINS)}, got {entry.domain!r}"
+                    f"sources[{i}].domain",
+                    f"must be one of {domains()}, got {entry.domain!r}",
                 )
         for i, source in enumerate(self.resolve()):
             try:
@@ -331,8 +341,8 @@ class DataConfig:
             names.add(source.name)
 
     def _validate_single(self) -> None:
-        if self.domain and self.domain not in DOMAINS:
-            raise ConfigError("domain", f"must be one of {list(DOMAINS)}, got {self.domain!r}")
+        if self.domain and self.domain not in domains():
+            raise ConfigError("domain", f"must be one of {domains()}, got {self.domain!r}")
         if not isinstance(self.source, str) or not self.source:
             raise ConfigError("source", f"must be a non-empty string, got {self.source!r}")
         if self.format not in DATA_FORMATS:

@@ -303,8 +303,8 @@ def build_prompts(
     domain = config.effective_domain()
     if domain == "code" and not tests_field:
         raise DataError(f"source {config.source!r} has domain 'code' but no tests field")
-    if domain == "math" and not answer_field:
-        raise DataError(f"source {config.source!r} has domain 'math' but no answer field")
+    if domain != "code" and not answer_field:
+        raise DataError(f"source {config.source!r} has domain {domain!r} but no answer field")
     prompts = []
     for i, row in enumerate(rows):
         if domain == "code":

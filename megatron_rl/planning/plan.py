@@ -25,6 +25,7 @@ from megatron_rl.planning.gpus import (
     NCCL_CHANNELS_PER_PEER,
     NVLS_BYTES_PER_COMMUNICATOR,
     TRAINER_RUNTIME_RESERVE,
+    GiB,
     get_gpu,
 )
 from megatron_rl.planning.shapes import (
@@ -150,6 +151,9 @@ class Plan:
     max_num_seqs: int
     episode: EpisodePlan | None = None  # multi-turn episodes (rollout.max_turns > 1)
     engines_per_node: int = 0
+    # When the engines do not fit: the smallest change that makes them (overrides, and the
+    # engine plan with it); None when they fit or nothing tried does.
+    engine_fix: tuple[tuple[str, ...], EnginePlan] | None = None
 
     @property
     def trainer_fits(self) -> bool:
@@ -367,18 +371,7 @@ def plan_run(
         expert_load=expert_load,
         push=push,
     )
-    engine = EnginePlan(
-        engine_bytes(
-            shapes,
-            config.rollout,
-            config.model.dtype,
-            device.vllm_max_graph_size,
-            config.cluster.engine_nccl_nvls,
-        ),
-        ENGINE_RUNTIME_RESERVE,
-        device.memory_bytes,
-        transfer=transfer_buffer_bytes(config)[1],
-    )
+    engine = _engine_plan(config, shapes, device)
     alternatives: list[TrainerPlan] = []
     if search:
         for layout in candidate_layouts(shapes, config):
@@ -396,6 +389,9 @@ def plan_run(
                 alternatives.append(plan)
         alternatives.sort(key=lambda p: (change_cost(p.layout, current), p.total))
     tokens, seq_len = micro_batch_shape(config)
+    fix = None
+    if engine.headroom < headroom:
+        fix = engine_fix(config, shapes, device, engine, headroom)
     return Plan(
         config.name,
         shapes,
@@ -412,4 +408,61 @@ def plan_run(
         max_num_seqs=config.rollout.max_num_seqs,
         episode=episode_plan(config, kv_block_size(shapes.chunk)),
         engines_per_node=max(1, config.cluster.gpus_per_node // config.rollout.tensor_parallel),
+        engine_fix=fix,
     )
+
+
+def _engine_plan(config, shapes: ModelShapes, device) -> EnginePlan:
+    return EnginePlan(
+        engine_bytes(
+            shapes,
+            config.rollout,
+            config.model.dtype,
+            device.vllm_max_graph_size,
+            config.cluster.engine_nccl_nvls,
+        ),
+        ENGINE_RUNTIME_RESERVE,
+        device.memory_bytes,
+        transfer=transfer_buffer_bytes(config)[1],
+    )
+
+
+def engine_fix(
+    config, shapes: ModelShapes, device, engine: EnginePlan, headroom: float
+) -> tuple[tuple[str, ...], EnginePlan] | None:
+    """The smallest change that fits engines that do not: a smaller KV cache
+    (``rollout.kv_cache_gb``, whole GiB) while it still holds a full-length sequence, else
+    twice the engine's tensor parallelism (its weights and KV spread over more GPUs; the same
+    GPUs hold half the engines), with the KV cache it then fits."""
+
+    def with_rollout(**changes):
+        return replace(config, rollout=replace(config.rollout, **changes))
+
+    def fitting_kv(cfg, plan: EnginePlan) -> int | None:
+        excess = plan.total - (1.0 - headroom) * plan.capacity
+        kv = int((plan.bytes.kv_cache - max(excess, 0)) // GiB)
+        if kv * GiB < plan.bytes.kv_bytes_per_sequence:
+            return None
+        return min(kv, int(cfg.rollout.kv_cache_gb))
+
+    kv = fitting_kv(config, engine)
+    if kv is not None:
+        cfg = with_rollout(kv_cache_gb=float(kv))
+        plan = _engine_plan(cfg, shapes, device)
+        if plan.headroom >= headroom:
+            return (f"rollout.kv_cache_gb={kv}",), plan
+    tp = config.rollout.tensor_parallel * 2
+    engines = config.rollout.engines // 2
+    if engines < 1 or shapes.heads % tp:
+        return None
+    cfg = with_rollout(tensor_parallel=tp, engines=engines)
+    plan = _engine_plan(cfg, shapes, device)
+    changes = (f"rollout.tensor_parallel={tp}", f"rollout.engines={engines}")
+    if plan.headroom >= headroom:
+        return changes, plan
+    kv = fitting_kv(cfg, plan)
+    if kv is None:
+        return None
+    cfg = with_rollout(tensor_parallel=tp, engines=engines, kv_cache_gb=float(kv))
+    plan = _engine_plan(cfg, shapes, device)
+    return ((*changes, f"rollout.kv_cache_gb={kv}"), plan) if plan.headroom >= headroom else None

@@ -183,6 +183,18 @@ def notes(plan: Plan) -> list[str]:
             )
     if fp8_kv_cache_bytes(e) > e.kv_cache:
         out.append(fp8_kv_note(e))
+    if plan.engine_fix is not None:
+        changes, fixed = plan.engine_fix
+        out.append(
+            f"The engines fit with {' '.join(f'`{c}`' for c in changes)}: "
+            f"{gb(fixed.total)} GiB, {fixed.headroom:.0%} headroom, "
+            f"{fixed.bytes.sequences_in_kv} full-length sequences in the KV cache."
+        )
+    elif not plan.engine_fits:
+        out.append(
+            "No smaller KV cache or twice the engines' tensor parallelism makes the engines "
+            "fit with the headroom: use GPUs with more memory, or shorter sequences."
+        )
     return out
 
 

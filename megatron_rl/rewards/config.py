@@ -24,7 +24,8 @@ class RewardConfig:
     """How responses are verified and scored.
 
     Attributes:
-        kind: verifier, one of REWARD_KINDS ("math": final answer; "code": program vs tests).
+        kind: verifier: "math" (the final answer), "code" (a program against tests), or the
+            name of an installed reward plug-in (``megatron_rl.rewards.registry``).
         correct_reward: reward of a verified response (ScaleRL: +1).
         incorrect_reward: reward of anything else, including timeouts and hostile input (-1).
         require_think_end: a response must close its thinking with ``think_end_tag``; one that
@@ -116,8 +117,14 @@ class RewardConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field."""
-        if self.kind not in REWARD_KINDS:
-            raise ConfigError("kind", f"must be one of {list(REWARD_KINDS)}, got {self.kind!r}")
+        from megatron_rl.rewards.registry import kinds
+
+        if self.kind not in kinds():
+            raise ConfigError(
+                "kind",
+                f"must be one of {kinds()} (the built-ins and the installed reward plug-ins, "
+                f"entry point group megatron_rl.rewards), got {self.kind!r}",
+            )
         for name in ("correct_reward", "incorrect_reward"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from megatron_rl.rewards import code, math
+from megatron_rl.rewards import code, math, registry
 from megatron_rl.rewards.config import RewardConfig
+from megatron_rl.rewards.extraction import answer_section
 from megatron_rl.rewards.isolation import box_for
 from megatron_rl.rewards.workers import WorkerPool, WorkersUnavailable, describe_exception
 
@@ -187,7 +188,8 @@ class RewardPool:
         kinds = [self.config.kind] * len(responses) if kinds is None else list(kinds)
         if len(kinds) != len(responses):
             raise ValueError(f"kinds has {len(kinds)} entries for {len(responses)} responses")
-        unknown = set(kinds) - {"math", "code"}
+        plugins = {k: v for k, v in registry.registered().items() if k in set(kinds)}
+        unknown = set(kinds) - {"math", "code"} - set(plugins)
         if unknown:
             raise ValueError(f"unknown reward kinds {sorted(unknown)}")
         check_references(references)
@@ -203,6 +205,10 @@ class RewardPool:
                 self._score_math(math_items, responses, references, *scored)
             if code_items:
                 self._score_code(code_items, responses, references, rewards, statuses, seconds)
+            for name, value in plugins.items():
+                items = [i for i, k in enumerate(kinds) if k == name]
+                scored = (rewards, statuses, seconds, crashes)
+                self._score_plugin(name, value, items, responses, references, *scored)
             self.last_statuses = statuses
             self.last_seconds = seconds
             self.last_crashes = crashes
@@ -302,6 +308,56 @@ class RewardPool:
                 logger.debug("math verification timed out: %s", result.error or "CPU limit")
             correct = status == math.CORRECT
             rewards[i] = config.correct_reward if correct else config.incorrect_reward
+
+    def _score_plugin(
+        self,
+        name: str,
+        value: str,
+        items: list[int],
+        responses: Sequence[str],
+        references: Sequence[Any],
+        rewards: list[float],
+        statuses: list[str],
+        seconds: list[float],
+        crashes: list[int],
+    ) -> None:
+        """Scores of a reward plug-in (``registry``), in the math workers under their limits:
+        "correct" (the correct reward), "wrong" (any other), "in_process" (no answer after
+        the thinking: not called), "timeout", "error" (it raised or returned no reward) or
+        "crashed", as math's."""
+        config = self.config
+        to_score: list[int] = []
+        tasks = []
+        for i in items:
+            answer = answer_section(
+                str(responses[i]), config.think_end_tag, config.require_think_end
+            )
+            if answer is None:
+                statuses[i] = "in_process"
+                continue
+            to_score.append(i)
+            reward_range = (config.correct_reward, config.incorrect_reward)
+            tasks.append((value, answer, references[i], *reward_range))
+        if not tasks:
+            return
+        try:
+            results = self._math_pool().map(registry.score, tasks)
+        except WorkersUnavailable as err:
+            self._math = None
+            raise RewardFailure(f"{err}; the reward plug-in {name} cannot run") from err
+        for i, result in zip(to_score, results):
+            seconds[i], crashes[i] = result.elapsed_s, result.crashes
+            if result.status == "ok":
+                rewards[i] = float(result.value)
+                statuses[i] = "correct" if rewards[i] == config.correct_reward else "wrong"
+                continue
+            statuses[i] = result.status
+            if result.status in (ERROR, CRASHED):
+                kind = CRASHED if result.status == CRASHED else result.error.split(":", 1)[0]
+                detail = f"in a worker: {result.error}"
+                self._failed(
+                    name, kind or "error", detail, responses[i], references[i], result.status
+                )
 
     def _score_code(
         self,

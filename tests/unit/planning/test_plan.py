@@ -556,3 +556,28 @@ def test_episode_plan_of_the_tool_recipe_by_hand():
     assert e.prefill_cached == e.prefill_uncached == 2048 + 3 * 16384
     # Chunked local attention (Llama-4, chunk 8192): the engine's blocks are 128 tokens.
     assert kv_block_size((8192, 8192, None)) == 128 and kv_block_size((None,)) == 16
+
+
+def test_engines_that_do_not_fit_get_the_change_that_makes_them():
+    """`plan --gpu h100` said the 8B engines do not fit by 59% and suggested nothing for them
+    (rollout.kv_cache_gb=40 fits). The suggestion is checked by planning the recipe again with
+    the suggested overrides as a user would pass them."""
+    from megatron_rl.planning.report import notes
+
+    recipe = ROOT / "recipes" / "scalerl_8b.yaml"
+    plan = plan_run(load_run_config(recipe), gpu="h100")
+    assert not plan.engine_fits and plan.engine_fix is not None
+    changes, fixed = plan.engine_fix
+    assert changes == ("rollout.kv_cache_gb=37",)
+    again = plan_run(load_run_config(recipe, list(changes)), gpu="h100")
+    assert again.engine_fits and again.engine.total == fixed.total
+    assert again.engine.bytes.sequences_in_kv >= 1
+    assert any("The engines fit with `rollout.kv_cache_gb=37`" in n for n in notes(plan))
+    # Scout on an H100: no KV cache alone fits; twice the engines' TP (half the engines)
+    scout = ROOT / "recipes" / "scalerl_scout.yaml"
+    plan = plan_run(load_run_config(scout), gpu="h100")
+    changes, _ = plan.engine_fix
+    assert changes[:2] == ("rollout.tensor_parallel=8", "rollout.engines=12")
+    assert plan_run(load_run_config(scout, list(changes)), gpu="h100").engine_fits
+    # engines that fit get no advice
+    assert plan_run(load_run_config(recipe), gpu="gb200").engine_fix is None
