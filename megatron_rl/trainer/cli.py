@@ -12,10 +12,13 @@ that changed more than the safe keys, is refused with exit status 2 (``--restart
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_rl.config import RunConfig
+    from megatron_rl.trainer.console import RunConsole
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,11 +55,6 @@ def run(args: argparse.Namespace) -> int:
     from megatron_rl.config import ConfigError, load_run_config, to_yaml
     from megatron_rl.config.checks import start_weights_problem
 
-    if getattr(args, "quiet", False):
-        # Ours and vLLM's (read when vLLM is imported, also by engine processes) loggers.
-        logging.getLogger().setLevel(logging.ERROR)
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-
     try:
         config = load_run_config(args.recipe, args.overrides)
     except ConfigError as err:
@@ -82,6 +80,16 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from megatron_rl.trainer.console import RunConsole
+
+    # The console is ours from here (the libraries' output goes to RUN_DIR/logs/); a bar
+    # ticks while the libraries import and the run is built, until the start block.
+    with RunConsole(quiet=args.quiet, bars=config.logging.progress_bar) as console:
+        return _train(config, run_dir, args, console)
+
+
+def _train(config: RunConfig, run_dir: Path, args: argparse.Namespace, console: RunConsole) -> int:
+    """Train; the errors a user can fix are one line on the console with an exit code."""
     from megatron_rl.data import DataError
     from megatron_rl.trainer.loop import train
     from megatron_rl.trainer.rundir import RunDirError
@@ -91,11 +99,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         return int(train(config, run_dir, args.restart, args.allow_changes) or 0)
     except (RunDirError, TrackingError) as err:  # busy, history, changes; W&B cannot start
-        print(f"megatron-rl train: error: {err}", file=sys.stderr)
+        console.error(f"megatron-rl train: error: {err}")
         return 2
     except LogprobGapError as err:  # the run is stopped on purpose: say why, no traceback
-        print(f"megatron-rl train: error: {err}", file=sys.stderr)
+        console.error(f"megatron-rl train: error: {err}")
         return 3
     except DataError as err:  # a bad data file or row: its message names it
-        print(f"megatron-rl train: error: {err}", file=sys.stderr)
+        console.error(f"megatron-rl train: error: {err}")
         return 2
