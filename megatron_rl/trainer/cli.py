@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quiet",
         action="store_true",
-        help="the progress bar and errors only (no start / end summaries, no info logs)",
+        help="the progress bars, the validation pass rates and errors only (no start / end "
+        "summaries, no other log lines, no library warnings; all are in RUN_DIR/logs/)",
     )
     parser.add_argument(
         "--allow-changes",

@@ -106,7 +106,8 @@ class ConsoleHandler(logging.Handler):
         super().__init__(logging.DEBUG)
         self.owner = owner
         self.started = False  # the start block is out
-        self.held: list[logging.LogRecord] = []
+        self.held: list[logging.LogRecord] = []  # libraries' warnings before the start block
+        self.early: list[logging.LogRecord] = []  # our INFO lines before it
         self.seen: set[tuple[str, str]] = set()
 
     def shown(self, record: logging.LogRecord) -> bool:
@@ -117,11 +118,9 @@ class ConsoleHandler(logging.Handler):
             return ours and getattr(record, "quiet_keeps", False) and owner.main
         if not ours:
             return record.levelno >= logging.WARNING and record.name != "py.warnings"
-        if record.levelno >= logging.WARNING:
-            return True
-        # Our INFO lines: the main rank's, from the start block on (earlier ones say what the
-        # start block says, in the log).
-        return owner.main and (self.started or getattr(record, "start_block", False))
+        # Our INFO lines: the main rank's. Those before the start block (what it sums up) wait:
+        # they are shown only if the run ends before it (a refusal, a signal, an error).
+        return record.levelno >= logging.WARNING or owner.main
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -130,8 +129,12 @@ class ConsoleHandler(logging.Handler):
                 self.owner.close_startup_bar()
             if self.shown(record) and self.first_time(record):
                 ours = record.name.split(".")[0] == OURS
-                if ours or self.started or record.levelno >= logging.ERROR:
+                if self.started or start or record.levelno >= logging.ERROR:
                     self.write(record)
+                elif ours and record.levelno >= logging.WARNING:
+                    self.write(record)
+                elif ours:  # shown only if the run ends before the start block
+                    self.early.append(record)
                 else:  # a library's warning before the start block: after it
                     self.held.append(record)
             if start:
@@ -149,11 +152,13 @@ class ConsoleHandler(logging.Handler):
         self.seen.add(key)
         return True
 
-    def show_held(self) -> None:
-        """The start block is out (or the run ends without one): the held lines follow it."""
+    def show_held(self, early: bool = False) -> None:
+        """The start block is out, or the run ends without one (``early``: our INFO lines
+        before it are shown too): the libraries' warnings held follow."""
         self.started = True
         self.owner.close_startup_bar()
-        held, self.held = self.held, []
+        held = sorted(self.held + self.early, key=lambda r: r.created) if early else self.held
+        self.held, self.early = [], []
         for record in held:
             self.write(record)
 
@@ -238,7 +243,10 @@ class RunConsole:
         self._pending = log
 
     def error(self, text: str) -> None:
-        """An error the user can fix, as one line: on the console and in the log."""
+        """An error the user can fix, as one line: on the console (last: after what waited
+        for a start block that will not come) and in the log."""
+        if not self.console_handler.started:
+            self.console_handler.show_held(early=True)
         self.file_handler.stream.write(text + "\n")
         self.file_handler.flush()
         tqdm.write(text, file=self.console)
@@ -252,10 +260,11 @@ class RunConsole:
         global _active
         self.close_startup_bar()
         if not self.console_handler.started:  # no start block: what waited is shown now
-            self.console_handler.show_held()
+            self.console_handler.show_held(early=True)
         for s in (sys.stdout, sys.stderr):
             s.flush()
-        if self.log_path is None and exc_type is not None and not self.quiet:
+        failed = exc_type is not None and not issubclass(exc_type, SystemExit)
+        if self.log_path is None and failed and not self.quiet:
             self._show_tail()  # failed before the run directory: the libraries' last words
         os.dup2(self._saved[0], 1)
         os.dup2(self._saved[1], 2)
@@ -277,7 +286,7 @@ class RunConsole:
             with contextlib.suppress(OSError):
                 os.unlink(self._vllm_config)
         self._pending.close()
-        if self.log_path is not None and exc_type is not None:
+        if self.log_path is not None and failed:
             print(f"(the libraries' output and every log line: {self.log_path})", file=self.console)
         self.console.close()
         _active = None

@@ -1,8 +1,7 @@
-"""The start and end summaries of a run (megatron_rl/trainer/summary.py) and --quiet."""
+"""The start and end summaries of a run (megatron_rl/trainer/summary.py); --quiet: test_console.py."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from pathlib import Path
@@ -80,23 +79,6 @@ def test_end_summary_never_raises(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="megatron_rl.trainer.summary"):
         summary.log_end(config, broken, 0, 1, "failed", main=True)
     assert "no end summary" in caplog.text
-
-
-def test_quiet_keeps_errors_only(monkeypatch):
-    from megatron_rl.trainer import cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    args = parser.parse_args([str(ROOT / "recipes" / "tiny_cpu.yaml"), "--dry-run", "--quiet"])
-    root = logging.getLogger()
-    monkeypatch.setattr(root, "level", logging.INFO)  # restored after the test
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
-    assert cli.run(args) == 0
-    assert root.level == logging.ERROR
-    import os
-
-    assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
 
 
 def test_the_resume_command_of_the_summary_is_accepted(tmp_path):
