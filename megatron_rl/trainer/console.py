@@ -9,8 +9,9 @@ Everything else goes to ``RUN_DIR/logs/rank<R>.log``: file descriptors 1 and 2 o
 process are redirected there, so library INFO logs, Python warnings, megatron-core's
 ``print``\\ s, C++ output and whatever the processes the trainer starts write (engine processes,
 reward workers: they inherit the descriptors) land in the log with our own lines. Until the
-main rank has claimed the run directory (``--restart`` may move an old one aside), the output
-waits in a temporary file, then moves into the log.
+main rank has claimed the run directory (a refused run writes nothing there; ``--restart``
+moves the previous run's ``logs/`` aside with its history), the output waits in a temporary
+file, then moves into the log.
 
 ``--quiet``: the progress bars, the validation lines and errors only. Under torchrun or srun
 only the main rank (``RANK`` 0) shows INFO lines and bars; every rank writes its own log.
@@ -33,6 +34,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOGS_DIR = "logs"  # in the run directory: rank<R>.log
 OURS = "megatron_rl"
 # Set on a log record (``extra=``): the start block (the console's first line), and the lines
 # that ``--quiet`` keeps besides errors (the validations).
@@ -227,7 +229,7 @@ class RunConsole:
         """The output from now on, and what waited, into ``run_dir/logs/rank<R>.log``."""
         if self.log_path is not None:
             return
-        logs = Path(run_dir) / "logs"
+        logs = Path(run_dir) / LOGS_DIR
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"rank{self.rank}.log"
         log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - until __exit__

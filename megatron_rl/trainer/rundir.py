@@ -183,12 +183,14 @@ def checkpointed_before(run_dir: Path) -> bool:
 
 def move_history_aside(run_dir: Path, history: dict[str, str]) -> Path:
     """``--restart``: move the past run's files into ``RUN_DIR/previous_<UTC time>/``."""
+    from megatron_rl.trainer.console import LOGS_DIR
     from megatron_rl.trainer.metrics import TENSORBOARD_DIR
     from megatron_rl.trainer.tracking import WANDB_DIR  # the W&B run id: a new run after this
 
     aside = run_dir / time.strftime("previous_%Y%m%dT%H%M%SZ", time.gmtime())
     aside.mkdir()
-    for name in [*history, TENSORBOARD_DIR, WANDB_DIR, CONFIG_FILE, "hf_init", "tokenizer"]:
+    moved = [TENSORBOARD_DIR, WANDB_DIR, CONFIG_FILE, "hf_init", "tokenizer", LOGS_DIR]
+    for name in [*history, *moved]:
         if (run_dir / name).exists():
             (run_dir / name).rename(aside / name)
     logger.warning("--restart: the previous run's %s moved to %s", ", ".join(history), aside)

@@ -158,7 +158,7 @@ def build_run(
     refused = collectives.broadcast_object(refused)
     if refused is not None:  # on every rank: the others would wait for rank 0 otherwise
         raise refused
-    # The directory is ours (--restart moved an old one aside): the output goes to RUN_DIR/logs/.
+    # The directory is ours (--restart moved the old logs aside): the output into RUN_DIR/logs/.
     console.attach(run_dir)
     if dist.get_rank() == 0:  # one rank writes the initial HF directory, the others wait
         prepare_hf_dir(config, run_dir)

@@ -154,3 +154,20 @@ def test_help_lists_every_command_with_its_description(capsys):
             name,
             out,
         )
+
+
+def test_a_phase_of_unknown_length_shows_its_elapsed_time_then_is_erased(capsys):
+    """The engines' start and a validation had no bar: 27 s of silence (issue 47)."""
+    import time
+
+    from megatron_rl.trainer import console
+
+    with console.phase("starting 1 engine(s)"):
+        time.sleep(2.5)
+    err = capsys.readouterr().err
+    redraws = err.split("\r")
+    assert "starting 1 engine(s): 00:00" in redraws and "starting 1 engine(s): 00:02" in redraws
+    assert redraws[-1].strip() == ""  # erased (leave=False)
+    with console.phase("validation at step 0", main=False):  # other ranks: no bar
+        pass
+    assert capsys.readouterr().err == ""
