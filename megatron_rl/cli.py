@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog=commands_help() + "\n\n`megatron-rl COMMAND --help`: the command's arguments.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("command", metavar="COMMAND", choices=sorted(COMMANDS), help="one of the commands below")
+    parser.add_argument(
+        "command", metavar="COMMAND", choices=sorted(COMMANDS), help="one of the commands below"
+    )
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(
             argv[:1]

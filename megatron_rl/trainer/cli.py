@@ -6,7 +6,9 @@ with status 3 and its reason on stderr. ``--dry-run`` prints the resolved config
 Re-running the same command on an existing run directory resumes it from its newest intact
 checkpoint; a directory in use by another run, or with history but no checkpoint, or a recipe
 that changed more than the safe keys, is refused with exit status 2 (``--restart``,
-``--allow-changes``: see :mod:`megatron_rl.trainer.rundir`).
+``--allow-changes``: see :mod:`megatron_rl.trainer.rundir`). The console shows the run's own
+lines, the start block first; the libraries' output goes to ``RUN_DIR/logs/``
+(:mod:`megatron_rl.trainer.console`).
 """
 
 from __future__ import annotations

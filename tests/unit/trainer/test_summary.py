@@ -93,3 +93,13 @@ def test_the_resume_command_of_the_summary_is_accepted(tmp_path):
     again = load_run_config(tmp_path / "config.yaml", check_model=False)
     assert again.name == "tiny_cpu"
     assert check_changes(tmp_path / "config.yaml", to_yaml(again), allow_changes=False) == {}
+
+
+def test_the_start_block_says_the_step_a_resume_goes_on_from(tmp_path):
+    """The start block is logged before the checkpoint is loaded (the console's first line):
+    its step is the newest intact checkpoint's, the one the resume then loads."""
+    latest = {"path": tmp_path / "checkpoints" / "step_00000040"}
+    run = SimpleNamespace(checkpoints=SimpleNamespace(latest=lambda: latest["path"]))
+    assert summary.resume_step(run) == 40
+    latest["path"] = None
+    assert summary.resume_step(run) == 0
