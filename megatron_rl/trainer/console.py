@@ -10,7 +10,7 @@ process are redirected there, so library INFO logs, Python warnings, megatron-co
 ``print``\\ s, C++ output and whatever the processes the trainer starts write (engine processes,
 reward workers: they inherit the descriptors) land in the log with our own lines. Until the
 main rank has claimed the run directory (a refused run writes nothing there; ``--restart``
-moves the previous run's ``logs/`` aside with its history), the output waits in a temporary
+moves the previous run's ``logs/rank*.log`` aside with its history), the output waits in a temporary
 file, then moves into the log.
 
 ``--quiet``: the progress bars, the validation lines and errors only. Under torchrun or srun
@@ -34,7 +34,8 @@ from typing import IO, Any
 from tqdm import tqdm
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-LOGS_DIR = "logs"  # in the run directory: rank<R>.log
+LOGS_DIR = "logs"  # in the run directory (a Slurm job's logs are there too)
+RANK_LOGS = "rank*.log"  # ours: one per trainer rank
 OURS = "megatron_rl"
 # Set on a log record (``extra=``): the start block (the console's first line), and the lines
 # that ``--quiet`` keeps besides errors (the validations).
