@@ -29,11 +29,25 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def commands_help() -> str:
+    """The commands and what each does, one a line (``megatron-rl --help``)."""
+    width = max(len(name) for name in COMMANDS) + 2
+    lines = [f"  {name:<{width}}{text}" for name, (_, text) in COMMANDS.items()]
+    return "commands:\n" + "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     set_omp_defaults()  # before any command imports torch
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=sorted(COMMANDS), help="sub-command")
+    parser = argparse.ArgumentParser(
+        prog="megatron-rl",
+        description="Megatron-Core RL trainer (ScaleRL recipe, vLLM rollouts, PipelineRL).",
+        epilog=commands_help() + "\n\n`megatron-rl COMMAND --help`: the command's arguments.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "command", metavar="COMMAND", choices=sorted(COMMANDS), help="one of the commands below"
+    )
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(
             argv[:1]

@@ -8,16 +8,21 @@ workers cannot start). ``--dry-run`` prints the resolved config and exits.
 Re-running the same command on an existing run directory resumes it from its newest intact
 checkpoint; a directory in use by another run, or with history but no checkpoint, or a recipe
 that changed more than the safe keys, is refused with exit status 2 (``--restart``,
-``--allow-changes``: see :mod:`megatron_rl.trainer.rundir`).
+``--allow-changes``: see :mod:`megatron_rl.trainer.rundir`). The console shows the run's own
+lines, the start block first; the libraries' output goes to ``RUN_DIR/logs/``
+(:mod:`megatron_rl.trainer.console`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_rl.config import RunConfig
+    from megatron_rl.trainer.console import RunConsole
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quiet",
         action="store_true",
-        help="the progress bar and errors only (no start / end summaries, no info logs)",
+        help="the progress bars, the validation pass rates and errors only (no start / end "
+        "summaries, no other log lines, no library warnings; all are in RUN_DIR/logs/)",
     )
     parser.add_argument(
         "--allow-changes",
@@ -53,11 +59,6 @@ def run(args: argparse.Namespace) -> int:
     """Load and validate the recipe; print it (``--dry-run``) or train. Returns the exit code."""
     from megatron_rl.config import ConfigError, load_run_config, to_yaml
     from megatron_rl.config.checks import start_weights_problem
-
-    if getattr(args, "quiet", False):
-        # Ours and vLLM's (read when vLLM is imported, also by engine processes) loggers.
-        logging.getLogger().setLevel(logging.ERROR)
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
     try:
         config = load_run_config(args.recipe, args.overrides)
@@ -94,6 +95,16 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from megatron_rl.trainer.console import RunConsole
+
+    # The console is ours from here (the libraries' output goes to RUN_DIR/logs/); a bar
+    # ticks while the libraries import and the run is built, until the start block.
+    with RunConsole(quiet=args.quiet, bars=config.logging.progress_bar) as console:
+        return _train(config, run_dir, args, console)
+
+
+def _train(config: RunConfig, run_dir: Path, args: argparse.Namespace, console: RunConsole) -> int:
+    """Train; the errors a user can fix are one line on the console with an exit code."""
     from megatron_rl.data import DataError
     from megatron_rl.rewards.pool import RewardFailure
     from megatron_rl.trainer.loop import train
@@ -104,11 +115,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         return int(train(config, run_dir, args.restart, args.allow_changes) or 0)
     except (RunDirError, TrackingError) as err:  # busy, history, changes; W&B cannot start
-        print(f"megatron-rl train: error: {err}", file=sys.stderr)
+        console.error(f"megatron-rl train: error: {err}")
         return 2
     except (LogprobGapError, RewardFailure) as err:  # stopped on purpose: say why, no traceback
-        print(f"megatron-rl train: error: {err}", file=sys.stderr)
+        console.error(f"megatron-rl train: error: {err}")
         return 3
     except DataError as err:  # a bad data file or row: its message names it
-        print(f"megatron-rl train: error: {err}", file=sys.stderr)
+        console.error(f"megatron-rl train: error: {err}")
         return 2

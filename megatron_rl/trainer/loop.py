@@ -26,7 +26,7 @@ from megatron_rl.rollout.client import WeightsNeeded
 from megatron_rl.rollout.samples import TOOL_VERSION
 from megatron_rl.rollout.weights import m2n_ranks
 from megatron_rl.scaling.forecast import resolve_budget
-from megatron_rl.trainer import hf_export, summary
+from megatron_rl.trainer import console, hf_export, summary
 from megatron_rl.trainer.batch import TrainSample, token_multiple
 from megatron_rl.trainer.compute import generation_share
 from megatron_rl.trainer.probe import LogprobProbe
@@ -83,7 +83,6 @@ def train(
         )
         return 0
     first_step, outcome = trainer.step, "failed (the error follows)"
-    summary.log_start(config, trainer.run, first_step, trainer.main)
     finished = False
     try:
         if trainer.step == 0 and config.validation.enabled and config.validation.at_start:
@@ -220,6 +219,8 @@ class Trainer:
         self.stop = stop if stop is not None else StopFlag(config.checkpoint.on_signals)
         self.run = build_run(config, run_dir, restart, allow_changes)  # rundir.py claims
         self.main = _is_main()  # once build_run has joined the process group
+        # The console's first line (before the warm start, the engines and their output).
+        summary.log_start(config, self.run, summary.resume_step(self.run), self.main)
         self.step, self.pool, self.forecast, self.source, self.bar = 0, None, None, None, None
         self.round, self.unrecomputed = [], []
         try:
@@ -243,12 +244,14 @@ class Trainer:
         # gloo group whose timeout is the start-up's, not in a collective with the world's.
         wait = config.rollout.startup_timeout_minutes
         startup = collectives.timed_group(wait)
-        with m2n_ranks.serving(run.model, config.rollout):  # nccl_m2n: the ranks follow
+        engines = f"starting {config.rollout.engines} engine(s)"
+        with console.phase(engines, self.main), m2n_ranks.serving(run.model, config.rollout):
             self.pool = start_generators(run, self.step) if self.main else None
         collectives.barrier(startup, wait, timeout_key="rollout.startup_timeout_minutes")
         self._check_stop("while the engines started")
         self.waits = rank_zero_waits(config)
-        push_weights(run, self.pool)  # warm-started or resumed weights
+        with console.phase("pushing the weights to the engines", self.main):
+            push_weights(run, self.pool)  # warm-started or resumed weights
         self.forecast = start_forecast(run) if self.main else None
         self.source = self._rollout_source() if self.main else None
         if self.source is not None:  # prompts in flight at the last checkpoint are regenerated
@@ -302,7 +305,8 @@ class Trainer:
             total=self.config.training.max_steps,
             initial=self.step,
             desc="train",
-            disable=not (self.main and self.config.logging.progress_bar),
+            file=console.stream(),
+            disable=not (console.bars_shown(self.main) and self.config.logging.progress_bar),
         )
         watchdog.arm(self.config.training.hang_timeout_minutes, self.run.run_dir, _rank())
 
@@ -665,7 +669,8 @@ def validate(
 
     with run.clock.window("validation") as window:
         tokens_before = pool.generated_tokens()
-        scored = on_every_rank(run, pool, True, score, wait, share=False)
+        with console.phase(f"validation at step {step} ({len(ids)} prompts)"):
+            scored = on_every_rank(run, pool, True, score, wait, share=False)
         if scored is None:
             return float("nan")
         if isinstance(scored, RewardFailure):
@@ -696,7 +701,12 @@ def validate(
     )
     domains = "".join(f"{k.split('/')[1]} {v:.3f}, " for k, v in per_domain.items())
     logger.info(
-        "step %d: validation pass rate %.3f (%s%d samples)", step, rate, domains, len(rewards)
+        "step %d: validation pass rate %.3f (%s%d samples)",
+        step,
+        rate,
+        domains,
+        len(rewards),
+        extra=console.QUIET_KEEPS,  # --quiet shows it
     )
     if forecast is not None:
         training = run.config.training

@@ -193,6 +193,7 @@ def checkpointed_before(run_dir: Path) -> bool:
 
 def move_history_aside(run_dir: Path, history: dict[str, str]) -> Path:
     """``--restart``: move the past run's files into ``RUN_DIR/previous_<UTC time>/``."""
+    from megatron_rl.trainer.console import LOGS_DIR, RANK_LOGS
     from megatron_rl.trainer.metrics import TENSORBOARD_DIR
     from megatron_rl.trainer.tracking import WANDB_DIR  # the W&B run id: a new run after this
 
@@ -201,6 +202,11 @@ def move_history_aside(run_dir: Path, history: dict[str, str]) -> Path:
     for name in [*history, TENSORBOARD_DIR, WANDB_DIR, CONFIG_FILE, "hf_init", "tokenizer"]:
         if (run_dir / name).exists():
             (run_dir / name).rename(aside / name)
+    # The trainer ranks' logs (megatron_rl.trainer.console); a Slurm job's own logs, written
+    # there while it runs, stay.
+    for log in sorted((run_dir / LOGS_DIR).glob(RANK_LOGS)):
+        (aside / LOGS_DIR).mkdir(exist_ok=True)
+        log.rename(aside / LOGS_DIR / log.name)
     logger.warning("--restart: the previous run's %s moved to %s", ", ".join(history), aside)
     return aside
 

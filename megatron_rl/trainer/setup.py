@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from megatron_rl.config.checks import check_start_weights
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.trainer import console
 from megatron_rl.trainer.hf_export import HFExporter
 
 if TYPE_CHECKING:
@@ -157,6 +158,8 @@ def build_run(
     refused = collectives.broadcast_object(refused)
     if refused is not None:  # on every rank: the others would wait for rank 0 otherwise
         raise refused
+    # The directory is ours (--restart moved the old logs aside): the output into RUN_DIR/logs/.
+    console.attach(run_dir)
     if dist.get_rank() == 0:  # one rank writes the initial HF directory, the others wait
         prepare_hf_dir(config, run_dir)
     collectives.barrier()

@@ -4,8 +4,10 @@ Start: the recipe, the layout (trainer ranks, TP / PP / EP / CP / DP, engines an
 placement), the model and where its weights come from, the data sources with their sizes, the
 step budget and where the outputs go. End (also after a signal or an error): the steps done,
 the validation pass rate's first and last values, the GPU-hours (training and total), the run
-directory's contents and the next commands. ``megatron-rl train --quiet`` hides both (it keeps
-the progress bar and errors).
+directory's contents and the next commands. The start block is the console's first line
+(:mod:`megatron_rl.trainer.console`): it is logged once the run is built, before the warm start
+or resume. ``megatron-rl train --quiet`` hides both (it keeps the progress bars, the
+validations and errors).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rl.scaling.records import read_records
+from megatron_rl.trainer.console import START_BLOCK
 
 if TYPE_CHECKING:
     from megatron_rl.config import RunConfig
@@ -131,10 +134,17 @@ def end_block(config: RunConfig, run: Run, first_step: int, step: int, outcome: 
     return "\n".join(lines)
 
 
+def resume_step(run: Run) -> int:
+    """The step the run goes on from: its newest intact checkpoint's (the one a resume
+    loads), 0 without one."""
+    latest = run.checkpoints.latest()
+    return int(latest.name.removeprefix("step_")) if latest is not None else 0
+
+
 def log_start(config: RunConfig, run: Run, step: int, main: bool) -> None:
-    """Log the start summary on the main rank."""
+    """Log the start summary on the main rank (the console's first line)."""
     if main:
-        logger.info("%s", start_block(config, run, step))
+        logger.info("%s", start_block(config, run, step), extra=START_BLOCK)
 
 
 def log_end(

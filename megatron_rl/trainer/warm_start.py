@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from megatron_rl.config.sections import OptimizerConfig
 from megatron_rl.models.logprobs import logits_to_logprobs
+from megatron_rl.trainer import console
 from megatron_rl.trainer.batch import right_padded
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ def supervised_warm_start(
     dp_rank = parallel_state.get_data_parallel_rank()
     losses = []
     logger.info("warm start: %d steps on %d examples", steps, len(examples))
-    bar = tqdm(range(steps), desc="warm start (SFT)", leave=False)
+    main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    bar = console.bar(range(steps), desc="warm start (SFT)", main=main)
     for _ in bar:
         if before_step is not None:
             before_step()

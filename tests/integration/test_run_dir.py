@@ -65,6 +65,9 @@ def test_history_without_a_checkpoint_is_refused_unless_restart(tmp_path):
     (run_dir / "checkpoints" / "step_00000003.tmp").mkdir(parents=True)
     (run_dir / "checkpoints" / "step_00000002").mkdir()  # no meta.json: not intact
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n' * 5)
+    (run_dir / "logs").mkdir()
+    (run_dir / "logs" / "rank0.log").write_text("the old run's log\n")
+    (run_dir / "logs" / "tiny_cpu-7-trainer.log").write_text("this Slurm job's log\n")
     with pytest.raises(RunDirError) as info:
         claim_run_dir(_config(), run_dir)
     message = str(info.value)
@@ -76,6 +79,8 @@ def test_history_without_a_checkpoint_is_refused_unless_restart(tmp_path):
     (aside,) = run_dir.glob("previous_*")
     assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n' * 5
     assert (aside / "checkpoints" / "step_00000003.tmp").is_dir()
+    assert (aside / "logs" / "rank0.log").read_text() == "the old run's log\n"  # and its log
+    assert (run_dir / "logs" / "tiny_cpu-7-trainer.log").is_file()  # written by the job
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
     claim.lock.release()
     # A fresh directory has no history: no --restart needed.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -205,6 +206,7 @@ PPO_ARGS = (
 # the run is over, to a deep copy taken before (what the run derives, such as the HF directory
 # of a preset, the engines' dtype or their GPUs, lives in the run's own state). The outcome
 # goes to the file named by $CONFIG_CHECK.
+MAIN = "<megatron-rl main>"
 KEEPS_ITS_CONFIG = """
 import copy, json, os, sys
 import megatron_rl.trainer.loop as loop
@@ -227,8 +229,9 @@ def train(config, *args, **kwargs):
 loop.train = train
 from megatron_rl.cli import main
 
+print(MAIN, file=sys.stderr, flush=True)  # what this wrapper's imports printed is above it
 sys.exit(main())
-"""
+""".replace("MAIN", repr(MAIN))
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +243,8 @@ def ppo_full_run(tmp_path_factory):
     cmd = [sys.executable, "-c", KEEPS_ITS_CONFIG, *args[3:]]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir.parent / "output.txt").write_text(proc.stderr)
+    (run_dir.parent / "output.txt").write_text(proc.stderr)  # the console
+    (run_dir.parent / "stdout.txt").write_text(proc.stdout)
     return run_dir
 
 
@@ -268,6 +272,32 @@ def test_the_run_says_what_it_does_at_start_and_end(ppo_full_run):
     assert f"run directory {ppo_full_run}: checkpoints/, config.yaml," in block
     assert f"megatron-rl fit {ppo_full_run}/metrics.jsonl" in block
     assert f"megatron-rl train {ppo_full_run}/config.yaml --run-dir {ppo_full_run}" in block
+
+
+LIBRARY_LINE = re.compile(r"\d\d:\d\d:\d\d [A-Z]+ (vllm|megatron\.core|torch|transformers)\S*: ")
+
+
+def test_the_console_starts_with_the_start_block_and_the_libraries_write_to_the_log(
+    ppo_full_run,
+):
+    """Issue 47 section 2: the console's first line is the start block (it came at line ~89,
+    after ~33k characters of megatron-core and vLLM output); the libraries' logging warnings
+    come after it, once each; their INFO lines, prints and Python warnings are in
+    RUN_DIR/logs/rank0.log, not on the console (vLLM printed its INFO lines on stdout)."""
+    console = (ppo_full_run.parent / "output.txt").read_text().split(MAIN + "\n", 1)[1]
+    assert (ppo_full_run.parent / "stdout.txt").read_text() == ""
+    lines = console.splitlines()
+    assert re.fullmatch(r"\d\d:\d\d:\d\d run tiny_cpu:", lines[0]), lines[:5]
+    library = [line.split(" ", 1)[1] for line in lines if LIBRARY_LINE.match(line)]
+    assert len(library) == len(set(library))
+    for text in ("(MainProcess pid=", "Params for bucket", "UserWarning", "INFO vllm"):
+        assert text not in console, text
+    log = (ppo_full_run / "logs" / "rank0.log").read_text()
+    assert "INFO vllm.v1.engine.core: Initializing a V1 LLM engine" in log  # vLLM's INFO
+    assert "Params for bucket 1" in log  # megatron-core's print()
+    assert "WARNING py.warnings:" in log  # Python warnings
+    assert "INFO megatron_rl.trainer.summary: run tiny_cpu:" in log  # and ours
+    assert all(line.split(" ", 1)[1] in log for line in lines if LIBRARY_LINE.match(line))
 
 
 def test_the_run_leaves_its_config_as_loaded(ppo_full_run):
@@ -365,8 +395,10 @@ def test_a_diverging_generator_stops_the_run_with_a_clear_error(tmp_path, diverg
     monitor is blind to it: the post-push probe stops the run right after that push."""
     run_dir = tmp_path / "run"
     overrides = ["warm_start.steps=0", "training.max_steps=3", "validation.enabled=false"]
-    if diverges == "from_the_start":
-        cmd = train_cmd(run_dir, "rollout.dtype=bfloat16", *overrides, "checkpoint.every_steps=0")
+    if diverges == "from_the_start":  # --quiet, with a validation at the start
+        overrides[-1] = "validation.every_steps=100"
+        quiet = ("--quiet", "rollout.dtype=bfloat16", "checkpoint.every_steps=0")
+        cmd = train_cmd(run_dir, *quiet, *overrides)
     else:
         args = train_cmd(run_dir, *overrides, "training.logprob_probe_every=1")
         cmd = [sys.executable, "-c", DIVERGE_AFTER_STEP_1, *args[3:]]
@@ -378,6 +410,13 @@ def test_a_diverging_generator_stops_the_run_with_a_clear_error(tmp_path, diverg
     steps = [r for r in records(run_dir) if "reward_mean" in r]
     if diverges == "from_the_start":
         assert not steps  # no step was trained
+        # --quiet (issue 47): the validation and the error only; it showed the libraries'
+        # warnings and no validation
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 2, lines
+        assert re.fullmatch(
+            r"\d\d:\d\d:\d\d step 0: validation pass rate [\d.]+ \(32 samples\)", lines[0]
+        )
         return
     assert "probe samples generated right after the push of policy version 2" in last, last
     assert [r["step"] for r in steps] == [1]  # stopped before training on version 2's samples
@@ -533,6 +572,13 @@ def test_two_trainer_ranks(tmp_path, layout):
     assert probed[0]["logprob_probe_gap"] < 1e-4, probed[0]
     meta = json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["world_size"] == 2
+    # Only the main rank logs INFO on the console (issue 47); each rank has its own log, the
+    # main rank's with its engine process's output (vLLM's INFO lines).
+    main_log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "rank 0/2:" in main_log and "Initializing a V1 LLM engine" in main_log
+    assert "Initializing a V1 LLM engine" not in proc.stderr + proc.stdout
+    assert "rank 1/2:" in (run_dir / "logs" / "rank1.log").read_text()
+    assert "rank 1/2:" not in proc.stderr and proc.stderr.count("run tiny_cpu:") == 1
     if "tiny-llama4" in layout:  # expert load, summarised per step (layers: test_metrics)
         steps = [r for r in recs if "reward_mean" in r]
         assert all(1.0 <= r["moe/load_ratio_max"] <= 4.0 for r in steps)  # 4 experts

@@ -1,8 +1,7 @@
-"""The start and end summaries of a run (megatron_rl/trainer/summary.py) and --quiet."""
+"""The start and end summaries of a run (megatron_rl/trainer/summary.py); --quiet: test_console.py."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from pathlib import Path
@@ -86,23 +85,6 @@ def test_end_summary_never_raises(tmp_path, caplog):
     assert "no end summary" in caplog.text
 
 
-def test_quiet_keeps_errors_only(monkeypatch):
-    from megatron_rl.trainer import cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    args = parser.parse_args([str(ROOT / "recipes" / "tiny_cpu.yaml"), "--dry-run", "--quiet"])
-    root = logging.getLogger()
-    monkeypatch.setattr(root, "level", logging.INFO)  # restored after the test
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
-    assert cli.run(args) == 0
-    assert root.level == logging.ERROR
-    import os
-
-    assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
-
-
 def test_the_resume_command_of_the_summary_is_accepted(tmp_path):
     """The end summary's resume loads RUN_DIR/config.yaml as the recipe: the run directory's
     change check finds nothing changed (with a recipe's overrides and its own name)."""
@@ -115,3 +97,13 @@ def test_the_resume_command_of_the_summary_is_accepted(tmp_path):
     again = load_run_config(tmp_path / "config.yaml", check_model=False)
     assert again.name == "tiny_cpu"
     assert check_changes(tmp_path / "config.yaml", to_yaml(again), allow_changes=False) == {}
+
+
+def test_the_start_block_says_the_step_a_resume_goes_on_from(tmp_path):
+    """The start block is logged before the checkpoint is loaded (the console's first line):
+    its step is the newest intact checkpoint's, the one the resume then loads."""
+    latest = {"path": tmp_path / "checkpoints" / "step_00000040"}
+    run = SimpleNamespace(checkpoints=SimpleNamespace(latest=lambda: latest["path"]))
+    assert summary.resume_step(run) == 40
+    latest["path"] = None
+    assert summary.resume_step(run) == 0
