@@ -42,6 +42,8 @@ so that the turn's text is the decoding of its ids.
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -114,12 +116,40 @@ class ToolFormat(ABC):
         return list(tokenizer.encode(self.observation_text(output), add_special_tokens=False))
 
 
+_PLAIN_TEXT: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_PLAIN_TEXT_LOCK = threading.Lock()
+
+
+def plain_text_ids(text: str, tokenizer: Any) -> list[int]:
+    """``text``'s ids with the text of special tokens encoded as ordinary text, as Meta's
+    tokenizers encode message content (tiktoken with ``disallowed_special=()``): a program
+    that prints ``<|eot_id|>`` must not end a turn or forge a header in the episode.
+
+    A copy of ``tokenizer``'s backend with ``encode_special_tokens`` set, made once per
+    tokenizer: transformers' per-call ``split_special_tokens`` flips that flag on the shared
+    backend, which the tool threads would race on. A tokenizer without a ``tokenizers``
+    backend is called as it is."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    with _PLAIN_TEXT_LOCK:
+        plain = _PLAIN_TEXT.get(tokenizer)
+        if plain is None:
+            from tokenizers import Tokenizer
+
+            plain = Tokenizer.from_str(backend.to_str())
+            plain.encode_special_tokens = True
+            _PLAIN_TEXT[tokenizer] = plain
+    return list(plain.encode(text, add_special_tokens=False).ids)
+
+
 class LlamaFormat(ToolFormat):
     """Meta's code interpreter (Llama-3.1, Llama-4): ``START`` code ``END``, then the output
     in an ``ipython`` turn ended by ``TOOL_END`` and the assistant's header, tokenized as
     Meta's reference formatter does (``ChatFormat.encode_message``): the header, the output
     and the turn's end each on their own (an output starting with a newline would otherwise
-    merge with the header's ``\\n\\n``)."""
+    merge with the header's ``\\n\\n``), the output's special-token text as ordinary text
+    (``plain_text_ids``)."""
 
     START: ClassVar[str]
     END: ClassVar[str]
@@ -150,10 +180,11 @@ class LlamaFormat(ToolFormat):
         return self._header("ipython") + output + self.TOOL_END + self._header("assistant")
 
     def observation_ids(self, output: str, tokenizer: Any) -> list[int]:
-        ids = []
-        for part in (self._header("ipython"), output, self.TOOL_END + self._header("assistant")):
-            ids += tokenizer.encode(part, add_special_tokens=False)
-        return ids
+        ids = tokenizer.encode(self._header("ipython"), add_special_tokens=False)
+        ids += plain_text_ids(output, tokenizer)
+        return ids + tokenizer.encode(
+            self.TOOL_END + self._header("assistant"), add_special_tokens=False
+        )
 
 
 class Llama3Format(LlamaFormat):
