@@ -1,13 +1,14 @@
 """Prompt rendering: the problem in the configured template, through the chat template.
 
-Token ids of a prompt come from :func:`prompt_token_ids` (or :func:`encode_prompt`), on every
-path (training, validation, warm start, probes, parity, the length filter): a prompt rendered
-by the chat template is tokenized as ``apply_chat_template(..., tokenize=True)`` and vLLM's
-chat endpoint tokenize it, without the tokenizer's special tokens, since chat templates
-write their BOS themselves (Llama-3.1's and Llama-4's ``<|begin_of_text|>``; Qwen's none).
-Tokenized with them, a Llama prompt would start with two BOS tokens, a form the instruct
-model never saw. A plain prompt (no chat template) is tokenized as a completion request is,
-with the tokenizer's special tokens (its BOS, if it adds one).
+Token ids of a prompt come from :func:`prompt_token_ids` (or :func:`encode_prompt`) on every
+path (training, validation, warm start, probes, the preflight, the length filter, the dry
+run): a prompt rendered by the chat template is tokenized as ``apply_chat_template(...,
+tokenize=True)`` and vLLM's chat endpoint tokenize it, without the tokenizer's special
+tokens, since chat templates write their BOS themselves (Llama-3.1's and Llama-4's
+``<|begin_of_text|>``; Qwen's none). Tokenized with them, a Llama prompt would start with two
+BOS tokens, a form the instruct model never saw. A plain prompt (no chat template) is
+tokenized as a completion request is, with the tokenizer's special tokens (its BOS, if it
+adds one).
 """
 
 from __future__ import annotations
