@@ -46,7 +46,10 @@ EXTRAS = {
     # pytest < 9.2: with 9.2, pytest-xdist 3.8.0's --dist loadgroup silently stops grouping
     # (it renames tests through Item._nodeid, which 9.2's structured node ids ignore;
     # pytest-xdist issue 1386), and the Slurm tests would run two at a time.
-    "dev": ["pytest>=8,<9.2", "pytest-timeout", "pytest-xdist", "ruff"],
+    # llama-models: Meta's Llama-3 / Llama-4 tokenizer files and reference chat formatters,
+    # which the prompt-format tests compare against (pure Python; its requirements, tiktoken
+    # among them, are light and already met by CORE and vLLM but termcolor).
+    "dev": ["pytest>=8,<9.2", "pytest-timeout", "pytest-xdist", "ruff", "llama-models==0.3.0"],
     # tools/bench_vs_trl.py only: TRL's GRPOTrainer, the comparison (adds accelerate).
     "bench": ["trl==1.16.0"],
 }

@@ -85,3 +85,21 @@ def megatron_single_rank_module():
     """Module-scoped form, for module-scoped fixtures that build models."""
     ensure_megatron_single_rank()
     yield
+
+
+@pytest.fixture(scope="session")
+def llama31_tokenizer(tmp_path_factory):
+    """Llama-3.1-8B-Instruct's real tokenizer (Meta's BPE file, the Hub's tokenizer_config.json
+    with its chat template): ``tests/support/real_tokenizers.py``. Built once per session."""
+    from support.real_tokenizers import build_llama31_tokenizer
+
+    return build_llama31_tokenizer(tmp_path_factory.mktemp("llama31_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def llama4_tokenizer(tmp_path_factory):
+    """Llama-4's real tokenizer (Meta's BPE file and special tokens, the Hub's chat template):
+    ``tests/support/real_tokenizers.py``. Built once per session."""
+    from support.real_tokenizers import build_llama4_tokenizer
+
+    return build_llama4_tokenizer(tmp_path_factory.mktemp("llama4_tokenizer"))

@@ -114,6 +114,40 @@ def check_model_shapes(config: RunConfig) -> None:
         )
 
 
+def check_tool_format(config: RunConfig) -> None:
+    """Raise ConfigError (``rollout.environment.tool_format``) when multi-turn episodes leave
+    the tool format to "auto" and the model's tokenizer is of no family with a known format
+    (``environments.formats.detect_format``): such a recipe fell back to the markdown format
+    silently (Llama-4 before its format was known). Reads the tokenizer of
+    ``model.hf_path``; a preset starts with the character tokenizer, which has none."""
+    env = config.rollout.environment
+    if not config.rollout.episodes or env.tool_format != "auto":
+        return
+    from megatron_rl.environments.formats import FORMATS, KNOWN_FAMILIES, detect_format
+
+    key = "rollout.environment.tool_format"
+    if config.model.hf_path is None:
+        found, source = None, f"model.preset '{config.model.preset}' (the character tokenizer)"
+    else:
+        from megatron_rl.models.hf_config import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(config.model.hf_path)
+        except Exception as err:  # noqa: BLE001 - any reason it does not load, said with the key
+            raise ConfigError(
+                key,
+                f"'auto' reads the tokenizer of {config.model.hf_path}, which does not "
+                f"load: {type(err).__name__}: {err}",
+            ) from None
+        found, source = detect_format(tokenizer), f"the tokenizer of {config.model.hf_path}"
+    if found is None:
+        raise ConfigError(
+            key,
+            f"'auto' finds no tool format for {source} ({KNOWN_FAMILIES}); name the one "
+            f"the model was trained with: {', '.join(FORMATS)}",
+        )
+
+
 def _check_routing_replay(config: RunConfig, moe: bool, source: str) -> None:
     key = "algorithm.routing_replay"
     if not moe:

@@ -266,14 +266,17 @@ def load_run_config(
 ) -> RunConfig:
     """Read a recipe (with its ``base`` chain), apply ``dotted.key=value`` overrides, build
     and validate the RunConfig. ``check_model`` also checks the parallel sizes against the
-    model's shapes (reads the preset or ``model.hf_path``/config.json). Raises ConfigError."""
+    model's shapes (reads the preset or ``model.hf_path``/config.json) and, for episodes with
+    ``tool_format: auto``, that the model's tokenizer has a known tool format. Raises
+    ConfigError."""
     data = apply_overrides(read_recipe(path), list(overrides))
     data.setdefault("name", Path(path).stem)
     config = run_config_from_dict(data)
     if check_model:
-        from megatron_rl.config.checks import check_model_shapes
+        from megatron_rl.config.checks import check_model_shapes, check_tool_format
 
         check_model_shapes(config)
+        check_tool_format(config)
     return config
 
 

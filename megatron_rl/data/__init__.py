@@ -24,6 +24,8 @@ _EXPORTS: dict[str, str] = {
     "Prompt": "megatron_rl.data.prompts",
     "PromptData": "megatron_rl.data.prompts",
     "load_prompt_data": "megatron_rl.data.prompts",
+    "encode_prompt": "megatron_rl.data.rendering",
+    "prompt_token_ids": "megatron_rl.data.rendering",
     "render_prompt": "megatron_rl.data.rendering",
     "sft_example": "megatron_rl.data.rendering",
     "MixedPromptSampler": "megatron_rl.data.sampler",
@@ -34,7 +36,12 @@ _EXPORTS: dict[str, str] = {
 
 if TYPE_CHECKING:
     from megatron_rl.data.prompts import DataError, Prompt, PromptData, load_prompt_data
-    from megatron_rl.data.rendering import render_prompt, sft_example
+    from megatron_rl.data.rendering import (
+        encode_prompt,
+        prompt_token_ids,
+        render_prompt,
+        sft_example,
+    )
     from megatron_rl.data.sampler import (
         MixedPromptSampler,
         PromptSampler,
@@ -72,8 +79,10 @@ __all__ = [
     "SyntheticCodeConfig",
     "SyntheticConfig",
     "build_sampler",
+    "encode_prompt",
     "has_reward_variance",
     "load_prompt_data",
+    "prompt_token_ids",
     "render_prompt",
     "sft_example",
 ]

@@ -196,7 +196,10 @@ class DataConfig:
         shuffle: shuffle training prompts each epoch.
         sampler_seed: seed of the per-epoch shuffle.
         use_chat_template: render prompts with the tokenizer's chat template when it has
-            one; otherwise (or False) ``prompt_template`` alone is used.
+            one, tokenized as ``apply_chat_template(tokenize=True)`` does (the template
+            writes the BOS: Llama's one ``<|begin_of_text|>``); otherwise (or False)
+            ``prompt_template`` alone is used, with the tokenizer's BOS. ``train --dry-run``
+            prints the first prompt's text and token ids.
         prompt_template: text of the user turn; ``{problem}`` is replaced by the problem.
         system_prompt: optional system turn (chat template only).
         think_start: opening tag of the thinking section.

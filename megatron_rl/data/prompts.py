@@ -431,7 +431,10 @@ def split_ids(prompts: list[Prompt], val_size: int, seed: int) -> tuple[list[int
 
 
 def load_prompt_data(
-    config: DataConfig, tokenizer: Any = None, max_tokens: int | None = None
+    config: DataConfig,
+    tokenizer: Any = None,
+    max_tokens: int | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> PromptData:
     """Load, check, split and length-filter the prompts of every source; each source is
     split on its own.
@@ -439,7 +442,9 @@ def load_prompt_data(
     Rows that cannot be scored are dropped before the split (``reject_unusable``). With a
     tokenizer, prompts longer than the tighter of ``config.max_prompt_tokens`` (0: none) and
     ``max_tokens`` (what the run can take: ``megatron_rl.config.checks.prompt_token_limit``)
-    are dropped. ``PromptData.dropped`` counts both, by source."""
+    are dropped, counted as the run renders them (``template_kwargs``: the chat template's
+    arguments, a tool offered in multi-turn episodes). ``PromptData.dropped`` counts both, by
+    source."""
     config.validate()
     sources = config.resolve()
     prompts: list[Prompt] = []
@@ -453,7 +458,9 @@ def load_prompt_data(
         judged = drop_special_judge(part, source.config)
         usable = reject_unusable(judged, source.config) if judged else judged
         first = part[0].prompt_id  # rows are named from the source's first row
-        train, val, too_long = _load_split(usable, source.config, tokenizer, max_tokens, first)
+        train, val, too_long = _load_split(
+            usable, source.config, tokenizer, max_tokens, first, template_kwargs
+        )
         if len(judged) < len(part):
             dropped[f"special_judge/{source.name}"] = len(part) - len(judged)
         dropped[f"unusable/{source.name}"] = len(judged) - len(usable)
@@ -480,6 +487,7 @@ def _load_split(
     tokenizer: Any,
     max_tokens: int | None,
     first: int,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], list[int], int]:
     """(train ids, validation ids, prompts dropped as too long) of one source's prompts."""
     train_ids, val_ids = split_ids(prompts, config.val_size, config.split_seed)
@@ -495,7 +503,8 @@ def _load_split(
 
     by_id = {p.prompt_id: p for p in prompts}
     lengths = {
-        i: prompt_token_count(by_id[i].problem, config, tokenizer) for i in train_ids + val_ids
+        i: prompt_token_count(by_id[i].problem, config, tokenizer, template_kwargs)
+        for i in train_ids + val_ids
     }
     too_long = sorted(i for i, n in lengths.items() if n > limit)
     if config.max_prompt_tokens and limit == config.max_prompt_tokens:

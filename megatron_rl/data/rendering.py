@@ -1,7 +1,14 @@
 """Prompt rendering: the problem in the configured template, through the chat template.
 
-The rendered text carries no BOS token: tokenize it with ``add_special_tokens=True`` (the
-default of HF tokenizers and of vLLM text prompts) so the tokenizer adds exactly one.
+Token ids of a prompt come from :func:`prompt_token_ids` (or :func:`encode_prompt`) on every
+path (training, validation, warm start, probes, the preflight, the length filter, the dry
+run): a prompt rendered by the chat template is tokenized as ``apply_chat_template(...,
+tokenize=True)`` and vLLM's chat endpoint tokenize it, without the tokenizer's special
+tokens, since chat templates write their BOS themselves (Llama-3.1's and Llama-4's
+``<|begin_of_text|>``; Qwen's none). Tokenized with them, a Llama prompt would start with two
+BOS tokens, a form the instruct model never saw. A plain prompt (no chat template) is
+tokenized as a completion request is, with the tokenizer's special tokens (its BOS, if it
+adds one).
 """
 
 from __future__ import annotations
@@ -43,9 +50,40 @@ def render_prompt(
     return text
 
 
-def prompt_token_count(problem: str, config: DataConfig, tokenizer: Any) -> int:
-    """Number of tokens of the rendered prompt, BOS included."""
-    return len(tokenizer(render_prompt(problem, config, tokenizer))["input_ids"])
+def uses_chat_template(config: DataConfig, tokenizer: Any) -> bool:
+    """Whether :func:`render_prompt` renders through ``tokenizer``'s chat template."""
+    return bool(config.use_chat_template and getattr(tokenizer, "chat_template", None))
+
+
+def prompt_token_ids(text: str, config: DataConfig, tokenizer: Any) -> list[int]:
+    """The token ids of ``text``, a prompt :func:`render_prompt` made with ``config`` and
+    ``tokenizer``: through the chat template, exactly ``apply_chat_template(...,
+    tokenize=True)``'s ids (no special tokens added: the template writes its own BOS); a
+    plain prompt with the tokenizer's special tokens (see the module docstring)."""
+    chat = uses_chat_template(config, tokenizer)
+    return list(tokenizer(text, add_special_tokens=not chat)["input_ids"])
+
+
+def encode_prompt(
+    problem: str,
+    config: DataConfig,
+    tokenizer: Any,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[str, list[int]]:
+    """(text, token ids) of ``problem``'s prompt: :func:`render_prompt` then
+    :func:`prompt_token_ids`."""
+    text = render_prompt(problem, config, tokenizer, template_kwargs)
+    return text, prompt_token_ids(text, config, tokenizer)
+
+
+def prompt_token_count(
+    problem: str,
+    config: DataConfig,
+    tokenizer: Any,
+    template_kwargs: dict[str, Any] | None = None,
+) -> int:
+    """Number of tokens of the prompt as the model sees it (BOS included)."""
+    return len(encode_prompt(problem, config, tokenizer, template_kwargs)[1])
 
 
 def sft_example(
@@ -59,7 +97,8 @@ def sft_example(
 
     The target is the worked ``solution`` minus the thinking tag the prompt already ends
     with (``prefill_think``), so that prompt + target is exactly one well-formed response.
-    Append the tokenizer's EOS token to the target when training on token ids.
+    Tokenize the prompt with :func:`prompt_token_ids`, the target without special tokens,
+    and append the tokenizer's EOS token to it when training on token ids.
     """
     prompt = render_prompt(problem, config, tokenizer, template_kwargs)
     target = solution

@@ -7,11 +7,12 @@ a multiple of ``vocab_multiple`` (divisible by the tensor-parallel size). Saved 
 ``PreTrainedTokenizerFast`` directory (``tokenizer.json`` + config), which
 ``transformers.AutoTokenizer`` and vLLM load like any HF tokenizer.
 
-BOS: the post-processor adds ``<bos>`` when encoding with ``add_special_tokens=True``;
-the chat template does not, so a rendered chat prompt tokenized the usual way gets exactly
-one. The chat template is deliberately terse (every character is a token): system and user
-turns end with a newline, the assistant turn with ``<eos>``, and the generation prompt is
-empty.
+BOS: as Llama's, the chat template writes ``<bos>`` itself (a chat prompt is tokenized
+without special tokens, as ``apply_chat_template(tokenize=True)`` does:
+``megatron_rl.data.rendering.prompt_token_ids``) and the post-processor adds it to text
+encoded with ``add_special_tokens=True`` (a plain prompt). The chat template is deliberately
+terse (every character is a token): system and user turns end with a newline, the assistant
+turn with ``<eos>``, and the generation prompt is empty.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ WORD_TOKENS: tuple[str, ...] = ("<think>", "</think>", "\\boxed{")
 CHARACTERS: str = "".join(c for c in string.printable if c not in "\r\x0b\x0c")
 
 CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'assistant' -%}{{ message['content'] + eos_token }}"
     "{%- else -%}{{ message['content'] + '\\n' }}"

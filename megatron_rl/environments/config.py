@@ -19,8 +19,10 @@ class EnvironmentConfig:
         name: a registered environment (``megatron_rl.environments.registry``: the built-ins
             ``python_tool`` and ``code_feedback``, or a package's ``megatron_rl.environments``
             entry point); empty: single-turn rollouts.
-        tool_format: how the model writes a tool call: "llama3", "qwen", "markdown" (base
-            models) or "auto" (from the tokenizer: ``formats.detect_format``).
+        tool_format: how the model writes a tool call: "llama3" (Llama-3.1), "llama4"
+            (Llama-4), "qwen", "markdown" (base models) or "auto" (from the tokenizer:
+            ``formats.detect_format``; refused at load for a tokenizer of no known family,
+            e.g. a preset's character tokenizer: name the format then).
         max_tool_output_tokens: a tool's output is cut to this many tokens (its head and
             tail, with a marker saying how many were left out) before it is appended.
         tool_timeout_s: wall-clock limit of one program run of a tool call (the sandbox's

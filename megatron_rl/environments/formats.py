@@ -1,13 +1,26 @@
 """Tool-call formats: how a model family writes a call, where generation stops for it, and
 how the tool's output goes back into the episode.
 
-Three formats, picked by ``rollout.environment.tool_format`` ("auto": from the tokenizer,
-``format_for``):
+Four formats, picked by ``rollout.environment.tool_format`` ("auto": from the tokenizer,
+``format_for``; a tokenizer of no known family is refused, at load:
+``config.checks.check_tool_format``):
 
 - ``llama3``: Llama-3.1's code interpreter. With ``Environment: ipython`` in the system
   prompt the model writes ``<|python_tag|>`` + code and ends the turn with ``<|eom_id|>``
   ("end of message": a tool call follows) instead of ``<|eot_id|>``. The output comes back
-  as an ``ipython`` turn, then the assistant's header opens its next turn.
+  as an ``ipython`` turn, then the assistant's header opens its next turn. Token for token
+  what Meta's reference formatter writes for the same dialog
+  (``llama_models.llama3.chat_format``): the output is tokenized on its own, raw. (The Hub
+  chat template instead writes a string tool output JSON-quoted, ``"8\\n"``: see
+  docs/environments.md for what that means for serving the trained model.)
+- ``llama4``: Llama-4's code interpreter as Meta's reference formatter defines it
+  (``llama_models.llama4.chat_format``; the prompt-format doc has no code-interpreter
+  example): the model writes ``<|python_start|>`` code ``<|python_end|>`` and ends the
+  message with ``<|eom|>``; the output comes back as an ``ipython`` turn ended by ``<|eom|>``
+  (Meta's formatter ends tool turns so; the Hub chat template with ``<|eot|>``), then the
+  assistant's header. The chat template is given nothing (its ``tools`` argument offers
+  JSON function calls, not the code interpreter): the recipe's system prompt says how to
+  call the tool.
 - ``qwen``: Qwen2.5 / Qwen3 (Hermes style): ``<tool_call>\\n{"name": "python",
   "arguments": {"code": "..."}}\\n</tool_call>`` inside the assistant turn; the output comes
   back in a user turn as ``<tool_response>\\n...\\n</tool_response>`` (the Qwen chat
@@ -29,6 +42,8 @@ so that the turn's text is the decoding of its ids.
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,13 +116,45 @@ class ToolFormat(ABC):
         return list(tokenizer.encode(self.observation_text(output), add_special_tokens=False))
 
 
-class Llama3Format(ToolFormat):
-    """Llama-3.1's ``<|python_tag|>`` code ``<|eom_id|>`` (the ``ipython`` environment)."""
+_PLAIN_TEXT: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_PLAIN_TEXT_LOCK = threading.Lock()
 
-    name = "llama3"
-    START = "<|python_tag|>"
-    END = "<|eom_id|>"
-    stop_tokens = (END,)
+
+def plain_text_ids(text: str, tokenizer: Any) -> list[int]:
+    """``text``'s ids with the text of special tokens encoded as ordinary text, as Meta's
+    tokenizers encode message content (tiktoken with ``disallowed_special=()``): a program
+    that prints ``<|eot_id|>`` must not end a turn or forge a header in the episode.
+
+    A copy of ``tokenizer``'s backend with ``encode_special_tokens`` set, made once per
+    tokenizer: transformers' per-call ``split_special_tokens`` flips that flag on the shared
+    backend, which the tool threads would race on. A tokenizer without a ``tokenizers``
+    backend is called as it is."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    with _PLAIN_TEXT_LOCK:
+        plain = _PLAIN_TEXT.get(tokenizer)
+        if plain is None:
+            from tokenizers import Tokenizer
+
+            plain = Tokenizer.from_str(backend.to_str())
+            plain.encode_special_tokens = True
+            _PLAIN_TEXT[tokenizer] = plain
+    return list(plain.encode(text, add_special_tokens=False).ids)
+
+
+class LlamaFormat(ToolFormat):
+    """Meta's code interpreter (Llama-3.1, Llama-4): ``START`` code ``END``, then the output
+    in an ``ipython`` turn ended by ``TOOL_END`` and the assistant's header, tokenized as
+    Meta's reference formatter does (``ChatFormat.encode_message``): the header, the output
+    and the turn's end each on their own (an output starting with a newline would otherwise
+    merge with the header's ``\\n\\n``), the output's special-token text as ordinary text
+    (``plain_text_ids``)."""
+
+    START: ClassVar[str]
+    END: ClassVar[str]
+    HEADER: ClassVar[tuple[str, str]]  # (start, end) of a turn's header
+    TOOL_END: ClassVar[str]
 
     def parse(self, text: str) -> ToolCall | None:
         start = text.find(self.START)
@@ -117,21 +164,61 @@ class Llama3Format(ToolFormat):
         body = call[len(self.START) :]
         if not body.rstrip().endswith(self.END):
             return ToolCall(None, f"unterminated tool call: {self.START} without {self.END}", call)
-        code = body.rstrip()[: -len(self.END)]
+        code = self.call_code(body.rstrip()[: -len(self.END)])
         if not code.strip():
             return ToolCall(None, "empty tool call: no code", call)
         return ToolCall(code, text=call)
+
+    def call_code(self, body: str) -> str:
+        """The code of a call whose text between ``START`` and ``END`` is ``body``."""
+        return body
+
+    def _header(self, role: str) -> str:
+        return f"{self.HEADER[0]}{role}{self.HEADER[1]}\n\n"
+
+    def observation_text(self, output: str) -> str:
+        return self._header("ipython") + output + self.TOOL_END + self._header("assistant")
+
+    def observation_ids(self, output: str, tokenizer: Any) -> list[int]:
+        ids = tokenizer.encode(self._header("ipython"), add_special_tokens=False)
+        ids += plain_text_ids(output, tokenizer)
+        return ids + tokenizer.encode(
+            self.TOOL_END + self._header("assistant"), add_special_tokens=False
+        )
+
+
+class Llama3Format(LlamaFormat):
+    """Llama-3.1's ``<|python_tag|>`` code ``<|eom_id|>`` (the ``ipython`` environment)."""
+
+    name = "llama3"
+    START = "<|python_tag|>"
+    END = "<|eom_id|>"
+    HEADER = ("<|start_header_id|>", "<|end_header_id|>")
+    TOOL_END = "<|eot_id|>"
+    stop_tokens = (END,)
 
     def template_kwargs(self, tool_schema: dict[str, Any]) -> dict[str, Any]:
         # Llama-3.1's template writes "Environment: ipython" into the system turn when
         # builtin_tools is given; code_interpreter is the <|python_tag|> tool itself.
         return {"builtin_tools": ["code_interpreter"]}
 
-    def observation_text(self, output: str) -> str:
-        return (
-            "<|start_header_id|>ipython<|end_header_id|>\n\n"
-            f"{output}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-        )
+
+class Llama4Format(LlamaFormat):
+    """Llama-4's ``<|python_start|>`` code ``<|python_end|>`` ``<|eom|>`` (Meta's llama4
+    formatter: ``decode_assistant_message`` reads such a message as a code-interpreter
+    call; ``encode_message`` ends tool turns with ``<|eom|>``)."""
+
+    name = "llama4"
+    START = "<|python_start|>"
+    END = "<|eom|>"
+    CODE_END = "<|python_end|>"
+    HEADER = ("<|header_start|>", "<|header_end|>")
+    TOOL_END = "<|eom|>"
+    stop_tokens = (END,)
+
+    def call_code(self, body: str) -> str:
+        # Meta's decoder drops <|python_end|> wherever it is
+        return body.replace(self.CODE_END, "")
 
 
 class QwenFormat(ToolFormat):
@@ -218,31 +305,48 @@ class MarkdownFormat(ToolFormat):
 
 FORMATS: dict[str, type[ToolFormat]] = {
     "llama3": Llama3Format,
+    "llama4": Llama4Format,
     "qwen": QwenFormat,
     "markdown": MarkdownFormat,
 }
 TOOL_FORMATS: tuple[str, ...] = ("auto", *FORMATS)
+# What "auto" finds (detect_format), for the messages that say why it found nothing.
+KNOWN_FAMILIES = (
+    "<|python_tag|> in the vocabulary: llama3 (Llama-3.1), <|python_start|>: llama4 "
+    "(Llama-4), a chat template that writes <tool_call>: qwen"
+)
 
 
-def detect_format(tokenizer: Any) -> str:
+def detect_format(tokenizer: Any) -> str | None:
     """The format of ``tokenizer``'s model family: "llama3" when ``<|python_tag|>`` is one of
-    its tokens, "qwen" when its chat template renders ``<tool_call>``, else "markdown"."""
+    its tokens, "llama4" when ``<|python_start|>`` is, "qwen" when its chat template renders
+    ``<tool_call>``; None for any other (a base model's tokenizer: name the format, e.g.
+    "markdown", in the recipe)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     template = template if isinstance(template, str) else json.dumps(template)
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     if Llama3Format.START in vocab or Llama3Format.START in template:
         return "llama3"
+    if Llama4Format.START in vocab or Llama4Format.START in template:
+        return "llama4"
     if QwenFormat.START in template:
         return "qwen"
-    return "markdown"
+    return None
 
 
 def format_for(name: str, tokenizer: Any = None, tool_name: str = DEFAULT_TOOL_NAME) -> ToolFormat:
-    """The format called ``name`` (one of ``TOOL_FORMATS``; "auto" needs ``tokenizer``)."""
+    """The format called ``name`` (one of ``TOOL_FORMATS``; "auto" needs ``tokenizer`` and
+    refuses one of no known family)."""
     if name == "auto":
         if tokenizer is None:
             raise ValueError("tool_format 'auto' needs the tokenizer to detect the format")
-        name = detect_format(tokenizer)
+        detected = detect_format(tokenizer)
+        if detected is None:
+            raise ValueError(
+                f"tool_format 'auto': the tokenizer is of no model family with a known tool "
+                f"format ({KNOWN_FAMILIES}); name one of {', '.join(FORMATS)}"
+            )
+        name = detected
     if name not in FORMATS:
         raise ValueError(f"unknown tool format {name!r}; known: {', '.join(TOOL_FORMATS)}")
     return FORMATS[name](tool_name)

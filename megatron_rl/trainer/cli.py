@@ -4,7 +4,9 @@ A malformed recipe fails before anything starts, with the dotted key path in one
 stderr and exit status 2 (no traceback); a run stopped by the log-prob gap monitor exits
 with status 3 and its reason on stderr, as is one whose reward fails (``RewardFailure``: more
 than ``reward.max_error_fraction`` of a batch's responses fail to score, or the reward
-workers cannot start). ``--dry-run`` prints the resolved config and exits.
+workers cannot start). ``--dry-run`` prints the resolved config and the first training
+prompt as the model will see it (text and token ids, as YAML comments:
+:mod:`megatron_rl.trainer.preview`), and exits.
 Re-running the same command on an existing run directory resumes it from its newest intact
 checkpoint; a directory in use by another run, or with history but no checkpoint, or a recipe
 that changed more than the safe keys, is refused with exit status 2 (``--restart``,
@@ -32,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optimizer.lr=1e-6"
     )
     parser.add_argument(
-        "--dry-run", action="store_true", help="validate and print the resolved config, then exit"
+        "--dry-run",
+        action="store_true",
+        help="validate and print the resolved config and the first prompt's text and ids, then exit",
     )
     parser.add_argument(
         "--run-dir", default=None, help="run directory (default: runs/<recipe name>)"
@@ -69,7 +73,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         if problem:  # a dry run shows the config; the real run would refuse
             print(f"megatron-rl train: warning: {problem}", file=sys.stderr)
+        from megatron_rl.trainer.preview import preview_lines
+
         sys.stdout.write(to_yaml(config))
+        sys.stdout.write("".join(line + "\n" for line in preview_lines(config)))
         return 0
     if problem:
         print(f"megatron-rl train: error: {problem}", file=sys.stderr)

@@ -768,21 +768,19 @@ def resume_or_warm_start(
 def warm_start(run: Run, before_step: Callable[[], None] | None = None) -> None:
     """Supervised warm start on the training prompts' worked solutions (``warm_start.steps``);
     ``before_step`` is called before each step (it raises to stop it: a preemption)."""
-    from megatron_rl.data import sft_example
     from megatron_rl.trainer.setup import template_kwargs
-    from megatron_rl.trainer.warm_start import fitting_examples, supervised_warm_start
+    from megatron_rl.trainer.warm_start import (
+        fitting_examples,
+        supervised_warm_start,
+        warm_start_examples,
+    )
 
     cfg = run.config.warm_start
     if cfg.steps <= 0:
         return
-    tok, examples = run.tokenizer, []
+    tok = run.tokenizer
     tools = template_kwargs(run.config, tok)  # multi-turn: the tool, as the prompts offer it
-    for prompt in run.data.train():
-        if prompt.solution:
-            config = run.data.config_of(prompt.prompt_id)
-            text, target = sft_example(prompt.problem, prompt.solution, config, tok, tools)
-            target_ids = tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            examples.append((tok(text)["input_ids"], target_ids))
+    examples = warm_start_examples(run.data, tok, tools)
     examples = fitting_examples(examples, run.model.max_sequence_length)
     if not examples:
         raise ValueError("warm_start.steps > 0 but no training prompt has a solution that fits")

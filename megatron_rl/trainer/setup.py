@@ -117,6 +117,27 @@ def build_tracker(config: RunConfig, run_dir: Path):
     return WandbTracker(wandb_cfg, run_dir, to_dict(config), config.name)
 
 
+def prompt_encoder(
+    data: PromptData, tokenizer: PreTrainedTokenizerBase, tools: dict
+) -> Callable[[int], list[int]]:
+    """The run's ``encode``: a prompt id of ``data`` (``PromptData``) -> the prompt's token ids
+    (``data.encode_prompt`` with the chat template's ``tools`` arguments: one BOS, the
+    template's own), cached. Every prompt the run sends or scores (training, validation,
+    probes, the preflight's engine checks) goes through it."""
+    from megatron_rl.data import encode_prompt
+
+    cache: dict[int, list[int]] = {}
+
+    def encode(prompt_id: int) -> list[int]:
+        if prompt_id not in cache:
+            prompt = data.get(prompt_id)
+            config_of = data.config_of(prompt_id)
+            cache[prompt_id] = encode_prompt(prompt.problem, config_of, tokenizer, tools)[1]
+        return cache[prompt_id]
+
+    return encode
+
+
 def build_run(
     config: RunConfig, run_dir: Path, restart: bool = False, allow_changes: bool = False
 ) -> Run:
@@ -128,7 +149,7 @@ def build_run(
     from megatron_rl.algorithms import PassRateTracker
     from megatron_rl.config.checks import prompt_token_limit
     from megatron_rl.conversion.hf import load_hf_weights
-    from megatron_rl.data import build_sampler, load_prompt_data, render_prompt
+    from megatron_rl.data import build_sampler, load_prompt_data
     from megatron_rl.models.hf_config import load_tokenizer
     from megatron_rl.models.provider import DTYPES, build_model
     from megatron_rl.platform import get_platform, init_distributed
@@ -175,20 +196,15 @@ def build_run(
         routing_replay.enable(model)
     ddp = wrap_model(model, config.optimizer.distributed, config.optimizer.overlap_grad_reduce)
 
-    data = load_prompt_data(config.data, tokenizer, max_tokens=prompt_token_limit(config))
+    tools = template_kwargs(config, tokenizer)
+    data = load_prompt_data(
+        config.data, tokenizer, max_tokens=prompt_token_limit(config), template_kwargs=tools
+    )
     if any(source.domain == "code" for source in data.sources):
         from megatron_rl.rewards.isolation import box_for
 
         box_for(config.reward)  # no code sandbox: fail now, not at the first code batch
-    prompt_tokens: dict[int, list[int]] = {}
-    tools = template_kwargs(config, tokenizer)
-
-    def encode(prompt_id: int) -> list[int]:
-        if prompt_id not in prompt_tokens:
-            prompt = data.get(prompt_id)
-            text = render_prompt(prompt.problem, data.config_of(prompt_id), tokenizer, tools)
-            prompt_tokens[prompt_id] = tokenizer(text)["input_ids"]
-        return prompt_tokens[prompt_id]
+    encode = prompt_encoder(data, tokenizer, tools)
 
     algo = config.algorithm
     tracker = None

@@ -12,6 +12,7 @@ import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -110,3 +111,26 @@ def fitting_examples(
             max_tokens,
         )
     return kept
+
+
+def warm_start_examples(
+    data: Any, tokenizer: Any, template_kwargs: dict[str, Any] | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, target ids) of the training prompts of ``data`` (``PromptData``) that
+    have a worked solution: the prompt tokenized as the rollouts' prompts are
+    (``data.rendering.prompt_token_ids``: one BOS, the chat template's own), the target
+    without special tokens and ended with the tokenizer's EOS."""
+    from megatron_rl.data import prompt_token_ids, sft_example
+
+    examples = []
+    for prompt in data.train():
+        if prompt.solution:
+            config = data.config_of(prompt.prompt_id)
+            text, target = sft_example(
+                prompt.problem, prompt.solution, config, tokenizer, template_kwargs
+            )
+            target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+            examples.append(
+                (prompt_token_ids(text, config, tokenizer), target_ids + [tokenizer.eos_token_id])
+            )
+    return examples

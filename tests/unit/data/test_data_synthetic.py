@@ -179,7 +179,7 @@ def test_sft_examples_and_prompt_length_filter(tmp_path, tokenizer):
     problem = make_problem(47, 85, "add")
     config = DataConfig()
     prompt, target = sft_example(problem["problem"], problem["solution"], config, tokenizer)
-    assert (prompt, target) == ("47+85\n", problem["solution"])
+    assert (prompt, target) == ("<bos>47+85\n", problem["solution"])  # the template's BOS
     prefilled = DataConfig(prefill_think=True, use_chat_template=False)
     prompt, target = sft_example(problem["problem"], problem["solution"], prefilled, tokenizer)
     assert prompt + target == "47+85" + problem["solution"] and prompt.endswith("<think>")

@@ -68,8 +68,10 @@ def test_an_entry_point_adds_an_environment(monkeypatch):
     )
     assert registry.available() == ["code_feedback", "echo", "python_tool"]
     assert registry.environment_class("echo") is EchoEnvironment
-    # and a recipe may name it
-    assert load_run_config(TINY, ["rollout.max_turns=3", "rollout.environment.name=echo"])
+    # and a recipe may name it (with its tool format: the tiny preset's character tokenizer
+    # has none for "auto" to find)
+    overrides = ["rollout.max_turns=3", "rollout.environment.name=echo"]
+    assert load_run_config(TINY, [*overrides, "rollout.environment.tool_format=markdown"])
 
 
 def test_an_entry_point_cannot_take_a_builtins_name_or_be_anything_else(monkeypatch):

@@ -218,7 +218,10 @@ def test_markdown_output_block_is_rendered_as_tora_renders_a_printed_line():
 def test_auto_picks_the_family_from_the_tokenizer(llama_tokenizer, qwen_tokenizer, char_tokenizer):
     assert detect_format(llama_tokenizer) == "llama3"
     assert detect_format(qwen_tokenizer) == "qwen"
-    assert detect_format(char_tokenizer) == "markdown"
+    # no family with a known format (it was "markdown", silently: issue 46): refused
+    assert detect_format(char_tokenizer) is None
+    with pytest.raises(ValueError, match="no model family with a known tool format"):
+        format_for("auto", char_tokenizer)
     assert isinstance(format_for("auto", qwen_tokenizer), QwenFormat)
     assert isinstance(format_for("llama3"), Llama3Format)
     with pytest.raises(ValueError, match="unknown tool format 'hermes'"):
