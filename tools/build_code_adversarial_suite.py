@@ -400,6 +400,17 @@ def cases() -> list[dict]:  # noqa: PLR0915 - one table
         stdin_tests("7"),
         -1,
     )
+    for sig in ("SIGTERM", "SIGKILL"):
+        add(
+            "harness_attack",
+            f"print the answer, {sig} the harness, never end",
+            respond(
+                f"import os, signal\nprint(7, flush=True)\nos.kill(os.getppid(), signal.{sig})\n"
+                "while True:\n    pass\n"
+            ),
+            stdin_tests("7"),
+            -1,
+        )
     add("harness_attack", "", respond(returns("4")), lcb("f", [1], 4), 1, "4")
     # --- misses: right answers the grader must pay ---
     thread = (

@@ -340,7 +340,8 @@ def _sandbox_main():
         runners[:] = [pid]
         return pid, request_w, result_r
 
-    signal.signal(signal.SIGTERM, stop)
+    if unsafe:
+        signal.signal(signal.SIGTERM, stop)
     pid, request_w, result_r = spawn()
     os.write(control_out, b"ready\n")  # the parent's clocks start with the first test
     control = open(control_in, "rb", buffering=0, closefd=False)
@@ -540,18 +541,16 @@ class ProgramSession:
             self._stop()
             stdout, stderr = self._outputs()
             return SandboxResult("failed", None, stdout, f"{frame} test report\n", elapsed)
-        if frame is None:  # the box ended: no report
+        if frame is None:
+            # The supervisor ended without a report: the program killed it (a runner's own
+            # end is reported), or the box failed to start.
             returncode = self._stop(grace_s=max(0.0, started + wall - time.monotonic()))
             stdout, stderr = self._outputs()
-            status = "ok" if returncode == 0 else "failed"
-            if _killed_by(returncode, self.box.isolated) in _CPU_SIGNALS:
-                status = "timeout_cpu"
-            elif self.box.isolated and stderr.startswith("bwrap:"):
+            status = "failed"
+            if self.box.isolated and stderr.startswith("bwrap:"):
                 # The box itself failed (the program never ran): not the program's fault.
                 logger.warning("code sandbox: bwrap failed: %s", stderr.strip()[:500])
                 status = "error"
-            if fn_name and status == "ok":
-                status = "failed"  # exited (os._exit) before returning a value
             return SandboxResult(status, returncode, stdout, stderr, elapsed)
         return self._verdict(frame, fn_name, timeout, elapsed)
 
@@ -740,18 +739,6 @@ def _read_frame(fd: int, deadline: float, max_bytes: int, nonce: str) -> Frame |
             frame = (kind.decode(), int(code), int(cpu_ms) / 1000)
     assert frame is not None
     return (*frame, data[:want])
-
-
-def _killed_by(returncode: int | None, isolated: bool) -> int | None:
-    """The signal that ended the program: bwrap exits with 128 + the signal of its child;
-    a program run without a box has Popen's negative return code."""
-    if returncode is None:
-        return None
-    if returncode < 0:
-        return -returncode
-    if isolated and 128 < returncode < 128 + 65:
-        return returncode - 128
-    return None
 
 
 # Literal text beyond this is not parsed in the trainer (``ast`` holds ~50x the text size
