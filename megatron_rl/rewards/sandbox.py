@@ -748,19 +748,44 @@ _MAX_LITERAL_CHARS = 1 << 20
 
 
 def _decode_result(body: bytes) -> object:
+    """The returned value of a report's body, or ``Unrepresentable``: also for a literal
+    nested deeper than the harness ever writes (``literals.MAX_DEPTH``), so that nothing
+    deeper reaches the comparison."""
     text = body.decode("utf-8", errors="replace")
-    if text.startswith("L"):
-        literal = text[1:]
-        try:
-            # Where a literal's text is also JSON it means the same value (the encoder writes
-            # no JSON-only spellings), and json reads it far faster and leaner.
-            return json.loads(literal)
-        except (ValueError, RecursionError):  # nested past the recursion limit: no value
-            pass
+    if not text.startswith("L"):
+        return Unrepresentable(text[1:])
+    literal = text[1:]
+    value: object = Unrepresentable(literal[:1000])
+    try:
+        # Where a literal's text is also JSON it means the same value (the encoder writes
+        # no JSON-only spellings), and json reads it far faster and leaner.
+        value = json.loads(literal)
+    except (ValueError, RecursionError):  # RecursionError: nested past the interpreter's limit
         if len(literal) <= _MAX_LITERAL_CHARS:
             try:
-                return literals.decode(literal)
+                value = literals.decode(literal)
             except ValueError:
                 pass
+    if not _depth_within(value, literals.MAX_DEPTH + 1):
         return Unrepresentable(literal[:1000])
-    return Unrepresentable(text[1:])
+    return value
+
+
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def _depth_within(value: object, limit: int) -> bool:
+    """Whether ``value``'s containers nest at most ``limit`` deep (level by level: no
+    recursion on hostile depth)."""
+    level = [value] if isinstance(value, _CONTAINERS) else []
+    for _ in range(limit):
+        below: list = []
+        for item in level:
+            if isinstance(item, dict):
+                below += [k for k in item if isinstance(k, _CONTAINERS)]
+                item = item.values()
+            below += [child for child in item if isinstance(child, _CONTAINERS)]
+        if not below:
+            return True
+        level = below
+    return False

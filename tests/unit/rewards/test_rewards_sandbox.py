@@ -969,3 +969,20 @@ def test_unsafe_mode_programs_and_their_files_end_with_the_trainer(tmp_path):
         assert not Path(work).exists(), "its files outlived the trainer"
     finally:
         trainer.kill()
+
+
+def test_result_bodies_nested_deeper_than_the_harness_writes_are_no_value():
+    from megatron_rl.rewards.literals import MAX_DEPTH
+
+    # The harness writes literals up to MAX_DEPTH + 1 levels (deeper values go as a repr):
+    # anything deeper was not written by it, and never reaches the comparison's recursion.
+    deepest = b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)
+    assert isinstance(sandbox._decode_result(b"L" + deepest), list)
+    for body in (b"[" + deepest + b"]", b"[" * 900 + b"]" * 900, b"(" * 5000 + b")" * 5000):
+        assert isinstance(sandbox._decode_result(b"L" + body), sandbox.Unrepresentable)
+    key = "1"
+    for _ in range(MAX_DEPTH + 1):
+        key = f"({key},)"  # a tuple key as deep, inside a dict: one level more
+    body = f"{{{key}: 1}}".encode()
+    assert isinstance(sandbox._decode_result(b"L" + body), sandbox.Unrepresentable)
+    assert sandbox._decode_result(b"L{(1, (2,)): [3]}") == {(1, (2,)): [3]}
