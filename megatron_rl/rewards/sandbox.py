@@ -292,6 +292,7 @@ def _read_result(fd, max_bytes):
 
 def _sandbox_main():
     memory_mb, fsize, hook, control_in, control_out, parent, unsafe = map(int, sys.argv[1:8])
+    import resource  # noqa: F401 - imported once here, not in every runner
     import signal
 
     ctypes, libc = _prctl()
@@ -351,6 +352,8 @@ def _sandbox_main():
             stop()
         nonce, _, test = request.decode().rstrip("\n").partition(" ")
         request = None
+        if not test.endswith(" "):
+            import ast  # noqa: F401 - for functional tests' arguments, in the next runners
         try:
             _write_all(request_w, test.encode() + b"\n")
         except OSError:
