@@ -98,6 +98,7 @@ class CodeFeedbackEnvironment(Environment):
             if outputs_match(result.stdout, case.output, self.public.compare):
                 return "passed", []
             return "failed", [f"got: {_shown(result.stdout)}"]
-        if values_match(result.result, case.expected(), self.public.compare, case.encoding):
+        expected = case.expected()
+        if values_match(result.result, expected, self.public.compare, case.encoding, case.match):
             return "passed", []
         return "failed", [f"got: {_shown(repr(result.result))}"]

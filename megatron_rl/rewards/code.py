@@ -1,6 +1,8 @@
 """Code reward (DeepCoder-style): the response's program must pass every test.
 
-The program is the last fenced Python block after the thinking. All tests of a program run
+The program is a fenced Python block after the thinking (``select_program``: the last one
+that defines the tests' entry point, so that an example-usage block after the solution is not
+what is graded). All tests of a program run
 in one sandbox (``megatron_rl.rewards.sandbox.ProgramSession``), each with its own time
 limit; the first failure, crash or timeout ends the evaluation. Two test kinds:
 stdin/stdout (compared under the problem's ``CompareOptions``) and functional (``fn_name``
@@ -11,7 +13,14 @@ Functional values are carried as text in one of two encodings (``CodeTest.encodi
 "json" (the datasets' JSON: a returned tuple matches an expected list, dict keys compare as
 strings, as JSON would store them) or "python" (``ast.literal_eval``-safe literals, exact
 types: tuples, sets, non-string keys; see ``megatron_rl.rewards.literals``). Nothing is
-ever ``eval``-ed.
+ever ``eval``-ed, and nothing of the program's (its objects' ``__eq__`` or ``__bool__``) is
+ever called in the trainer: results cross the sandbox as literals.
+
+Numbers: integers (stdout tokens of ASCII digits, returned ints) compare exactly; only an
+inexact expected number (a float, a decimal token) has a tolerance, relative to the expected
+value (``CompareOptions``). ``inf`` / ``nan`` never equal a finite expected value, and
+Python-only spellings in program output (``1_000``, non-ASCII digits, ``infinity``) are not
+numbers.
 
 Accepted test formats (``parse_problem`` / ``parse_tests``):
 
@@ -40,12 +49,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
+from decimal import Decimal
 from typing import Any
 
 from megatron_rl.rewards import literals
 from megatron_rl.rewards.config import RewardConfig
-from megatron_rl.rewards.extraction import extract_code
+from megatron_rl.rewards.extraction import answer_section, extract_code
 from megatron_rl.rewards.mbpp import assert_tolerance, parse_asserts
 from megatron_rl.rewards.sandbox import ProgramSession
 
@@ -54,6 +65,14 @@ logger = logging.getLogger(__name__)
 _FUNCTIONAL_TYPES = ("functional", "function_call", "call_based")
 _ENCODINGS = ("json", "python")
 _WHITESPACE = ("tokens", "lines", "exact")
+# How a functional test's returned value is checked (``CodeTest.match``).
+_MATCHES = ("equal", "equal_or_only_element", "is", "truthy", "falsy")
+# A number in program output: ASCII digits only (Python's float() also reads "1_000",
+# non-ASCII digits, "infinity" and "nan", which no judge reads as numbers); exponents of at
+# most 4 digits (beyond that no judge's answer is written so, and Decimal arithmetic would
+# overflow).
+_NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,4})?")
+_INTEGER_RE = re.compile(r"[+-]?[0-9]+")
 
 
 class SpecialJudgeError(ValueError):
@@ -116,12 +135,27 @@ class CompareOptions:
 @dataclass(frozen=True)
 class CodeTest:
     """One test. Functional tests (``fn_name`` set) hold text in ``encoding``: ``input`` the
-    argument list, ``output`` the returned value."""
+    argument list, ``output`` the returned value, and ``match`` says how the returned value
+    is checked against it:
+
+    - "equal": equal under ``values_match`` (LiveCodeBench's grader: ``prediction ==
+      gt_out``, lcb_runner/evaluation/testing_util.py ``grade_call_based``);
+    - "equal_or_only_element": equal, or equal to the only element of an expected
+      one-element list (TACO / APPS / PrimeIntellect, whose call-based grader also accepts
+      ``exec_outputs == outputs[0]``: rllm/rewards/code_utils/taco.py ``execute_cb_code``,
+      which PrimeIntellect rows are converted to in rllm/rewards/code_reward.py; its check
+      of ``outputs[0]`` for longer lists is not followed: that pays a list's first element);
+    - "is": MBPP's ``assert f(x) is True`` (None / True / False themselves only: 1 is not
+      True);
+    - "truthy" / "falsy": MBPP's ``assert f(x)`` / ``assert not f(x)`` (a returned literal's
+      truth value; a value with no literal, whose truth the program would define, fails).
+    """
 
     input: str
     output: str
     fn_name: str | None = None
     encoding: str = "json"
+    match: str = "equal"
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical JSON-able form; ``parse_tests`` reads it back to an equal test."""
@@ -203,6 +237,9 @@ def _canonical(test: dict[str, Any], name: str) -> CodeTest:
     encoding = test.get("encoding", "json")
     if encoding not in _ENCODINGS:
         raise ValueError(f"encoding must be one of {_ENCODINGS}, got {encoding!r}")
+    match = test.get("match", "equal")
+    if match not in _MATCHES:
+        raise ValueError(f"match must be one of {_MATCHES}, got {match!r}")
     raw_in, raw_out = test["input"], test["output"]
     if encoding == "json":
         args = raw_in if isinstance(raw_in, str) else json.dumps(raw_in)
@@ -213,18 +250,21 @@ def _canonical(test: dict[str, Any], name: str) -> CodeTest:
                 # Not one JSON value: LiveCodeBench's one argument per line, without its
                 # "testtype" (no single-value reading of the text exists to confuse it with).
                 args = _json_args(raw_in)
-        case = CodeTest(args, _json_value(raw_out), name, "json")
+        case = CodeTest(args, _json_value(raw_out), name, "json", match)
     else:
         if not isinstance(raw_in, str) or not isinstance(raw_out, str):
             raise ValueError("a 'python' test holds its input and output as literal text")
-        case = CodeTest(raw_in, raw_out, name, "python")
+        case = CodeTest(raw_in, raw_out, name, "python", match)
     case.arguments()  # fails here, at parse time, on a malformed input
     return case
 
 
 def _from_list(tests: list[Any], fn_name: str | None) -> list[CodeTest]:
     if tests and all(isinstance(t, str) for t in tests):
-        return [CodeTest(args, out, name, "python") for name, args, out in parse_asserts(tests)]
+        return [
+            CodeTest(args, out, name, "python", match)
+            for name, args, out, match in parse_asserts(tests)
+        ]
     cases = []
     for i, test in enumerate(tests):
         if not isinstance(test, dict) or "input" not in test or "output" not in test:
@@ -238,7 +278,10 @@ def _from_list(tests: list[Any], fn_name: str | None) -> list[CodeTest]:
                 if not name:
                     raise ValueError("no function name")
                 args, output = _json_args(test["input"]), _json_value(test["output"])
-                cases.append(CodeTest(args, output, name))
+                # LiveCodeBench's "functional" compares exactly; PrimeIntellect's
+                # "function_call" and TACO's "call_based" are graded by TACO's grader.
+                match = "equal" if kind == "functional" else "equal_or_only_element"
+                cases.append(CodeTest(args, output, name, "json", match))
             elif not kind and test.get("fn_name"):
                 cases.append(_canonical(test, str(test["fn_name"])))
             else:
@@ -254,7 +297,11 @@ def _from_columns(tests: dict[str, Any], fn_name: str | None) -> list[CodeTest]:
         raise ValueError(f"tests have {len(inputs)} inputs but {len(outputs)} outputs")
     name = tests.get("fn_name") or fn_name
     if name:
-        return [CodeTest(_json_args(i), _json_value(o), str(name)) for i, o in zip(inputs, outputs)]
+        # TACO / APPS: graded by TACO's call-based grader (see ``CodeTest``).
+        return [
+            CodeTest(_json_args(i), _json_value(o), str(name), "json", "equal_or_only_element")
+            for i, o in zip(inputs, outputs)
+        ]
     return [CodeTest(_as_text(i), _as_text(o)) for i, o in zip(inputs, outputs)]
 
 
@@ -322,28 +369,34 @@ def parse_tests(tests: Any, fn_name: str | None = None) -> list[CodeTest]:
     return parse_problem(tests, fn_name).tests
 
 
-def _close(a: float, b: float, options: CompareOptions) -> bool:
-    return math.isclose(a, b, rel_tol=options.float_rel_tol, abs_tol=options.float_abs_tol)
+def _within(got: float, want: float, options: CompareOptions) -> bool:
+    """Finite ``got`` within the tolerance of the expected, finite and inexact, ``want``
+    (relative to ``want``, or absolute)."""
+    bound = max(options.float_rel_tol * abs(want), options.float_abs_tol)
+    return math.isfinite(got) and abs(got - want) <= bound
+
+
+def _tokens_equal(got: str, want: str, options: CompareOptions) -> bool:
+    if got == want or (not options.case_sensitive and got.lower() == want.lower()):
+        return True
+    if not (_NUMBER_RE.fullmatch(got) and _NUMBER_RE.fullmatch(want)):
+        return False
+    if Decimal(got) == Decimal(want):  # exact at any length (no int() digit limit)
+        return True
+    if _INTEGER_RE.fullmatch(want):
+        return False  # an integer answer is exact
+    expected = float(want)
+    return math.isfinite(expected) and _within(float(got), expected, options)
 
 
 def _tokens_match(got: list[str], want: list[str], options: CompareOptions) -> bool:
-    if len(got) != len(want):
-        return False
-    for g, w in zip(got, want):
-        if g == w or (not options.case_sensitive and g.lower() == w.lower()):
-            continue
-        try:
-            x, y = float(g), float(w)
-        except ValueError:
-            return False
-        if not _close(x, y, options):
-            return False
-    return True
+    return len(got) == len(want) and all(_tokens_equal(g, w, options) for g, w in zip(got, want))
 
 
 def outputs_match(actual: str, expected: str, options: CompareOptions | None = None) -> bool:
     """Stdout comparison under ``options`` (default ``CompareOptions()``): tokens equal
-    (case as configured), or numbers within the float tolerance."""
+    (case as configured), or numbers equal: exactly where the expected token is an integer,
+    within the float tolerance where it is inexact (see the module docstring)."""
     options = options or CompareOptions()
     if options.whitespace == "exact":
         if not options.case_sensitive:
@@ -359,13 +412,33 @@ def outputs_match(actual: str, expected: str, options: CompareOptions | None = N
 
 
 def values_match(
-    actual: Any, expected: Any, options: CompareOptions | None = None, encoding: str = "json"
+    actual: Any,
+    expected: Any,
+    options: CompareOptions | None = None,
+    encoding: str = "json",
+    match: str = "equal",
 ) -> bool:
-    """Functional comparison. "json": the returned value as JSON would store it (tuples as
-    lists, keys as strings) equals the expected one, numbers within the float tolerance, or
-    the expected value wrapped in a one-element list (APPS convention). "python": Python's
-    ``==`` with the float tolerance (a tuple never equals a list)."""
+    """Functional comparison of a returned value (a decoded literal, or ``Unrepresentable``)
+    with the expected one, as ``match`` says (``CodeTest.match``). "json": the returned value
+    as JSON would store it (tuples as lists, keys as strings) equals the expected one.
+    "python": Python's ``==`` (a tuple never equals a list). Numbers: ints exactly, an
+    expected float within the float tolerance."""
     options = options or CompareOptions()
+    try:
+        return _values_match(actual, expected, options, encoding, match)
+    except RecursionError:  # nested deeper than the comparison can go: no verdict to pay
+        return False
+
+
+def _values_match(
+    actual: Any, expected: Any, options: CompareOptions, encoding: str, match: str
+) -> bool:
+    if match in ("is", "truthy", "falsy"):
+        if not isinstance(actual, _LITERAL_TYPES):
+            return False  # no literal: its truth would be the program's own __bool__
+        if match == "is":
+            return type(actual) is type(expected) and actual == expected
+        return bool(actual) == (match == "truthy")
     if encoding == "python":
         return _equal(actual, expected, options, strict_bool=False)
     try:
@@ -375,10 +448,14 @@ def values_match(
     if _equal(actual, expected, options, strict_bool=True):
         return True
     return (
-        isinstance(expected, list)
+        match == "equal_or_only_element"
+        and isinstance(expected, list)
         and len(expected) == 1
         and _equal(actual, expected[0], options, strict_bool=True)
     )
+
+
+_LITERAL_TYPES = (type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set)
 
 
 def _json_default(value: Any) -> Any:
@@ -387,13 +464,26 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} has no JSON form")
 
 
+def _numbers_equal(got: int | float, want: int | float, options: CompareOptions) -> bool:
+    if got == want:  # exact for ints of any size against ints and floats alike
+        return True
+    if isinstance(want, int) or not math.isfinite(want):
+        return False  # an integer answer is exact; inf / nan only equal themselves
+    try:
+        got = float(got)
+    except OverflowError:  # an int beyond float range: far from any finite float
+        return False
+    return _within(got, want, options)
+
+
 def _equal(a: Any, b: Any, options: CompareOptions, strict_bool: bool) -> bool:
+    """``a`` (returned) equals ``b`` (expected)."""
     if isinstance(a, bool) or isinstance(b, bool):
         if strict_bool or not (isinstance(a, (int, float)) and isinstance(b, (int, float))):
             return type(a) is type(b) and a == b
         return a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b or _close(a, b, options)
+        return _numbers_equal(a, b, options)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         same = len(a) == len(b) and isinstance(a, tuple) == isinstance(b, tuple)
         return same and all(_equal(x, y, options, strict_bool) for x, y in zip(a, b))
@@ -454,7 +544,7 @@ def evaluate_program(
                 passed = outputs_match(result.stdout, case.output, problem.compare)
             else:
                 passed = values_match(
-                    result.result, case.expected(), problem.compare, case.encoding
+                    result.result, case.expected(), problem.compare, case.encoding, case.match
                 )
             if not passed:
                 return CodeOutcome(WRONG, n, cpu, wall, f"test {n - 1}: output differs")
@@ -466,13 +556,74 @@ def run_tests(program: str, problem: CodeProblem | list[CodeTest], config: Rewar
     return evaluate_program(program, problem, config).status == CORRECT
 
 
+_FENCE_RE = re.compile(r"```[ \t]{0,8}([A-Za-z0-9_+-]{0,20})[ \t]{0,8}\n")
+_PYTHON_TAGS = ("python", "py", "python3")
+# A program that reads its test's input (stdin problems).
+_READS_INPUT_RE = re.compile(
+    r"\binput\s{0,8}\(|\bsys\s{0,8}\.\s{0,8}stdin\b|\bopen\s{0,8}\(\s{0,8}0\b"
+)
+
+
+def _python_blocks(section: str) -> list[str]:
+    """The fenced blocks ``extract_code`` chooses among: the ```python (py, python3) blocks,
+    or without any, the untagged ones (other languages never)."""
+    tagged: list[str] = []
+    untagged: list[str] = []
+    pos = 0
+    while True:
+        fence = _FENCE_RE.search(section, pos)
+        if fence is None:
+            break
+        end = section.find("```", fence.end())
+        if end < 0:
+            break
+        language = fence.group(1).lower()
+        if language in _PYTHON_TAGS:
+            tagged.append(section[fence.end() : end])
+        elif language == "":
+            untagged.append(section[fence.end() : end])
+        pos = end + 3
+    return tagged or untagged
+
+
+def _defines(block: str, name: str) -> bool:
+    """Whether ``block`` defines ``name`` at the start of a line (a def, a class, or an
+    assignment), or a method of that name in a ``Solution`` class."""
+    names = re.escape(name)
+    own = re.compile(rf"(?m)^(?:async\s+)?def\s+{names}\s*\(|^class\s+{names}\b|^{names}\s*=")
+    if own.search(block):
+        return True
+    method = re.compile(rf"(?m)^[ \t]+(?:async\s+)?def\s+{names}\s*\(")
+    return re.search(r"(?m)^class\s+Solution\b", block) is not None and bool(method.search(block))
+
+
+def select_program(response: str, problem: CodeProblem, config: RewardConfig) -> str | None:
+    """The block of ``response`` that is graded: among the blocks ``extract_code`` chooses
+    from, the last that defines the tests' entry point (functional tests: ``fn_name``; stdin
+    tests: the last that reads its input), else the last block (``extract_code``'s choice).
+    A solution followed by an example-usage block (``print(solve(3))``, which defines
+    nothing) is graded on the solution. None when there is no program (``extract_code``)."""
+    last = extract_code(response, config)
+    if last is None:
+        return None
+    section = answer_section(response, config.think_end_tag, config.require_think_end)
+    blocks = _python_blocks(section or "")
+    names = {case.fn_name for case in problem.tests}
+    if None in names:
+        chosen = [b for b in blocks if _READS_INPUT_RE.search(b)]
+    else:
+        chosen = [b for b in blocks if all(_defines(b, name) for name in names)]
+    if chosen and chosen[-1].strip() and len(chosen[-1]) <= config.code_max_chars:
+        return chosen[-1]
+    return last
+
+
 def code_outcome(response: str, tests: Any, config: RewardConfig) -> CodeOutcome:
     """The outcome of one code response (see ``CodeOutcome``).
 
     Raises ``SpecialJudgeError`` for a problem that needs its own checker (never scored
     wrong silently: the data loaders drop them)."""
-    program = extract_code(response, config)
-    if program is None:
+    if extract_code(response, config) is None:
         return CodeOutcome(NO_PROGRAM)
     try:
         problem = parse_problem(tests)
@@ -481,6 +632,8 @@ def code_outcome(response: str, tests: Any, config: RewardConfig) -> CodeOutcome
     except ValueError as exc:
         logger.warning("unusable tests, scored incorrect: %s", exc)
         return CodeOutcome(BAD_TESTS, detail=str(exc)[:500])
+    program = select_program(response, problem, config)
+    assert program is not None  # extract_code found one above
     return evaluate_program(program, problem, config)
 
 

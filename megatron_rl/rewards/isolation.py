@@ -18,10 +18,11 @@ The box is ``bwrap`` (Debian package ``bubblewrap``) started as an unprivileged 
 - Process. ``--new-session`` (no terminal to inject into), ``--die-with-parent`` (the box
   ends with the process that started it), and an environment of a few fixed variables.
 
-The harness inside (``megatron_rl.rewards.sandbox``) adds resource limits and the audit hook.
-Where no box can be made (no bwrap, user namespaces disabled), ``box_for`` refuses with
-``SandboxUnavailableError``, unless the recipe sets ``code_allow_unsafe_sandbox``: then
-programs run with the resource limits and the audit hook only, which is logged as a warning.
+The harness inside (``megatron_rl.rewards.sandbox``) adds resource limits, a seccomp filter
+(threads, no processes) and the audit hook. Where no box can be made (no bwrap, user
+namespaces disabled), ``box_for`` refuses with ``SandboxUnavailableError``, unless the recipe
+sets ``code_allow_unsafe_sandbox``: then programs run with the harness's layers only, which is
+logged as a warning (and they end with the trainer: a parent-death signal).
 """
 
 from __future__ import annotations

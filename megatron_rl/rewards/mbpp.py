@@ -1,9 +1,11 @@
 """MBPP's tests: assert lines read as functional tests, never run.
 
-``assert f(1, (2, 3)) == {4: 5}`` (either side), ``assert f(x) is True``, ``assert f(x)`` /
-``assert not f(x)`` and ``assert math.isclose(f(x), 12.56, rel_tol=0.001)``, with literal
-arguments and expectations only (``ast.literal_eval``). Anything else (``set(f(x)) == ...``,
-non-literal arguments) is refused with the line in the error.
+``assert f(1, (2, 3)) == {4: 5}`` (either side), ``assert f(x) is True`` (``is`` kept: only
+the object itself passes, 1 is not True), ``assert f(x)`` / ``assert not f(x)`` (any truthy /
+falsy value, as Python's assert) and ``assert math.isclose(f(x), 12.56, rel_tol=0.001)``, with
+literal arguments and expectations only (``ast.literal_eval``). Anything else (``set(f(x)) ==
+...``, non-literal arguments, ``is`` with anything but None / True / False) is refused with
+the line in the error.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from __future__ import annotations
 import ast
 
 from megatron_rl.rewards import literals
+
+# ``x is <literal>`` means identity only for these (an int or str literal's identity is an
+# interpreter detail).
+_SINGLETONS = ("None", "True", "False")
 
 
 def _literal(node: ast.expr, line: str) -> str:
@@ -27,10 +33,11 @@ def _call(node: ast.expr, line: str) -> tuple[str, str] | None:
     return node.func.id, _literal(ast.List(elts=node.args, ctx=ast.Load()), line)
 
 
-def parse_asserts(lines: list[str]) -> list[tuple[str, str, str]]:
-    """MBPP assert lines as functional tests ``(fn_name, arguments, expected)``, both
-    Python literals; ValueError naming the line it cannot read. The float tolerance of
-    ``math.isclose`` lines is ``assert_tolerance``'s."""
+def parse_asserts(lines: list[str]) -> list[tuple[str, str, str, str]]:
+    """MBPP assert lines as functional tests ``(fn_name, arguments, expected, match)``:
+    arguments and expected are Python literals, ``match`` how the returned value is checked
+    (``code.CodeTest.match``: "equal", "is", "truthy" or "falsy"); ValueError naming the line
+    it cannot read. The float tolerance of ``math.isclose`` lines is ``assert_tolerance``'s."""
     cases = []
     for line in lines:
         try:
@@ -40,24 +47,27 @@ def parse_asserts(lines: list[str]) -> list[tuple[str, str, str]]:
         if len(statement) != 1 or not isinstance(statement[0], ast.Assert):
             raise ValueError(f"not an assert line: {line!r:.200}")
         test = statement[0].test
-        case, expected = None, "True"
+        case, expected, match = None, "True", "truthy"
         if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            case, expected = _call(test.operand, line), "False"
+            case, expected, match = _call(test.operand, line), "False", "falsy"
         elif isinstance(test, ast.Compare) and len(test.ops) == 1:
             left, right = test.left, test.comparators[0]
             if isinstance(test.ops[0], (ast.Eq, ast.Is)):
+                match = "is" if isinstance(test.ops[0], ast.Is) else "equal"
                 case = _call(left, line)
                 if case is not None:
                     expected = _literal(right, line)
                 else:
                     case, expected = _call(right, line), _literal(left, line)
+                if match == "is" and expected not in _SINGLETONS:
+                    raise ValueError(f"'is' compares with None, True or False only: {line!r:.200}")
         elif _isclose(test):
-            case, expected = _call(test.args[0], line), _literal(test.args[1], line)
+            case, expected, match = _call(test.args[0], line), _literal(test.args[1], line), "equal"
         else:
             case = _call(test, line)
         if case is None:
             raise ValueError(f"unsupported assert (want f(literals) == literal): {line!r:.200}")
-        cases.append((case[0], case[1], expected))
+        cases.append((case[0], case[1], expected, match))
     return cases
 
 

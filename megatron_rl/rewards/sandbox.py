@@ -1,14 +1,12 @@
 """Run an untrusted Python program in a sandboxed subprocess, on one test or many.
 
-One box per program (``ProgramSession``): the box and the interpreter start once, and the
-harness inside runs the program once per test, each run in a fresh namespace with fresh
-stdin / stdout / stderr, its own CPU-time limit, and the parent's wall-clock backstop. A test
-that times out or kills the interpreter ends that box; the next test gets a new one. The
-program's later tests therefore share an interpreter with its earlier ones (imported
-modules, ``sys`` settings): they are runs of the same program, and nothing of the expected
-outputs is ever on its side. Starting the box once instead of per test is what brought the
-sandbox's cost per test from 3x a plain ``python3`` start to about that of one
-(``tools/bench_code_reward.py``).
+One box per program (``ProgramSession``): the box and the harness's supervisor start once;
+per test the supervisor forks a runner, which confines itself and runs the program once with
+fresh stdin / stdout / stderr and its own CPU-time limit, under the parent's wall-clock
+backstop. Starting the box once instead of per test is what brought the sandbox's cost per
+test from 3x a plain ``python3`` start to about that of one (``tools/bench_code_reward.py``);
+a runner costs a fork. A test that runs out of wall-clock time ends the box; the next test
+gets a new one. Nothing of the expected outputs is ever on the program's side.
 
 Layers, from the outside in:
 
@@ -16,27 +14,36 @@ Layers, from the outside in:
    with read-only binds of only the interpreter, its own pid / network / ipc namespaces and a
    private size-limited tmpfs as cwd. The program never runs as root. Without a box (no
    bwrap, no user namespaces) code rewards refuse to run unless the recipe opts into the
-   unsafe mode (``code_allow_unsafe_sandbox``), where layers 2-6 are all there is.
-2. Process: a fresh session / process group; on a timeout the parent SIGKILLs the group,
-   and again when the session ends. Killing bwrap ends the box: its init has
+   unsafe mode (``code_allow_unsafe_sandbox``), where layers 2-7 are all there is; there
+   the harness ends with the trainer (a parent-death signal) and removes its files.
+2. Process: a fresh session / process group; on a wall-clock timeout the parent SIGKILLs the
+   group, and again when the session ends. Killing bwrap ends the box: its init has
    ``--die-with-parent`` and a pid namespace ends with its init.
-3. Time. A test's limit is CPU time (``code_test_timeout_s``), so that its verdict does not
-   depend on the load on the machine: a CPU-time interval timer of the harness
-   (``ITIMER_PROF``, whose SIGPROF ends the interpreter) set per test, RLIMIT_CPU a second
-   past it (SIGXCPU, then SIGKILL at a hard limit for the whole box) in case the program
-   disarms the timer. Either is ``timeout_cpu``. A wall-clock backstop of the parent
+3. System calls: a seccomp filter on the runner (x86_64, aarch64) refuses new processes
+   (fork, vfork, clone without CLONE_THREAD), exec, and access to other processes (ptrace,
+   process_vm_readv/writev, pidfd_getfd). Threads are allowed: a worker thread with a larger
+   stack is how programs recurse deeply. Where no filter can be set, RLIMIT_NPROC=1 (no
+   process, no thread).
+4. Time. A test's limit is CPU time (``code_test_timeout_s``), so that its verdict does not
+   depend on the load on the machine: a CPU-time interval timer (``ITIMER_PROF``, whose
+   SIGPROF ends the runner), RLIMIT_CPU a second past it (SIGXCPU, then SIGKILL), and the
+   runner's CPU time as the kernel counts it (``wait4``), checked by the parent: a program
+   that disarms its timers is still ``timeout_cpu``. A wall-clock backstop of the parent
    (``code_wall_timeout_s``) ends a program that waits without spending CPU time:
    ``timeout_wall``, which is no verdict on the program and is counted apart. Neither limit
    counts starting the box: the harness reports when it is ready, and the clocks start with
    the test.
-4. Resources: RLIMIT_AS (memory), RLIMIT_FSIZE (output and file sizes; the box's
-   tmpfs holds ``code_max_output_bytes`` in all), RLIMIT_NOFILE, RLIMIT_CORE=0 and
-   RLIMIT_NPROC=1 (no fork, no threads; the kernel exempts only root from it).
-5. Files: stdin, stdout and stderr are anonymous files the parent opened and refills per
-   test; the harness reports each test on a pipe, tagged with a nonce the parent drew for
-   that test. Nothing of the tests (expected outputs) is ever on the program's side, and the
-   comparison happens in the parent.
-6. Audit hook (``megatron_rl.rewards.guard``): refuses process creation, signals, sockets,
+5. Resources: RLIMIT_AS (memory; it also bounds the number of threads, each with its
+   stack), RLIMIT_FSIZE (output and file sizes; the box's tmpfs holds
+   ``code_max_output_bytes`` in all), RLIMIT_NOFILE, RLIMIT_CORE=0.
+6. The report channel: stdin, stdout and stderr are anonymous files the parent opened and
+   refills per test; the supervisor reports each test on a pipe, tagged with a nonce the
+   parent drew for that test. The supervisor never runs model code, holds the only copies
+   of the pipe and the nonce, and is not dumpable, so the program can reach neither (not
+   through frames, ``/proc``, file descriptors or the environment). The parent reads a
+   report defensively (bounded header, the nonce first, short digit fields, a capped body)
+   and compares outputs itself.
+7. Audit hook (``megatron_rl.rewards.guard``): refuses process creation, signals, sockets,
    ctypes, and writes outside the cwd. A second line only: CPython audit hooks are not a
    security boundary against code written to defeat them.
 
@@ -49,8 +56,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import os
+import re
 import secrets
 import select
 import shutil
@@ -75,62 +82,117 @@ _START_TIMEOUT_S = 120.0
 # Signals of the CPU-time limits: the harness's ITIMER_PROF timer, RLIMIT_CPU's soft limit.
 _CPU_SIGNALS = (signal.SIGPROF, signal.SIGXCPU)
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# CPU time a test may spend past its limit, by the kernel's count, before it is timeout_cpu
+# although the program's timer did not end it: the harness's own work around the run (the
+# timer covers the run only) and the 10 ms granularity of the count.
+_CPU_MARGIN_S = 0.25
 # Whether the harness installs the audit hook. Always on; tests switch it off to show that
 # the OS box alone contains hostile programs (audit hooks can be defeated).
 _AUDIT_HOOK = True
 
-# The harness: argv = memory_mb cpu_s fsize guard(0|1) control_in control_out max_tests
-# (cpu_s: whole seconds, bounds the box's total CPU time). Once set up it writes "ready\n" on
-# control_out. Per test it reads "nonce cpu_ms fn_name\n" from control_in (fn_name empty:
-# script mode; else the arguments, a Python literal, are the test's stdin), runs the program
-# under a CPU-time limit of cpu_ms and answers "nonce exit_code length cpu_ms\n" + result
-# ("L" literal | "R" repr of a value with no literal) on control_out. An exception or a non-zero SystemExit is exit code 1 (or the exit code),
-# with the traceback on the test's stderr, as a fresh ``python3 main.py`` would do.
+# The harness is a supervisor (argv = memory_mb fsize guard(0|1) control_in control_out
+# parent_pid unsafe(0|1)) that forks one runner per test. The runner confines itself
+# (resource limits, the seccomp filter, the audit hook) and runs the program once; its exit
+# status and CPU time come from the kernel (``wait4``), whatever the program did to its own
+# timers, and only the result of a functional test travels on a pipe the program could write
+# on too (what it writes there is its own returned value in effect). Only the supervisor
+# holds the parent's pipes and the nonces; it never runs model code and is not dumpable, so a
+# runner can read neither its memory, nor its frames, nor its file descriptors.
+#
+# Parent -> supervisor, per test: "nonce cpu_ms fn_name\n" (fn_name empty: script mode; else
+# the arguments, a Python literal, are the test's stdin). Supervisor -> parent: "nonce kind
+# code length cpu_ms\n" + result ("L" literal | "R" repr of a value with no literal), kind
+# "r" (code: the runner's exit code, as a fresh ``python3 main.py`` would give it, or minus
+# the signal that ended it) or "b" (a result over the size limit: the runner was killed);
+# cpu_ms: the runner's CPU time, all its threads, by the kernel's count.
 _HARNESS_MAIN = r"""
 
 
-def _limit(memory_mb, fsize, cpu_hard):
+def _limit(memory_mb, fsize, limit_s, threads):
+    # The exact limit is the CPU-time timer (SIGPROF, default action: end the process);
+    # RLIMIT_CPU (whole seconds) a second past it, in case the program disarms the timer.
     import resource
+    import signal
 
     mem = memory_mb * 1024 * 1024
+    soft = int(limit_s) + 2
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_hard, cpu_hard))
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 1))
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))
+    if not threads:
+        # No seccomp filter here: no process, and so no thread either.
+        resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))
     os.umask(0o077)
-    return resource
-
-
-def _cpu_used(resource):
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _cpu_limit(resource, limit_s, cpu_hard):
-    # The exact limit is the CPU-time timer (SIGPROF, default action: end the process);
-    # RLIMIT_CPU (whole seconds) a second past it, in case the program disarms the timer.
-    import signal
-
-    used = _cpu_used(resource)
-    soft = min(int(used + limit_s) + 2, cpu_hard)
-    resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_hard))
     signal.signal(signal.SIGPROF, signal.SIG_DFL)
     signal.signal(signal.SIGXCPU, signal.SIG_DFL)
     signal.setitimer(signal.ITIMER_PROF, limit_s)
-    return used
 
 
-def _streams(saved):
-    # The parent refilled the files behind fds 0-2; fresh streams without stale buffers.
-    for fd, copy in enumerate(saved):
-        os.dup2(copy, fd)
-    sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
-    sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)
-    sys.stderr = sys.__stderr__ = open(2, "w", closefd=False, errors="backslashreplace")
-    sys.argv = ["main.py"]
-    return sys.stdout, sys.stderr
+# seccomp: (AUDIT_ARCH, clone, clone3, denied system calls) per machine. Denied: fork, vfork,
+# clone without CLONE_THREAD (a new process; a thread is allowed), exec, and reading or
+# writing other processes (ptrace, process_vm_readv/writev, pidfd_getfd). clone3 fails with
+# ENOSYS, which makes the C library fall back to clone for threads.
+_SECCOMP = {
+    "x86_64": (0xC000003E, 56, 435, (57, 58, 59, 322, 101, 310, 311, 438)),
+    "aarch64": (0xC00000B7, 220, 435, (221, 281, 117, 270, 271, 438)),
+}
+
+
+def _seccomp_filter(machine):
+    import struct
+
+    spec = _SECCOMP.get(machine)
+    if spec is None:
+        return None
+    arch, clone, clone3, denied = spec
+    allow, kill = 0x7FFF0000, 0x80000000
+    eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
+    # (code, jt, jf, k) with jt / jf naming a label, resolved to forward offsets below.
+    code = [(0x20, 0, 0, 4), (0x15, 0, "kill", arch), (0x20, 0, 0, 0)]
+    if machine == "x86_64":
+        code.append((0x35, "eperm", 0, 0x40000000))  # x32 system calls
+    code += [(0x15, "eperm", 0, nr) for nr in denied]
+    code += [(0x15, "enosys", 0, clone3), (0x15, "clone", 0, clone), (0x06, 0, 0, allow)]
+    labels = {"clone": len(code)}
+    code += [(0x20, 0, 0, 16), (0x45, "allow", "eperm", 0x00010000)]  # flags & CLONE_THREAD
+    for name, ret in (("allow", allow), ("eperm", eperm), ("enosys", enosys), ("kill", kill)):
+        labels[name] = len(code)
+        code.append((0x06, 0, 0, ret))
+    out = b""
+    for i, (op, jt, jf, k) in enumerate(code):
+        jt = labels[jt] - i - 1 if isinstance(jt, str) else jt
+        jf = labels[jf] - i - 1 if isinstance(jf, str) else jf
+        out += struct.pack("HBBI", op, jt, jf, k)
+    return out
+
+
+def _prctl():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                           ctypes.c_ulong]
+    return ctypes, libc
+
+
+def _die_with_parent(libc, parent, sig):
+    # PR_SET_PDEATHSIG; then the parent may already be gone (reparented): end now.
+    libc.prctl(1, sig, None, 0, 0)
+    if parent and os.getppid() != parent:
+        os._exit(1)
+
+
+def _confine(ctypes, libc, program):
+    # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP(SECCOMP_MODE_FILTER, program): for good.
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    if libc.prctl(38, 1, None, 0, 0) != 0:
+        return False
+    fprog = Program(len(program) // 8, program)
+    return libc.prctl(22, 2, ctypes.cast(ctypes.byref(fprog), ctypes.c_void_p), 0, 0) == 0
 
 
 def _exit_code(code, err):
@@ -166,51 +228,150 @@ def _encode_result(value):
         return "R<unprintable>"
 
 
-def _sandbox_main():
-    memory_mb, cpu_s, fsize, hook, control_in, control_out, max_tests = map(int, sys.argv[1:8])
-    saved = [os.dup(fd) for fd in (0, 1, 2)]
-    cpu_hard = (cpu_s + 3) * max_tests + 1
-    resource = _limit(memory_mb, fsize, cpu_hard)
-    if hook == 1:
-        install_guard((os.getcwd(),))
-    with open("main.py") as f:
-        source = f.read()
-    control = open(control_in, "rb", buffering=0, closefd=False)
-    import gc
+def _write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _runner(box, tools, request, result):
+    # A forked runner: it confines itself, then waits for its test ("cpu_ms fn_name" on
+    # ``request``; it was forked before the supervisor read the test's nonce, so it never
+    # had it) and runs it; its exit code is the test's.
+    source, memory_mb, fsize, hook, supervisor = box
+    ctypes, libc, program = tools
     import signal
 
+    _die_with_parent(libc, supervisor, signal.SIGKILL)
+    confined = program is not None and _confine(ctypes, libc, program)
+    for module in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[module]
+    del ctypes, libc, tools
+    sys.argv = ["main.py"]
+    out, err = sys.stdout, sys.stderr
+    if hook == 1:
+        install_guard((os.getcwd(),))
+    with open(request, "rb", closefd=False) as f:
+        test = f.readline().decode().rstrip("\n")
+    if not test:
+        return 0  # the box ends
+    limit_ms, _, name = test.partition(" ")
+    _limit(memory_mb, fsize, max(int(limit_ms), 1) / 1000, threads=confined)
+    code, value = 0, None
+    try:
+        value = _run_one(source, name)
+    except SystemExit as exc:
+        code = _exit_code(exc.code, err)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc(file=err)
+        code = 1
+    for stream in {id(s): s for s in (sys.stdout, sys.stderr, out, err)}.values():
+        try:
+            stream.flush()
+        except BaseException:
+            code = code or 120  # as CPython when flushing stdout at exit fails
+    signal.setitimer(signal.ITIMER_PROF, 0)
+    if name and code == 0:
+        _write_all(result, _encode_result(value).encode())
+    return code
+
+
+def _read_result(fd, max_bytes):
+    # The runner's result, to its end; None when over max_bytes (the caller kills it).
+    chunks, size = [], 0
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > max_bytes + 16:
+            return None
+        chunks.append(chunk)
+
+
+def _sandbox_main():
+    memory_mb, fsize, hook, control_in, control_out, parent, unsafe = map(int, sys.argv[1:8])
+    import resource  # noqa: F401 - imported once here, not in every runner
+    import signal
+
+    ctypes, libc = _prctl()
+    _die_with_parent(libc, parent, signal.SIGTERM if unsafe else signal.SIGKILL)
+    libc.prctl(4, 0, None, 0, 0)  # PR_SET_DUMPABLE 0: no ptrace, no /proc/<pid>/mem or fd
+    tools = (ctypes, libc, _seccomp_filter(os.uname().machine))
+    cwd, me, runners = os.getcwd(), os.getpid(), []
+    with open("main.py") as f:
+        source = f.read()
+
+    def stop(*_):
+        # The trainer died (unsafe mode, where no box ends with it): end the runner, remove
+        # the files.
+        for pid in runners:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if unsafe:
+            import shutil
+
+            shutil.rmtree(os.path.dirname(cwd), ignore_errors=True)
+        os._exit(0)
+
+    box = (source, memory_mb, fsize, hook, me)
+
+    def spawn():
+        # The next test's runner, forked before its nonce is read (nothing of it is copied).
+        request_r, request_w = os.pipe()
+        result_r, result_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                for fd in (control_in, control_out, request_w, result_r):
+                    os.close(fd)
+                code = _runner(box, tools, request_r, result_w)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(request_r)
+        os.close(result_w)
+        runners[:] = [pid]
+        return pid, request_w, result_r
+
+    if unsafe:
+        signal.signal(signal.SIGTERM, stop)
+    pid, request_w, result_r = spawn()
     os.write(control_out, b"ready\n")  # the parent's clocks start with the first test
+    control = open(control_in, "rb", buffering=0, closefd=False)
     while True:
         request = control.readline()
         if not request:
-            return
-        nonce, _, rest = request.decode().rstrip("\n").partition(" ")
-        limit_ms, _, name = rest.partition(" ")
-        started = _cpu_limit(resource, max(int(limit_ms), 1) / 1000, cpu_hard)
-        out, err = _streams(saved)
-        code, value = 0, None
+            stop()
+        nonce, _, test = request.decode().rstrip("\n").partition(" ")
+        request = None
+        if not test.endswith(" "):
+            import ast  # noqa: F401 - for functional tests' arguments, in the next runners
         try:
-            value = _run_one(source, name)
-        except SystemExit as exc:
-            code = _exit_code(exc.code, err)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc(file=err)
-            code = 1
-        for stream in {id(s): s for s in (sys.stdout, sys.stderr, out, err)}.values():
-            try:
-                stream.flush()
-            except BaseException:
-                code = code or 120  # as CPython when flushing stdout at exit fails
-        signal.setitimer(signal.ITIMER_PROF, 0)
-        spent_ms = int((_cpu_used(resource) - started) * 1000)
-        body = _encode_result(value).encode() if name and code == 0 else b""
-        value = None
-        gc.collect()
-        frame = ("%s %d %d %d\n" % (nonce, code, len(body), spent_ms)).encode() + body
-        while frame:
-            frame = frame[os.write(control_out, frame) :]
+            _write_all(request_w, test.encode() + b"\n")
+        except OSError:
+            pass  # the runner is gone (a signal): its status says how
+        os.close(request_w)
+        body = _read_result(result_r, fsize)
+        os.close(result_r)
+        kind = "r"
+        if body is None:
+            os.kill(pid, signal.SIGKILL)
+            kind, body = "b", b""
+        _, status, usage = os.wait4(pid, 0)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        cpu_ms = int((usage.ru_utime + usage.ru_stime) * 1000)
+        header = "%s %s %d %d %d\n" % (nonce, kind, code, len(body), cpu_ms)
+        _write_all(control_out, header.encode() + body)
+        nonce = header = body = None  # no nonce, not even a spent one, in the next runner
+        pid, request_w, result_r = spawn()
 
 
 _sandbox_main()
@@ -307,7 +468,8 @@ class ProgramSession:
     Args:
         source: the program.
         config: limits (``code_test_timeout_s`` per test, memory, output size) and the box.
-        max_tests: how many tests it will run at most (bounds the box's total CPU time).
+        max_tests: how many tests it will run at most (unused: each test has its own process
+            and CPU-time limit; kept for callers).
 
     Use as a context manager or call ``close()``. Raises ``SandboxUnavailableError`` where
     no box can be set up and the config does not allow the unsafe mode. Not thread-safe:
@@ -349,7 +511,7 @@ class ProgramSession:
         wall = self.config.code_wall_timeout_s if wall_timeout_s is None else wall_timeout_s
         wall = max(wall, timeout)
         if self._proc is None:
-            self._start(timeout)
+            self._start()
             if not self._wait_ready():
                 self._stop()
                 message = f"the sandbox did not start within {_START_TIMEOUT_S:.0f}s\n"
@@ -369,42 +531,49 @@ class ProgramSession:
         limit_ms = max(1, round(timeout * 1000))
         try:
             os.write(to_box, f"{nonce} {limit_ms} {fn_name or ''}\n".encode())
-        except OSError:  # the harness is gone (a signal the program's last test set up)
-            frame: tuple[list[str], bytes] | str | None = None
+        except OSError:  # the harness is gone (the program killed its supervisor)
+            frame: Frame | str | None = None
         else:
-            frame = _read_frame(from_box, started + wall, self.config.code_max_output_bytes)
+            max_bytes = self.config.code_max_output_bytes
+            frame = _read_frame(from_box, started + wall, max_bytes, nonce)
         elapsed = time.monotonic() - started
         if frame == "timeout":
             self._stop()
             return SandboxResult("timeout_wall", None, *self._outputs(), elapsed)
-        if frame == "too large":
+        if isinstance(frame, str):  # not the supervisor's report (cannot happen): no verdict
             self._stop()
-            stdout = self._outputs()[0]
-            return SandboxResult("failed", None, stdout, "result too large\n", elapsed)
-        if frame is None:  # the interpreter or the box ended: no report
+            stdout, stderr = self._outputs()
+            return SandboxResult("failed", None, stdout, f"{frame} test report\n", elapsed)
+        if frame is None:
+            # The supervisor ended without a report: the program killed it (a runner's own
+            # end is reported), or the box failed to start.
             returncode = self._stop(grace_s=max(0.0, started + wall - time.monotonic()))
             stdout, stderr = self._outputs()
-            status = "ok" if returncode == 0 else "failed"
-            if _killed_by(returncode, self.box.isolated) in _CPU_SIGNALS:
-                status = "timeout_cpu"
-            elif self.box.isolated and stderr.startswith("bwrap:"):
+            status = "failed"
+            if self.box.isolated and stderr.startswith("bwrap:"):
                 # The box itself failed (the program never ran): not the program's fault.
                 logger.warning("code sandbox: bwrap failed: %s", stderr.strip()[:500])
                 status = "error"
-            if fn_name and status == "ok":
-                status = "failed"  # exited (os._exit) before returning a value
             return SandboxResult(status, returncode, stdout, stderr, elapsed)
-        header, body = frame
-        got_nonce, code = header[0], int(header[1])
+        return self._verdict(frame, fn_name, timeout, elapsed)
+
+    def _verdict(
+        self, frame: Frame, fn_name: str | None, timeout: float, elapsed: float
+    ) -> SandboxResult:
+        """The result of a test from the supervisor's report (see ``_HARNESS_MAIN``)."""
+        kind, code, cpu_s, body = frame
         stdout, stderr = self._outputs()
-        if got_nonce != nonce:
-            # Only the program can have written it (into the harness's pipe).
-            self._stop()
-            return SandboxResult("failed", None, stdout, "forged test report\n", elapsed)
-        cpu_s = int(header[3]) / 1000
+        if kind == "b":
+            return SandboxResult("failed", None, stdout, "result too large\n", elapsed, None, cpu_s)
         status = "ok" if code == 0 else "failed"
+        if fn_name and status == "ok" and not body:
+            status = "failed"  # exited (os._exit) before returning a value
+        # Over the limit by the kernel's count (the program outran its own timers), or ended
+        # by a CPU-time signal.
+        if cpu_s > timeout + _CPU_MARGIN_S or -code in _CPU_SIGNALS:
+            status = "timeout_cpu"
         result = SandboxResult(status, code, stdout, stderr, elapsed, cpu_s=cpu_s)
-        if fn_name and code == 0:
+        if fn_name and status == "ok":
             result.result = _decode_result(body)
         return result
 
@@ -434,15 +603,17 @@ class ProgramSession:
             stderr.decode("utf-8", errors="replace"),
         )
 
-    def _start(self, timeout: float) -> None:
+    def _start(self) -> None:
         config, box = self.config, self.box
         if not self._files:
             self._files = [tempfile.TemporaryFile(buffering=0) for _ in range(3)]
         to_box_read, to_box = os.pipe()
         from_box, from_box_write = os.pipe()
-        cpu_s = math.ceil(max(timeout, config.code_test_timeout_s))
-        limits = [config.code_memory_mb, cpu_s, config.code_max_output_bytes]
-        limits += [1 if _AUDIT_HOOK else 0, to_box_read, from_box_write, self.max_tests]
+        limits = [config.code_memory_mb, config.code_max_output_bytes, 1 if _AUDIT_HOOK else 0]
+        limits += [to_box_read, from_box_write]
+        # Unsafe mode: the harness ends with this process, by its pid (the box does so by
+        # itself: bwrap --die-with-parent), and removes its files.
+        limits += [0, 0] if box.isolated else [os.getpid(), 1]
         argv = [box.python, "-I", "-c", _harness_source(), *map(str, limits)]
         # Single-threaded numeric libraries: thread creation counts against RLIMIT_NPROC.
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -489,7 +660,8 @@ class ProgramSession:
         os.mkdir(cwd, 0o700)
         Path(cwd, "main.py").write_text(self.source)
         if self.box.run_as is not None:
-            for path in (cwd, os.path.join(cwd, "main.py")):
+            # The harness removes the whole directory if this process dies first.
+            for path in (self._work, cwd, os.path.join(cwd, "main.py")):
                 os.chown(path, self.box.run_as, self.box.run_as)
         return cwd
 
@@ -524,12 +696,21 @@ class ProgramSession:
             self._work = None
 
 
-def _read_frame(fd: int, deadline: float, max_bytes: int) -> tuple[list[str], bytes] | str | None:
-    """One report of the harness: (header fields, body); "timeout" at ``deadline``; "too
-    large" for a result over ``max_bytes``; None when the harness ended first."""
+# A report: (kind, code, cpu_s, body), see ``_HARNESS_MAIN``.
+Frame = tuple[str, int, float, bytes]
+_HEADER_MAX = 128
+_HEADER_RE = re.compile(rb"([rb]) (-?[0-9]{1,3}) ([0-9]{1,10}) ([0-9]{1,12})")
+
+
+def _read_frame(fd: int, deadline: float, max_bytes: int, nonce: str) -> Frame | str | None:
+    """One report of the supervisor, read defensively: the header is at most
+    ``_HEADER_MAX`` bytes, its nonce is checked before anything else is read, then every
+    field must be short ASCII digits and the body at most ``max_bytes`` (+16). "timeout" at
+    ``deadline``, "forged" / "malformed" for a report that is not the supervisor's, None
+    when the box ended first."""
     data = b""
     want: int | None = None
-    header: list[str] = []
+    frame: tuple[str, int, float] | None = None
     while want is None or len(data) < want:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -541,33 +722,26 @@ def _read_frame(fd: int, deadline: float, max_bytes: int) -> tuple[list[str], by
         if not chunk:
             return None
         data += chunk
-        if want is None and b"\n" in data:
-            line, _, data = data.partition(b"\n")
-            header = line.decode("ascii", errors="replace").split()
-            if (
-                len(header) != 4
-                or not header[1].lstrip("-").isdigit()
-                or not header[2].isdigit()
-                or not header[3].isdigit()
-            ):
-                header = ["", "1", "0", "0"]  # malformed (written by the program): no nonce
-                return header, b""
-            want = int(header[2])
+        if want is None:
+            end = data.find(b"\n", 0, _HEADER_MAX + 1)
+            if end < 0:
+                if len(data) > _HEADER_MAX:
+                    return "malformed"
+                continue
+            line, data = data[:end], data[end + 1 :]
+            got, _, rest = line.partition(b" ")
+            if got != nonce.encode():
+                return "forged"
+            match = _HEADER_RE.fullmatch(rest)
+            if match is None:
+                return "malformed"
+            kind, code, length, cpu_ms = match.groups()
+            want = int(length)
             if want > max_bytes + 16:
-                return "too large"
-    return header, data[:want]
-
-
-def _killed_by(returncode: int | None, isolated: bool) -> int | None:
-    """The signal that ended the program: bwrap exits with 128 + the signal of its child;
-    a program run without a box has Popen's negative return code."""
-    if returncode is None:
-        return None
-    if returncode < 0:
-        return -returncode
-    if isolated and 128 < returncode < 128 + 65:
-        return returncode - 128
-    return None
+                return "malformed"
+            frame = (kind.decode(), int(code), int(cpu_ms) / 1000)
+    assert frame is not None
+    return (*frame, data[:want])
 
 
 # Literal text beyond this is not parsed in the trainer (``ast`` holds ~50x the text size
@@ -577,19 +751,44 @@ _MAX_LITERAL_CHARS = 1 << 20
 
 
 def _decode_result(body: bytes) -> object:
+    """The returned value of a report's body, or ``Unrepresentable``: also for a literal
+    nested deeper than the harness ever writes (``literals.MAX_DEPTH``), so that nothing
+    deeper reaches the comparison."""
     text = body.decode("utf-8", errors="replace")
-    if text.startswith("L"):
-        literal = text[1:]
-        try:
-            # Where a literal's text is also JSON it means the same value (the encoder writes
-            # no JSON-only spellings), and json reads it far faster and leaner.
-            return json.loads(literal)
-        except ValueError:
-            pass
+    if not text.startswith("L"):
+        return Unrepresentable(text[1:])
+    literal = text[1:]
+    value: object = Unrepresentable(literal[:1000])
+    try:
+        # Where a literal's text is also JSON it means the same value (the encoder writes
+        # no JSON-only spellings), and json reads it far faster and leaner.
+        value = json.loads(literal)
+    except (ValueError, RecursionError):  # RecursionError: nested past the interpreter's limit
         if len(literal) <= _MAX_LITERAL_CHARS:
             try:
-                return literals.decode(literal)
+                value = literals.decode(literal)
             except ValueError:
                 pass
+    if not _depth_within(value, literals.MAX_DEPTH + 1):
         return Unrepresentable(literal[:1000])
-    return Unrepresentable(text[1:])
+    return value
+
+
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def _depth_within(value: object, limit: int) -> bool:
+    """Whether ``value``'s containers nest at most ``limit`` deep (level by level: no
+    recursion on hostile depth)."""
+    level = [value] if isinstance(value, _CONTAINERS) else []
+    for _ in range(limit):
+        below: list = []
+        for item in level:
+            if isinstance(item, dict):
+                below += [k for k in item if isinstance(k, _CONTAINERS)]
+                item = item.values()
+            below += [child for child in item if isinstance(child, _CONTAINERS)]
+        if not below:
+            return True
+        level = below
+    return False

@@ -95,7 +95,12 @@ def test_fork_bomb_is_contained(executor, char_tokenizer, hook):
     code = "import os\nwhile True:\n    os.fork()\n"
     result, elapsed = _step(executor, char_tokenizer, code)
     assert result.outcome == "error", result
-    assert "BlockingIOError" in result.output or "blocked by the reward sandbox" in result.output
+    # Refused by the audit hook, or by the box's seccomp filter without it.
+    refusals = (
+        "blocked by the reward sandbox",
+        "PermissionError: [Errno 1] Operation not permitted",
+    )
+    assert any(refusal in result.output for refusal in refusals), result.output
     assert elapsed < TIMEOUT_S + SLACK_S
     assert _children() <= before  # nothing left running
 

@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -233,8 +234,19 @@ ATTACKS: dict[str, tuple[str, str]] = {
         "$shadow",
     ),
     "exec": ("import os\nos.execv('/bin/sh', ['sh', '-c', 'cat /etc/shadow'])", "$shadow"),
-    "threads": (
-        "import threading\nfor _ in range(1000):\n    threading.Thread(target=print).start()\n"
+    # Threads are allowed (deep recursion in a worker thread with a larger stack is a common
+    # idiom); processes are not, from a thread either, and threads are bounded by memory.
+    "fork from a thread": (
+        "import os, threading\nforked = []\n"
+        "def child():\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n"
+        "    forked.append(pid)\n"
+        "t = threading.Thread(target=child)\nt.start()\nt.join()\n"
+        "print('$sentinel' if forked else 'no fork')",
+        "$sentinel",
+    ),
+    "thread bomb": (
+        "import threading, time\nfor _ in range(100000):\n"
+        "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
         "print('$sentinel')",
         "$sentinel",
     ),
@@ -397,13 +409,13 @@ def test_hostile_program_is_contained(name, hook, targets):
 
 @pytest.mark.timeout(30)
 def test_audit_hook_is_bypassable_and_the_box_holds():
-    # A builtin module made without an 'import' event gets past the hook; the process-count
-    # limit of the unprivileged box (not the hook) is what stops the fork.
+    # A builtin module made without an 'import' event gets past the hook; the seccomp
+    # filter of the runner (not the hook) is what stops the fork.
     _box_or_skip()
     result = run_program(Template(_FORK_EXEC).substitute(sentinel=SENTINEL), "", CONFIG)
     assert result.status == "failed"
     assert "blocked by the reward sandbox" not in result.stderr
-    assert "BlockingIOError" in result.stderr, result.stderr
+    assert "PermissionError: [Errno 1] Operation not permitted" in result.stderr, result.stderr
 
 
 @pytest.mark.timeout(30)
@@ -507,8 +519,10 @@ while True:
         except OSError:
             continue
         if boxed and name.startswith("python"):
-            print("HELPER_PID", entry, flush=True)
-            time.sleep(600)
+            time.sleep(1.0)  # not the sandbox probe's short-lived interpreter
+            if os.path.exists(f"/proc/{entry}"):
+                print("HELPER_PID", entry, flush=True)
+                time.sleep(600)
     time.sleep(0.05)
 """
 
@@ -627,7 +641,7 @@ def test_one_box_runs_every_test_of_a_program_each_from_a_clean_start():
 
 
 @pytest.mark.timeout(60)
-def test_a_test_that_times_out_or_exits_ends_its_box_and_the_next_test_gets_a_new_one():
+def test_a_test_that_times_out_or_exits_ends_its_runner_and_the_next_test_gets_a_new_one():
     _box_or_skip()
     from megatron_rl.rewards.sandbox import ProgramSession
 
@@ -643,7 +657,8 @@ def test_a_test_that_times_out_or_exits_ends_its_box_and_the_next_test_gets_a_ne
             session.run(x, timeout_s=2.0, wall_timeout_s=30.0)
             for x in ("ok", "hang", "ok", "exit", "fail")
         ]
-        assert session.boxes_started == 3  # a new box after the timeout and after the exit
+        # A new runner per test: the timeout and the exit ended theirs, not the box.
+        assert session.boxes_started == 1
     assert [r.status for r in results] == ["ok", "timeout_cpu", "ok", "ok", "failed"]
     assert [r.stdout.strip() for r in results] == ["ok", "hang", "ok", "exit", "fail"]
     assert 2.0 <= results[1].elapsed_s < 30.0 and results[4].returncode == 3
@@ -652,11 +667,12 @@ def test_a_test_that_times_out_or_exits_ends_its_box_and_the_next_test_gets_a_ne
 @pytest.mark.timeout(60)
 def test_a_program_cannot_forge_the_report_of_its_test():
     _box_or_skip()
-    # The harness's report pipe is named on its command line; a report the program writes
-    # there lacks the nonce the parent drew for the test.
+    # The supervisor's report pipe is named on its command line; the program's process does
+    # not have it (and a report without the nonce the parent drew for the test is refused:
+    # test_the_nonce_is_out_of_reach_and_forged_reports_do_not_pass).
     forge = (
-        "import os\nfd = int(open('/proc/self/cmdline', 'rb').read().split(b'\\0')[9])\n"
-        "os.write(fd, b'0123456789abcdef 0 0\\n')\n"
+        "import os\nfd = int(open('/proc/self/cmdline', 'rb').read().split(b'\\0')[8])\n"
+        "os.write(fd, b'0123456789abcdef r 0 0 0\\n')\n"
     )
     for hook_on in (True, False):
         original = sandbox._AUDIT_HOOK
@@ -686,20 +702,287 @@ def test_functional_results_large_and_too_large():
 
 
 @pytest.mark.timeout(60)
-def test_a_harness_killed_between_tests_fails_the_next_test_not_the_scorer():
+def test_a_timer_a_test_leaves_behind_ends_with_its_runner_not_the_next_test():
     _box_or_skip()
     from megatron_rl.rewards.sandbox import ProgramSession
 
-    # The first run arms a timer whose default action kills the harness after its report.
+    # Each run arms a timer whose default action would kill its process after its report;
+    # each test's process ends with its test, and the timer with it.
     program = "import signal\nsignal.setitimer(signal.ITIMER_REAL, 0.2)\nprint(1)\n"
     with ProgramSession(program, CONFIG, max_tests=3) as session:
         first = session.run("")
-        time.sleep(1.0)  # the harness is dead before the next test is sent
+        time.sleep(1.0)
         second, third = session.run(""), session.run("")
-    assert first.status == "ok" and first.stdout == "1\n"
-    # Killed by SIGALRM (bwrap reports it as 128 + the signal).
-    assert second.status == "failed" and second.returncode in (
-        -signal.SIGALRM,
-        128 + signal.SIGALRM,
+        assert session.boxes_started == 1
+    assert [(r.status, r.stdout) for r in (first, second, third)] == [("ok", "1\n")] * 3
+    # A timer that fires before the test ends kills that test's process only.
+    killer = "import signal, time\nsignal.setitimer(signal.ITIMER_REAL, 0.05)\ntime.sleep(5)\n"
+    with ProgramSession(killer, CONFIG, max_tests=2) as session:
+        results = [session.run("") for _ in range(2)]
+        assert session.boxes_started == 1
+    assert [(r.status, r.returncode) for r in results] == [("failed", -signal.SIGALRM)] * 2
+
+
+# --- Issue 45: the report channel. The program can reach neither the nonce nor the pipe of
+# the supervisor's reports, and whatever it writes where it can is read defensively. ---
+
+# Looks for 16-hex-digit strings (the nonce's form) in every place a program can read: the
+# frames above it and their globals, the environment, every /proc/<pid>/{cmdline,environ}
+# and the writable memory of every other process it can open; then writes forged reports
+# (old and new header forms, malformed ones that crashed int()) on every descriptor it has
+# or can open through /proc, after printing the right answer, and crashes. Only a forged
+# report taken for the harness's would make the crash pass.
+NONCE_HUNT = r"""
+import os, re, sys
+HEX = re.compile(r"[0-9a-f]{16}")
+found = set()
+
+def scan(value):
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    if isinstance(value, str):
+        found.update(HEX.findall(value))
+
+frame = sys._getframe()
+while frame is not None:
+    for scope in (frame.f_locals, frame.f_globals):
+        for value in list(scope.values()):
+            scan(value)
+    frame = frame.f_back
+for value in os.environ.values():
+    scan(value)
+fds = set()
+for pid in sorted(p for p in os.listdir("/proc") if p.isdigit()):
+    for name in ("cmdline", "environ"):
+        try:
+            scan(open("/proc/%s/%s" % (pid, name), "rb").read())
+        except OSError:
+            pass
+    if pid == str(os.getpid()):
+        fds.update(int(fd) for fd in os.listdir("/proc/self/fd"))
+        continue
+    try:
+        mem = open("/proc/%s/mem" % pid, "rb", buffering=0)
+        for line in open("/proc/%s/maps" % pid):
+            span, perms = line.split()[:2]
+            start, end = (int(x, 16) for x in span.split("-"))
+            if perms.startswith("rw") and end - start < 1 << 26:
+                try:
+                    mem.seek(start)
+                    scan(mem.read(end - start))
+                except (OSError, ValueError, OverflowError):
+                    pass
+    except OSError:
+        pass
+    try:
+        for fd in os.listdir("/proc/%s/fd" % pid):
+            try:
+                fds.add(os.open("/proc/%s/fd/%s" % (pid, fd), os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+    except OSError:
+        pass
+print(7, flush=True)
+sys.stderr.write("FOUND %s\n" % sorted(found))
+sys.stderr.flush()
+forged = [b"x --0 0 0\n", b"x 0 " + b"9" * 5000 + b" 0\n", b"x 0 0 " + b"9" * 5000 + b"\n"]
+for nonce in sorted(found) + ["0123456789abcdef"]:
+    forged += [b"%s 0 0 0\n" % nonce.encode(), b"%s r 0 0 0\n" % nonce.encode(), b"0 0\n"]
+for fd in sorted(fds - {0, 1, 2}):
+    for frame in forged:
+        try:
+            os.write(fd, frame)
+        except OSError:
+            pass
+os._exit(1)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hook_on", [True, False], ids=["audit hook", "box alone"])
+def test_the_nonce_is_out_of_reach_and_forged_reports_do_not_pass(hook_on, monkeypatch):
+    _box_or_skip()
+    nonces: list[str] = []
+    draw = sandbox.secrets.token_hex
+
+    def recorded(n: int) -> str:
+        nonces.append(draw(n))
+        return nonces[-1]
+
+    monkeypatch.setattr(sandbox.secrets, "token_hex", recorded)
+    monkeypatch.setattr(sandbox, "_AUDIT_HOOK", hook_on)
+    with sandbox.ProgramSession(NONCE_HUNT, CONFIG, max_tests=2) as session:
+        results = [session.run("", timeout_s=10.0, wall_timeout_s=30.0) for _ in range(2)]
+    for result in results:
+        assert "FOUND" in result.stderr, result
+        assert not any(nonce in result.stderr for nonce in nonces), result.stderr
+        assert result.stdout == "7\n" and result.status == "failed", result
+    tests = [{"input": "", "output": "7"}]
+    assert code_reward.score_code(respond(NONCE_HUNT), tests, CONFIG) == -1.0
+
+
+def test_reports_are_read_defensively():
+    read, write = os.pipe()
+    nonce = "0123456789abcdef"
+
+    def frame(data: bytes, max_bytes: int = 100) -> object:
+        os.write(write, data)
+        return sandbox._read_frame(read, time.monotonic() + 5, max_bytes, nonce)
+
+    try:
+        assert frame(b"0123456789abcdef r 0 2 15\nL5") == ("r", 0, 0.015, b"L5")
+        assert frame(b"0123456789abcdef r -27 0 1000\n") == ("r", -27, 1.0, b"")
+        # The nonce first: a report without it is refused before any field is read.
+        assert frame(b"fedcba9876543210 r 0 0 0\n") == "forged"
+        assert frame(b"x --0 0 0\n") == "forged"
+        for bad in (b" r --0 0 0\n", b" r 0 " + b"9" * 5000 + b" 0\n", b" r 0 0 " + b"9" * 13):
+            assert frame(nonce.encode() + bad + b"\n") == "malformed", bad[:20]
+        assert frame(nonce.encode() + b" r 0 117 0\n") == "malformed"  # over max_bytes + 16
+        assert frame(nonce.encode() + b" q 0 0 0\n") == "malformed"
+        assert frame(b"0123456789abcdef" + b"0" * 200) == "malformed"  # no end to the header
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+@pytest.mark.timeout(60)
+def test_results_nested_past_the_recursion_limit_score_wrong_without_a_crash():
+    _box_or_skip()
+    # The program writes the result itself (on the only pipe it can reach: its own result
+    # pipe) and exits 0 before returning: as deep as the JSON reader's recursion limit and
+    # past it. Both are wrong answers, and nothing raises in the trainer.
+    template = (
+        "import os\ndef f(x):\n    for fd in map(int, os.listdir('/proc/self/fd')):\n"
+        "        if fd > 2:\n            try:\n"
+        "                os.write(fd, b'L' + b'[' * {n} + b']' * {n})\n"
+        "            except OSError:\n                pass\n    os._exit(0)\n"
     )
-    assert third.status == "ok"  # a new box
+    for depth in (900, 100_000):
+        program = respond(template.replace("{n}", str(depth)))
+        tests = [{"input": "[1]", "output": "[[1]]", "fn_name": "f"}]
+        assert code_reward.score_code(program, tests, CONFIG) == -1.0
+
+
+@pytest.mark.timeout(60)
+def test_a_program_that_disarms_its_cpu_timers_is_still_timed_out():
+    _box_or_skip()
+    # It ignores SIGPROF and SIGXCPU, spends 1.6 s of CPU time on a 1 s limit, then answers:
+    # its own timers never fire (RLIMIT_CPU's soft limit is at 3 s), the kernel's count does.
+    evade = (
+        "import signal, time\nsignal.setitimer(signal.ITIMER_PROF, 0)\n"
+        "for s in (signal.SIGPROF, signal.SIGXCPU):\n    signal.signal(s, signal.SIG_IGN)\n"
+        "start = time.process_time()\nwhile time.process_time() - start < 1.6:\n    pass\n"
+        "print(7)\n"
+    )
+    with sandbox.ProgramSession(evade, CONFIG) as session:
+        # A wall-clock backstop that a loaded machine does not reach.
+        result = session.run("", timeout_s=1.0, wall_timeout_s=60.0)
+    assert result.stdout == "7\n" and result.status == "timeout_cpu", result
+    assert result.cpu_s is not None and result.cpu_s >= 1.5
+
+
+@pytest.mark.timeout(60)
+def test_threads_run_and_processes_do_not_even_without_the_audit_hook(monkeypatch):
+    _box_or_skip()
+    monkeypatch.setattr(sandbox, "_AUDIT_HOOK", False)
+    deep = (
+        "import sys, threading\nsys.setrecursionlimit(10**6)\nthreading.stack_size(1 << 27)\n"
+        "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\nout = []\n"
+        "t = threading.Thread(target=lambda: out.append(depth(100000)))\nt.start()\nt.join()\n"
+        "print(out[0])\n"
+    )
+    result = run_program(deep, "", CONFIG)
+    assert result.status == "ok" and result.stdout == "100000\n", result
+    for spawn in (
+        "import os\nprint(os.fork())",
+        "import subprocess\nsubprocess.run(['/bin/true'])",
+        "import os\nos.posix_spawn('/bin/true', ['true'], {})",
+        "import os, sys\nos.execv(sys.executable, ['python3', '-c', 'print(1)'])",
+    ):
+        result = run_program(spawn, "", CONFIG)
+        assert result.status == "failed", (spawn, result)
+        assert "PermissionError: [Errno 1] Operation not permitted" in result.stderr, result
+
+
+UNSAFE_RUN_THEN_WAIT = """
+import os, sys, threading, time
+from megatron_rl.rewards import RewardConfig
+from megatron_rl.rewards.sandbox import run_program
+
+config = RewardConfig(kind="code", code_bwrap=sys.argv[1], code_allow_unsafe_sandbox=True)
+threading.Thread(
+    target=run_program,
+    args=("import time\\ntime.sleep(600)\\n", "", config),
+    kwargs={"timeout_s": 600},
+    daemon=True,
+).start()
+me = str(os.getpid())
+while True:
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+            stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if "mrl-sandbox-" in cwd and stat[1] != me:  # the runner (the supervisor's child)
+            print("HELPER", entry, os.path.dirname(cwd), flush=True)
+            time.sleep(600)
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_unsafe_mode_programs_and_their_files_end_with_the_trainer(tmp_path):
+    # Issue 49 item 11: without a box nothing ended them: they ran on under PID 1.
+    script = tmp_path / "trainer.py"
+    script.write_text(UNSAFE_RUN_THEN_WAIT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "no-bwrap")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        line = ""
+        while not line.startswith("HELPER"):
+            line = trainer.stdout.readline()
+            assert line, "the trainer script ended early"
+        _, pid, work = line.split()
+        runner, supervisor = (
+            int(pid),
+            int(Path(f"/proc/{pid}/stat").read_text().rsplit(")")[1].split()[1]),
+        )
+        assert running(runner) and Path(work).is_dir()
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+            running(runner) or running(supervisor) or Path(work).exists()
+        ):
+            time.sleep(0.1)
+        left = [p for p in (runner, supervisor) if running(p)]
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+        assert left == [], "the sandboxed program outlived the trainer"
+        assert not Path(work).exists(), "its files outlived the trainer"
+    finally:
+        trainer.kill()
+
+
+def test_result_bodies_nested_deeper_than_the_harness_writes_are_no_value():
+    from megatron_rl.rewards.literals import MAX_DEPTH
+
+    # The harness writes literals up to MAX_DEPTH + 1 levels (deeper values go as a repr):
+    # anything deeper was not written by it, and never reaches the comparison's recursion.
+    deepest = b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)
+    assert isinstance(sandbox._decode_result(b"L" + deepest), list)
+    for body in (b"[" + deepest + b"]", b"[" * 900 + b"]" * 900, b"(" * 5000 + b")" * 5000):
+        assert isinstance(sandbox._decode_result(b"L" + body), sandbox.Unrepresentable)
+    key = "1"
+    for _ in range(MAX_DEPTH + 1):
+        key = f"({key},)"  # a tuple key as deep, inside a dict: one level more
+    body = f"{{{key}: 1}}".encode()
+    assert isinstance(sandbox._decode_result(b"L" + body), sandbox.Unrepresentable)
+    assert sandbox._decode_result(b"L{(1, (2,)): [3]}") == {(1, (2,)): [3]}
