@@ -132,10 +132,11 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
     """vLLM ``EngineArgs`` for engine ``index`` of the pool."""
     from vllm import EngineArgs
 
-    from megatron_rl.models.hf_config import load_text_config, vllm_config_dir
+    from megatron_rl.models.hf_config import load_hf_config, vllm_config_dir
     from megatron_rl.platform import get_platform
 
-    text = load_text_config(hf_dir)
+    hf_config = load_hf_config(hf_dir)
+    text = getattr(hf_config, "text_config", hf_config)  # the text model's (load_text_config)
     resolved = config.resolved()
     transport = transport_for(resolved)
     kwargs: dict[str, Any] = {}
@@ -192,7 +193,7 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         tensor_parallel_size=config.tensor_parallel,
         enable_expert_parallel=config.expert_parallel,
         logprobs_mode=config.logprobs_mode,
-        hf_overrides={"head_dtype": "float32"} if config.fp32_head else None,
+        hf_overrides=fp32_head_overrides(hf_config) if config.fp32_head else None,
         override_generation_config=overrides,
         weight_transfer_config={"backend": transport.backend(resolved)},
         # One scheduled batch at a time: a weight load between two steps then separates the
@@ -203,6 +204,28 @@ def engine_args(hf_dir: str, config: RolloutConfig, index: int) -> Any:
         disable_log_stats=True,
         **kwargs,
     )
+
+
+def fp32_head_overrides(hf_config: Any) -> dict[str, Any]:
+    """vLLM's ``hf_overrides`` for an FP32 LM head (``rollout.fp32_head``) on the model of
+    ``hf_config`` (its transformers config).
+
+    vLLM applies a flat override to the top-level config only (``config.update``,
+    ``transformers_utils/config.py:926-928``), and each ``LogitsProcessor`` reads
+    ``head_dtype`` from the config current where it is built (``logits_processor.py:95-96``,
+    ``config/model.py:2102``, ``_get_head_dtype``). A multimodal model builds its language
+    model, LM head included, with a deep copy of its ``text_config`` as that config
+    (Llama-4 Scout's ``Llama4ForConditionalGeneration``: ``mllama4.py:779-786``,
+    ``VllmConfig.with_hf_config``), so the flat override never reached it and the head ran
+    in the model's dtype. A nested override (``ModelConfig._apply_dict_overrides``) sets it
+    on the text config too; a text-only config gets none (vLLM would set a dict named
+    ``text_config`` on it)."""
+    from transformers import PretrainedConfig
+
+    overrides: dict[str, Any] = {"head_dtype": "float32"}
+    if isinstance(getattr(hf_config, "text_config", None), PretrainedConfig):
+        overrides["text_config"] = {"head_dtype": "float32"}
+    return overrides
 
 
 def fp8_engine_quantization(config: RolloutConfig, gpu: bool) -> str:
