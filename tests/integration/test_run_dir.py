@@ -134,6 +134,93 @@ def test_config_yaml_is_written_only_by_save_config(tmp_path):
         claim_run_dir(_config(), run_dir / "config.yaml")
 
 
+def _checkpoint(run_dir: Path, step: int, config_text: str | None) -> Path:
+    """An intact checkpoint of ``step`` as CheckpointManager finds it (meta.json, the parts
+    it names, a manifest), with ``config_text`` as its config.yaml (None: an older one)."""
+    import json
+
+    from megatron_rl.conversion.checkpoint import MODEL_SUBDIR
+    from megatron_rl.trainer.state import _manifest
+
+    path = run_dir / "checkpoints" / f"step_{step:08d}"
+    (path / "model" / MODEL_SUBDIR).mkdir(parents=True)
+    (path / "state").mkdir()
+    for name in ("loop.pt", "rng_00000.pt"):
+        (path / "state" / name).write_bytes(b"x")
+    if config_text is not None:
+        (path / "config.yaml").write_text(config_text)
+    meta = {"step": step, "world_size": 1, "optimizer": False}
+    (path / "meta.json").write_text(json.dumps(meta))
+    (path / "manifest.json").write_text(json.dumps(_manifest(path)))
+    return path
+
+
+def test_a_hand_edited_config_yaml_is_compared_with_the_checkpoints_config(tmp_path, caplog):
+    """The resume command loads RUN_DIR/config.yaml; the check compared the recipe with that
+    same file, so a hand edit of it (prompts_per_step 16 -> 8) took effect silently. The
+    checkpoint's own copy of its config is the reference now; a checkpoint written before
+    they kept one falls back to RUN_DIR/config.yaml, with a warning."""
+    run_dir = tmp_path / "run"
+    trained = to_yaml(_config())
+    _checkpoint(run_dir, 3, trained)
+    edited = _config("batch.prompts_per_step=8")
+    save_run_config(edited, run_dir / "config.yaml")  # the hand edit
+    recipe = load_run_config(run_dir / "config.yaml", check_model=False)
+    with pytest.raises(RunDirError, match=r"batch.prompts_per_step: 16 -> 8") as info:
+        claim_run_dir(recipe, run_dir)
+    assert "checkpoints/step_00000003/config.yaml" in str(info.value)
+    claim_run_dir(_config(), run_dir).lock.release()  # the recipe it was trained with
+
+    older = tmp_path / "older"
+    _checkpoint(older, 3, None)
+    save_run_config(_config(), older / "config.yaml")
+    with caplog.at_level("WARNING", logger="megatron_rl.trainer.rundir"):
+        with pytest.raises(RunDirError, match=r"batch.prompts_per_step: 16 -> 8"):
+            claim_run_dir(edited, older)
+    assert "keeps no copy of its config" in caplog.text
+
+
+def test_a_change_a_resume_cannot_apply_is_refused_even_when_allowed(tmp_path):
+    run_dir = tmp_path / "run"
+    _checkpoint(run_dir, 3, to_yaml(_config()))
+    with pytest.raises(RunDirError, match=r"warm_start.steps: 100 -> 7, which a resumed run"):
+        claim_run_dir(_config("warm_start.steps=7"), run_dir, allow_changes=True)
+    claim_run_dir(_config("optimizer.lr=1e-3"), run_dir, allow_changes=True).lock.release()
+
+
+def test_a_finished_run_run_again_is_already_finished_unless_its_budget_grows(tmp_path):
+    """Re-running a finished run started its engines, trained "steps 121 to 120", saved and
+    validated step 120 again at more GPU-hours. Its metrics end in run_finished at its last
+    checkpoint's step: nothing to do, unless training.max_steps or max_gpu_hours grew."""
+    from megatron_rl.trainer.rundir import AlreadyFinished
+
+    run_dir = tmp_path / "run"
+    _checkpoint(run_dir, 120, to_yaml(_config()))
+    records = '{"step": 120, "reward_mean": 0.5}\n{"step": 120, "run_finished": true}\n'
+    (run_dir / "metrics.jsonl").write_text(records)
+    with pytest.raises(AlreadyFinished, match=r"already finished \(120 steps"):
+        claim_run_dir(_config(), run_dir)
+    claim_run_dir(_config("training.max_steps=240"), run_dir).lock.release()  # trains on
+    # killed after its last checkpoint, before its end record: its resume ends it
+    (run_dir / "metrics.jsonl").write_text('{"step": 120, "reward_mean": 0.5}\n')
+    claim_run_dir(_config(), run_dir).lock.release()
+
+
+def test_a_finished_run_without_checkpoints_is_moved_aside_not_overwritten(tmp_path, caplog):
+    """checkpoint.every_steps 0 without save_at_end: the finished run's metrics were taken
+    for those of a run stopped before its first checkpoint and rewritten (with a warning)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    records = '{"step": 6, "reward_mean": 0.5}\n{"step": 6, "run_finished": true}\n'
+    (run_dir / "metrics.jsonl").write_text(records)
+    with caplog.at_level("WARNING", logger="megatron_rl.trainer.rundir"):
+        claim_run_dir(_config(), run_dir).lock.release()
+    (aside,) = run_dir.glob("previous_*")
+    assert (aside / "metrics.jsonl").read_text() == records
+    assert not (run_dir / "metrics.jsonl").exists()
+    assert "a finished run without checkpoints" in caplog.text
+
+
 # -- whole runs (the CLI in a subprocess) -------------------------------------------------
 
 SMALL = [
