@@ -6,7 +6,9 @@ with status 3 and its reason on stderr. ``--dry-run`` prints the resolved config
 Re-running the same command on an existing run directory resumes it from its newest intact
 checkpoint; a directory in use by another run, or with history but no checkpoint, or a recipe
 that changed more than the safe keys, is refused with exit status 2 (``--restart``,
-``--allow-changes``: see :mod:`megatron_rl.trainer.rundir`).
+``--allow-changes``: see :mod:`megatron_rl.trainer.rundir`); a finished run says "already
+finished" and exits 0. Ctrl-C (SIGINT, as SIGTERM) checkpoints at the next step and exits 0;
+a second Ctrl-C stops at once, without a checkpoint: one line, exit status 130.
 """
 
 from __future__ import annotations
@@ -99,3 +101,11 @@ def run(args: argparse.Namespace) -> int:
     except DataError as err:  # a bad data file or row: its message names it
         print(f"megatron-rl train: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one stops after a checkpoint)
+        print(
+            "megatron-rl train: interrupted by a second Ctrl-C: stopped at once, without a "
+            f"checkpoint of the steps since the last one (the next run resumes from it: "
+            f"--run-dir {run_dir})",
+            file=sys.stderr,
+        )
+        return 130

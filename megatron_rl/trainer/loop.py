@@ -276,6 +276,8 @@ class Trainer:
         push_weights(run, self.pool)  # warm-started or resumed weights
         self.forecast = start_forecast(run) if self.main else None
         self.source = self._rollout_source() if self.main else None
+        if run.exporter is not None:  # the exports a stop left undone (main rank)
+            run.exporter.resume(run.checkpoints.checkpoints())
         if self.source is not None:  # prompts in flight at the last checkpoint are regenerated
             self.source.submit(self.in_flight.prompt_ids)
         self.in_flight.source = self.source
@@ -539,8 +541,10 @@ class Trainer:
         if self.pool is not None:
             self.pool.close()
         run.rewards.close()
-        if run.exporter is not None:  # a stop on a signal does not wait for an export
-            run.exporter.close(hf_export.FINAL_WAIT_SECONDS if finished else 0.0)
+        if run.exporter is not None and finished:  # the last export is waited for
+            run.exporter.close(hf_export.FINAL_WAIT_SECONDS)
+        elif run.exporter is not None:  # a stop does not wait: the next run exports it
+            run.exporter.interrupt()
         if self.main:
             finish_metrics(run, self.forecast, self.step, finished)
         run.metrics.close()
