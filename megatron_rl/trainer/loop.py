@@ -220,6 +220,7 @@ class Trainer:
     step: int  # optimizer steps done
     in_flight: InFlight  # prompts to regenerate on resume
     owed: OwedValidation  # a validation a stop put off, done by the resumed run first
+    paid: int | None  # the step whose owed validation this run did (its checkpoint owes it)
     pool: GeneratorPool | None  # main rank
     waits: RankZeroWaits
     forecast: LiveForecast | None  # main rank, forecast.enabled with validation
@@ -246,7 +247,7 @@ class Trainer:
         self.run = build_run(config, run_dir, restart, allow_changes)  # rundir.py claims
         self.main = _is_main()  # once build_run has joined the process group
         self.step, self.pool, self.forecast, self.source, self.bar = 0, None, None, None, None
-        self.round, self.unrecomputed = [], []
+        self.round, self.unrecomputed, self.paid = [], [], None
         try:
             self._start()
         except BaseException:
@@ -484,6 +485,8 @@ class Trainer:
         first: a validation may run for longer than a signal's window, and a save complete on
         disk but not published when the job is killed would be lost."""
         self.finalize_checkpoint(blocking=True)
+        if self.owed.step == self.step:  # its checkpoint owes it: a new one must not
+            self.paid = self.step
         self.owed.step = None
         return validate(self.run, self.pool, self.step, self.main, self.waits, self.forecast)
 
@@ -523,8 +526,10 @@ class Trainer:
         validated_at_end = validation.enabled and self.step % validation.every_steps != 0
         if validated_at_end:
             self.validate()
-        # The loop's own checkpoint of this step holds everything unless validation ran since.
+        # The loop's own checkpoint of this step holds everything unless validation ran since
+        # (at the end, or the one that checkpoint owed, paid by a resumed run).
         saved = self.step > 0 and _due(self.step, checkpoint.every_steps) and not validated_at_end
+        saved = saved and self.paid != self.step
         if checkpoint.save_at_end and not saved:
             self.save_checkpoint(wait=True)
         self.finalize_checkpoint(blocking=True)

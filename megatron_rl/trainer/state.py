@@ -392,7 +392,7 @@ class CheckpointManager:
             self._calls.maybe_finalize_async_calls(blocking=blocking)
         except BaseException as err:
             failure = self._failed(err, pending.final, pending.tmp, _rank_world()[0])
-            self.abandon()
+            self.abandon(keep_complete=False)
             if failure is err:
                 raise
             raise failure from err
@@ -408,12 +408,21 @@ class CheckpointManager:
             pending.on_complete(pending.final)
         return pending.final
 
-    def abandon(self) -> None:
+    def abandon(self, keep_complete: bool = True) -> None:
         """Stop the writers of the save in flight without completing it (no collective: for
         error paths) and remove its ``.tmp`` (rank 0); the newest complete checkpoint is
-        untouched."""
+        untouched. ``keep_complete``: on a single rank (no other rank to agree with), a save
+        whose write is done is completed instead (a second Ctrl-C or an error in the step
+        after it must not discard a checkpoint that is whole on disk)."""
         if self._in_flight is None:
             return
+        if keep_complete and _rank_world()[1] == 1:
+            try:
+                self.finalize()  # completes it if its write is done; else leaves it in flight
+            except Exception as err:  # its write failed: abandoned by finalize
+                logger.warning("the checkpoint in flight could not be completed: %s", err)
+            if self._in_flight is None:
+                return
         tmp = self._in_flight.tmp
         while self._calls.async_calls:
             self._calls.async_calls.popleft().async_caller.close(abort=True)

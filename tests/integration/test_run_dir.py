@@ -1,5 +1,6 @@
 """The run directory: one owner (lock), no silent restart over history, config changes on
-resume, and a preempted run (SIGTERM to its whole process group) that checkpoints and resumes."""
+resume, a run stopped by Ctrl-C (SIGINT to its whole process group) that checkpoints and
+resumes, and a finished run that is not trained again."""
 
 from __future__ import annotations
 
@@ -256,8 +257,9 @@ def _steps(run_dir: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
-    """A run SIGTERMed as a whole process group (scancel, preemption) after its checkpoint
-    at step 2: (run_dir, exit status, output)."""
+    """A run stopped by Ctrl-C after its checkpoint at step 2: SIGINT to its whole process
+    group, as a terminal sends it (SIGTERM to the group, as scancel and a preemption send it,
+    is test_tracking's and the start-up test's): (run_dir, exit status, output)."""
     run_dir = tmp_path_factory.mktemp("preempted") / "run"
     log = run_dir.parent / "output.txt"
     with open(log, "w") as out:
@@ -275,7 +277,7 @@ def preempted(tmp_path_factory):
             time.sleep(0.05)
         assert meta.is_file(), log.read_text()[-3000:]
         time.sleep(2)  # every helper of the first save (and of the step after) is up
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             status = proc.wait(timeout=300)
         finally:
@@ -283,11 +285,15 @@ def preempted(tmp_path_factory):
     return run_dir, status, log.read_text()
 
 
-@pytest.mark.timeout(900)  # ~70 s for the run, ~60 s for the resume on a quiet machine
-def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes(preempted, tmp_path):
-    """The checkpoint the signal asks for completes (it failed with BrokenPipeError: the
-    group's SIGTERM had killed megatron's checkpoint helper process) and the resumed run
-    continues from it, not from the periodic checkpoint before."""
+@pytest.mark.timeout(900)  # 96 s for the run, the resume and the re-run on a quiet machine
+def test_ctrl_c_checkpoints_the_run_which_resumes_and_then_is_finished(preempted, tmp_path):
+    """Ctrl-C (SIGINT) stops the run as SIGTERM does: the checkpoint it asks for completes
+    (with SIGTERM it once failed with BrokenPipeError: the group's signal had killed megatron's
+    checkpoint helper process), exit status 0, and the resumed run continues from it, not from
+    the periodic checkpoint before. Before, SIGINT printed "failed", a KeyboardInterrupt
+    traceback, exited 130 and saved nothing. Run again once finished, it does nothing: "already
+    finished" (before: it started its engines, trained "steps N+1 to N", saved again and wrote
+    a second run_finished record)."""
     run_dir, status, output = preempted
     assert status == 0, output[-3000:]
     signalled = max(_steps(run_dir))
@@ -295,9 +301,10 @@ def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes(preempted, t
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert f"step_{signalled:08d}" in ckpts, ckpts
     assert not [name for name in ckpts if name.endswith(".tmp")], ckpts
-    assert f"stopping on SIGTERM after checkpointing step {signalled}" in output
+    assert f"stopping on SIGINT after checkpointing step {signalled}" in output
+    assert "KeyboardInterrupt" not in output and "Traceback" not in output
     # the end summary after a signal: the steps done and the command that resumes
-    assert f"stopped on SIGTERM:\n  steps: {signalled} this job, {signalled} of 40" in output
+    assert f"stopped on SIGINT:\n  steps: {signalled} this job, {signalled} of 40" in output
     assert f"--run-dir {run_dir}" in output
     # checkpoint.async_save: the periodic save of step 2 was written while training went on,
     # completed at a later step's finalize; the signal's save was synchronous
@@ -319,6 +326,22 @@ def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes(preempted, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {resumed}/checkpoints/step_{signalled:08d}" in proc.stderr
     assert _steps(resumed) == list(range(1, signalled + 2))  # every step once
+    # the same command again: the run is finished
+    metrics = (resumed / "metrics.jsonl").read_bytes()
+    checkpoints = sorted(p.name for p in (resumed / "checkpoints").iterdir())
+    proc = subprocess.run(
+        _cmd(resumed, f"training.max_steps={signalled + 1}"),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"already finished ({signalled + 1} steps" in proc.stderr
+    assert "starting 1 engine(s)" not in proc.stderr
+    assert (resumed / "metrics.jsonl").read_bytes() == metrics
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == checkpoints
 
 
 @pytest.mark.timeout(600)

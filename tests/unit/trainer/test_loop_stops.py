@@ -40,7 +40,7 @@ def make_trainer(config, events, step=0, signal_at=None, owed=None, written_afte
     checkpoints = Checkpoints(events, written_after)
     clock = SimpleNamespace(window=lambda name: contextlib.nullcontext(), begin=lambda name: None)
     trainer.config, trainer.step, trainer.main = config, step, True
-    trainer.pool = trainer.waits = trainer.forecast = None
+    trainer.pool = trainer.waits = trainer.forecast = trainer.paid = None
     trainer.run = SimpleNamespace(checkpoints=checkpoints, clock=clock)
     trainer.stop = StopFlag(())
     trainer.owed = OwedValidation()
@@ -64,7 +64,8 @@ def make_trainer(config, events, step=0, signal_at=None, owed=None, written_afte
     trainer.push_weights = lambda wanted: (None, None)
     trainer.log_step = lambda *args: None
     trainer.save_checkpoint = save_checkpoint
-    trainer.finish = lambda: events.append(("finish", trainer.step))
+    real_finish = trainer.finish
+    trainer.finish = lambda: (events.append(("finish", trainer.step)), real_finish())
     trainer.close = lambda finished: events.append(("close", finished))
     return trainer
 
@@ -152,3 +153,14 @@ def test_ctrl_c_stops_after_a_checkpoint_and_a_second_one_at_once():
         assert stop.interrupted
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_validation_owed_at_the_last_step_is_checkpointed_once_paid(run):
+    """A stop at the last step (a checkpoint and a validation both due): the resumed run
+    validates it and trains nothing; its end checkpoints again, or the checkpoint would
+    still owe the validation, and a later resume with more steps would validate it twice."""
+    events, train = run
+    config = _config("validation.at_start=false")
+    assert train(config, make_trainer(config, events, step=6, owed=6)) == 0
+    assert events[:2] == [("val", 6), ("begin", 6)]
+    assert ("save", 6, True, None) in events
