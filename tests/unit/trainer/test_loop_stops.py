@@ -164,3 +164,28 @@ def test_a_validation_owed_at_the_last_step_is_checkpointed_once_paid(run):
     assert train(config, make_trainer(config, events, step=6, owed=6)) == 0
     assert events[:2] == [("val", 6), ("begin", 6)]
     assert ("save", 6, True, None) in events
+
+
+def test_a_stop_leaves_the_hf_exports_to_the_next_run_and_an_end_waits_for_them(run):
+    """close() after a stop interrupts the exports (kept for the next run's resume); before,
+    it waited 0 s, killed the running export and counted it failed. A normal end waits."""
+    from megatron_rl.trainer import hf_export
+
+    config = _config()
+    calls = []
+    for finished in (False, True):
+        trainer = make_trainer(config, [])
+        del trainer.close  # the real one
+        trainer.main, trainer.bar = False, None
+        trainer.run = SimpleNamespace(
+            checkpoints=SimpleNamespace(abandon=lambda: calls.append("abandon")),
+            clock=SimpleNamespace(begin=lambda name: None),
+            rewards=SimpleNamespace(close=lambda: None),
+            metrics=SimpleNamespace(close=lambda: None),
+            exporter=SimpleNamespace(
+                interrupt=lambda: calls.append("interrupt"),
+                close=lambda timeout: calls.append(("close", timeout)),
+            ),
+        )
+        trainer.close(finished)
+    assert calls == ["abandon", "interrupt", "abandon", ("close", hf_export.FINAL_WAIT_SECONDS)]
