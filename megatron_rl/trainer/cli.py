@@ -103,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C (the first one stops after a checkpoint)
         print(
-            "megatron-rl train: interrupted by a second Ctrl-C: stopped at once, without a "
-            f"checkpoint of the steps since the last one (the next run resumes from it: "
+            "megatron-rl train: interrupted (Ctrl-C twice): stopped at once, without a "
+            "checkpoint of the steps since the last one (the same command resumes from it: "
             f"--run-dir {run_dir})",
             file=sys.stderr,
         )

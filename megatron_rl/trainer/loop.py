@@ -120,7 +120,10 @@ def train(
         trainer.finish()  # validation and checkpoint of the last step, unless done already
         finished, outcome = True, "finished"
     except KeyboardInterrupt:  # a second Ctrl-C (the first one stops after a checkpoint)
-        outcome = "interrupted by a second SIGINT (stopped at once, nothing saved)"
+        again = "a second SIGINT" if stop.interrupted else "SIGINT (not in checkpoint.on_signals)"
+        outcome = (
+            f"interrupted by {again}: stopped at once, nothing saved since the last checkpoint"
+        )
         raise
     finally:
         trainer.close(finished)

@@ -189,3 +189,27 @@ def test_a_stop_leaves_the_hf_exports_to_the_next_run_and_an_end_waits_for_them(
         )
         trainer.close(finished)
     assert calls == ["abandon", "interrupt", "abandon", ("close", hf_export.FINAL_WAIT_SECONDS)]
+
+
+def test_a_second_ctrl_c_is_one_line_and_status_130(monkeypatch, tmp_path, capsys):
+    """Before: a KeyboardInterrupt traceback (40 lines a rank) and "failed"."""
+    import argparse
+
+    from megatron_rl.trainer import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt("a second SIGINT")
+
+    monkeypatch.setattr(loop, "train", interrupted)
+    args = argparse.Namespace(
+        recipe=RECIPE,
+        overrides=[],
+        dry_run=False,
+        run_dir=str(tmp_path / "run"),
+        restart=False,
+        quiet=False,
+        allow_changes=False,
+    )
+    assert cli.run(args) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted (Ctrl-C twice): stopped at once" in err
