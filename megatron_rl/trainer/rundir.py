@@ -23,8 +23,8 @@ Before a run builds anything, its main rank claims the run directory (:func:`cla
   keys a resumed run cannot apply (:data:`FIXED_ON_RESUME`) are refused even so. The new
   config is written only once the run is built (``save_config``): a rerun that fails leaves
   the run's config as it was.
-- **Finished.** A run whose ``metrics.jsonl`` ends in its ``run_finished`` record at the step
-  of its newest checkpoint is done: run again with the same budget (``training.max_steps``,
+- **Finished.** A run whose ``metrics.jsonl`` ends in its ``run_finished`` record (at the
+  step of its newest checkpoint, or later without ``checkpoint.save_at_end``) is done: run again with the same budget (``training.max_steps``,
   ``training.max_gpu_hours``), it says "already finished (N steps)" and exits 0
   (:class:`AlreadyFinished`) before anything is built; a larger budget resumes it.
 """
@@ -240,15 +240,19 @@ def finished_record(run_dir: Path) -> dict | None:
 
 
 def check_finished(run_dir: Path, checkpoint: Path, trained_with: Path, text: str) -> None:
-    """Raise :class:`AlreadyFinished` if the run ended normally at the step of ``checkpoint``
-    (its newest; ``metrics.jsonl`` ends in ``run_finished`` there) and the recipe ``text``
-    gives it no more budget than the config it was trained with (``trained_with``; if that
-    is unreadable, the step budget alone). A run killed after its last checkpoint but before
-    its end record is not finished: its resume ends it."""
+    """Raise :class:`AlreadyFinished` if the run ended normally (``metrics.jsonl`` ends in
+    its ``run_finished`` record, at the step of ``checkpoint``, its newest, or after it when
+    ``checkpoint.save_at_end`` is off) and the recipe ``text`` gives it no more budget than
+    the config it was trained with (``trained_with``; if that is unreadable, the step budget
+    alone). A run killed after its last checkpoint but before its end record is not finished:
+    its resume ends it."""
     from megatron_rl.trainer.state import step_of
 
-    step, record = step_of(checkpoint), finished_record(run_dir)
-    if record is None or record.get("step") != step:
+    record = finished_record(run_dir)
+    if record is None or not isinstance(record.get("step"), int):
+        return
+    step = record["step"]
+    if step < step_of(checkpoint):  # an end record older than the checkpoint: not this run's
         return
     new = yaml.safe_load(text)["training"]
     try:
@@ -261,7 +265,7 @@ def check_finished(run_dir: Path, checkpoint: Path, trained_with: Path, text: st
     if not (more_steps or more_hours):
         raise AlreadyFinished(
             f"{run_dir}: already finished ({step} steps; its metrics end in the run_finished "
-            f"record, {checkpoint.name} is its last checkpoint): nothing to do. To train on, "
+            f"record, {checkpoint.name} is its newest checkpoint): nothing to do. To train on, "
             f"raise training.max_steps (e.g. training.max_steps={2 * step}) or "
             "training.max_gpu_hours"
         )

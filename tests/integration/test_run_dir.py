@@ -205,6 +205,12 @@ def test_a_finished_run_run_again_is_already_finished_unless_its_budget_grows(tm
     # killed after its last checkpoint, before its end record: its resume ends it
     (run_dir / "metrics.jsonl").write_text('{"step": 120, "reward_mean": 0.5}\n')
     claim_run_dir(_config(), run_dir).lock.release()
+    # checkpoint.save_at_end off: finished at 120, its newest checkpoint of step 100
+    other = tmp_path / "no_save_at_end"
+    _checkpoint(other, 100, to_yaml(_config()))
+    (other / "metrics.jsonl").write_text(records)
+    with pytest.raises(AlreadyFinished, match=r"already finished \(120 steps"):
+        claim_run_dir(_config(), other)
 
 
 def test_a_finished_run_without_checkpoints_is_moved_aside_not_overwritten(tmp_path, caplog):
