@@ -24,9 +24,10 @@ Before a run builds anything, its main rank claims the run directory (:func:`cla
   config is written only once the run is built (``save_config``): a rerun that fails leaves
   the run's config as it was.
 - **Finished.** A run whose ``metrics.jsonl`` ends in its ``run_finished`` record (at the
-  step of its newest checkpoint, or later without ``checkpoint.save_at_end``) is done: run again with the same budget (``training.max_steps``,
-  ``training.max_gpu_hours``), it says "already finished (N steps)" and exits 0
-  (:class:`AlreadyFinished`) before anything is built; a larger budget resumes it.
+  step of its newest checkpoint, or later without ``checkpoint.save_at_end``) is done: run
+  again with the same budget (``training.max_steps``, ``training.max_gpu_hours``), it says
+  "already finished (N steps)" and exits 0 (:class:`AlreadyFinished`) before anything is
+  built; a larger budget resumes it.
 """
 
 from __future__ import annotations
