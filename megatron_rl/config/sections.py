@@ -214,8 +214,9 @@ class CheckpointConfig:
         every_steps: save every this many updates; 0: only on signals and at the end.
             The paper is silent; default 100 (with validation).
         keep_last: complete checkpoints kept (older ones are deleted after a good save).
-        on_signals: signals that trigger a save and a clean exit (Slurm preemption sends
-            SIGTERM; ``cluster.signal_minutes_before_end`` sends SIGUSR1).
+        on_signals: signals that trigger a save at the next step and a clean exit, status 0
+            (Slurm preemption sends SIGTERM; ``cluster.signal_minutes_before_end`` sends
+            SIGUSR1; Ctrl-C is SIGINT, and a second Ctrl-C stops at once, without a save).
         save_at_end: save when training stops at its step or GPU-hour budget.
         export_hf_every: also export the checkpoint of every this many steps to an HF
             directory, ``RUN_DIR/hf/step_NNNNNNNN`` (``trainer/hf_export.py``: a background
@@ -232,7 +233,7 @@ class CheckpointConfig:
 
     every_steps: int = 100
     keep_last: int = 2
-    on_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    on_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")
     save_at_end: bool = True
     export_hf_every: int = 0
     async_save: bool = True

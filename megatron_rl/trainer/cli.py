@@ -10,9 +10,11 @@ prompt as the model will see it (text and token ids, as YAML comments:
 Re-running the same command on an existing run directory resumes it from its newest intact
 checkpoint; a directory in use by another run, or with history but no checkpoint, or a recipe
 that changed more than the safe keys, is refused with exit status 2 (``--restart``,
-``--allow-changes``: see :mod:`megatron_rl.trainer.rundir`). The console shows the run's own
-lines, the start block first; the libraries' output goes to ``RUN_DIR/logs/``
-(:mod:`megatron_rl.trainer.console`).
+``--allow-changes``: see :mod:`megatron_rl.trainer.rundir`); a finished run says "already
+finished" and exits 0. Ctrl-C (SIGINT, as SIGTERM) checkpoints at the next step and exits 0;
+a second Ctrl-C stops at once, without a checkpoint: one line, exit status 130. The console
+shows the run's own lines, the start block first; the libraries' output goes to
+``RUN_DIR/logs/`` (:mod:`megatron_rl.trainer.console`).
 """
 
 from __future__ import annotations
@@ -130,3 +132,10 @@ def _train(config: RunConfig, run_dir: Path, args: argparse.Namespace, console: 
     except DataError as err:  # a bad data file or row: its message names it
         console.error(f"megatron-rl train: error: {err}")
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one stops after a checkpoint)
+        console.error(
+            "megatron-rl train: interrupted (Ctrl-C twice): stopped at once, without a "
+            "checkpoint of the steps since the last one (the same command resumes from it: "
+            f"--run-dir {run_dir})"
+        )
+        return 130

@@ -12,20 +12,27 @@ training goes on. The main rank runs it; nothing else waits for it:
   reads the checkpoint in place (then a pruned checkpoint fails that export);
 - an export that fails is logged (its output in ``hf/step_N.log``) and never stops the run:
   the next export step tries again; ``checkpoint.keep_last`` applies to exports too;
-- everything is written into ``step_N.tmp`` and renamed when complete; leftovers of a killed
-  export (``.tmp``, ``.src``) are removed when the next run starts.
+- everything is written into ``step_N.tmp`` and renamed when complete;
+- a stop (a signal, an error) does not wait for an export: the running and waiting ones are
+  stopped, and the next run of the run directory exports them (:meth:`HFExporter.resume`): each
+  request is kept with its pinned checkpoint files (``step_N.src`` and ``step_N.request.json``:
+  the step and its README notes), and a checkpoint of an export step newer than every export is exported
+  too; a killed export's ``.tmp`` and log are removed.
 
 The converter runs without GPUs (``CUDA_VISIBLE_DEVICES`` empty: the trainer's GPU memory is
 not touched), outside the trainer's process group (the ``torchrun`` variables are removed), at a
-lower CPU priority (``nice``), and it dies with the trainer (a SIGKILLed trainer's export must
-not go on writing into the run directory the requeued job cleans). The export is started from
-the trainer's main thread: the death signal follows the thread that started it.
+lower CPU priority (``nice``), ignores the job's signals (a SIGTERM or Ctrl-C to the job's
+process group is the trainer's to answer: it killed the converter mid-export, leaving an empty
+log), and it dies with the trainer (a SIGKILLed trainer's export must not go on writing into
+the run directory the requeued job cleans). The export is started from the trainer's main
+thread: the death signal follows the thread that started it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import logging
 import os
 import shutil
@@ -44,6 +51,9 @@ EXPORT_DIR = "hf"
 FINAL_WAIT_SECONDS = 1800.0  # at the end of a run, the running export is waited for this long
 _STEP_FORMAT = "step_{:08d}"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+REQUEST_SUFFIX = ".request.json"  # step_N.request.json: a pinned export's step and notes
+# Signals a job sends to all of its processes (preemption, scancel, Ctrl-C): the trainer's
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 @dataclass
@@ -56,8 +66,9 @@ class _Export:
 class HFExporter:
     """Background HF exports of ``RUN_DIR/checkpoints`` steps into ``RUN_DIR/hf`` (main rank).
 
-    Call :meth:`submit` after a complete checkpoint, :meth:`poll` once a step (cheap), and
-    :meth:`close` at the end of the run (waits for the running export, up to a limit)."""
+    Call :meth:`resume` at the start (the exports a stop left undone), :meth:`submit` after a
+    complete checkpoint, :meth:`poll` once a step (cheap), and :meth:`close` at the end of the
+    run (waits for the running export, up to a limit) or :meth:`interrupt` on a stop."""
 
     def __init__(self, run_dir: str | Path, every: int, keep_last: int, dtype: str | None = None):
         self.root = Path(run_dir) / EXPORT_DIR
@@ -69,10 +80,11 @@ class HFExporter:
         self._log = None
         self._started = 0.0
         self._waiting: _Export | None = None
+        self._backlog: list[_Export] = []  # resume(): every missed export, oldest first
         self.val_pass_rate: float | None = None  # the last validation's, for the README
         self.exported: list[int] = []  # steps exported by this process, in order
         self.failed: list[int] = []
-        self._clean_leftovers()
+        self._pending = self._clean_leftovers()  # what a stop left undone: for resume()
 
     def wants(self, step: int) -> bool:
         """Whether the checkpoint of ``step`` is exported."""
@@ -94,16 +106,61 @@ class HFExporter:
         self._waiting = request
 
     def poll(self) -> None:
-        """Finish an export whose process ended; start the waiting one."""
+        """Finish an export whose process ended; start the next one (the missed ones that
+        :meth:`resume` found first, then the waiting one)."""
         if self._proc is not None and self._proc.poll() is not None:
             self._finish(self._proc.returncode)
-        if self._running is None and self._waiting is not None:
+        if self._running is None and self._backlog:
+            self._start(self._backlog.pop(0))
+        elif self._running is None and self._waiting is not None:
             request, self._waiting = self._waiting, None
             self._start(request)
 
+    def resume(self, checkpoints: list[Path]) -> list[int]:
+        """Export what was due and is missing (at the start of a run): the requests a stop or
+        a kill left undone (their ``step_N.src``), and the complete ``checkpoints`` of export
+        steps newer than every export. Returns the steps submitted, oldest first."""
+        exported = self._exported_steps()
+        newest = max(exported, default=0)
+        due = dict(self._pending)
+        for path in checkpoints:
+            step = int(path.name.split("_")[1])
+            if self.wants(step) and step > newest and step not in due:
+                due[step] = (path, {})
+        self._pending = {}
+        steps = sorted(s for s in due if s not in exported)
+        for step in steps:  # every one, in order (not the newest only, as during training)
+            path, notes = due[step]
+            logger.info("HF export of step %d was due and is missing: exporting it", step)
+            request = _Export(step, Path(path), {"val_pass_rate": None, **notes})
+            self._pin(request)
+            self._backlog.append(request)
+        self.poll()
+        return steps
+
+    def interrupt(self) -> None:
+        """A stop: stop the running export (its ``.tmp`` and log removed) without waiting;
+        it and the waiting one stay pinned (``step_N.src``, ``step_N.request.json``) for the
+        next run's :meth:`resume`."""
+        for request in (self._running, *self._backlog, self._waiting):
+            if request is not None:
+                logger.info(
+                    "HF export of step %d stopped with the run: the next run exports it",
+                    request.step,
+                )
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._log.close()
+            _, tmp, _, log_path = self._paths(self._running.step)
+            shutil.rmtree(tmp, ignore_errors=True)
+            log_path.unlink(missing_ok=True)
+        self._proc = self._log = self._running = self._waiting = None
+        self._backlog = []
+
     @property
     def busy(self) -> bool:
-        return self._running is not None or self._waiting is not None
+        return self._running is not None or self._waiting is not None or bool(self._backlog)
 
     def close(self, timeout_s: float = 3600.0) -> None:
         """Wait for the running and waiting exports (end of the run), at most ``timeout_s``
@@ -125,9 +182,11 @@ class HFExporter:
                     self._proc.kill()
                     self._proc.wait()
             self.poll()
-            if time.monotonic() > deadline and self._waiting is not None:
-                self._unpin(self._waiting.step)
-                self._waiting = None
+            if time.monotonic() > deadline:
+                for request in [*self._backlog, self._waiting]:
+                    if request is not None:
+                        self._unpin(request.step)
+                self._backlog, self._waiting = [], None
 
     # -- internals ---------------------------------------------------------------------------
     def _paths(self, step: int) -> tuple[Path, Path, Path, Path]:
@@ -139,18 +198,58 @@ class HFExporter:
             self.root / f"{name}.log",
         )
 
-    def _clean_leftovers(self) -> None:
+    def _clean_leftovers(self) -> dict[int, tuple[Path, dict]]:
+        """Remove what killed or stopped exports left (``.tmp``; a ``.src`` without its
+        request, its pinning cut short, or of a step exported since; the log of a request
+        that is exported again) and return the requests to export again:
+        {step: (checkpoint directory, notes)}."""
+        pending: dict[int, tuple[Path, dict]] = {}
         if not self.root.is_dir():
-            return
-        for path in self.root.iterdir():
-            if path.suffix in (".tmp", ".src") and path.is_dir():
+            return pending
+        exported = self._exported_steps()
+        for path in sorted(self.root.iterdir()):
+            if path.suffix == ".tmp" and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
+            elif path.suffix == ".src" and path.is_dir():
+                step = int(path.name[5:13])
+                notes = self._request(step)
+                if notes is None or step in exported:
+                    self._unpin(step)
+                else:
+                    pending[step] = (self.root.parent / "checkpoints" / path.stem, notes)
+        for path in self.root.glob("*" + REQUEST_SUFFIX):
+            if int(path.name[5:13]) not in pending:
+                path.unlink(missing_ok=True)
+        for step in pending:
+            self._paths(step)[3].unlink(missing_ok=True)  # a killed export's (often empty) log
+        return pending
+
+    def _request(self, step: int) -> dict | None:
+        """The notes of the pinned request of ``step``, or None (none, or unreadable)."""
+        path = self.root / (_STEP_FORMAT.format(step) + REQUEST_SUFFIX)
+        try:
+            request = json.loads(path.read_text())
+            return dict(request["notes"]) if request["step"] == step else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _exported_steps(self) -> set[int]:
+        if not self.root.is_dir():
+            return set()
+        return {
+            int(p.name[5:])
+            for p in self.root.iterdir()
+            if p.is_dir() and p.suffix == "" and p.name.startswith("step_")
+        }
 
     def _pin(self, request: _Export) -> None:
         """Hard-link the checkpoint's model files into ``step_N.src`` (no data is copied), so
-        that pruning the checkpoint does not pull them from under the export."""
+        that pruning the checkpoint does not pull them from under the export, then write the
+        request beside them (``export.json``: a stopped run's next run exports it)."""
         _, _, src, _ = self._paths(request.step)
-        shutil.rmtree(src, ignore_errors=True)
+        if src.is_dir() and self._request(request.step) is not None:
+            return  # pinned by the run that was stopped (resume)
+        self._unpin(request.step)
         model = request.checkpoint / "model"
         try:
             for path in sorted(model.rglob("*")):
@@ -163,9 +262,16 @@ class HFExporter:
         except OSError as err:  # no hard links here (another filesystem): read it in place
             logger.info("HF export reads %s in place (no hard links: %s)", model, err)
             shutil.rmtree(src, ignore_errors=True)
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / (src.stem + REQUEST_SUFFIX)  # written last: the pin is complete
+        part = path.with_name(path.name + ".part")
+        part.write_text(json.dumps({"step": request.step, "notes": request.notes}) + "\n")
+        os.replace(part, path)
 
     def _unpin(self, step: int) -> None:
         shutil.rmtree(self._paths(step)[2], ignore_errors=True)
+        (self.root / (_STEP_FORMAT.format(step) + REQUEST_SUFFIX)).unlink(missing_ok=True)
 
     def _start(self, request: _Export) -> None:
         out, tmp, src, log_path = self._paths(request.step)
@@ -236,10 +342,13 @@ class HFExporter:
 
 
 def _die_with(trainer: int) -> None:
-    """In the export process before it runs the converter: SIGKILL when the trainer dies
-    (Linux ``PR_SET_PDEATHSIG``, kept across exec), as the async checkpoint writer is. A
-    killed trainer's export went on writing ``hf/step_N.tmp`` under PID 1, where the requeued
-    job's clean-up of leftovers then deleted it under the writer."""
+    """In the export process before it runs the converter: ignore the job's signals (kept
+    across exec: the trainer answers them, and stops the export itself), and SIGKILL when the
+    trainer dies (Linux ``PR_SET_PDEATHSIG``, kept across exec), as the async checkpoint
+    writer is. A killed trainer's export went on writing ``hf/step_N.tmp`` under PID 1, where
+    the requeued job's clean-up of leftovers then deleted it under the writer."""
+    for signum in JOB_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the export may outlive a killed trainer

@@ -175,9 +175,9 @@ def _init_worker() -> None:
 
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = "1"
-    # A SIGTERM / SIGUSR1 to the job's process group (preemption) is the trainer's to handle
-    # (it checkpoints, then ends this worker): killed by it, the pool would break.
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
+    # A SIGTERM / SIGUSR1 to the job's process group (preemption), or Ctrl-C's SIGINT, is the
+    # trainer's to handle (it checkpoints, then ends this worker): killed, the pool would break.
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
     try:
         os.nice(_WORKER_NICE)

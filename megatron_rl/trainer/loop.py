@@ -35,6 +35,7 @@ from megatron_rl.trainer.rollout_source import (
     RolloutSource,
     token_lag_histogram,
 )
+from megatron_rl.trainer.rundir import AlreadyFinished
 from megatron_rl.trainer.scoring import by_domain, dynamic_sampling, model_text, score_groups
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update, recompute_old_logprobs
@@ -69,8 +70,12 @@ def train(
     try:
         # claims run_dir; resumes or warm-starts; starts the engines with the trainer's weights
         trainer = Trainer(config, Path(run_dir), restart, allow_changes, stop)
+    except AlreadyFinished as done:  # every rank, before anything was built
+        if _is_main():
+            logger.info("%s", done)
+        return 0
     except BaseException as err:
-        if stop.requested is None and not isinstance(err, Preempted):
+        if (stop.requested is None and not isinstance(err, Preempted)) or stop.interrupted:
             raise
         signal_name = stop.requested or "a signal to another rank"
         if not isinstance(err, Preempted):  # e.g. an engine process the group's signal ended
@@ -85,7 +90,7 @@ def train(
     first_step, outcome = trainer.step, "failed (the error follows)"
     finished = False
     try:
-        if trainer.step == 0 and config.validation.enabled and config.validation.at_start:
+        if trainer.owed_validation():  # at the start, or put off by a stop on a signal
             trainer.validate()
         trainer.begin()  # the x axis (training compute) starts; progress bar; hang watchdog
         while trainer.step < config.training.max_steps:
@@ -99,10 +104,16 @@ def train(
             push, probed = trainer.push_weights(batch.wants_push)  # in flight, then probed
             trainer.log_step(batch, result, push, probed, (t0, t1, t2))
             watchdog.beat(f"step {trainer.step}: validation and checkpoint")
-            if config.validation.enabled and trainer.step % config.validation.every_steps == 0:
-                trainer.validate()
             trainer.finalize_checkpoint()  # an async save whose write is done completes
-            signalled = collectives.any_rank(trainer.stop.requested is not None)  # any rank's
+            # A signal is answered before a validation, which may outlast the signal's window
+            # (SIGKILL): checkpoint first; the resumed run validates this step before its next.
+            signalled = trainer.signalled()
+            if _due(trainer.step, config.validation.every_steps) and config.validation.enabled:
+                if signalled:
+                    trainer.owe_validation()
+                else:
+                    trainer.validate()  # publishes the save in flight first
+                    signalled = trainer.signalled()  # one that came during the validation
             if _due(trainer.step, config.checkpoint.every_steps) or signalled:
                 trainer.save_checkpoint(wait=signalled)
             if signalled:
@@ -112,6 +123,12 @@ def train(
                 return 0
         trainer.finish()  # validation and checkpoint of the last step, unless done already
         finished, outcome = True, "finished"
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one stops after a checkpoint)
+        again = "a second SIGINT" if stop.interrupted else "SIGINT (not in checkpoint.on_signals)"
+        outcome = (
+            f"interrupted by {again}: stopped at once, nothing saved since the last checkpoint"
+        )
+        raise
     finally:
         trainer.close(finished)
         summary.log_end(config, trainer.run, first_step, trainer.step, outcome, trainer.main)
@@ -164,6 +181,21 @@ class InFlight:
         self.prompt_ids = list(prompt_ids)
 
 
+class OwedValidation:
+    """The step whose validation a stop on a signal put off (the checkpoint came first: a
+    validation can outlast the signal's window): the resumed run validates it before its
+    first step. None: none is owed (a checkpoint without this entry owes none)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    def state_dict(self) -> int | None:
+        return self.step
+
+    def load_state_dict(self, step: int | None) -> None:
+        self.step = step
+
+
 @dataclass(frozen=True)
 class Batch:
     """One step's training batch, the same on every rank (``next_batch``)."""
@@ -194,6 +226,8 @@ class Trainer:
     optim: Optimizer  # built after the warm start (its main parameters copy those weights)
     step: int  # optimizer steps done
     in_flight: InFlight  # prompts to regenerate on resume
+    owed: OwedValidation  # a validation a stop put off, done by the resumed run first
+    paid: int | None  # the step whose owed validation this run did (its checkpoint owes it)
     pool: GeneratorPool | None  # main rank
     waits: RankZeroWaits
     forecast: LiveForecast | None  # main rank, forecast.enabled with validation
@@ -222,7 +256,7 @@ class Trainer:
         # The console's first line (before the warm start, the engines and their output).
         summary.log_start(config, self.run, summary.resume_step(self.run), self.main)
         self.step, self.pool, self.forecast, self.source, self.bar = 0, None, None, None, None
-        self.round, self.unrecomputed = [], []
+        self.round, self.unrecomputed, self.paid = [], [], None
         try:
             self._start()
         except BaseException:
@@ -235,9 +269,9 @@ class Trainer:
         preemption's signal stops at its next phase (:class:`Preempted`)."""
         config, run = self.config, self.run
         self._check_stop("before the warm start or resume")
-        self.in_flight = InFlight()
+        self.in_flight, self.owed = InFlight(), OwedValidation()
         self.optim, self.step = resume_or_warm_start(
-            run, self.in_flight, lambda: self._check_stop("during the warm start")
+            run, self.in_flight, lambda: self._check_stop("during the warm start"), self.owed
         )
         self._check_stop("after the warm start or resume")
         # Engines can take many minutes to load (Scout); the other ranks wait meanwhile on a
@@ -254,6 +288,8 @@ class Trainer:
             push_weights(run, self.pool)  # warm-started or resumed weights
         self.forecast = start_forecast(run) if self.main else None
         self.source = self._rollout_source() if self.main else None
+        if run.exporter is not None:  # the exports a stop left undone (main rank)
+            run.exporter.resume(run.checkpoints.checkpoints())
         if self.source is not None:  # prompts in flight at the last checkpoint are regenerated
             self.source.submit(self.in_flight.prompt_ids)
         self.in_flight.source = self.source
@@ -460,9 +496,16 @@ class Trainer:
                 run.exporter.poll()
 
     def validate(self, at_end: bool = False) -> float:
-        """Validation of this step (``at_end``: the one of ``finish``). When the reward fails
-        in it (``RewardFailure``, on every rank), the step was trained all the same: its
-        checkpoint, if due now, is saved before the error ends the run."""
+        """Validate the current weights (:func:`validate`; ``at_end``: the one of ``finish``).
+        A save in flight is published first: a validation may run for longer than a signal's
+        window, and a save complete on disk but not published when the job is killed would
+        be lost. When the reward fails in it (``RewardFailure``, on every rank), the step was
+        trained all the same: its checkpoint, if due now, is saved before the error ends the
+        run."""
+        self.finalize_checkpoint(blocking=True)
+        if self.owed.step == self.step:  # its checkpoint owes it: a new one must not
+            self.paid = self.step
+        self.owed.step = None
         try:
             return validate(self.run, self.pool, self.step, self.main, self.waits, self.forecast)
         except RewardFailure:
@@ -477,11 +520,28 @@ class Trainer:
                 self.save_checkpoint(wait=True)
             raise
 
+    def signalled(self) -> bool:
+        """Whether any rank was asked to stop (a collective: every rank asks at the same
+        point)."""
+        return collectives.any_rank(self.stop.requested is not None)
+
+    def owe_validation(self) -> None:
+        """This step's validation is put off by a stop: its checkpoint says so, and the
+        resumed run validates first (:meth:`owed_validation`)."""
+        self.owed.step = self.step
+
+    def owed_validation(self) -> bool:
+        """Whether a validation is due before the first step: at the start of a run
+        (``validation.at_start``), or the one a stop put off at this step."""
+        validation = self.config.validation
+        at_start = self.step == 0 and validation.at_start
+        return validation.enabled and (at_start or self.owed.step == self.step)
+
     def save_checkpoint(self, wait: bool = False) -> None:
         """Checkpoint this step: in the background if ``checkpoint.async_save`` unless
         ``wait`` (a save on a signal or at the end must be complete before the process
         exits); its HF export, if due, once the save is complete."""
-        states = checkpointed(self.run, self.optim, self.in_flight)
+        states = checkpointed(self.run, self.optim, self.in_flight, self.owed)
         save_checkpoint(self.run, self.step, self.optim, states, wait)
 
     def finalize_checkpoint(self, blocking: bool = False) -> None:
@@ -496,8 +556,10 @@ class Trainer:
         validated_at_end = validation.enabled and self.step % validation.every_steps != 0
         if validated_at_end:
             self.validate(at_end=True)
-        # The loop's own checkpoint of this step holds everything unless validation ran since.
+        # The loop's own checkpoint of this step holds everything unless validation ran since
+        # (at the end, or the one that checkpoint owed, paid by a resumed run).
         saved = self.step > 0 and _due(self.step, checkpoint.every_steps) and not validated_at_end
+        saved = saved and self.paid != self.step
         if checkpoint.save_at_end and not saved:
             self.save_checkpoint(wait=True)
         self.finalize_checkpoint(blocking=True)
@@ -514,8 +576,10 @@ class Trainer:
         if self.pool is not None:
             self.pool.close()
         run.rewards.close()
-        if run.exporter is not None:  # a stop on a signal does not wait for an export
-            run.exporter.close(hf_export.FINAL_WAIT_SECONDS if finished else 0.0)
+        if run.exporter is not None and finished:  # the last export is waited for
+            run.exporter.close(hf_export.FINAL_WAIT_SECONDS)
+        elif run.exporter is not None:  # a stop does not wait: the next run exports it
+            run.exporter.interrupt()
         if self.main:
             finish_metrics(run, self.forecast, self.step, finished)
         run.metrics.close()
@@ -724,22 +788,33 @@ def validate(
 # -- set-up helpers ---------------------------------------------------------------------------
 
 
-def checkpointed(run: Run, optim: Optimizer, in_flight: InFlight) -> dict[str, Stateful | None]:
+def checkpointed(
+    run: Run, optim: Optimizer, in_flight: InFlight, owed: OwedValidation | None = None
+) -> dict[str, Stateful | None]:
     """The loop state a checkpoint's extras hold beside the model and optimizer, by key:
     each entry's ``state_dict()`` is saved under it and comes back through its
-    ``load_state_dict()`` (None: nothing to keep, e.g. no pass-rate history)."""
+    ``load_state_dict()`` (None: nothing to keep, e.g. no pass-rate history; an entry a
+    checkpoint lacks, written before it existed, keeps its initial state)."""
     return {
-        "scheduler": optim.scheduler,
+        "scheduler": optim,  # the scheduler's state; the settings are the config's
         "sampler": run.sampler,
         "tracker": run.tracker,  # No-Positive-Resampling's pass-rate history
         "clock": run.clock,
         "metrics_position": MetricsPosition(run.metrics),
         "in_flight": in_flight,
+        "owed_validation": owed,
     }
 
 
+# entries of :func:`checkpointed` that older checkpoints lack: their initial state then
+_ADDED_SINCE = ("owed_validation",)
+
+
 def resume_or_warm_start(
-    run: Run, in_flight: InFlight, before_step: Callable[[], None] | None = None
+    run: Run,
+    in_flight: InFlight,
+    before_step: Callable[[], None] | None = None,
+    owed: OwedValidation | None = None,
 ) -> tuple[Optimizer, int]:
     """The RL optimizer and the step: resumed from the latest checkpoint (with the loop state
     of :func:`checkpointed`, the prompts to regenerate into ``in_flight``), or step 0 after
@@ -758,8 +833,8 @@ def resume_or_warm_start(
         return build_optimizer(run.ddp, run.config.optimizer), 0
     optim = build_optimizer(run.ddp, run.config.optimizer)
     ckpt = run.checkpoints.load(run.model, optimizer=optim.optimizer)
-    for key, state in checkpointed(run, optim, in_flight).items():
-        if state is not None:
+    for key, state in checkpointed(run, optim, in_flight, owed).items():
+        if state is not None and (key in ckpt.extra or key not in _ADDED_SINCE):
             state.load_state_dict(ckpt.extra[key])
     logger.info("resumed from %s at step %d", ckpt.path, ckpt.step)
     return optim, ckpt.step
@@ -1012,12 +1087,25 @@ def _plot(run: Run, forecast: LiveForecast | None) -> None:
 
 
 class StopFlag:
-    """Set by SIGTERM / SIGUSR1 (Slurm preemption): checkpoint at the next step, then exit."""
+    """Set by the signals of ``checkpoint.on_signals`` (Slurm preemption: SIGTERM / SIGUSR1;
+    Ctrl-C: SIGINT): checkpoint at the next step, then exit 0. A second SIGINT stops at once
+    (``KeyboardInterrupt``, ``interrupted``): Ctrl-C twice when the checkpoint is not wanted."""
 
     def __init__(self, names) -> None:
         self.requested: str | None = None
+        self.interrupted = False
         for name in names:
             signal.signal(getattr(signal, name), self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.requested = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if self.requested is not None and signum == signal.SIGINT:
+            self.interrupted = True
+            raise KeyboardInterrupt(f"a second SIGINT (the first: {self.requested})")
+        if self.requested is None:
+            logger.warning(
+                "%s: stopping after the current step and its checkpoint%s",
+                name,
+                " (Ctrl-C again: stop at once, without it)" if signum == signal.SIGINT else "",
+            )
+        self.requested = name

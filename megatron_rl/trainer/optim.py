@@ -31,14 +31,46 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Optimizer:
-    """The megatron optimizer of a run and its lr / weight-decay scheduler."""
+    """The megatron optimizer of a run and its lr / weight-decay scheduler, set by
+    ``config``. Its checkpointed state (``state_dict``) is the scheduler's; a resumed run's
+    hyperparameters are its own config's (:meth:`load_state_dict`)."""
 
     optimizer: object  # megatron.core.optimizer.MegatronOptimizer
     scheduler: object  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
+    config: OptimizerConfig
+
+    def __post_init__(self) -> None:
+        # every parameter group's settings as built from ``config`` (megatron's max_lr /
+        # min_lr, torch's betas / eps ...): a checkpoint's optimizer state overwrites them
+        self.settings = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+        ]
 
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the schedule at the checkpoint's step with this run's settings. Call it after
+        the optimizer's own state is loaded: that restores every parameter group's settings
+        as saved (torch's ``load_state_dict``: megatron's per-group ``max_lr`` / ``min_lr``,
+        betas, eps), and megatron's scheduler would keep the saved ``max_lr`` / ``min_lr`` /
+        weight decay / warmup (``use_checkpoint_opt_param_scheduler``): a resume with
+        ``--allow-changes optimizer.lr=...`` trained on at the old rate. The groups get the
+        settings built from ``config`` back, and the scheduler, built to override, takes the
+        step alone from ``state``, then sets lr and weight decay."""
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self.settings):
+            raise ValueError(
+                f"optimizer: the checkpoint's state has {len(groups)} parameter groups, this "
+                f"run's optimizer {len(self.settings)}"
+            )
+        for group, settings in zip(groups, self.settings):
+            group.update(settings)
+        self.scheduler.load_state_dict(state)
 
 
 def _finalize_grads_summed(model_chunks, num_tokens=None, **kwargs) -> None:
@@ -124,7 +156,8 @@ def build_optimizer(ddp_model, cfg: OptimizerConfig) -> Optimizer:
     optimizer = get_megatron_optimizer(mcfg, [ddp_model], use_gloo_process_groups=platform.is_gpu)
     # Megatron warms up from init_lr at step 0 to max_lr at step lr_warmup_steps; with
     # init = lr / W over W - 1 steps the update with index s gets lr * (s + 1) / W, exactly
-    # OptimizerConfig.lr_factor.
+    # OptimizerConfig.lr_factor. A resumed run's schedule is this one at the checkpoint's step
+    # (override: megatron's load_state_dict takes the step alone, not the saved settings).
     warmup = max(cfg.warmup_steps, 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -138,8 +171,10 @@ def build_optimizer(ddp_model, cfg: OptimizerConfig) -> Optimizer:
         end_wd=wd,
         wd_incr_steps=1,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
-    return Optimizer(optimizer, scheduler)
+    return Optimizer(optimizer, scheduler, cfg)
 
 
 # -- checkpoints ---------------------------------------------------------------------------

@@ -12,15 +12,28 @@ Before a run builds anything, its main rank claims the run directory (:func:`cla
   ``RUN_DIR/previous_<UTC time>/``. What a run wrote before its first checkpoint was complete
   (the warm start's record, steps, the first save's ``.tmp``) is not history: a job preempted
   or killed that early starts over when requeued, and writes those records again (once).
-- **Config changes.** A resume compares the recipe with ``RUN_DIR/config.yaml``: every
-  changed key is logged; keys outside :data:`SAFE_CHANGES` need ``--allow-changes``. The new
+  A finished run's history with no checkpoint (``checkpoint.every_steps: 0`` without
+  ``save_at_end``) is moved aside as ``--restart`` does, and the run starts over.
+- **Config changes.** A resume compares the recipe with the config its checkpoint was
+  trained with (``step_N/config.yaml``, written with every checkpoint; for a checkpoint
+  written before they kept one, ``RUN_DIR/config.yaml``, which the resume command loads and
+  a hand edit changes): every changed key is logged; keys outside :data:`SAFE_CHANGES` need
+  ``--allow-changes``, and are then applied (the optimizer's learning rate, weight decay,
+  warmup, betas and epsilon too, though its scheduler state comes from the checkpoint);
+  keys a resumed run cannot apply (:data:`FIXED_ON_RESUME`) are refused even so. The new
   config is written only once the run is built (``save_config``): a rerun that fails leaves
   the run's config as it was.
+- **Finished.** A run whose ``metrics.jsonl`` ends in its ``run_finished`` record (at the
+  step of its newest checkpoint, or later without ``checkpoint.save_at_end``) is done: run
+  again with the same budget (``training.max_steps``, ``training.max_gpu_hours``), it says
+  "already finished (N steps)" and exits 0 (:class:`AlreadyFinished`) before anything is
+  built; a larger budget resumes it.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import socket
@@ -58,10 +71,18 @@ SAFE_CHANGES = (
     "parallel.timeout_minutes",
     "reward.max_error_fraction",  # when a failing reward stops the run; no verdict changes
 )
+# Keys a resumed run cannot apply, even with --allow-changes: what they set was done before
+# its first checkpoint. A prefix ending in "." covers its whole section.
+FIXED_ON_RESUME = ("warm_start.",)
 
 
 class RunDirError(ValueError):
     """The run directory cannot be used as asked (the message says why and what to do)."""
+
+
+class AlreadyFinished(Exception):
+    """The run in the run directory finished and the recipe asks for no more: nothing to do
+    (the message says so, and how to train on)."""
 
 
 class RunLock:
@@ -128,6 +149,9 @@ def claim_run_dir(
         if restart and history:
             move_history_aside(run_dir, history)
         elif resumable is None and history and not checkpointed_before(run_dir):
+            if finished_record(run_dir) is not None:  # a run that never checkpointed, done
+                move_history_aside(run_dir, history, "a finished run without checkpoints")
+                return Claim(lock, text)
             logger.warning(
                 "%s holds what a run stopped before its first checkpoint wrote (%s): starting "
                 "over (the records are written again)",
@@ -142,7 +166,9 @@ def claim_run_dir(
                 f"{run_dir}/previous_<time>/), or pass another --run-dir"
             )
         elif resumable is not None:
-            check_changes(run_dir / CONFIG_FILE, text, allow_changes)
+            trained_with = checkpoint_config(run_dir, resumable)
+            check_finished(run_dir, resumable, trained_with, text)
+            check_changes(trained_with, text, allow_changes)
     except BaseException:
         lock.release()
         raise
@@ -191,8 +217,74 @@ def checkpointed_before(run_dir: Path) -> bool:
     )
 
 
-def move_history_aside(run_dir: Path, history: dict[str, str]) -> Path:
-    """``--restart``: move the past run's files into ``RUN_DIR/previous_<UTC time>/``."""
+def checkpoint_config(run_dir: Path, checkpoint: Path) -> Path:
+    """The config ``checkpoint`` was trained with: its own copy, or for a checkpoint written
+    before checkpoints kept one, ``RUN_DIR/config.yaml`` (with a warning: a hand edit of it
+    passes unseen)."""
+    own = checkpoint / CONFIG_FILE
+    if own.is_file():
+        return own
+    logger.warning(
+        "%s keeps no copy of its config (written by an older version): the recipe is compared "
+        "with %s instead, which may have been edited since",
+        checkpoint,
+        run_dir / CONFIG_FILE,
+    )
+    return run_dir / CONFIG_FILE
+
+
+def finished_record(run_dir: Path) -> dict | None:
+    """The ``run_finished`` record ``RUN_DIR/metrics.jsonl`` ends with, or None."""
+    from megatron_rl.trainer.metrics import METRICS_FILE
+
+    path, last = run_dir / METRICS_FILE, b""
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        for line in f:
+            last = line if line.strip() else last
+    try:
+        record = json.loads(last)
+    except ValueError:  # empty, or a record cut short by a crash: not a finished run
+        return None
+    return record if isinstance(record, dict) and record.get("run_finished") else None
+
+
+def check_finished(run_dir: Path, checkpoint: Path, trained_with: Path, text: str) -> None:
+    """Raise :class:`AlreadyFinished` if the run ended normally (``metrics.jsonl`` ends in
+    its ``run_finished`` record, at the step of ``checkpoint``, its newest, or after it when
+    ``checkpoint.save_at_end`` is off) and the recipe ``text`` gives it no more budget than
+    the config it was trained with (``trained_with``; if that is unreadable, the step budget
+    alone). A run killed after its last checkpoint but before its end record is not finished:
+    its resume ends it."""
+    from megatron_rl.trainer.state import step_of
+
+    record = finished_record(run_dir)
+    if record is None or not isinstance(record.get("step"), int):
+        return
+    step = record["step"]
+    if step < step_of(checkpoint):  # an end record older than the checkpoint: not this run's
+        return
+    new = yaml.safe_load(text)["training"]
+    try:
+        old = yaml.safe_load(trained_with.read_text())["training"]
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+        old = {"max_steps": step, "max_gpu_hours": new["max_gpu_hours"]}
+    more_steps = new["max_steps"] > max(old["max_steps"], step)
+    old_hours, new_hours = old["max_gpu_hours"], new["max_gpu_hours"]
+    more_hours = old_hours is not None and (new_hours is None or new_hours > old_hours)
+    if not (more_steps or more_hours):
+        raise AlreadyFinished(
+            f"{run_dir}: already finished ({step} steps; its metrics end in the run_finished "
+            f"record, {checkpoint.name} is its newest checkpoint): nothing to do. To train on, "
+            f"raise training.max_steps (e.g. training.max_steps={2 * step}) or "
+            "training.max_gpu_hours"
+        )
+
+
+def move_history_aside(run_dir: Path, history: dict[str, str], why: str = "--restart") -> Path:
+    """``--restart`` (or ``why``): move the past run's files into
+    ``RUN_DIR/previous_<UTC time>/``; the run starts over."""
     from megatron_rl.trainer.console import LOGS_DIR, RANK_LOGS
     from megatron_rl.trainer.metrics import TENSORBOARD_DIR
     from megatron_rl.trainer.tracking import WANDB_DIR  # the W&B run id: a new run after this
@@ -207,14 +299,17 @@ def move_history_aside(run_dir: Path, history: dict[str, str]) -> Path:
     for log in sorted((run_dir / LOGS_DIR).glob(RANK_LOGS)):
         (aside / LOGS_DIR).mkdir(exist_ok=True)
         log.rename(aside / LOGS_DIR / log.name)
-    logger.warning("--restart: the previous run's %s moved to %s", ", ".join(history), aside)
+    logger.warning(
+        "%s: the previous run's %s moved to %s; starting over", why, ", ".join(history), aside
+    )
     return aside
 
 
 def check_changes(config_path: Path, text: str, allow_changes: bool) -> dict[str, tuple]:
-    """Keys whose values differ between the run's ``config.yaml`` and ``text`` (the new
-    config), each logged; those outside :data:`SAFE_CHANGES` raise :class:`RunDirError`
-    unless ``allow_changes``. Returns {key: (old, new)}."""
+    """Keys whose values differ between ``config_path`` (the config the checkpoint was
+    trained with) and ``text`` (the new config), each logged as applied; those outside
+    :data:`SAFE_CHANGES` raise :class:`RunDirError` unless ``allow_changes``, those in
+    :data:`FIXED_ON_RESUME` always. Returns {key: (old, new)}."""
     if not config_path.is_file():
         logger.warning("%s is missing: the resumed run's changes cannot be checked", config_path)
         return {}
@@ -225,8 +320,14 @@ def check_changes(config_path: Path, text: str, allow_changes: bool) -> dict[str
     new = yaml.safe_load(text)
     changes = {key: (_get(old, key), _get(new, key)) for key in sorted(diff_keys(old, new))}
     unsafe = [key for key in changes if not _safe(key)]
-    for key, (before, after) in changes.items():
-        logger.warning("resume: %s changed from %r to %r", key, before, after)
+    fixed = [key for key in changes if _matches(key, FIXED_ON_RESUME)]
+    if fixed:
+        listed = "; ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in fixed)
+        raise RunDirError(
+            f"the recipe differs from {config_path} in {listed}, which a resumed run cannot "
+            "apply (done before its first checkpoint): set it back, or pass --restart to start "
+            "over with it"
+        )
     if unsafe and not allow_changes:
         listed = "; ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in unsafe)
         raise RunDirError(
@@ -234,11 +335,17 @@ def check_changes(config_path: Path, text: str, allow_changes: bool) -> dict[str
             "continues the same experiment: pass --allow-changes to resume with these "
             f"settings anyway (safe without it: {', '.join(SAFE_CHANGES)})"
         )
+    for key, (before, after) in changes.items():
+        logger.warning("resume: %s changed from %r to %r (applied)", key, before, after)
     return changes
 
 
 def _safe(key: str) -> bool:
-    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_CHANGES)
+    return _matches(key, SAFE_CHANGES)
+
+
+def _matches(key: str, keys: tuple[str, ...]) -> bool:
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in keys)
 
 
 def _get(tree: Any, key: str) -> Any:

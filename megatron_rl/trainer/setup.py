@@ -166,7 +166,12 @@ def build_run(
     import torch.distributed as dist
 
     from megatron_rl.platform import collectives
-    from megatron_rl.trainer.rundir import RunDirError, claim_run_dir, save_config
+    from megatron_rl.trainer.rundir import (
+        AlreadyFinished,
+        RunDirError,
+        claim_run_dir,
+        save_config,
+    )
     from megatron_rl.trainer.tracking import TrackingError, check_login
 
     claim, refused = None, None
@@ -174,7 +179,7 @@ def build_run(
         try:
             check_login(config.logging.wandb)  # W&B online: logged in and the server answers
             claim = claim_run_dir(config, run_dir, restart, allow_changes)
-        except (RunDirError, TrackingError) as err:
+        except (RunDirError, TrackingError, AlreadyFinished) as err:
             refused = err
     refused = collectives.broadcast_object(refused)
     if refused is not None:  # on every rank: the others would wait for rank 0 otherwise
@@ -235,6 +240,7 @@ def build_run(
             config.checkpoint.keep_last,
             hf_source_dir=hf_dir,
             async_save=config.checkpoint.async_save,
+            config_text=claim.config_text if claim is not None else None,
         ),
         metrics=(
             MetricsLogger(

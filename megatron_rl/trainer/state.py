@@ -10,6 +10,8 @@ Layout under ``RUN_DIR/checkpoints``::
                                loads into any TP/PP/EP/DP layout too
         state/loop.pt          the loop state (``extra``: sampler, scheduler, ...), rank 0's
         state/rng_00000.pt     per rank: RNG states
+        config.yaml            the resolved config the run was trained with up to this step
+                               (``config_text``; a resume compares its recipe with it)
         manifest.json          size of every file (and SHA-256 of those up to 16 MiB)
         meta.json              step, world size; written last inside the directory
     latest                     name of the newest checkpoint (for people and tools)
@@ -84,6 +86,7 @@ FORMAT_VERSION = 3
 MANIFEST_SINCE_FORMAT = 3
 OPTIMIZER_SUBDIR = "optimizer"
 LOOP_STATE = "loop.pt"
+CONFIG_FILE = "config.yaml"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -193,6 +196,8 @@ class CheckpointManager:
         hf_source_dir: directory whose tokenizer files are copied next to the model.
         async_save: write model and optimizer in the background (see the module docstring);
             ``save`` may override it per call.
+        config_text: the run's resolved config (YAML), written into every checkpoint as
+            ``config.yaml`` by rank 0 (None: none written).
     """
 
     def __init__(
@@ -202,6 +207,7 @@ class CheckpointManager:
         hf_config: Any = None,
         hf_source_dir: str | Path | None = None,
         async_save: bool = False,
+        config_text: str | None = None,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -210,6 +216,7 @@ class CheckpointManager:
         self.hf_config = hf_config
         self.hf_source_dir = hf_source_dir
         self.async_save = async_save
+        self.config_text = config_text
         self._warned: set[Path] = set()  # damaged checkpoints already reported
         self._calls = None  # megatron's AsyncCallsQueue, made at the first async save
         self._in_flight: _InFlight | None = None
@@ -358,6 +365,8 @@ class CheckpointManager:
     def _write_states(self, step: int, extra, tmp: Path, rank: int) -> None:
         if rank == 0:
             _write_state({"step": step, "extra": dict(extra or {})}, tmp / "state" / LOOP_STATE)
+            if self.config_text is not None:
+                _write_text(tmp / CONFIG_FILE, self.config_text)
         _write_state(capture_rng_state(), tmp / "state" / f"rng_{rank:05d}.pt")
 
     def _complete(self, tmp: Path, final: Path, step: int, world: int, optimizer: bool) -> None:
@@ -383,7 +392,7 @@ class CheckpointManager:
             self._calls.maybe_finalize_async_calls(blocking=blocking)
         except BaseException as err:
             failure = self._failed(err, pending.final, pending.tmp, _rank_world()[0])
-            self.abandon()
+            self.abandon(keep_complete=False)
             if failure is err:
                 raise
             raise failure from err
@@ -399,12 +408,21 @@ class CheckpointManager:
             pending.on_complete(pending.final)
         return pending.final
 
-    def abandon(self) -> None:
+    def abandon(self, keep_complete: bool = True) -> None:
         """Stop the writers of the save in flight without completing it (no collective: for
         error paths) and remove its ``.tmp`` (rank 0); the newest complete checkpoint is
-        untouched."""
+        untouched. ``keep_complete``: on a single rank (no other rank to agree with), a save
+        whose write is done is completed instead (a second Ctrl-C or an error in the step
+        after it must not discard a checkpoint that is whole on disk)."""
         if self._in_flight is None:
             return
+        if keep_complete and _rank_world()[1] == 1:
+            try:
+                self.finalize()  # completes it if its write is done; else leaves it in flight
+            except Exception as err:  # its write failed: abandoned by finalize
+                logger.warning("the checkpoint in flight could not be completed: %s", err)
+            if self._in_flight is None:
+                return
         tmp = self._in_flight.tmp
         while self._calls.async_calls:
             self._calls.async_calls.popleft().async_caller.close(abort=True)
@@ -467,11 +485,11 @@ class CheckpointManager:
         complete = self.checkpoints()
         for path in complete[: -self.keep_last]:
             shutil.rmtree(path, ignore_errors=True)
-        oldest_kept = _step_of(complete[-self.keep_last :][0])
+        oldest_kept = step_of(complete[-self.keep_last :][0])
         for path in self.root.glob("step_*"):
             if path.is_dir() and not _STEP_DIR.match(path.name):
                 shutil.rmtree(path, ignore_errors=True)  # leftovers of interrupted saves
-            elif path.is_dir() and path not in complete and _step_of(path) < oldest_kept:
+            elif path.is_dir() and path not in complete and step_of(path) < oldest_kept:
                 shutil.rmtree(path, ignore_errors=True)  # damaged, and older than every kept one
 
     def is_complete(self, path: Path) -> bool:
@@ -531,7 +549,7 @@ class CheckpointManager:
             elif p not in self._warned:
                 self._warned.add(p)
                 logger.warning("checkpoint %s is damaged and skipped: %s", p, why)
-        return sorted(found, key=_step_of)
+        return sorted(found, key=step_of)
 
     def latest(self) -> Path | None:
         """The newest intact checkpoint, or None."""
@@ -585,7 +603,8 @@ def is_step_dir(path: Path) -> bool:
     return path.is_dir() and _STEP_DIR.match(path.name) is not None
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
+    """The step of checkpoint directory ``path`` (``step_N``)."""
     return int(_STEP_DIR.match(path.name).group(1))
 
 

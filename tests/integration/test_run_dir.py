@@ -1,5 +1,6 @@
 """The run directory: one owner (lock), no silent restart over history, config changes on
-resume, and a preempted run (SIGTERM to its whole process group) that checkpoints and resumes."""
+resume, a run stopped by Ctrl-C (SIGINT to its whole process group) that checkpoints and
+resumes, and a finished run that is not trained again."""
 
 from __future__ import annotations
 
@@ -139,6 +140,99 @@ def test_config_yaml_is_written_only_by_save_config(tmp_path):
         claim_run_dir(_config(), run_dir / "config.yaml")
 
 
+def _checkpoint(run_dir: Path, step: int, config_text: str | None) -> Path:
+    """An intact checkpoint of ``step`` as CheckpointManager finds it (meta.json, the parts
+    it names, a manifest), with ``config_text`` as its config.yaml (None: an older one)."""
+    import json
+
+    from megatron_rl.conversion.checkpoint import MODEL_SUBDIR
+    from megatron_rl.trainer.state import _manifest
+
+    path = run_dir / "checkpoints" / f"step_{step:08d}"
+    (path / "model" / MODEL_SUBDIR).mkdir(parents=True)
+    (path / "state").mkdir()
+    for name in ("loop.pt", "rng_00000.pt"):
+        (path / "state" / name).write_bytes(b"x")
+    if config_text is not None:
+        (path / "config.yaml").write_text(config_text)
+    meta = {"step": step, "world_size": 1, "optimizer": False}
+    (path / "meta.json").write_text(json.dumps(meta))
+    (path / "manifest.json").write_text(json.dumps(_manifest(path)))
+    return path
+
+
+def test_a_hand_edited_config_yaml_is_compared_with_the_checkpoints_config(tmp_path, caplog):
+    """The resume command loads RUN_DIR/config.yaml; the check compared the recipe with that
+    same file, so a hand edit of it (prompts_per_step 16 -> 8) took effect silently. The
+    checkpoint's own copy of its config is the reference now; a checkpoint written before
+    they kept one falls back to RUN_DIR/config.yaml, with a warning."""
+    run_dir = tmp_path / "run"
+    trained = to_yaml(_config())
+    _checkpoint(run_dir, 3, trained)
+    edited = _config("batch.prompts_per_step=8")
+    save_run_config(edited, run_dir / "config.yaml")  # the hand edit
+    recipe = load_run_config(run_dir / "config.yaml", check_model=False)
+    with pytest.raises(RunDirError, match=r"batch.prompts_per_step: 16 -> 8") as info:
+        claim_run_dir(recipe, run_dir)
+    assert "checkpoints/step_00000003/config.yaml" in str(info.value)
+    claim_run_dir(_config(), run_dir).lock.release()  # the recipe it was trained with
+
+    older = tmp_path / "older"
+    _checkpoint(older, 3, None)
+    save_run_config(_config(), older / "config.yaml")
+    with caplog.at_level("WARNING", logger="megatron_rl.trainer.rundir"):
+        with pytest.raises(RunDirError, match=r"batch.prompts_per_step: 16 -> 8"):
+            claim_run_dir(edited, older)
+    assert "keeps no copy of its config" in caplog.text
+
+
+def test_a_change_a_resume_cannot_apply_is_refused_even_when_allowed(tmp_path):
+    run_dir = tmp_path / "run"
+    _checkpoint(run_dir, 3, to_yaml(_config()))
+    with pytest.raises(RunDirError, match=r"warm_start.steps: 100 -> 7, which a resumed run"):
+        claim_run_dir(_config("warm_start.steps=7"), run_dir, allow_changes=True)
+    claim_run_dir(_config("optimizer.lr=1e-3"), run_dir, allow_changes=True).lock.release()
+
+
+def test_a_finished_run_run_again_is_already_finished_unless_its_budget_grows(tmp_path):
+    """Re-running a finished run started its engines, trained "steps 121 to 120", saved and
+    validated step 120 again at more GPU-hours. Its metrics end in run_finished at its last
+    checkpoint's step: nothing to do, unless training.max_steps or max_gpu_hours grew."""
+    from megatron_rl.trainer.rundir import AlreadyFinished
+
+    run_dir = tmp_path / "run"
+    _checkpoint(run_dir, 120, to_yaml(_config()))
+    records = '{"step": 120, "reward_mean": 0.5}\n{"step": 120, "run_finished": true}\n'
+    (run_dir / "metrics.jsonl").write_text(records)
+    with pytest.raises(AlreadyFinished, match=r"already finished \(120 steps"):
+        claim_run_dir(_config(), run_dir)
+    claim_run_dir(_config("training.max_steps=240"), run_dir).lock.release()  # trains on
+    # killed after its last checkpoint, before its end record: its resume ends it
+    (run_dir / "metrics.jsonl").write_text('{"step": 120, "reward_mean": 0.5}\n')
+    claim_run_dir(_config(), run_dir).lock.release()
+    # checkpoint.save_at_end off: finished at 120, its newest checkpoint of step 100
+    other = tmp_path / "no_save_at_end"
+    _checkpoint(other, 100, to_yaml(_config()))
+    (other / "metrics.jsonl").write_text(records)
+    with pytest.raises(AlreadyFinished, match=r"already finished \(120 steps"):
+        claim_run_dir(_config(), other)
+
+
+def test_a_finished_run_without_checkpoints_is_moved_aside_not_overwritten(tmp_path, caplog):
+    """checkpoint.every_steps 0 without save_at_end: the finished run's metrics were taken
+    for those of a run stopped before its first checkpoint and rewritten (with a warning)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    records = '{"step": 6, "reward_mean": 0.5}\n{"step": 6, "run_finished": true}\n'
+    (run_dir / "metrics.jsonl").write_text(records)
+    with caplog.at_level("WARNING", logger="megatron_rl.trainer.rundir"):
+        claim_run_dir(_config(), run_dir).lock.release()
+    (aside,) = run_dir.glob("previous_*")
+    assert (aside / "metrics.jsonl").read_text() == records
+    assert not (run_dir / "metrics.jsonl").exists()
+    assert "a finished run without checkpoints" in caplog.text
+
+
 # -- whole runs (the CLI in a subprocess) -------------------------------------------------
 
 SMALL = [
@@ -174,8 +268,9 @@ def _steps(run_dir: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
-    """A run SIGTERMed as a whole process group (scancel, preemption) after its checkpoint
-    at step 2: (run_dir, exit status, output)."""
+    """A run stopped by Ctrl-C after its checkpoint at step 2: SIGINT to its whole process
+    group, as a terminal sends it (SIGTERM to the group, as scancel and a preemption send it,
+    is test_tracking's and the start-up test's): (run_dir, exit status, output)."""
     run_dir = tmp_path_factory.mktemp("preempted") / "run"
     log = run_dir.parent / "output.txt"
     with open(log, "w") as out:
@@ -193,7 +288,7 @@ def preempted(tmp_path_factory):
             time.sleep(0.05)
         assert meta.is_file(), log.read_text()[-3000:]
         time.sleep(2)  # every helper of the first save (and of the step after) is up
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             status = proc.wait(timeout=300)
         finally:
@@ -201,11 +296,15 @@ def preempted(tmp_path_factory):
     return run_dir, status, log.read_text()
 
 
-@pytest.mark.timeout(900)  # ~70 s for the run, ~60 s for the resume on a quiet machine
-def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes(preempted, tmp_path):
-    """The checkpoint the signal asks for completes (it failed with BrokenPipeError: the
-    group's SIGTERM had killed megatron's checkpoint helper process) and the resumed run
-    continues from it, not from the periodic checkpoint before."""
+@pytest.mark.timeout(900)  # 96 s for the run, the resume and the re-run on a quiet machine
+def test_ctrl_c_checkpoints_the_run_which_resumes_and_then_is_finished(preempted, tmp_path):
+    """Ctrl-C (SIGINT) stops the run as SIGTERM does: the checkpoint it asks for completes
+    (with SIGTERM it once failed with BrokenPipeError: the group's signal had killed megatron's
+    checkpoint helper process), exit status 0, and the resumed run continues from it, not from
+    the periodic checkpoint before. Before, SIGINT printed "failed", a KeyboardInterrupt
+    traceback, exited 130 and saved nothing. Run again once finished, it does nothing: "already
+    finished" (before: it started its engines, trained "steps N+1 to N", saved again and wrote
+    a second run_finished record)."""
     run_dir, status, output = preempted
     assert status == 0, output[-3000:]
     signalled = max(_steps(run_dir))
@@ -213,9 +312,10 @@ def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes(preempted, t
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert f"step_{signalled:08d}" in ckpts, ckpts
     assert not [name for name in ckpts if name.endswith(".tmp")], ckpts
-    assert f"stopping on SIGTERM after checkpointing step {signalled}" in output
+    assert f"stopping on SIGINT after checkpointing step {signalled}" in output
+    assert "KeyboardInterrupt" not in output and "Traceback" not in output
     # the end summary after a signal: the steps done and the command that resumes
-    assert f"stopped on SIGTERM:\n  steps: {signalled} this job, {signalled} of 40" in output
+    assert f"stopped on SIGINT:\n  steps: {signalled} this job, {signalled} of 40" in output
     assert f"--run-dir {run_dir}" in output
     # checkpoint.async_save: the periodic save of step 2 was written while training went on,
     # completed at a later step's finalize; the signal's save was synchronous
@@ -237,6 +337,22 @@ def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes(preempted, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {resumed}/checkpoints/step_{signalled:08d}" in proc.stderr
     assert _steps(resumed) == list(range(1, signalled + 2))  # every step once
+    # the same command again: the run is finished
+    metrics = (resumed / "metrics.jsonl").read_bytes()
+    checkpoints = sorted(p.name for p in (resumed / "checkpoints").iterdir())
+    proc = subprocess.run(
+        _cmd(resumed, f"training.max_steps={signalled + 1}"),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"already finished ({signalled + 1} steps" in proc.stderr
+    assert "starting 1 engine(s)" not in proc.stderr
+    assert (resumed / "metrics.jsonl").read_bytes() == metrics
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == checkpoints
 
 
 @pytest.mark.timeout(600)

@@ -422,3 +422,20 @@ def test_an_abandoned_save_removes_its_partial_directory(trainer, tmp_path, monk
     manager.abandon()
     assert not tmp.exists() and manager.in_flight is None
     assert CheckpointManager(tmp_path).latest() == first
+
+
+def test_a_save_whose_write_is_done_is_completed_not_abandoned(trainer, tmp_path):
+    """The run fails (or a second Ctrl-C stops it) after its async save's write was done but
+    before a finalize published it: on one rank the save is completed, not removed (before:
+    the complete .tmp was deleted and the run resumed from the checkpoint before)."""
+    model, _, optimizer = trainer
+    manager = CheckpointManager(tmp_path, keep_last=2, async_save=True)
+    manager.save(1, model, optimizer=optimizer, async_save=False)
+    path = manager.save(2, model, {"step": 2}, optimizer=optimizer)
+    writer = manager._calls.async_calls[0].async_caller.process
+    writer.join(timeout=120)  # the write is done
+    assert writer.exitcode == 0 and manager.in_flight == 2
+    manager.abandon()
+    assert manager.in_flight is None and not path.with_name(path.name + ".tmp").exists()
+    assert CheckpointManager(tmp_path).latest() == path
+    assert CheckpointManager(tmp_path).load(model).extra == {"step": 2}

@@ -546,3 +546,60 @@ def test_a_first_checkpoint_on_a_real_full_disk_is_named(trainer, tmp_path):
         assert not list((disk / "checkpoints").glob("*.tmp"))
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+def test_a_resume_with_changed_optimizer_settings_trains_with_them(trainer, tmp_path):
+    """A resume with ``--allow-changes optimizer.lr=...`` (weight decay, betas, eps too):
+    the resumed updates use the new settings. Before, megatron's scheduler took max_lr and
+    weight decay from the checkpoint and torch's param groups kept the saved betas and eps:
+    steps 5-6 trained at lr 1e-4 while config.yaml said 1e-3. Reference: AdamW's update
+    by hand in float64 from the loaded moments."""
+    from megatron_rl.trainer.step import forward_backward
+
+    model, ddp, _ = trainer
+    old = OptimizerConfig(lr=1e-4, warmup_steps=2, weight_decay=0.01, grad_clip=0.0)
+    optim = build_optimizer(ddp, old)
+    for seed in range(4):
+        train_step(ddp, optim.optimizer, seed)
+        optim.scheduler.step(increment=1)
+    manager = CheckpointManager(tmp_path)
+    manager.save(4, model, {"scheduler": optim.state_dict()}, optimizer=optim.optimizer)
+
+    new = OptimizerConfig(
+        lr=1e-3, warmup_steps=2, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6, grad_clip=0.0
+    )
+    resumed = build_optimizer(ddp, new)
+    loaded = manager.load(model, optimizer=resumed.optimizer)
+    resumed.load_state_dict(loaded.extra["scheduler"])
+    assert resumed.scheduler.num_steps == 4  # the schedule's step is the checkpoint's
+    groups = resumed.optimizer.param_groups
+    assert {g["lr"] for g in groups} == {1e-3}
+    assert {g["weight_decay"] for g in groups if g.get("wd_mult", 1.0) == 1.0} == {0.1}
+    assert {tuple(g["betas"]) for g in groups} == {(0.8, 0.99)}
+    assert {g["eps"] for g in groups} == {1e-6}
+
+    # step 5: one decayed weight moves as AdamW with the new settings moves it
+    inner = [o.optimizer for o in getattr(resumed.optimizer, "chained_optimizers", [optim])]
+    opt, group = next(
+        (o, g) for o in inner for g in o.param_groups if g["weight_decay"] > 0 and g["params"]
+    )
+    p = max(group["params"], key=lambda t: t.numel())
+    tokens = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(9))
+
+    def loss_fn(mb, logits):
+        loss = -logits_to_logprobs(logits, mb.tokens).mean()
+        return loss, loss.detach().reshape(1), torch.zeros(0)
+
+    forward_backward(ddp, resumed.optimizer, [SFTBatch(tokens, tokens[:, 1:] >= 0)], loss_fn, 1)
+    before = p.detach().double().clone()
+    grad = p.main_grad.detach().double().clone()
+    state = opt.state[p]
+    m, v = state["exp_avg"].double(), state["exp_avg_sq"].double()
+    t = float(state["step"]) + 1
+    (b1, b2), eps, lr, wd = (0.8, 0.99), 1e-6, 1e-3, 0.1
+    m, v = b1 * m + (1 - b1) * grad, b2 * v + (1 - b2) * grad**2
+    denom = (v / (1 - b2**t)).sqrt() + eps
+    expected = before * (1 - lr * wd) - lr * (m / (1 - b1**t)) / denom
+    resumed.optimizer.step()
+    moved = p.detach().double() - before  # ~1e-3 (lr); float32 parameters: a few ulps' error
+    torch.testing.assert_close(moved, expected - before, rtol=1e-4, atol=3e-8)

@@ -206,3 +206,85 @@ def test_the_export_process_ends_with_its_killed_trainer(tmp_path):
     assert_helper_exits_with_parent(
         EXPORT_THEN_WAIT, [str(tmp_path / "run")], tmp_path, "the HF export", within=5
     )
+
+
+class _Conversion:
+    """A conversion process that has not ended until told (``end``), or is killed."""
+
+    def __init__(self, command, **kwargs):
+        self.model, self.out = Path(command[-2]), Path(command[-1])
+        self.returncode, self.pid = None, 1
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+    def kill(self):
+        self.returncode = -9
+
+    def end(self):
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text("{}")
+        self.returncode = 0
+
+
+def test_a_stop_leaves_its_exports_to_the_next_run(tmp_path, monkeypatch):
+    """A stop on a signal waited 0 s for the running export and killed it (an empty log
+    left), and the resumed run never exported the missed steps. Now the stopped exports stay
+    pinned with their notes, the next run exports them first, even once the checkpoint is
+    pruned, and a checkpoint of an export step newer than every export too."""
+    procs: list[_Conversion] = []
+    monkeypatch.setattr(
+        "megatron_rl.trainer.hf_export.subprocess.Popen",
+        lambda *a, **k: procs.append(_Conversion(*a, **k)) or procs[-1],
+    )
+    checkpoints = {}
+    for step in (2, 4, 6):
+        model = tmp_path / "checkpoints" / f"step_{step:08d}" / "model"
+        model.mkdir(parents=True)
+        (model / "weights.bin").write_bytes(bytes([step]) * 8)
+        checkpoints[step] = model.parent
+    hf = tmp_path / "hf"
+    exporter = HFExporter(tmp_path, every=2, keep_last=3)
+    exporter.submit(2, checkpoints[2], {"gpu_hours": 0.5, "val_pass_rate": 0.25})
+    exporter.submit(4, checkpoints[4], {"gpu_hours": 1.0})  # waits
+    exporter.interrupt()  # the stop
+    assert procs[0].returncode == -9 and exporter.exported == [] and exporter.failed == []
+    assert not (hf / "step_00000002.log").exists() and not (hf / "step_00000002.tmp").exists()
+    import shutil
+
+    shutil.rmtree(checkpoints.pop(2))  # pruned by the signal's save
+
+    resumed = HFExporter(tmp_path, every=2, keep_last=3)
+    assert resumed.resume(sorted(checkpoints.values())) == [2, 4, 6]
+    assert procs[1].model == hf / "step_00000002.src"  # the pinned files of the pruned one
+    for _ in range(3):
+        procs[-1].end()
+        resumed.poll()
+    assert [p.model.name for p in procs[1:]] == [f"step_0000000{s}.src" for s in (2, 4, 6)]
+    assert resumed.exported == [2, 4, 6] and not resumed.busy
+    assert sorted(p.name for p in hf.iterdir()) == [f"step_0000000{s}" for s in (2, 4, 6)]
+    readme = (hf / "step_00000002" / "README.md").read_text()
+    assert readme.strip() == readme_line(2, {"gpu_hours": 0.5, "val_pass_rate": 0.25})
+    # nothing is due any more
+    assert HFExporter(tmp_path, every=2, keep_last=3).resume(sorted(checkpoints.values())) == []
+
+
+def test_the_export_ignores_the_jobs_signals(tmp_path, caplog):
+    """SIGTERM and SIGINT to the job's process group (preemption, Ctrl-C) reached the
+    converter, which died of them; the trainer decides what happens to an export. Here the
+    converter, signalled at once, goes on to its own end (a missing checkpoint: status 2)."""
+    import signal
+    import time
+
+    exporter = HFExporter(tmp_path, every=1, keep_last=1)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.trainer.hf_export"):
+        exporter.submit(1, tmp_path / "checkpoints" / "step_00000001", {})
+        time.sleep(0.5)  # past its preexec: the converter runs
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            os.kill(exporter._proc.pid, signum)
+        exporter.close(timeout_s=120)
+    assert exporter.failed == [1]
+    assert "HF export of step 1 failed (status 2 after" in caplog.text  # the CLI's error
