@@ -94,6 +94,8 @@ _RETRACTION_RE = re.compile(
     r"|(?:i|we)\s{1,4}made\s{1,4}(?:a|an)\s{1,4}(?:mistake|error)|scratch\s{1,4}that)\b"
 )
 # What states the corrected value: "the value is 6", "it should be $6$", "= 6", ": 6".
+# How many of those (the last ones) are read.
+_MAX_RESTATED_TRIES = 8
 _RESTATED_RE = re.compile(r"(?i)(?:\bis|\bbe|=|:)\s{0,8}(?=\S)")
 
 
@@ -106,12 +108,12 @@ def _after_retraction(text: str) -> str | None:
     if not retractions:
         return None
     retraction = retractions[-1]
-    found = None
-    for restated in _RESTATED_RE.finditer(window, retraction.end()):
-        value = value_at(window, restated.end(), clause=False)
+    restated = list(_RESTATED_RE.finditer(window, retraction.end()))
+    for statement in reversed(restated[-_MAX_RESTATED_TRIES:]):
+        value = value_at(window, statement.end(), clause=False)
         if value is not None and value[0] and value[1] == MATH:
-            found = value[0]
-    return found or ""
+            return value[0]
+    return ""
 
 
 def _pattern_answer(section: str, pattern: str) -> str | None:
