@@ -72,7 +72,13 @@ def final_answer(text: str, stated: bool = True) -> str | None:
     without a box, the stated answer (``stated_answer``) when ``stated``."""
     boxed = boxed_answer(text)
     if boxed is None:
-        return stated_answer(text) if stated else None
+        found = stated_answer(text) if stated else None
+        if found is None:
+            return None
+        window = text[-PATTERN_WINDOW:]
+        at = window.rfind(found)
+        corrected = _after_retraction(window[at + len(found) :]) if at >= 0 else None
+        return found if corrected is None else corrected or None
     answer, end = boxed
     corrected = _after_retraction(text[end:])
     if corrected is not None:
@@ -91,7 +97,9 @@ def final_answer(text: str, stated: bool = True) -> str | None:
 _RETRACTION_RE = re.compile(
     r"(?i)\b(?:(?:that|this|it|which|the\s{1,4}(?:box|answer|value|result))"
     r"(?:\s{1,4}(?:is|was)|'s|’s)(?:\s{1,4}(?:wrong|incorrect|not\s{1,4}(?:right|correct)|a\s{1,4}mistake))"
-    r"|(?:i|we)\s{1,4}made\s{1,4}(?:a|an)\s{1,4}(?:mistake|error)|scratch\s{1,4}that)\b"
+    r"|(?:that|this|it)\s{1,4}(?:can(?:'|’|no)t|isn(?:'|’)t|wasn(?:'|’)t)\s{1,4}(?:be\s{1,4})?(?:right|correct)"
+    r"|(?:i|we)\s{1,4}(?:made\s{1,4}(?:a|an)\s{1,4}(?:mistake|error)|was\s{1,4}wrong|miscalculated)"
+    r"|my\s{1,4}mistake|scratch\s{1,4}that|oops|correction(?=\s{0,4}:))\b"
 )
 # What states the corrected value: "the value is 6", "it should be $6$", "= 6", ": 6".
 # How many of those (the last ones) are read.
@@ -230,10 +238,12 @@ def unsafe_reason(answer: str, config: RewardConfig) -> str | None:
 # Operators that a final answer must have evaluated: integrals, sums, products, limits,
 # derivatives, gcd / lcm / max / min. An answer holding one restates the question.
 _OPERATOR_RE = re.compile(
-    r"\\(?:[iod]{0,3}int|sum|prod|lim|gcd|lcm|max|min|partial|nabla)(?![A-Za-z])"
-    r"|\\(?:operatorname|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?:gcd|lcm|max|min|lim)\s{0,4}\}"
-    r"|\\d?frac\s{0,4}\{\s{0,4}d(?:\^\{?\d\}?)?\s{0,4}\}\s{0,4}\{\s{0,4}d\s{0,4}[A-Za-z]"
-    r"|(?<![A-Za-z])(?:gcd|lcm)\s{0,4}\(|(?<![A-Za-z\\])d/d[A-Za-z]"
+    r"\\(?:[iod]{0,3}int|sum|prod|lim|limsup|liminf|gcd|lcm|max|min|det|partial|nabla)"
+    r"(?![A-Za-z])"
+    r"|\\(?:operatorname\*?|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?i:gcd|lcm|max|min|lim|det)\s{0,4}\}"
+    r"|\\[dt]?frac\s{0,4}\{\s{0,4}(?:d|\\mathrm\s{0,4}\{\s{0,4}d\s{0,4}\})(?:\^\{?\d\}?)?\s{0,4}\}"
+    r"\s{0,4}\{\s{0,4}(?:d|\\mathrm\s{0,4}\{\s{0,4}d\s{0,4}\})\s{0,4}[A-Za-z]"
+    r"|(?<![A-Za-z])(?i:gcd|lcm)\s{0,4}\(|(?<![A-Za-z\\])d/d[A-Za-z]"
 )
 
 

@@ -174,15 +174,20 @@ def base_numeral(answer: str) -> tuple[str, int | None] | None:
     return digits, base
 
 
-# Characters that render as nothing: zero-width spaces and joiners, the word joiner, the
-# byte-order mark, the soft hyphen.
-_INVISIBLE_RE = re.compile("[\u200b\u200c\u200d\u2060\ufeff\u00ad]")
+# Characters that render as nothing: zero-width spaces, joiners and direction marks, the
+# word joiner and the invisible operators (function application, times, separator, plus),
+# the byte-order mark, the soft hyphen, the grapheme joiner, the Mongolian vowel separator.
+_INVISIBLE_RE = re.compile("[\u200b-\u200f\u2060-\u2064\ufeff\u00ad\u034f\u180e]")
 # Commands whose argument renders blank (``\phantom{6}`` leaves the space of a 6, empty).
 _BLANK_COMMANDS = ("\\phantom", "\\hphantom", "\\vphantom")
+# Text struck out (``\\cancel{6}5``) is no part of the answer either.
+_STRUCK_COMMANDS = ("\\cancel", "\\bcancel", "\\xcancel", "\\sout", "\\st")
 # Colour: ``\color{red}`` (a switch) and ``\textcolor{red}{x}`` / ``\colorbox{red}{x}``.
 _COLOR_SWITCH = "\\color"
 _COLOR_COMMANDS = ("\\textcolor", "\\colorbox")
 _BOX_NAMES = ("\\boxed", "\\fbox")
+# Colours that hide the text on a page.
+_HIDING_COLOURS = frozenset(("white", "transparent"))
 # LaTeX spacing between two digits: ``10\,000`` (a thin space between digit groups).
 _DIGIT_SPACING_RE = re.compile(r"(?<=\d)(?:\\[,;:! ]|~|\\q?quad(?![A-Za-z]))(?=\d)")
 # A number written in groups of three (``1\,234\,567``): 1-3 digits, then groups of 3.
@@ -220,7 +225,7 @@ def visible_answer(answer: str) -> str | None:
         i = text.find("\\")
         changed = False
         while i >= 0:
-            blank = _command_at(text, i, _BLANK_COMMANDS)
+            blank = _command_at(text, i, _BLANK_COMMANDS + _STRUCK_COMMANDS)
             colour = _command_at(text, i, _COLOR_COMMANDS)
             switch = _command_at(text, i, (_COLOR_SWITCH,))
             boxed = _command_at(text, i, _BOX_NAMES)
@@ -230,6 +235,8 @@ def visible_answer(answer: str) -> str | None:
                 content, end = group
                 if blank:
                     replacement = ""
+                elif content.strip().lower() in _HIDING_COLOURS and name != "\\colorbox":
+                    return None  # white text on a white page: hidden, no answer
                 elif colour:
                     second = _group_after(text, end)
                     if second is None:
@@ -271,6 +278,8 @@ def ordering(answer: str, reference: str) -> bool | None:
         return None
     if not all(_ORDER_ITEM_RE.fullmatch(i) for i in items + listed):
         return None
+    if not all(any(c.isalpha() for c in i) for i in items):
+        return None  # "1 < 2 < 3": constants, no ordering of named things
     return items == listed
 
 

@@ -352,8 +352,9 @@ def _top_level_sides(answer: str) -> list[str]:
 
 def _false_equation(prediction: str) -> bool:
     """``prediction`` is a chain of equalities of constants that do not all agree
-    (``2+2=5``); Math-Verify took the last side. An equation with a variable (``x = 5``)
-    is not judged here. Runs inside ``verify``'s CPU-time limit."""
+    (``2+2=5``); Math-Verify took the last side. A chain with a variable (``x = 5+5+1 =
+    7 = 11``) is left to Math-Verify, whose own tests take its last side: the variable's
+    value is what is stated last. Runs inside ``verify``'s CPU-time limit."""
     sides = _top_level_sides(prediction)
     if len(sides) < 2 or not all(side.strip() for side in sides):
         return False
@@ -444,7 +445,13 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
         with _cpu_time_limit(cpu_seconds):
             predicted_unit, reference_unit = unit_key(prediction), unit_key(reference)
             if predicted_unit and reference_unit and predicted_unit != reference_unit:
-                return WRONG  # 5 mm is not 5 cm
+                # 5 mm is not 5 cm; radians answer degrees only as an angle in pi.
+                radians = split_unit(prediction) if predicted_unit == "rad" else None
+                if radians is None or reference_unit != "deg":
+                    return WRONG
+                value = radians[0]
+                correct = _equal_in_radians(value, reference, gold, _parse(value, None))
+                return CORRECT if correct else WRONG
             if _without_percent(prediction) is not None or _without_percent(reference):
                 correct = _equal_percent(prediction, reference, gold)
             elif _false_equation(prediction):

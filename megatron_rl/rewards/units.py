@@ -51,8 +51,12 @@ _NOT_UNITS = frozenset(
     "factorial factorials percent wrong incorrect correct false true not maybe unsure "
     "hundred hundreds thousand thousands million millions billion billions trillion "
     "trillions dozen dozens half halves third thirds quarter quarters tenth tenths "
-    "hundredth hundredths thousandth thousandths millionth millionths".split()
+    "hundredth hundredths thousandth thousandths millionth millionths "
+    "probably perhaps possibly likely guess unknown kidding joking sorry oops hmm".split()
 )
+# What a parenthesised text may say and still be taken off as a unit (``9 \\text{
+# (approximately)}``); any other remark in parentheses (``5 \\text{ (just kidding)}``) stays.
+_PARENTHESISED_UNITS = frozenset("approximately approx about rounded exact exactly".split())
 _UNIT_LETTERS = "A-Za-zµμΩ°"
 _UNIT_WORDS_RE = re.compile(
     rf"[{_UNIT_LETTERS}]{{1,20}}(?:\^[23])?(?:[\s./·-]{{1,4}}[{_UNIT_LETTERS}]{{1,20}}(?:\^[23])?){{0,3}}\.?"
@@ -138,6 +142,8 @@ def _wrapped_units(answer: str) -> tuple[str, str] | None:
         unit = _UNIT_SPACING_RE.sub(" ", wrapped.group(1)).strip()
         if unit.startswith("(") and unit.endswith(")"):  # "\text{ (approximately)}"
             unit = unit[1:-1].strip()
+            if unit.lower() not in _PARENTHESISED_UNITS and _unit_name(unit) == unit.lower():
+                return None  # a remark, not a known unit
         if not unit or _TIME_MARKER_RE.search(unit) or not _is_unit_word(unit):
             return None
         units.append(unit)
@@ -319,6 +325,8 @@ _UNIT_NAMES = {
     "sq": "square",
     "cu": "cubic",
 }
+# A value in degrees: ``30^\\circ``, ``30^{\\circ}``, ``30°``, ``30\\degree``.
+_DEGREES_RE = re.compile(r"(?:\^\s{0,4}\{?\s{0,4}\\circ\s{0,4}\}?|°|\\degree)\s{0,4}$")
 _POWER_WORDS = {"square": "2", "squared": "2", "cubic": "3", "cubed": "3"}
 _TRAILING_POWER_RE = re.compile(r"(?:\^\s{0,4}(?:\{\s{0,4}([23])\s{0,4}\}|([23]))|([²³]))\s{0,4}$")
 _UNIT_TOKEN_RE = re.compile(r"[A-Za-zµμΩ°]+|/")
@@ -343,8 +351,11 @@ def unit_key(answer: str) -> str | None:
     """The unit that ends ``answer`` (``split_unit``) in one spelling with its power, or None
     without one: ``5 centimeters`` and ``5\\text{ cm}`` are ``cm``, ``12 \\text{ m}^2`` and
     ``12 square meters`` are ``m^2``, ``60 km/h`` and ``60 kilometers per hour`` are
-    ``km/h``. When both a response and its reference carry a unit, the keys must agree: ``5
-    mm`` is not ``5 cm`` (the unit is no longer taken off both sides regardless)."""
+    ``km/h``; ``30^\\circ`` and ``30 degrees`` are ``deg``. When both a response and its
+    reference carry a unit, the keys must agree: ``5 mm`` is not ``5 cm`` (the unit is no
+    longer taken off both sides regardless)."""
+    if _DEGREES_RE.search(answer):
+        return "deg"
     found = split_unit(answer)
     if found is None:
         return None
