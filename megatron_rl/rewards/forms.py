@@ -245,7 +245,8 @@ def visible_answer(answer: str) -> str | None:
                 elif switch:
                     replacement = ""
                 else:
-                    replacement = content if content.strip().isdigit() else "{" + content + "}"
+                    bare = content.strip().isdigit() or not content.strip()
+                    replacement = content.strip() if bare else "{" + content + "}"
                 text = text[:i] + replacement + text[end:]
                 changed = True
                 break
