@@ -23,12 +23,13 @@ Safety (model text is hostile input):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import signal
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from megatron_rl.rewards.config import RewardConfig
@@ -333,19 +334,21 @@ def _equal_percent(prediction: str, reference: str, gold: list) -> bool:
 
 
 def _top_level_sides(answer: str) -> list[str]:
-    """The sides of ``answer``'s top-level ``=`` signs (not of ``<=``, ``>=``, ``\\ne``)."""
-    sides, depth, start = [], 0, 0
-    for i, ch in enumerate(answer):
+    """The sides of ``answer``'s top-level ``=`` (or ``==``) signs, not of ``<=``, ``>=``,
+    ``!=``."""
+    sides, depth, start, i = [], 0, 0, 0
+    while i < len(answer):
+        ch = answer[i]
         if ch in "{([":
             depth += 1
         elif ch in "})]":
             depth -= 1
-        elif ch == "=" and depth == 0:
-            before, after = answer[i - 1 : i], answer[i + 1 : i + 2]
-            if before in "<>!=\\" and before or after == "=":
-                continue
+        elif ch == "=" and depth == 0 and (i == 0 or answer[i - 1] not in "<>!\\"):
             sides.append(answer[start:i])
+            if answer.startswith("==", i):  # "1==2" is an equation too
+                i += 1
             start = i + 1
+        i += 1
     sides.append(answer[start:])
     return sides
 
@@ -424,6 +427,23 @@ def _math_verify(gold: list, target: list) -> bool:
     return math_verify(gold, target, timeout_seconds=None)
 
 
+def _contained(equal: Callable[..., bool]) -> Callable[..., bool]:
+    """``equal`` that answers False where sympy raises on an unforeseen kind of value (a
+    set divided by 100, the absolute value of a matrix): a comparison that fails is no
+    equality, and must not end the task as a crash. ``_OutOfTime`` (a BaseException)
+    passes through."""
+
+    @functools.wraps(equal)
+    def contained(*args: Any) -> bool:
+        try:
+            return equal(*args)
+        except Exception:
+            logger.debug("%s failed, not equal", equal.__name__, exc_info=True)
+            return False
+
+    return contained
+
+
 def verify(prediction: str, reference: str, timeout_s: float) -> str:
     """Math-Verify equivalence of two extracted answers: CORRECT, WRONG, TIMEOUT or
     BAD_REFERENCE (the reference does not parse). Runs inside a worker process.
@@ -450,17 +470,18 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
                 if radians is None or reference_unit != "deg":
                     return WRONG
                 value = radians[0]
-                correct = _equal_in_radians(value, reference, gold, _parse(value, None))
+                radians_equal = _contained(_equal_in_radians)
+                correct = radians_equal(value, reference, gold, _parse(value, None))
                 return CORRECT if correct else WRONG
             if _without_percent(prediction) is not None or _without_percent(reference):
-                correct = _equal_percent(prediction, reference, gold)
-            elif _false_equation(prediction):
+                correct = _contained(_equal_percent)(prediction, reference, gold)
+            elif _contained(_false_equation)(prediction):
                 correct = False
             else:
                 target = _parse(prediction, None)
                 correct = bool(target) and _math_verify(gold, target)
                 for equal in (_equal_without_units, _equal_in_radians, _equal_rewritten):
-                    correct = correct or equal(prediction, reference, gold, target)
+                    correct = correct or _contained(equal)(prediction, reference, gold, target)
     except _OutOfTime:
         return TIMEOUT
     return CORRECT if correct else WRONG
