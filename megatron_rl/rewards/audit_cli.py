@@ -89,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
         fields = Fields(
             args.response_field, args.reference_field, args.label_field, args.domain_field
         )
+        rows = read_rows(args.file, args.domain, fields)
         out = args.out or args.file.with_name(f"{args.file.name}.disagreements.jsonl")
         _check_writable(out)
-        rows = read_rows(args.file, args.domain, fields)
     except (ConfigError, ValueError) as exc:
         return _error(str(exc))
     with tqdm(total=len(rows), desc="scoring", unit="row", file=sys.stderr) as bar:
