@@ -99,6 +99,8 @@ _RETRACTION_RE = re.compile(
     r"(?:\s{1,4}(?:is|was)|'s|’s)(?:\s{1,4}(?:wrong|incorrect|not\s{1,4}(?:right|correct)|a\s{1,4}mistake))"
     r"|(?:that|this|it)\s{1,4}(?:can(?:'|’|no)t|isn(?:'|’)t|wasn(?:'|’)t)\s{1,4}(?:be\s{1,4})?(?:right|correct)"
     r"|(?:i|we)\s{1,4}(?:made\s{1,4}(?:a|an)\s{1,4}(?:mistake|error)|was\s{1,4}wrong|miscalculated)"
+    # ... but not one already put right: "I made a mistake earlier in step 2".
+    r"(?!\s{1,4}(?:earlier|before|above|previously|initially|at\s{1,4}first|in\s{1,4}(?:step|my|the)))"
     r"|my\s{1,4}mistake|scratch\s{1,4}that|oops|correction(?=\s{0,4}:))\b"
 )
 # What states the corrected value: "the value is 6", "it should be $6$", "= 6", ": 6".

@@ -220,7 +220,7 @@ def visible_answer(answer: str) -> str | None:
     Math-Verify read ``\\phantom{6}`` as 6 and ``\\phantom{3}4`` as 7, and nothing of
     ``\\color{red}{5}``; ``\\boxed{\\boxed{6}5}`` was read as its inner box, 6. Linear in the
     answer's length (at most ``_MAX_VISIBLE_STEPS`` commands are taken off)."""
-    text = _INVISIBLE_RE.sub("", answer)
+    text = _INVISIBLE_RE.sub("", answer).replace("°", "^{\\circ}")
     for _ in range(_MAX_VISIBLE_STEPS):
         i = text.find("\\")
         changed = False
@@ -290,6 +290,10 @@ _BOUNDED_RE = re.compile(
     rf"\s{{0,8}}([^<>=]{{1,60}}?)\s{{0,8}}{_LESS}\s{{0,8}}[A-Za-z]\s{{0,8}}{_LESS}"
     rf"\s{{0,8}}([^<>=]{{1,60}}?)\s{{0,8}}"
 )
+# ``x \\ge 3``, ``x < 2``: a variable bounded from one side (a ray).
+_RAY_RE = re.compile(
+    r"\s{0,8}[A-Za-z]\s{0,8}(<|>|\\[lg]eq?(?![A-Za-z])|\\[lg]eqslant|≤|≥)\s{0,8}([^<>=]{1,60}?)\s{0,8}"
+)
 _INTERVAL_RE = re.compile(r"[\[(][^,;]{1,60}[,;][^,;]{1,60}[\])]")
 
 
@@ -302,8 +306,20 @@ def interval_of(answer: str, reference: str) -> str:
         return answer
     found = _BOUNDED_RE.fullmatch(answer)
     if found is None:
-        return answer
+        return _ray(answer) if "\\infty" in reference else answer
     low, low_rel, high_rel, high = found.groups()
     opener = "(" if low_rel == "<" else "["
     closer = ")" if high_rel == "<" else "]"
     return f"{opener}{low.strip()},{high.strip()}{closer}"
+
+
+def _ray(answer: str) -> str:
+    """``x \\ge 3`` as ``[3,\\infty)``, ``x < 2`` as ``(-\\infty,2)``; else ``answer``."""
+    found = _RAY_RE.fullmatch(answer)
+    if found is None:
+        return answer
+    relation, bound = found.group(1), found.group(2).strip()
+    closed = relation not in ("<", ">")
+    if relation in (">", "≥") or relation.startswith("\\g"):
+        return ("[" if closed else "(") + bound + ",\\infty)"
+    return "(-\\infty," + bound + ("]" if closed else ")")

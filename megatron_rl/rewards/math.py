@@ -400,8 +400,8 @@ def _rewritten(parsed: list) -> list:
 
 def _equal_rewritten(prediction: str, reference: str, gold: list, target: list) -> bool:
     """Equality of the two read with ``i`` as the imaginary unit, hyperbolic functions as
-    exponentials, and, against a reference that writes ``\\ln``, ``\\log`` without a base as
-    the natural logarithm (``\\log 2 + i\\pi/3`` for ``\\ln 2 + i\\pi/3``). Only tried when
+    exponentials, and, where one side writes ``\\ln``, ``\\log`` without a base on the other
+    as the natural logarithm (``\\log 2 + i\\pi/3`` for ``\\ln 2 + i\\pi/3``). Only tried when
     one of these is in the text. Runs inside ``verify``'s CPU-time limit."""
     letters = _COMMAND_RE.sub("", prediction + reference)
     relevant = "i" in letters or any(
@@ -409,6 +409,9 @@ def _equal_rewritten(prediction: str, reference: str, gold: list, target: list) 
     )
     if "\\ln" in reference and "\\log" in prediction and "\\log_" not in prediction:
         target = _parse(prediction.replace("\\log", "\\ln"), None)
+        relevant = True
+    if "\\ln" in prediction and "\\log" in reference and "\\log_" not in reference:
+        gold = _parse_reference(reference.replace("\\log", "\\ln"), None)
         relevant = True
     if not relevant or not target:
         return False

@@ -786,6 +786,7 @@ def test_answers_are_read_as_they_render():
     assert visible_answer("\\textcolor{red}{5}") == visible_answer("{\\color{red}5}") == "{5}"
     assert visible_answer("5\u200b") == visible_answer("\\cancel{6}5") == "5"
     assert visible_answer("\\colorbox{white}{5}") == "{5}"  # a white background shows it
+    assert visible_answer("45°") == "45^{\\circ}"
     for hidden in ("3\\,5", "12\\,34", "\\color{white}{6}", "\\textcolor{white}{6}"):
         assert visible_answer(hidden) is None, hidden
     for kept in ("\\frac{1}{2}", "x^2 + 1", "\\{1,2\\}"):
@@ -841,6 +842,9 @@ def test_operators_left_undone_options_orderings_and_intervals():
     assert interval_of("1\\le x\\le 2", "[1,2]") == "[1,2]"
     assert interval_of("1 < x \\leq 2", "(1, 2]") == "(1,2]"
     assert interval_of("1\\le x\\le 2", "3") == "1\\le x\\le 2"  # no interval asked for
+    assert interval_of("x \\geq 3", "[3, \\infty)") == "[3,\\infty)"
+    assert interval_of("x < 2", "(-\\infty, 2)") == "(-\\infty,2)"
+    assert interval_of("x \\geq 3", "[3, 5]") == "x \\geq 3"  # a ray answers a ray only
 
 
 def test_numbers_compare_exactly_unless_the_reference_is_a_decimal():
