@@ -238,9 +238,9 @@ def unsafe_reason(answer: str, config: RewardConfig) -> str | None:
 
 
 # Operators that a final answer must have evaluated: integrals, sums, products, limits,
-# derivatives, gcd / lcm / max / min. An answer holding one restates the question.
+# derivatives, gcd / lcm / max / min, determinants, floor and ceiling. An answer holding one restates the question.
 _OPERATOR_RE = re.compile(
-    r"\\(?:[iod]{0,3}int|sum|prod|lim|limsup|liminf|gcd|lcm|max|min|det|partial|nabla)"
+    r"\\(?:[iod]{0,3}int|sum|prod|lim|limsup|liminf|gcd|lcm|max|min|det|partial|nabla|lfloor|lceil)"
     r"(?![A-Za-z])"
     r"|\\(?:operatorname\*?|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?i:gcd|lcm|max|min|lim|det)\s{0,4}\}"
     r"|\\[dt]?frac\s{0,4}\{\s{0,4}(?:d|\\mathrm\s{0,4}\{\s{0,4}d\s{0,4}\})(?:\^\{?\d\}?)?\s{0,4}\}"
