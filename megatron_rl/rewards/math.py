@@ -18,6 +18,12 @@ Safety (model text is hostile input):
   NUMBER tokens of the grammar (digits and a decimal point), never free text.
 - Workers run under an audit-hook guard that refuses process creation, sockets and file
   writes, and records any attempt (``TaskResult.blocked``).
+
+Rules beyond Math-Verify's (issues 37 and 45; docs/rewards.md lists them): answers are read
+as they render and with multiplier words as factors (``prepare``); numbers compare exactly
+unless the reference is a decimal (``numeric``); units, percent signs, false equations,
+degrees, ``i``, ``\\ln`` / ``\\log`` and hyperbolic functions in ``verify``. Every rule has
+wrong answers and their correct controls in ``tests/data/math_adversarial_suite.jsonl``.
 """
 
 from __future__ import annotations
