@@ -186,6 +186,7 @@ _STRUCK_COMMANDS = ("\\cancel", "\\bcancel", "\\xcancel", "\\sout", "\\st")
 _COLOR_SWITCH = "\\color"
 _COLOR_COMMANDS = ("\\textcolor", "\\colorbox")
 _BOX_NAMES = ("\\boxed", "\\fbox")
+_TEXT_COMMANDS = ("\\text", "\\textrm", "\\mathrm", "\\mbox", "\\textnormal")
 # Colours that hide the text on a page.
 _HIDING_COLOURS = frozenset(("white", "transparent"))
 # LaTeX spacing between two digits: ``10\,000`` (a thin space between digit groups).
@@ -213,7 +214,8 @@ def _group_after(text: str, i: int) -> tuple[str, int] | None:
 def visible_answer(answer: str) -> str | None:
     """``answer`` as it renders: invisible characters and ``\\phantom`` arguments gone,
     colour commands taken off their text, a box inside the answer replaced by what it holds,
-    and digit groups written with thin spaces joined (``10\\,000`` is ``10000``, which
+    an answer all in one text command (``\\text{5 cm}``) read as its text, and digit groups
+    written with thin spaces joined (``10\\,000`` is ``10000``, which
     Math-Verify read as the product 10 * 000). None when digits are set apart by spacing in
     any other way (``3\\,5``): no number reads that way, and no product either.
 
@@ -253,10 +255,15 @@ def visible_answer(answer: str) -> str | None:
             i = text.find("\\", i + 1)
         if not changed:
             break
-    text = _GROUPED_RE.sub(lambda m: _GROUP_SPACING_RE.sub("", m.group(0)), text)
+    text = _GROUPED_RE.sub(lambda m: _GROUP_SPACING_RE.sub("", m.group(0)), text).strip()
     if _DIGIT_SPACING_RE.search(text):
         return None
-    return text.strip()
+    # All of it in one text command (``\\text{5 cm}``) reads as the text.
+    name = _command_at(text, 0, _TEXT_COMMANDS) if text.startswith("\\") else None
+    group = _group_after(text, len(name)) if name else None
+    if group is not None and group[1] == len(text) and group[0].strip():
+        text = group[0].strip()
+    return text
 
 
 # An ordering written as a chain of one relation: ``b > a > c``, ``x<y<z``.
