@@ -98,6 +98,21 @@ def chosen_option(answer: str) -> str | None:
     return found.group(1) or found.group(2)
 
 
+def option_text(answer: str) -> str | None:
+    """The text of the one option an answer opens with (``12`` of ``C) 12``, ``(B) $-1$``),
+    for a reference that is that text rather than a letter; None without one, with a hedge
+    over options, or with no text after the letter. The closing brace of ``\\text{(C) }``
+    and math delimiters are taken off."""
+    if chosen_option(answer) is None:
+        return None
+    found = _LEADING_OPTION_RE.match(answer)
+    rest = answer[found.end() :].strip()
+    if found.group(0).lstrip().startswith("\\"):
+        rest = rest.removeprefix("}").strip()
+    rest = rest.strip("$ ")
+    return rest or None
+
+
 def option_hedge(answer: str) -> bool:
     """``answer`` opens with an option letter and names another one (``C) 12; D) 14``,
     ``(B) or (D)``): several options offered, which is no choice of one."""

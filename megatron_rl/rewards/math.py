@@ -53,6 +53,7 @@ from megatron_rl.rewards.forms import (
     normalise_string,
     option_hedge,
     option_letter,
+    option_text,
     ordering,
     scientific_notation,
     time_of_day,
@@ -140,6 +141,9 @@ def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[s
             return config.correct_reward if chosen == reference_option else config.incorrect_reward
         if option_hedge(prediction):  # "C) 12; D) 14": several options offered
             return config.incorrect_reward
+    else:
+        # "C) 12" against the reference 12: the option's text is the answer.
+        prediction = option_text(prediction) or prediction
     prediction = interval_of(prediction, reference)
     order = ordering(prediction, reference)
     if order is not None:

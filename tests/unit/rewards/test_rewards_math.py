@@ -29,6 +29,7 @@ from megatron_rl.rewards.forms import (
     interval_of,
     normalise_string,
     option_hedge,
+    option_text,
     ordering,
     scientific_notation,
     time_of_day,
@@ -835,6 +836,10 @@ def test_operators_left_undone_options_orderings_and_intervals():
         assert option_hedge(hedge), hedge
     for choice in ("C) 12", "C: 12 cm", "\\text{C. } 12", "(C) 12 \\text{ cm}"):
         assert not option_hedge(choice), choice
+    assert option_text("C) 12") == option_text("\\text{(C) } 12") == "12"
+    assert option_text("(B) $-1$") == "-1"
+    for no_option in ("C) 12; D) 14", "(3,1)", "A", "x = 5"):
+        assert option_text(no_option) is None, no_option
     assert ordering("b > a > c", "b, a, c") is True
     assert ordering("c < a < b", "b, a, c") is False  # listed as written
     assert ordering("1 < 2 < 3", "1, 2, 3") is None  # no named things
