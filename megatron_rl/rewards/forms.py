@@ -210,6 +210,27 @@ _DIGIT_SPACING_RE = re.compile(r"(?<=\d)(?:\\[,;:! ]|~|\\q?quad(?![A-Za-z]))(?=\
 _GROUPED_RE = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\[,;:! ]|~)\d{3})+(?![\d])")
 _GROUP_SPACING_RE = re.compile(r"\\[,;:! ]|~")
 _MAX_VISIBLE_STEPS = 64
+# Unicode math as LaTeX writes it (``5²``, ``½``, ``−5``, ``π``): Math-Verify read none of it.
+_UNICODE_MATH = str.maketrans(
+    {
+        "°": "^{\\circ}",
+        "²": "^{2}",
+        "³": "^{3}",
+        "½": "\\frac{1}{2}",
+        "⅓": "\\frac{1}{3}",
+        "⅔": "\\frac{2}{3}",
+        "¼": "\\frac{1}{4}",
+        "¾": "\\frac{3}{4}",
+        "−": "-",
+        "×": "\\times ",
+        "÷": "\\div ",
+        "·": "\\cdot ",
+        "π": "\\pi ",
+        "∞": "\\infty ",
+        "≤": "\\le ",
+        "≥": "\\ge ",
+    }
+)
 
 
 def _command_at(text: str, i: int, names: tuple[str, ...]) -> str | None:
@@ -235,9 +256,10 @@ def visible_answer(answer: str) -> str | None:
     any other way (``3\\,5``): no number reads that way, and no product either.
 
     Math-Verify read ``\\phantom{6}`` as 6 and ``\\phantom{3}4`` as 7, and nothing of
-    ``\\color{red}{5}``; ``\\boxed{\\boxed{6}5}`` was read as its inner box, 6. Linear in the
+    ``\\color{red}{5}``; ``\\boxed{\\boxed{6}5}`` was read as its inner box, 6. Unicode
+    math (``5²``, ``½``, ``−5``, ``π``, ``45°``) is written as LaTeX. Linear in the
     answer's length (at most ``_MAX_VISIBLE_STEPS`` commands are taken off)."""
-    text = _INVISIBLE_RE.sub("", answer).replace("°", "^{\\circ}")
+    text = _INVISIBLE_RE.sub("", answer).translate(_UNICODE_MATH)
     for _ in range(_MAX_VISIBLE_STEPS):
         i = text.find("\\")
         changed = False

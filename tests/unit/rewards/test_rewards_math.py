@@ -788,6 +788,7 @@ def test_answers_are_read_as_they_render():
     assert visible_answer("5\u200b") == visible_answer("\\cancel{6}5") == "5"
     assert visible_answer("\\colorbox{white}{5}") == "{5}"  # a white background shows it
     assert visible_answer("45°") == "45^{\\circ}"
+    assert visible_answer("5²") == "5^{2}" and visible_answer("−½") == "-\\frac{1}{2}"
     for hidden in ("3\\,5", "12\\,34", "\\color{white}{6}", "\\textcolor{white}{6}"):
         assert visible_answer(hidden) is None, hidden
     for kept in ("\\frac{1}{2}", "x^2 + 1", "\\{1,2\\}"):
