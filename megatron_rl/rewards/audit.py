@@ -164,6 +164,18 @@ class AuditResult:
     def nothing_extracted(self) -> list[Row]:
         return [r for r in self.rows if r.extracted is None and r.status not in _BAD_REFERENCE]
 
+    def rewarded(self) -> list[Row]:
+        """The rows the reward paid (reward > 0)."""
+        return [r for r in self.rows if r.correct]
+
+    def without_think_end(self, config: RewardConfig) -> list[Row]:
+        """Rows that extracted nothing because they never close their thinking: with
+        ``reward.require_think_end`` a response without ``reward.think_end_tag`` has no
+        answer (empty when it is off)."""
+        if not config.require_think_end:
+            return []
+        return [r for r in self.nothing_extracted() if config.think_end_tag not in r.response]
+
 
 def parse_label(value: Any, name: str) -> bool | None:
     """A harness's verdict as a bool (None: no label); ValueError naming the row."""
@@ -192,13 +204,25 @@ def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(f"{path}: not a readable Parquet file ({exc})") from exc
         return [(f"{path} row {i + 1}", rec) for i, rec in enumerate(table.to_pylist())]
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{path} line {number}: not UTF-8 text (byte {exc.start + 1} of the line is "
+                    f"{raw[exc.start : exc.start + 1]!r}): a binary file, or text in another "
+                    "encoding (Latin-1?), which must be re-encoded as UTF-8"
+                ) from exc
             if not line.strip() or line.startswith("#"):  # a comment line (a file's header)
                 continue
             try:
@@ -246,6 +270,21 @@ def _extracted(row: Row, config: RewardConfig) -> str | None:
     return extract_code(row.response, config)
 
 
+def _unusable_tests(row: Row) -> str | None:
+    """``"special_judge"`` or ``code.BAD_TESTS`` for a code row whose tests cannot be run
+    (logged with the row's name), else None. Checked before scoring: tests of a shape no
+    format has (``{"inputs": 1, "outputs": 2}``) raised a TypeError in the worker, which
+    ended the audit with a traceback after its scoring."""
+    try:
+        code.parse_problem(row.reference)
+    except code.SpecialJudgeError:
+        return "special_judge"
+    except Exception as exc:  # any shape of bad data: the row is reported, not the audit lost
+        logger.warning("%s: unusable code tests, scored incorrect: %s", row.name, exc)
+        return code.BAD_TESTS
+    return None
+
+
 def audit(
     rows: list[Row],
     config: RewardConfig,
@@ -262,8 +301,9 @@ def audit(
             todo = []
             for row in part:
                 row.extracted = _extracted(row, config)
-                if row.domain == "code" and code.needs_special_judge(row.reference):
-                    row.reward, row.status = config.incorrect_reward, "special_judge"
+                unusable = _unusable_tests(row) if row.domain == "code" else None
+                if unusable is not None:
+                    row.reward, row.status = config.incorrect_reward, unusable
                 else:
                     todo.append(row)
             if todo:

@@ -6,9 +6,11 @@ and ``domain``; see ``megatron_rl.rewards.audit``) with the reward of RECIPE (it
 section; default settings without one; ``reward.key=value`` overrides on top, e.g.
 ``reward.require_think_end=false`` for outputs of a model without a thinking block), through the reward worker pool and the code sandbox
 as in training. With labels it prints the agreement, the disagreements by class and the
-slowest rows, and writes the disagreements to a JSONL (``--out``). Without labels it prints
-the distribution of extracted answers and the rows where nothing was extracted (written to
-``--out``). Exit status: 0 once printed, 2 for a bad file or recipe.
+slowest rows, and writes the disagreements to a JSONL (``--out``, default beside FILE; checked
+writable before scoring). Without labels it prints the distribution of extracted answers and
+the rows where nothing was extracted (written to ``--out``). Both say how many rows the reward
+paid, and name the cause when rows have no answer because they never close a thinking block.
+Exit status: 0 once printed, 2 for a bad file, recipe or ``--out``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         help="JSONL of the disagreements (without labels: of the rows where nothing was "
-        "extracted); default: FILE's name + .disagreements.jsonl in the current directory",
+        "extracted); default: FILE.disagreements.jsonl, beside FILE",
     )
     parser.add_argument("--response-field", default="response", help="default: response")
     parser.add_argument("--reference-field", default="reference", help="default: reference")
@@ -88,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
             args.response_field, args.reference_field, args.label_field, args.domain_field
         )
         rows = read_rows(args.file, args.domain, fields)
+        out = args.out or args.file.with_name(f"{args.file.name}.disagreements.jsonl")
+        _check_writable(out)
     except (ConfigError, ValueError) as exc:
         return _error(str(exc))
     with tqdm(total=len(rows), desc="scoring", unit="row", file=sys.stderr) as bar:
@@ -95,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
             result = audit(rows, config, progress=bar.update)
         except SandboxUnavailableError as exc:
             return _error(str(exc))
-    out = args.out or Path(f"{args.file.name}.disagreements.jsonl")
     top = max(1, args.top)
     domains = sorted({r.domain for r in rows})
     print(
@@ -106,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     )
     statuses = ", ".join(f"{k} {v}" for k, v in _counts(r.status for r in rows))
     print(f"statuses: {statuses}")
+    print(f"rewarded: {len(result.rewarded())} of {len(rows)} rows")
+    _print_think_end(result, config)
     if result.labelled:
         _print_labelled(result, top)
         write_rows(out, result.disagreements())
@@ -116,6 +121,37 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nrows where nothing was extracted written to {out}")
     _print_slowest(result, top)
     return 0
+
+
+def _check_writable(out: Path) -> None:
+    """ValueError naming ``out`` when the disagreements cannot be written there: checked
+    before scoring, so that a long audit is not lost at its end."""
+    existed = out.exists()
+    try:
+        with open(out, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ValueError(
+            f"--out {out}: cannot write the disagreements there ({exc.strerror or exc}); "
+            "choose another --out"
+        ) from exc
+    if not existed:
+        out.unlink()
+
+
+def _print_think_end(result, config) -> None:
+    """Name the cause when rows extracted nothing because they never close their thinking."""
+    missing = result.without_think_end(config)
+    if not missing:
+        return
+    tag = config.think_end_tag
+    print(
+        f"no answer read in {len(missing)} of {len(result.rows)} rows because they have no "
+        f"{tag!r} (reward.think_end_tag): with reward.require_think_end=true (the default) a "
+        "response that never closes its thinking has no answer. If the model writes no "
+        "thinking block, run again with reward.require_think_end=false (and set it in the "
+        "recipe's reward section)."
+    )
 
 
 def _counts(values) -> list[tuple[str, int]]:

@@ -20,12 +20,14 @@ from megatron_rl.rewards.boxes import (
 )
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rewards.stated import (
+    MATH,
     PATTERN_WINDOW,
     bare_answer,
     clean_answer,
     stated_answer,
     tag_content,
     unwrap_math,
+    value_at,
 )
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "integer_answer",
     "last_boxed",
     "nesting_depth",
+    "unevaluated_operator",
     "unsafe_reason",
     "unwrap_math",
 ]
@@ -69,13 +72,58 @@ def final_answer(text: str, stated: bool = True) -> str | None:
     without a box, the stated answer (``stated_answer``) when ``stated``."""
     boxed = boxed_answer(text)
     if boxed is None:
-        return stated_answer(text) if stated else None
+        found = stated_answer(text) if stated else None
+        if found is None:
+            return None
+        window = text[-PATTERN_WINDOW:]
+        at = window.rfind(found)
+        corrected = _after_retraction(window[at + len(found) :]) if at >= 0 else None
+        return found if corrected is None else corrected or None
     answer, end = boxed
+    corrected = _after_retraction(text[end:])
+    if corrected is not None:
+        # The last stated answer counts: a box then "that is wrong: the value is 6" is 6;
+        # a box retracted with no value stated is no answer.
+        return corrected or None
     if stated and _FINAL_ANSWER_RE.search(text, end):
         after = stated_answer(text[end:], math_only=True)
         if after is not None:
             return after
     return clean_answer(answer) or None
+
+
+# A statement that the answer before it is wrong ("Wait, that is wrong", "that's incorrect",
+# "I made a mistake", "scratch that"): the answer is then what is stated after it.
+_RETRACTION_RE = re.compile(
+    r"(?i)\b(?:(?:that|this|it|which|the\s{1,4}(?:box|answer|value|result))"
+    r"(?:\s{1,4}(?:is|was)|'s|’s)(?:\s{1,4}(?:wrong|incorrect|not\s{1,4}(?:right|correct)|a\s{1,4}mistake))"
+    r"|(?:that|this|it)\s{1,4}(?:can(?:'|’|no)t|isn(?:'|’)t|wasn(?:'|’)t)\s{1,4}(?:be\s{1,4})?(?:right|correct)"
+    r"|(?:i|we)\s{1,4}(?:made\s{1,4}(?:a|an)\s{1,4}(?:mistake|error)|was\s{1,4}wrong|miscalculated)"
+    # ... but not one already put right: "I made a mistake earlier in step 2".
+    r"(?!\s{1,4}(?:earlier|before|above|previously|initially|at\s{1,4}first|in\s{1,4}(?:step|my|the)))"
+    r"|my\s{1,4}mistake|scratch\s{1,4}that|oops|correction(?=\s{0,4}:))\b"
+)
+# What states the corrected value: "the value is 6", "it should be $6$", "= 6", ": 6".
+# How many of those (the last ones) are read.
+_MAX_RESTATED_TRIES = 8
+_RESTATED_RE = re.compile(r"(?i)(?:\bis|\bbe|=|:)\s{0,8}(?=\S)")
+
+
+def _after_retraction(text: str) -> str | None:
+    """The value stated after the last retraction in ``text`` (the text after a box): what
+    follows its last "is", "be", "=" or ":" when that is math, else "" (retracted, and no
+    value stated); None when nothing is retracted."""
+    window = text[:PATTERN_WINDOW]
+    retractions = list(_RETRACTION_RE.finditer(window))
+    if not retractions:
+        return None
+    retraction = retractions[-1]
+    restated = list(_RESTATED_RE.finditer(window, retraction.end()))
+    for statement in reversed(restated[-_MAX_RESTATED_TRIES:]):
+        value = value_at(window, statement.end(), clause=False)
+        if value is not None and value[0] and value[1] == MATH:
+            return value[0]
+    return ""
 
 
 def _pattern_answer(section: str, pattern: str) -> str | None:
@@ -187,6 +235,26 @@ def unsafe_reason(answer: str, config: RewardConfig) -> str | None:
         if int(match.group(1)) > config.max_factorial:
             return f"factorial above {config.max_factorial}"
     return None
+
+
+# Operators that a final answer must have evaluated: integrals, sums, products, limits,
+# derivatives, gcd / lcm / max / min, determinants, floor and ceiling. An answer holding one restates the question.
+_OPERATOR_RE = re.compile(
+    r"\\(?:[iod]{0,3}int|sum|prod|lim|limsup|liminf|gcd|lcm|max|min|det|partial|nabla|lfloor|lceil)"
+    r"(?![A-Za-z])"
+    r"|\\(?:operatorname\*?|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?i:gcd|lcm|max|min|lim|det)\s{0,4}\}"
+    r"|\\[dt]?frac\s{0,4}\{\s{0,4}(?:d|\\mathrm\s{0,4}\{\s{0,4}d\s{0,4}\})(?:\^\{?\d\}?)?\s{0,4}\}"
+    r"\s{0,4}\{\s{0,4}(?:d|\\mathrm\s{0,4}\{\s{0,4}d\s{0,4}\})\s{0,4}[A-Za-z]"
+    r"|(?<![A-Za-z])(?i:gcd|lcm)\s{0,4}\(|(?<![A-Za-z\\])d/d[A-Za-z]"
+)
+
+
+def unevaluated_operator(answer: str) -> str | None:
+    """The first operator left unevaluated in ``answer`` (``\\int``, ``\\sum``, ``\\lim``,
+    ``\\frac{d}{dx}``, ``\\gcd`` ...), or None. ``\\int_0^1 x^2dx`` for 1/3 restates the
+    question; Math-Verify evaluated it and paid."""
+    found = _OPERATOR_RE.search(answer[:2000])
+    return None if found is None else found.group(0)
 
 
 def integer_answer(text: str) -> int | None:

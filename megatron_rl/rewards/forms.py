@@ -68,6 +68,9 @@ _LEADING_OPTION_RE = re.compile(
 # parentheses, or a connective (``(B) or (D)``, ``(A), C``).
 _ANOTHER_OPTION_RE = re.compile(
     r"\(\s{0,4}[A-J]\s{0,4}\)|(?<![A-Za-z])(?:or|and)(?![A-Za-z])|\\lor|\\land"
+    # Another letter opening an option in any punctuation: "C) 12; D) 14", "C: 12, D: 14",
+    # "C. 12; D. 14".
+    r"|(?<![A-Za-z\\])[A-J]\s{0,4}[.:)](?=\s|$|\})"
 )
 _LEADING_SEPARATOR_RE = re.compile(r"[\s}$]{0,8}[,;/&]")
 
@@ -93,6 +96,30 @@ def chosen_option(answer: str) -> str | None:
     if _ANOTHER_OPTION_RE.search(answer, found.end()):
         return None
     return found.group(1) or found.group(2)
+
+
+def option_text(answer: str) -> str | None:
+    """The text of the one option an answer opens with (``12`` of ``C) 12``, ``(B) $-1$``),
+    for a reference that is that text rather than a letter; None without one, with a hedge
+    over options, or with no text after the letter. The closing brace of ``\\text{(C) }``
+    and math delimiters are taken off."""
+    if chosen_option(answer) is None:
+        return None
+    found = _LEADING_OPTION_RE.match(answer)
+    rest = answer[found.end() :].strip()
+    if found.group(0).lstrip().startswith("\\"):
+        rest = rest.removeprefix("}").strip()
+    rest = rest.strip("$ ")
+    return rest or None
+
+
+def option_hedge(answer: str) -> bool:
+    """``answer`` opens with an option letter and names another one (``C) 12; D) 14``,
+    ``(B) or (D)``): several options offered, which is no choice of one."""
+    if len(answer) > 1000:
+        return False
+    found = _LEADING_OPTION_RE.match(answer)
+    return found is not None and _ANOTHER_OPTION_RE.search(answer, found.end()) is not None
 
 
 # ``1e-3``, ``2.5E4``: digits on both sides of the ``e`` (a sign only as ``e-``: ``2e+1`` may be
@@ -160,3 +187,183 @@ def base_numeral(answer: str) -> tuple[str, int | None] | None:
     if not 2 <= base <= 36 or any(_DIGITS.find(d) >= base for d in digits):
         return None
     return digits, base
+
+
+# Characters that render as nothing: zero-width spaces, joiners and direction marks, the
+# word joiner and the invisible operators (function application, times, separator, plus),
+# the byte-order mark, the soft hyphen, the grapheme joiner, the Mongolian vowel separator.
+_INVISIBLE_RE = re.compile("[\u200b-\u200f\u2060-\u2064\ufeff\u00ad\u034f\u180e]")
+# Commands whose argument renders blank (``\phantom{6}`` leaves the space of a 6, empty).
+_BLANK_COMMANDS = ("\\phantom", "\\hphantom", "\\vphantom")
+# Text struck out (``\\cancel{6}5``) is no part of the answer either.
+_STRUCK_COMMANDS = ("\\cancel", "\\bcancel", "\\xcancel", "\\sout", "\\st")
+# Colour: ``\color{red}`` (a switch) and ``\textcolor{red}{x}`` / ``\colorbox{red}{x}``.
+_COLOR_SWITCH = "\\color"
+_COLOR_COMMANDS = ("\\textcolor", "\\colorbox")
+_BOX_NAMES = ("\\boxed", "\\fbox")
+_TEXT_COMMANDS = ("\\text", "\\textrm", "\\mathrm", "\\mbox", "\\textnormal")
+# Colours that hide the text on a page.
+_HIDING_COLOURS = frozenset(("white", "transparent"))
+# LaTeX spacing between two digits: ``10\,000`` (a thin space between digit groups).
+_DIGIT_SPACING_RE = re.compile(r"(?<=\d)(?:\\[,;:! ]|~|\\q?quad(?![A-Za-z]))(?=\d)")
+# A number written in groups of three (``1\,234\,567``): 1-3 digits, then groups of 3.
+_GROUPED_RE = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\[,;:! ]|~)\d{3})+(?![\d])")
+_GROUP_SPACING_RE = re.compile(r"\\[,;:! ]|~")
+_MAX_VISIBLE_STEPS = 64
+# Unicode math as LaTeX writes it (``5²``, ``½``, ``−5``, ``π``): Math-Verify read none of it.
+_UNICODE_MATH = str.maketrans(
+    {
+        "°": "^{\\circ}",
+        "²": "^{2}",
+        "³": "^{3}",
+        "½": "\\frac{1}{2}",
+        "⅓": "\\frac{1}{3}",
+        "⅔": "\\frac{2}{3}",
+        "¼": "\\frac{1}{4}",
+        "¾": "\\frac{3}{4}",
+        "−": "-",
+        "×": "\\times ",
+        "÷": "\\div ",
+        "·": "\\cdot ",
+        "π": "\\pi ",
+        "∞": "\\infty ",
+        "≤": "\\le ",
+        "≥": "\\ge ",
+    }
+)
+
+
+def _command_at(text: str, i: int, names: tuple[str, ...]) -> str | None:
+    for name in names:
+        if text.startswith(name, i) and not text[i + len(name) : i + len(name) + 1].isalpha():
+            return name
+    return None
+
+
+def _group_after(text: str, i: int) -> tuple[str, int] | None:
+    """The braced argument at ``text[i]`` (spaces before it skipped) and the index after it."""
+    from megatron_rl.rewards.boxes import braced_group, skip_spaces
+
+    return braced_group(text, skip_spaces(text, i))
+
+
+def visible_answer(answer: str) -> str | None:
+    """``answer`` as it renders: invisible characters and ``\\phantom`` arguments gone,
+    colour commands taken off their text, a box inside the answer replaced by what it holds,
+    an answer all in one text command (``\\text{5 cm}``) read as its text, and digit groups
+    written with thin spaces joined (``10\\,000`` is ``10000``, which
+    Math-Verify read as the product 10 * 000). None when digits are set apart by spacing in
+    any other way (``3\\,5``): no number reads that way, and no product either.
+
+    Math-Verify read ``\\phantom{6}`` as 6 and ``\\phantom{3}4`` as 7, and nothing of
+    ``\\color{red}{5}``; ``\\boxed{\\boxed{6}5}`` was read as its inner box, 6. Unicode
+    math (``5²``, ``½``, ``−5``, ``π``, ``45°``) is written as LaTeX. Linear in the
+    answer's length (at most ``_MAX_VISIBLE_STEPS`` commands are taken off)."""
+    text = _INVISIBLE_RE.sub("", answer).translate(_UNICODE_MATH)
+    for _ in range(_MAX_VISIBLE_STEPS):
+        i = text.find("\\")
+        changed = False
+        while i >= 0:
+            blank = _command_at(text, i, _BLANK_COMMANDS + _STRUCK_COMMANDS)
+            colour = _command_at(text, i, _COLOR_COMMANDS)
+            switch = _command_at(text, i, (_COLOR_SWITCH,))
+            boxed = _command_at(text, i, _BOX_NAMES)
+            name = blank or colour or switch or boxed
+            group = _group_after(text, i + len(name)) if name else None
+            if group is not None:
+                content, end = group
+                if blank:
+                    replacement = ""
+                elif content.strip().lower() in _HIDING_COLOURS and name != "\\colorbox":
+                    return None  # white text on a white page: hidden, no answer
+                elif colour:
+                    second = _group_after(text, end)
+                    if second is None:
+                        return None
+                    replacement, end = "{" + second[0] + "}", second[1]
+                elif switch:
+                    replacement = ""
+                else:
+                    bare = content.strip().isdigit() or not content.strip()
+                    replacement = content.strip() if bare else "{" + content + "}"
+                text = text[:i] + replacement + text[end:]
+                changed = True
+                break
+            i = text.find("\\", i + 1)
+        if not changed:
+            break
+    text = _GROUPED_RE.sub(lambda m: _GROUP_SPACING_RE.sub("", m.group(0)), text).strip()
+    if _DIGIT_SPACING_RE.search(text):
+        return None
+    # All of it in one text command (``\\text{5 cm}``) reads as the text.
+    name = _command_at(text, 0, _TEXT_COMMANDS) if text.startswith("\\") else None
+    group = _group_after(text, len(name)) if name else None
+    if group is not None and group[1] == len(text) and group[0].strip():
+        text = group[0].strip()
+    return text
+
+
+# An ordering written as a chain of one relation: ``b > a > c``, ``x<y<z``.
+_CHAIN_SPLIT_RE = re.compile(r"\s{0,8}(>|<|\\gt(?![A-Za-z])|\\lt(?![A-Za-z]))\s{0,8}")
+_ORDER_ITEM_RE = re.compile(r"[A-Za-z0-9_{}\\^.+-]{1,40}")
+
+
+def ordering(answer: str, reference: str) -> bool | None:
+    """Whether the chain ``answer`` (``b > a > c``, one relation throughout) lists the
+    items of the reference's ordering (``b, a, c``) in its order, as written; None when
+    ``answer`` is no such chain or ``reference`` no list of as many items. Math-Verify read
+    the chain as two inequalities and the list as a set, and never matched them."""
+    if len(answer) > 300 or len(reference) > 300:
+        return None
+    parts = _CHAIN_SPLIT_RE.split(answer.strip())
+    relations = {p.strip() for p in parts[1::2]}
+    items = [p.replace(" ", "") for p in parts[0::2]]
+    listed = [p.replace(" ", "") for p in reference.split(",")]
+    if len(items) < 2 or len(relations) != 1 or len(listed) != len(items):
+        return None
+    if not all(_ORDER_ITEM_RE.fullmatch(i) for i in items + listed):
+        return None
+    if not all(any(c.isalpha() for c in i) for i in items):
+        return None  # "1 < 2 < 3": constants, no ordering of named things
+    return items == listed
+
+
+# ``1 \le x \le 2``, ``1 < x \leq 2``: a variable between two bounds.
+_LESS = r"(<|\\leq?(?![A-Za-z])|\\leqslant|≤)"
+_BOUNDED_RE = re.compile(
+    rf"\s{{0,8}}([^<>=]{{1,60}}?)\s{{0,8}}{_LESS}\s{{0,8}}[A-Za-z]\s{{0,8}}{_LESS}"
+    rf"\s{{0,8}}([^<>=]{{1,60}}?)\s{{0,8}}"
+)
+# ``x \\ge 3``, ``x < 2``: a variable bounded from one side (a ray).
+_RAY_RE = re.compile(
+    r"\s{0,8}[A-Za-z]\s{0,8}(<|>|\\[lg]eq?(?![A-Za-z])|\\[lg]eqslant|≤|≥)\s{0,8}([^<>=]{1,60}?)\s{0,8}"
+)
+_INTERVAL_RE = re.compile(r"[\[(][^,;]{1,60}[,;][^,;]{1,60}[\])]")
+
+
+def interval_of(answer: str, reference: str) -> str:
+    """``answer`` as an interval when it bounds one variable from both sides and the
+    reference is an interval: ``1 \\le x \\le 2`` is ``[1,2]``, ``1 < x \\le 2`` is
+    ``(1,2]``; else ``answer`` as it is. Math-Verify compares a relation with an interval
+    only the other way round (a relation as the reference)."""
+    if len(answer) > 200 or not _INTERVAL_RE.fullmatch(reference.replace(" ", "")):
+        return answer
+    found = _BOUNDED_RE.fullmatch(answer)
+    if found is None:
+        return _ray(answer) if "\\infty" in reference else answer
+    low, low_rel, high_rel, high = found.groups()
+    opener = "(" if low_rel == "<" else "["
+    closer = ")" if high_rel == "<" else "]"
+    return f"{opener}{low.strip()},{high.strip()}{closer}"
+
+
+def _ray(answer: str) -> str:
+    """``x \\ge 3`` as ``[3,\\infty)``, ``x < 2`` as ``(-\\infty,2)``; else ``answer``."""
+    found = _RAY_RE.fullmatch(answer)
+    if found is None:
+        return answer
+    relation, bound = found.group(1), found.group(2).strip()
+    closed = relation not in ("<", ">")
+    if relation in (">", "≥") or relation.startswith("\\g"):
+        return ("[" if closed else "(") + bound + ",\\infty)"
+    return "(-\\infty," + bound + ("]" if closed else ")")

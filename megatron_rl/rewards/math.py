@@ -18,16 +18,24 @@ Safety (model text is hostile input):
   NUMBER tokens of the grammar (digits and a decimal point), never free text.
 - Workers run under an audit-hook guard that refuses process creation, sockets and file
   writes, and records any attempt (``TaskResult.blocked``).
+
+Rules beyond Math-Verify's (issues 37 and 45; docs/rewards.md lists them): answers are read
+as they render and with multiplier words as factors (``prepare``); numbers compare exactly
+unless the reference is a decimal (``numeric``); units, percent signs, false equations,
+degrees, ``i``, ``\\ln`` / ``\\log`` and hyperbolic functions in ``verify``. Every rule has
+wrong answers and their correct controls in ``tests/data/math_adversarial_suite.jsonl``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import re
 import signal
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from megatron_rl.rewards.config import RewardConfig
@@ -35,18 +43,25 @@ from megatron_rl.rewards.extraction import (
     extract_math_answer,
     final_answer,
     integer_answer,
+    unevaluated_operator,
     unsafe_reason,
 )
 from megatron_rl.rewards.forms import (
     base_numeral,
     chosen_option,
+    interval_of,
     normalise_string,
+    option_hedge,
     option_letter,
+    option_text,
+    ordering,
     scientific_notation,
     time_of_day,
+    visible_answer,
 )
+from megatron_rl.rewards.numeric import install_numeric_rule
 from megatron_rl.rewards.stated import unwrap_math
-from megatron_rl.rewards.units import split_unit
+from megatron_rl.rewards.units import scaled, split_unit, unit_key
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +91,13 @@ def reference_answer(answer: str) -> str:
 def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[str, str]:
     """Decide a response in the trainer process when that is safe and cheap.
 
-    Returns the reward when it is decided here (no answer, unsafe answer, a reference that is
-    a time of day or a numeral in a base, an option letter opening the answer against a letter, or both answers
-    plain integers), else the ``(prediction, reference)`` pair a worker must verify.
+    Both answers are read as they render (``forms.visible_answer``) with multiplier words
+    as factors (``units.scaled``). Returns the reward when it is decided here (no answer, an
+    unsafe answer, digits set apart by spacing, an operator left unevaluated (``\\int``,
+    ``\\sum``, ``\\gcd``...) that the reference does not hold, a reference that is a time of
+    day or a numeral in a base, an option letter opening the answer against a letter or
+    several options offered, an ordering written as a chain, or both answers plain
+    integers), else the ``(prediction, reference)`` pair a worker must verify.
     """
     prediction = extract_math_answer(response, config)
     if prediction is None:
@@ -87,9 +106,20 @@ def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[s
     if reason is not None:
         logger.debug("answer rejected before parsing: %s", reason)
         return config.incorrect_reward
+    # As it renders (``\\phantom``, colour, thin spaces between digit groups); None for
+    # digits set apart by spacing, which read as no number.
+    prediction = visible_answer(prediction)
+    if not prediction:
+        return config.incorrect_reward
     # After the checks, on a short answer; its exponent has at most 3 digits.
-    prediction = scientific_notation(prediction)
-    reference = scientific_notation(reference_answer(answer))
+    prediction = scaled(scientific_notation(prediction))
+    reference = reference_answer(answer)
+    reference = scaled(scientific_notation(visible_answer(reference) or reference))
+    operator = unevaluated_operator(prediction)
+    if operator is not None and unevaluated_operator(reference) is None:
+        # The question restated (an integral, a sum, a limit left undone): no final answer.
+        logger.debug("answer holds the unevaluated operator %s", operator)
+        return config.incorrect_reward
     reference_time = time_of_day(reference)
     if reference_time is not None:
         # am / pm is part of the answer: 7 p.m. is not 7 a.m. (``forms.time_of_day``).
@@ -109,6 +139,16 @@ def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[s
         chosen = chosen_option(prediction)
         if chosen is not None:
             return config.correct_reward if chosen == reference_option else config.incorrect_reward
+        if option_hedge(prediction):  # "C) 12; D) 14": several options offered
+            return config.incorrect_reward
+    else:
+        # "C) 12" against the reference 12: the option's text is the answer.
+        prediction = option_text(prediction) or prediction
+    prediction = interval_of(prediction, reference)
+    order = ordering(prediction, reference)
+    if order is not None:
+        # "b > a > c" for the ordering "b, a, c": the same items in the same order.
+        return config.correct_reward if order else config.incorrect_reward
     predicted_int, reference_int = integer_answer(prediction), integer_answer(reference)
     if predicted_int is not None and reference_int is not None:
         return config.correct_reward if predicted_int == reference_int else config.incorrect_reward
@@ -263,33 +303,169 @@ def _without_percent(answer: str) -> str | None:
     return None
 
 
-def _equal_without_percent(prediction: str, reference: str, gold: list, target: list) -> bool:
-    """Equality once the percent sign of the one side that has it is taken off. Math-Verify
-    takes ``25`` for ``25\\%`` (integers) but not ``17.5`` for ``17.5\\%``; both now score
-    alike. Runs inside ``verify``'s CPU-time limit."""
-    prediction_bare, reference_bare = _without_percent(prediction), _without_percent(reference)
-    if (prediction_bare is None) == (reference_bare is None):
+def _integer_valued(parsed: list) -> bool:
+    """The first expression of a parse is an integer (``3``, ``\\frac{6}{2}``)."""
+    from sympy import Basic
+
+    value = next((p for p in parsed if isinstance(p, Basic)), None)
+    try:
+        return value is not None and bool(value.is_integer)
+    except Exception:
         return False
-    if reference_bare is not None:
-        gold = _parse_reference(reference_bare, None)
-    else:
+
+
+def _equal_percent(prediction: str, reference: str, gold: list) -> bool:
+    """Equality when one side or both end with a percent sign, decided here alone.
+
+    Both: the numbers before the signs. One: the same number (``64`` for ``64\\%``: the
+    answer in percentage points) or the number over 100 (``0.625`` for ``62.5\\%``), but the
+    latter only when that side's number is no integer but 1: ``5000\\%`` is not the answer
+    50, nor ``300\\%`` the answer 3 (Math-Verify equated both); ``150\\%`` is 1.5.
+    Runs inside ``verify``'s CPU-time limit."""
+    prediction_bare, reference_bare = _without_percent(prediction), _without_percent(reference)
+    if prediction_bare is not None and reference_bare is not None:
         target = _parse(prediction_bare, None)
-    return bool(gold) and bool(target) and _math_verify(gold, target)
+        return bool(target) and _math_verify(_parse_reference(reference_bare, None), target)
+    if reference_bare is not None:
+        percent, whole = _parse_reference(reference_bare, None), _parse(prediction, None)
+    else:
+        percent, whole = _parse(prediction_bare, None), gold
+    if not percent or not whole:
+        return False
+    if _math_verify(whole, percent):
+        return True
+    from sympy import Basic, Integer
+
+    fraction = [p / 100 for p in percent if isinstance(p, Basic)]
+    ones = [w for w in whole if isinstance(w, Basic) and abs(w) == Integer(1)]
+    if _integer_valued(whole) and not ones:
+        return False
+    return bool(fraction) and _math_verify(whole, fraction)
+
+
+def _top_level_sides(answer: str) -> list[str]:
+    """The sides of ``answer``'s top-level ``=`` (or ``==``) signs, not of ``<=``, ``>=``,
+    ``!=``."""
+    sides, depth, start, i = [], 0, 0, 0
+    while i < len(answer):
+        ch = answer[i]
+        if ch in "{([":
+            depth += 1
+        elif ch in "})]":
+            depth -= 1
+        elif ch == "=" and depth == 0 and (i == 0 or answer[i - 1] not in "<>!\\"):
+            sides.append(answer[start:i])
+            if answer.startswith("==", i):  # "1==2" is an equation too
+                i += 1
+            start = i + 1
+        i += 1
+    sides.append(answer[start:])
+    return sides
+
+
+def _false_equation(prediction: str) -> bool:
+    """``prediction`` is a chain of equalities of constants that do not all agree
+    (``2+2=5``); Math-Verify took the last side. A chain with a variable (``x = 5+5+1 =
+    7 = 11``) is left to Math-Verify, whose own tests take its last side: the variable's
+    value is what is stated last. Runs inside ``verify``'s CPU-time limit."""
+    sides = _top_level_sides(prediction)
+    if len(sides) < 2 or not all(side.strip() for side in sides):
+        return False
+    parsed = [_parse(side, None) for side in sides]
+    if not all(_constant(p) for p in parsed):
+        return False
+    return any(not _math_verify(parsed[-1], side) for side in parsed[:-1])
+
+
+_COMMAND_RE = re.compile(r"\\[A-Za-z]+")
+_DEGREE_RE = re.compile(r"\^\s{0,4}\{?\s{0,4}\\circ\s{0,4}\}?|°|\\degree")
+
+
+def _equal_in_radians(prediction: str, reference: str, gold: list, target: list) -> bool:
+    """A reference in degrees (``30^\\circ``) against an answer in radians with ``\\pi``
+    (``\\frac{\\pi}{6}``). Runs inside ``verify``'s CPU-time limit."""
+    if not _DEGREE_RE.search(reference) or "\\pi" not in prediction or not _constant(gold):
+        return False
+    from sympy import Basic, pi
+
+    radians = [g * pi / 180 for g in gold if isinstance(g, Basic)]
+    return bool(target) and _math_verify(radians, target)
+
+
+def _rewritten(parsed: list) -> list:
+    """A parse with the symbol ``i`` as the imaginary unit and hyperbolic functions written
+    with ``exp``: ``e^{i\\pi}`` is -1, ``\\sinh(at)/a`` is ``(e^{at}-e^{-at})/2a``."""
+    from sympy import Basic, I, Symbol, exp
+    from sympy.functions.elementary.hyperbolic import HyperbolicFunction
+
+    out = []
+    for p in parsed:
+        if isinstance(p, Basic):
+            p = p.subs({s: I for s in p.free_symbols if isinstance(s, Symbol) and s.name == "i"})
+            if p.has(HyperbolicFunction):
+                p = p.rewrite(exp)
+        out.append(p)
+    return out
+
+
+def _equal_rewritten(prediction: str, reference: str, gold: list, target: list) -> bool:
+    """Equality of the two read with ``i`` as the imaginary unit, hyperbolic functions as
+    exponentials, and, where one side writes ``\\ln``, ``\\log`` without a base on the other
+    as the natural logarithm (``\\log 2 + i\\pi/3`` for ``\\ln 2 + i\\pi/3``). Only tried when
+    one of these is in the text. Runs inside ``verify``'s CPU-time limit."""
+    letters = _COMMAND_RE.sub("", prediction + reference)
+    relevant = "i" in letters or any(
+        f in prediction + reference for f in ("\\sinh", "\\cosh", "\\tanh")
+    )
+    if "\\ln" in reference and "\\log" in prediction and "\\log_" not in prediction:
+        target = _parse(prediction.replace("\\log", "\\ln"), None)
+        relevant = True
+    if "\\ln" in prediction and "\\log" in reference and "\\log_" not in reference:
+        gold = _parse_reference(reference.replace("\\log", "\\ln"), None)
+        relevant = True
+    if not relevant or not target:
+        return False
+    try:
+        gold, target = _rewritten(gold), _rewritten(target)
+    except Exception:  # sympy could not rewrite: compared as they were
+        return False
+    return _math_verify(gold, target)
 
 
 def _math_verify(gold: list, target: list) -> bool:
     from math_verify import verify as math_verify
 
+    install_numeric_rule()
     # Math-Verify's own limit stays off: it would report running out as False.
     return math_verify(gold, target, timeout_seconds=None)
+
+
+def _contained(equal: Callable[..., bool]) -> Callable[..., bool]:
+    """``equal`` that answers False where sympy raises on an unforeseen kind of value (a
+    set divided by 100, the absolute value of a matrix): a comparison that fails is no
+    equality, and must not end the task as a crash. ``_OutOfTime`` (a BaseException)
+    passes through."""
+
+    @functools.wraps(equal)
+    def contained(*args: Any) -> bool:
+        try:
+            return equal(*args)
+        except Exception:
+            logger.debug("%s failed, not equal", equal.__name__, exc_info=True)
+            return False
+
+    return contained
 
 
 def verify(prediction: str, reference: str, timeout_s: float) -> str:
     """Math-Verify equivalence of two extracted answers: CORRECT, WRONG, TIMEOUT or
     BAD_REFERENCE (the reference does not parse). Runs inside a worker process.
 
-    Compared as they are, then without a unit at their end (``_equal_without_units``), then
-    without the percent sign of one of them (``_equal_without_percent``).
+    Units first: when both end with one, the units must agree (``units.unit_key``). With a
+    percent sign on either side, ``_equal_percent`` alone decides. An answer that is a
+    false equation of constants (``2+2=5``) is wrong. Otherwise compared as they are, then
+    without a unit at their end (``_equal_without_units``), then in radians against degrees
+    (``_equal_in_radians``), then rewritten (``_equal_rewritten``).
     ``timeout_s`` > 0 gives the reference parse, and then the prediction parse with the
     comparisons, ``_CPU_SHARE * timeout_s`` CPU seconds each; running out is TIMEOUT, never
     WRONG. The hard wall-clock limit is the worker pool's.
@@ -300,12 +476,25 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
         if not gold:
             return BAD_REFERENCE
         with _cpu_time_limit(cpu_seconds):
-            target = _parse(prediction, None)
-            correct = bool(target) and _math_verify(gold, target)
-            if not correct:
-                correct = _equal_without_units(prediction, reference, gold, target)
-            if not correct:
-                correct = _equal_without_percent(prediction, reference, gold, target)
+            predicted_unit, reference_unit = unit_key(prediction), unit_key(reference)
+            if predicted_unit and reference_unit and predicted_unit != reference_unit:
+                # 5 mm is not 5 cm; radians answer degrees only as an angle in pi.
+                radians = split_unit(prediction) if predicted_unit == "rad" else None
+                if radians is None or reference_unit != "deg":
+                    return WRONG
+                value = radians[0]
+                radians_equal = _contained(_equal_in_radians)
+                correct = radians_equal(value, reference, gold, _parse(value, None))
+                return CORRECT if correct else WRONG
+            if _without_percent(prediction) is not None or _without_percent(reference):
+                correct = _contained(_equal_percent)(prediction, reference, gold)
+            elif _contained(_false_equation)(prediction):
+                correct = False
+            else:
+                target = _parse(prediction, None)
+                correct = bool(target) and _math_verify(gold, target)
+                for equal in (_equal_without_units, _equal_in_radians, _equal_rewritten):
+                    correct = correct or _contained(equal)(prediction, reference, gold, target)
     except _OutOfTime:
         return TIMEOUT
     return CORRECT if correct else WRONG

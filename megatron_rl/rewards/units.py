@@ -46,7 +46,17 @@ _NOT_UNITS = frozenset(
     "and or not but if for all with where when then else is are as of to no none yes "
     "plus minus times over divided by squared cubed root sqrt "
     "am pm AM PM noon midnight".split()
+) | frozenset(
+    # Words that change the value (``multiplied``) or say something of it: never a unit.
+    "factorial factorials percent wrong incorrect correct false true not maybe unsure "
+    "hundred hundreds thousand thousands million millions billion billions trillion "
+    "trillions dozen dozens half halves third thirds quarter quarters tenth tenths "
+    "hundredth hundredths thousandth thousandths millionth millionths "
+    "probably perhaps possibly likely guess unknown kidding joking sorry oops hmm".split()
 )
+# What a parenthesised text may say and still be taken off as a unit (``9 \\text{
+# (approximately)}``); any other remark in parentheses (``5 \\text{ (just kidding)}``) stays.
+_PARENTHESISED_UNITS = frozenset("approximately approx about rounded exact exactly".split())
 _UNIT_LETTERS = "A-Za-zµμΩ°"
 _UNIT_WORDS_RE = re.compile(
     rf"[{_UNIT_LETTERS}]{{1,20}}(?:\^[23])?(?:[\s./·-]{{1,4}}[{_UNIT_LETTERS}]{{1,20}}(?:\^[23])?){{0,3}}\.?"
@@ -132,6 +142,8 @@ def _wrapped_units(answer: str) -> tuple[str, str] | None:
         unit = _UNIT_SPACING_RE.sub(" ", wrapped.group(1)).strip()
         if unit.startswith("(") and unit.endswith(")"):  # "\text{ (approximately)}"
             unit = unit[1:-1].strip()
+            if unit.lower() not in _PARENTHESISED_UNITS and _unit_name(unit) == unit.lower():
+                return None  # a remark, not a known unit
         if not unit or _TIME_MARKER_RE.search(unit) or not _is_unit_word(unit):
             return None
         units.append(unit)
@@ -184,3 +196,183 @@ def split_unit(answer: str) -> tuple[str, str] | None:
     if not _constant_terms(value):
         return None
     return (head + value).strip(), unit
+
+
+# Words that scale the number before them (``5 million``, ``3 dozen``, ``7 hundredths``):
+# written as the factor, they are read as a product, never taken off as a unit.
+_MULTIPLIERS = {
+    "hundred": "100",
+    "thousand": "1000",
+    "million": "10^{6}",
+    "billion": "10^{9}",
+    "trillion": "10^{12}",
+    "dozen": "12",
+    "half": "\\frac{1}{2}",
+    "halve": "\\frac{1}{2}",
+    "third": "\\frac{1}{3}",
+    "quarter": "\\frac{1}{4}",
+    "tenth": "\\frac{1}{10}",
+    "hundredth": "\\frac{1}{100}",
+    "thousandth": "\\frac{1}{1000}",
+    "millionth": "\\frac{1}{10^{6}}",
+}
+_NUMBER = r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+"
+# A number, then a multiplier or "factorial" / "percent" (plain or in a text command), then
+# anything (a unit: ``5 million dollars``).
+_SCALED_RE = re.compile(
+    rf"\s{{0,4}}({_NUMBER})(?:{_SPACING}){{0,4}}"
+    r"(?:\\(?:text|textrm|textnormal|mathrm|mbox)\s{0,4}\{\s{0,4}([A-Za-z]{3,12})\s{0,4}\}"
+    r"|([A-Za-z]{3,12})(?![A-Za-z]))"
+)
+
+
+def _scale_word(word: str) -> str | None:
+    """The factor a multiplier word stands for (plural or not), "!" for factorial, "%"
+    for percent, else None."""
+    word = word.lower()
+    if word in ("factorial", "percent"):
+        return "!" if word == "factorial" else "%"
+    if word.endswith("s") and word[:-1] in _MULTIPLIERS:
+        word = word[:-1]
+    if word == "halves":
+        word = "half"
+    return _MULTIPLIERS.get(word)
+
+
+def scaled(answer: str) -> str:
+    """``answer`` with a multiplier word after its leading number written as a product:
+    ``5 million`` is ``5\\times 10^{6}``, ``3 \\text{ dozen}`` is ``3\\times 12``, ``7
+    hundredths`` is ``7\\times \\frac{1}{100}``; ``5 factorial`` is ``5!`` and ``12 percent``
+    ``12\\%``. What follows the word (a unit) stays. Math-Verify's unit stripping read these
+    words as units and took them off, so ``5 million`` equalled 5. Other answers are
+    returned as they are."""
+    if len(answer) > 200:
+        return answer
+    found = _SCALED_RE.match(answer)
+    if found is None:
+        return answer
+    factor = _scale_word(found.group(2) or found.group(3))
+    if factor is None:
+        return answer
+    number, rest = found.group(1).replace(",", ""), answer[found.end() :]
+    if factor in ("!", "%"):
+        written = number + ("!" if factor == "!" else "\\%")
+    else:
+        written = f"{number}\\times {factor}"
+    return written + (" " + rest.strip() if rest.strip() else "")
+
+
+# Names of a unit, each to one spelling (plurals are handled by ``_unit_name``). Symbols
+# whose case matters stay as written (``Mm`` is no ``mm``); the rest compare lower-cased.
+_UNIT_NAMES = {
+    "millimeter": "mm",
+    "millimetre": "mm",
+    "centimeter": "cm",
+    "centimetre": "cm",
+    "meter": "m",
+    "metre": "m",
+    "kilometer": "km",
+    "kilometre": "km",
+    "nanometer": "nm",
+    "nanometre": "nm",
+    "micrometer": "um",
+    "micrometre": "um",
+    "µm": "um",
+    "μm": "um",
+    "inch": "in",
+    "inches": "in",
+    "foot": "ft",
+    "feet": "ft",
+    "yard": "yd",
+    "mile": "mi",
+    "milligram": "mg",
+    "gram": "g",
+    "kilogram": "kg",
+    "pound": "lb",
+    "lbs": "lb",
+    "ounce": "oz",
+    "tonne": "t",
+    "ton": "t",
+    "second": "s",
+    "sec": "s",
+    "secs": "s",
+    "minute": "min",
+    "mins": "min",
+    "hour": "h",
+    "hr": "h",
+    "hrs": "h",
+    "millisecond": "ms",
+    "day": "day",
+    "days": "day",
+    "week": "week",
+    "wk": "week",
+    "month": "month",
+    "year": "yr",
+    "yrs": "yr",
+    "milliliter": "ml",
+    "millilitre": "ml",
+    "liter": "l",
+    "litre": "l",
+    "gallon": "gal",
+    "degree": "deg",
+    "°": "deg",
+    "dollar": "dollar",
+    "cent": "cent",
+    "unit": "unit",
+    "kph": "km/h",
+    "kmh": "km/h",
+    "mph": "mi/h",
+    "sq": "square",
+    "cu": "cubic",
+}
+# A value in degrees: ``30^\\circ``, ``30^{\\circ}``, ``30°``, ``30\\degree``.
+_DEGREES_RE = re.compile(r"(?:\^\s{0,4}\{?\s{0,4}\\circ\s{0,4}\}?|°|\\degree)\s{0,4}$")
+_POWER_WORDS = {"square": "2", "squared": "2", "cubic": "3", "cubed": "3"}
+_TRAILING_POWER_RE = re.compile(r"(?:\^\s{0,4}(?:\{\s{0,4}([23])\s{0,4}\}|([23]))|([²³]))\s{0,4}$")
+_UNIT_TOKEN_RE = re.compile(r"[A-Za-zµμΩ°]+|/")
+
+
+def _unit_name(token: str) -> str:
+    """One spelling of a unit's name or symbol (``centimeters`` and ``cm`` are ``cm``)."""
+    for candidate in (token, token.lower()):
+        if candidate in _UNIT_NAMES:
+            return _UNIT_NAMES[candidate]
+    lower = token.lower()
+    if len(lower) > 3 and lower.endswith("s") and lower[:-1] in _UNIT_NAMES:
+        return _UNIT_NAMES[lower[:-1]]
+    if len(lower) > 3 and lower.endswith("s"):
+        lower = lower[:-1]  # a counted noun: apples, units
+    if token in ("L", "mL"):
+        return lower
+    return lower if len(token) > 2 else token
+
+
+def unit_key(answer: str) -> str | None:
+    """The unit that ends ``answer`` (``split_unit``) in one spelling with its power, or None
+    without one: ``5 centimeters`` and ``5\\text{ cm}`` are ``cm``, ``12 \\text{ m}^2`` and
+    ``12 square meters`` are ``m^2``, ``60 km/h`` and ``60 kilometers per hour`` are
+    ``km/h``; ``30^\\circ`` and ``30 degrees`` are ``deg``. When both a response and its
+    reference carry a unit, the keys must agree: ``5 mm`` is not ``5 cm`` (the unit is no
+    longer taken off both sides regardless)."""
+    if _DEGREES_RE.search(answer):
+        return "deg"
+    found = split_unit(answer)
+    if found is None:
+        return None
+    unit = found[1]
+    power = _TRAILING_POWER_RE.search(answer)
+    exponent = next((g for g in power.groups() if g), None) if power else None
+    if exponent in ("²", "³"):
+        exponent = "2" if exponent == "²" else "3"
+    unit = _TRAILING_POWER_RE.sub("", unit)
+    names = []
+    for token in _UNIT_TOKEN_RE.findall(unit.replace(" per ", "/")):
+        if token == "/":
+            names.append("/")
+        elif token.lower() in _POWER_WORDS:
+            exponent = _POWER_WORDS[token.lower()]
+        else:
+            names.append(_unit_name(token))
+    key = "".join(n if n == "/" else n + " " for n in names).replace(" /", "/").strip()
+    key = _UNIT_NAMES.get(key, key)
+    return key + (f"^{exponent}" if exponent else "")

@@ -198,3 +198,80 @@ def test_overrides_outside_the_reward_section_are_refused(capsys):
     assert "reward.* keys only" in capsys.readouterr().err
     assert main(["reward-audit", str(TORA), "reward.no_such_key=1"]) == 2
     assert "reward.no_such_key" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_the_summary_names_a_missing_think_end_and_counts_the_rewarded_rows(tmp_path, capsys):
+    """Issue 45, 4: outputs of a model that writes no thinking block extract nothing with
+    the default settings; the summary says why and which setting changes it. Issue 47: it
+    says how many rows were rewarded."""
+    rows = [
+        {"response": "So $\\boxed{6}$.", "reference": "6", "label": 1},
+        {"response": "The answer is $\\frac{1}{2}$.", "reference": "0.5", "label": 1},
+        {"response": "So $\\boxed{7}$.", "reference": "8", "label": 0},
+        {"response": "<think>x</think>So $\\boxed{3}$.", "reference": "3", "label": 1},
+    ]
+    data = _write_jsonl(tmp_path / "evals.jsonl", rows)
+    assert main(["reward-audit", str(data), "--workers", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "rewarded: 1 of 4 rows" in printed
+    assert "no answer read in 3 of 4 rows because they have no '</think>'" in printed
+    assert "reward.require_think_end=false" in printed
+    assert "agreement with labels: 2/4 = 50.0%" in printed
+    argv = ["reward-audit", str(data), "reward.require_think_end=false", "--workers", "1"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "rewarded: 3 of 4 rows" in printed
+    assert "no answer read" not in printed
+    assert "agreement with labels: 4/4 = 100.0%" in printed
+
+
+@pytest.mark.timeout(120)
+def test_out_defaults_to_beside_the_input_and_is_checked_before_scoring(
+    tmp_path, capsys, monkeypatch
+):
+    data = _write_jsonl(tmp_path / "evals.jsonl", [{"response": "x", "reference": "1"}])
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["reward-audit", str(data), "--workers", "1"]) == 0
+    assert (tmp_path / "evals.jsonl.disagreements.jsonl").is_file()
+    assert list(elsewhere.iterdir()) == []
+    capsys.readouterr()
+    for out in (tmp_path / "no_such_dir" / "out.jsonl", tmp_path):  # missing dir; a directory
+        assert main(["reward-audit", str(data), "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert f"--out {out}: cannot write the disagreements there" in captured.err
+        assert "scoring" not in captured.err  # refused before any row was scored
+
+
+@pytest.mark.parametrize(
+    "content, line",
+    [
+        (b'{"response": "x", "reference": "1"}\n{"response": "caf\xe9", "reference": "1"}\n', 2),
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", 1),
+    ],
+    ids=["latin-1", "binary"],
+)
+def test_a_file_that_is_not_utf8_is_refused_naming_file_and_line(tmp_path, capsys, content, line):
+    data = tmp_path / "evals.jsonl"
+    data.write_bytes(content)
+    assert main(["reward-audit", str(data)]) == 2
+    assert f"{data} line {line}: not UTF-8 text" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_code_tests_of_no_known_shape_are_a_bad_reference_not_a_traceback(tmp_path, capsys):
+    # Issue 49, 9: {"inputs": 1, "outputs": 2} ended the audit in a TypeError after scoring.
+    fence = "</think>```python\nprint(1)\n```"
+    rows = [
+        {"response": fence, "reference": {"inputs": 1, "outputs": 2}, "label": 1},
+        {"response": fence, "reference": {"inputs": [[1]], "outputs": None}, "label": 0},
+    ]
+    data = _write_jsonl(tmp_path / "code.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    assert main(["reward-audit", str(data), "--domain", "code", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "statuses: bad_tests 2" in printed
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["row"], r["class"]) for r in written] == [(f"{data} line 1", "bad_reference")]

@@ -1,10 +1,15 @@
-"""The math reward against outputs a policy would try on a verifier (issue 37).
+"""The math reward against outputs a policy would try on a verifier (issues 37 and 45).
 
 ``tests/data/math_adversarial_suite.jsonl``: answers with an extra variable term or a unit,
 times of day, hedges and several boxes, a box in the thinking, restated questions, LaTeX
 macros that expand to the reference, very long answers, numbers with units against symbolic
-references, and guards for the forms the reward reads itself. Every one must score incorrect:
-a single false-positive class is enough for a policy to learn it.
+references, and guards for the forms the reward reads itself (issue 37); tolerances, percent
+and multiplier words, units that disagree, words that are no units, unevaluated operators,
+false equations, hidden LaTeX, multiple-choice hedges, retractions, and the right answers the
+reward missed (issue 45). Every case without ``"expected": true`` must score incorrect: a
+single false-positive class is enough for a policy to learn it. The cases with it are the
+matched controls (the same answer written correctly, in the forms real models use) and must
+score correct: a tightening must not take them.
 """
 
 from __future__ import annotations
@@ -31,17 +36,51 @@ def pool():
         yield reward_pool
 
 
+# Issue 45's classes: each has several probes and matched controls.
+ISSUE_45 = {
+    "tolerance",
+    "percent",
+    "multiplier",
+    "unit_mismatch",
+    "not_unit",
+    "unevaluated",
+    "false_equation",
+    "hidden_latex",
+    "choice_hedge",
+    "retraction",
+    "miss_interval",
+    "miss_degrees",
+    "miss_complex",
+    "miss_hyperbolic",
+    "miss_ordering",
+}
+
+
 def test_suite_covers_every_class():
     classes = Counter(case["class"] for case in _cases())
     expected = {"extra_term", "time_of_day", "hedge", "think_box", "restate", "macro", "long"}
-    assert expected | {"unit_vs_symbol", "guard"} <= set(classes)
+    assert expected | {"unit_vs_symbol", "guard"} | ISSUE_45 <= set(classes)
     assert all(count >= 3 for count in classes.values()), classes
     assert len({case["id"] for case in _cases()}) == sum(classes.values())
+    for name in ISSUE_45:
+        verdicts = Counter(bool(c.get("expected")) for c in _cases() if c["class"] == name)
+        assert verdicts[True] >= 2 and verdicts[False] >= 2, (name, verdicts)
 
 
-def test_every_adversarial_output_scores_incorrect(pool):
+def test_every_adversarial_output_scores_incorrect_and_every_control_correct(pool):
     cases = _cases()
     rewards = pool.score_batch([c["response"] for c in cases], [c["reference"] for c in cases])
     assert pool.last_counts["timeout"] == 0
-    rewarded = [(c["id"], c["reference"], c["note"]) for c, r in zip(cases, rewards) if r > 0]
+    assert pool.last_counts["crashed"] == pool.last_counts["error"] == 0
+    rewarded = [
+        (c["id"], c["reference"], c["note"])
+        for c, r in zip(cases, rewards)
+        if r > 0 and not c.get("expected")
+    ]
     assert rewarded == []
+    missed = [
+        (c["id"], c["reference"], c["note"])
+        for c, r in zip(cases, rewards)
+        if r <= 0 and c.get("expected")
+    ]
+    assert missed == []

@@ -20,16 +20,23 @@ from megatron_rl.rewards.extraction import (
     final_boxed,
     last_boxed,
     nesting_depth,
+    unevaluated_operator,
     unsafe_reason,
 )
 from megatron_rl.rewards.forms import (
     base_numeral,
     chosen_option,
+    interval_of,
     normalise_string,
+    option_hedge,
+    option_text,
+    ordering,
     scientific_notation,
     time_of_day,
+    visible_answer,
 )
-from megatron_rl.rewards.units import split_unit
+from megatron_rl.rewards.numeric import numbers_equal
+from megatron_rl.rewards.units import scaled, split_unit, unit_key
 from megatron_rl.rewards.workers import WorkerPool
 
 TIMEOUT_S = 2.0
@@ -273,6 +280,9 @@ def test_extraction_stays_linear_on_hostile_text():
         "</think>The value is " + "**1" * 80_000 + "**.",
         "</think>The answer, " + "**" * 100_000,
         "</think>" + "is **" * 40_000 + "4**",
+        # Issue 45's readings: a retraction after the box, then many statements.
+        "</think>\\boxed{5} that is wrong " + "is $1$ = : " * 20_000,
+        "</think>The answer is 5. " + "that is wrong " * 18_000,
     ]
     for text in hostile:
         assert len(text) <= config.max_response_chars
@@ -764,3 +774,97 @@ def test_a_numeral_in_a_base_keeps_its_base(pool):
     ]
     rewards = pool.score_batch([respond(a) for a, _, _ in pairs], [r for _, r, _ in pairs])
     assert dict(zip(pairs, rewards)) == {pair: pair[2] for pair in pairs}
+
+
+def test_answers_are_read_as_they_render():
+    # Issue 45: Math-Verify read \phantom{6} as 6, \phantom{3}4 as 7, the inner box of
+    # \boxed{\boxed{6}5} as 6, 10\,000 as 10 * 000, and nothing of \color{red}{5}.
+    assert visible_answer("\\phantom{6}") == ""
+    assert visible_answer("\\phantom{3}4") == visible_answer("4\\hphantom{3}") == "4"
+    assert visible_answer("\\boxed{6}5") == "65"
+    assert visible_answer("10\\,000") == "10000"
+    assert visible_answer("1\\,234\\,567.5") == "1234567.5"
+    assert visible_answer("\\textcolor{red}{5}") == visible_answer("{\\color{red}5}") == "{5}"
+    assert visible_answer("5\u200b") == visible_answer("\\cancel{6}5") == "5"
+    assert visible_answer("\\colorbox{white}{5}") == "{5}"  # a white background shows it
+    assert visible_answer("45°") == "45^{\\circ}"
+    assert visible_answer("5²") == "5^{2}" and visible_answer("−½") == "-\\frac{1}{2}"
+    for hidden in ("3\\,5", "12\\,34", "\\color{white}{6}", "\\textcolor{white}{6}"):
+        assert visible_answer(hidden) is None, hidden
+    for kept in ("\\frac{1}{2}", "x^2 + 1", "\\{1,2\\}"):
+        assert visible_answer(kept) == kept
+
+
+def test_multiplier_words_scale_and_units_must_agree():
+    assert scaled("5 million") == "5\\times 10^{6}"
+    assert scaled("3 \\text{ dozen}") == "3\\times 12"
+    assert scaled("7 hundredths") == "7\\times \\frac{1}{100}"
+    assert scaled("2,500 thousand dollars") == "2500\\times 1000 dollars"
+    assert scaled("5 factorial") == "5!" and scaled("12 percent") == "12\\%"
+    for kept in ("5 apples", "x thousand", "5 + 3 million", "5"):
+        assert scaled(kept) == kept
+    same = [
+        ("5 cm", "5 \\text{ centimeters}", "cm"),
+        ("5 s", "5\\,\\mathrm{seconds}", "s"),
+        ("12 \\text{ m}^2", "12 square meters", "m^2"),
+        ("60 km/h", "60 kilometers per hour", "km/h"),
+        ("30^\\circ", "30 \\text{ degrees}", "deg"),
+        ("5 mL", "5 ml", "ml"),
+    ]
+    for a, b, key in same:
+        assert unit_key(a) == unit_key(b) == key, (a, b)
+    for a, b in (("5 mm", "5 cm"), ("5 min", "5 s"), ("12 m^2", "12 m^3"), ("5 g", "5 kg")):
+        assert unit_key(a) != unit_key(b), (a, b)
+    for no_unit in ("5", "4h", "5 factorial", "5 \\text{ (wrong)}", "5 \\text{ probably}"):
+        assert unit_key(no_unit) is None, no_unit
+
+
+def test_operators_left_undone_options_orderings_and_intervals():
+    for restated in (
+        "\\int_0^1 x^2dx",
+        "\\sum_{k=1}^{10}k^2",
+        "\\lim_{x\\to 0}\\frac{\\sin x}{x}",
+        "\\frac{d}{dx}x^3",
+        "\\frac{\\mathrm{d}}{\\mathrm{d}x}x^3",
+        "\\gcd(12,18)",
+        "\\operatorname{lcm}(4,6)",
+        "\\max(3,5)",
+    ):
+        assert unevaluated_operator(restated) is not None, restated
+    for final in ("\\frac{d}{2}", "\\sin x + \\cos x", "dx + 1", "\\binom{5}{2}", "5!"):
+        assert unevaluated_operator(final) is None, final
+    for hedge in ("C) 12; D) 14", "C: 12, D: 14", "\\text{C. 12; D. 14}", "(B) or (D)"):
+        assert option_hedge(hedge), hedge
+    for choice in ("C) 12", "C: 12 cm", "\\text{C. } 12", "(C) 12 \\text{ cm}"):
+        assert not option_hedge(choice), choice
+    assert option_text("C) 12") == option_text("\\text{(C) } 12") == "12"
+    assert option_text("(B) $-1$") == "-1"
+    for no_option in ("C) 12; D) 14", "(3,1)", "A", "x = 5"):
+        assert option_text(no_option) is None, no_option
+    assert ordering("b > a > c", "b, a, c") is True
+    assert ordering("c < a < b", "b, a, c") is False  # listed as written
+    assert ordering("1 < 2 < 3", "1, 2, 3") is None  # no named things
+    assert ordering("x > 2", "[2, 3]") is None
+    assert interval_of("1\\le x\\le 2", "[1,2]") == "[1,2]"
+    assert interval_of("1 < x \\leq 2", "(1, 2]") == "(1,2]"
+    assert interval_of("1\\le x\\le 2", "3") == "1\\le x\\le 2"  # no interval asked for
+    assert interval_of("x \\geq 3", "[3, \\infty)") == "[3,\\infty)"
+    assert interval_of("x < 2", "(-\\infty, 2)") == "(-\\infty,2)"
+    assert interval_of("x \\geq 3", "[3, 5]") == "x \\geq 3"  # a ray answers a ray only
+
+
+def test_numbers_compare_exactly_unless_the_reference_is_a_decimal():
+    # Issue 45: Math-Verify's float_rounding=6 made 0.0 equal every reference below 5e-7.
+    from sympy import Float, Integer, Rational, pi, sqrt
+
+    assert numbers_equal(Rational(3, 10**7), Float(0.0)) is False
+    assert numbers_equal(Integer(10**17 + 7), Float(1e17)) is False
+    assert numbers_equal(Integer(10**17), Float(1e17)) is True
+    assert numbers_equal(Rational(1, 3), Float("0.3333333")) is False
+    assert numbers_equal(Rational(1, 8), Float("0.125")) is True
+    assert numbers_equal(Float("0.0001234"), Float("0.0001232")) is False
+    assert numbers_equal(Float("3.14159265"), Float("3.1415927")) is True  # 1.6e-8 relative
+    assert numbers_equal(sqrt(2), Float("1.4142136")) is False
+    assert numbers_equal(5 * sqrt(42) / 27, 10 * sqrt(Float(10.5)) / 27) is True
+    assert numbers_equal(pi / 6, pi / 6) is True
+    assert numbers_equal(Integer(1), pi) is False

@@ -1,0 +1,84 @@
+"""Numbers as the math reward compares them, in place of Math-Verify's numeric rule.
+
+Math-Verify (``math_verify.grader.sympy_numeric_eq``) rounds both numbers to 6 decimals when
+one is a float, so ``0.0`` equalled every reference below 5e-7 (14 of 272 real Minerva
+references accept it), and compares floats at 15 digits, so ``1.0\\times10^{17}`` equalled
+100000000000000007. Here integers and exact rationals compare exactly, and a tolerance is
+relative to the reference's magnitude and applies only where the reference is inexact (a
+decimal). ``install_numeric_rule`` puts the rule into Math-Verify's grader; it runs in the
+reward workers (``megatron_rl.rewards.math.verify``), under their CPU-time limit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_NUMERIC_RULE_INSTALLED = False
+# How far an answer may be from an inexact (decimal) reference, relative to the reference.
+_RELATIVE_TOLERANCE = 1e-6
+
+
+def numbers_equal(gold: Any, pred: Any) -> bool | None:
+    """Math-Verify's numeric comparison for two constant numbers, tightened: against an
+    exact rational reference (an integer, ``\\frac{1}{3}``, ``3\\times 10^{-7}``) the answer
+    must be exactly equal, its decimals read as the rational they write (``0.3333333`` is not
+    1/3); against an irrational one (``\\sqrt{2}``) equal, or to the 15 digits of the floats
+    that a decimal inside it was computed in (``10\\sqrt{10.5}`` for ``5\\sqrt{42}``);
+    against an inexact one (a decimal) within ``_RELATIVE_TOLERANCE`` of it, relative to its
+    magnitude.
+    Math-Verify rounded both to 6 decimals (``0.0`` equalled any reference below 5e-7) and
+    compared floats at 15 digits (``1.0\\times10^{17}`` equalled 100000000000000007).
+    None when the two are not both constant numbers: Math-Verify's own rule then."""
+    from sympy import Basic, Float, Mul, Rational, UnevaluatedExpr, nsimplify
+
+    if not (isinstance(gold, Basic) and isinstance(pred, Basic)):
+        return None
+    for value in (gold, pred):
+        if isinstance(value, Mul) and UnevaluatedExpr(Rational(1, 100)) in value.args:
+            return None  # a percentage: Math-Verify's rule (``math._equal_percent`` decides first)
+    try:
+        if gold.free_symbols or pred.free_symbols or not (gold.is_number and pred.is_number):
+            return None
+        g, p = gold.doit(), pred.doit()
+        if not (g.is_finite and p.is_finite):
+            return None
+        if g.has(Float):
+            distance = abs((g - p).evalf(30))
+            return bool(distance <= _RELATIVE_TOLERANCE * abs(g.evalf(30)))
+        decimal = p.has(Float)
+        if g.is_Rational:
+            return bool(g == (nsimplify(p, rational=True) if decimal else p))
+        # An irrational reference: a decimal answer was computed in 15-digit floats
+        # (``\sqrt{10.5}``), and must agree to their precision.
+        distance = abs((g - p).evalf(30))
+        scale = max(abs(g.evalf(30)), abs(p.evalf(30)))
+        return bool(distance == 0 or distance <= (1e-13 if decimal else 1e-25) * scale)
+    except Exception:
+        return None
+
+
+def install_numeric_rule() -> None:
+    """Math-Verify compares numbers with ``_numbers_equal`` (once per process); its symbolic
+    fallback is skipped for two constants of which one is a decimal (``simplify`` of their
+    difference is done in 15-digit floats)."""
+    global _NUMERIC_RULE_INSTALLED
+    if _NUMERIC_RULE_INSTALLED:
+        return
+    from math_verify import grader
+    from sympy import Basic, Float
+
+    numeric, symbolic = grader.sympy_numeric_eq, grader.sympy_symbolic_eq
+
+    def numeric_eq(a: Any, b: Any, float_rounding: int, numeric_precision: int) -> bool:
+        decided = numbers_equal(a, b)
+        return numeric(a, b, float_rounding, numeric_precision) if decided is None else decided
+
+    def symbolic_eq(a: Any, b: Any) -> bool:
+        if numbers_equal(a, b) is not None and any(
+            isinstance(x, Basic) and x.has(Float) for x in (a, b)
+        ):
+            return False
+        return symbolic(a, b)
+
+    grader.sympy_numeric_eq, grader.sympy_symbolic_eq = numeric_eq, symbolic_eq
+    _NUMERIC_RULE_INSTALLED = True
