@@ -624,6 +624,7 @@ def validate(
         kinds = [p.kind for p in refs]
         return samples, kinds, run.rewards.score_batch(texts, [p.reference for p in refs], kinds)
 
+    # The whole pass is in the window, its record and the forecast's hand-off too.
     with run.clock.window("validation") as window:
         tokens_before = pool.generated_tokens()
         scored = on_every_rank(run, pool, True, score, wait, share=False)
@@ -633,6 +634,23 @@ def validate(
         val_tokens = sum(len(s) for s in samples)
         train_tokens = pool.generated_tokens() - tokens_before - val_tokens
         window.train_fraction = generation_share(train_tokens, val_tokens)
+        return _log_validation(
+            run, step, hours, t0, window.train_fraction, kinds, rewards, forecast
+        )
+
+
+def _log_validation(
+    run: Run,
+    step: int,
+    hours: dict[str, float],
+    t0: float,
+    train_fraction: float,
+    kinds: list[str],
+    rewards: list[float],
+    forecast: LiveForecast | None,
+) -> float:
+    """The validation's record (at the compute ``hours`` of the policy measured), its log
+    line and the forecast's job; returns the pass rate."""
     rate = sum(r > 0 for r in rewards) / len(rewards)
     if run.exporter is not None:
         run.exporter.val_pass_rate = rate  # for the README of the next export
@@ -647,7 +665,7 @@ def validate(
             **per_domain,
             "val_samples": len(rewards),
             **{f"val_reward_{k}": v for k, v in count_timeouts(run.rewards.last_statuses).items()},
-            "val_train_fraction": window.train_fraction,
+            "val_train_fraction": train_fraction,
             "val_seconds": time.perf_counter() - t0,
         }
     )
