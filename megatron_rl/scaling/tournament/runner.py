@@ -287,6 +287,31 @@ def run_tournament(
     for name in todo:  # resumed from its run directory when its turn comes
         state.set(name, status=PENDING)
     cache: dict[str, tuple[int, VariantResult]] = {}
+    try:
+        _loop(spec, tdir, executor, state, todo, running, cache, poll_seconds, start, sleep)
+    except BaseException:
+        if isinstance(executor, LocalExecutor):  # a local run must not outlive the command
+            for name, handle in running.items():  # (Slurm jobs go on: followed again later)
+                logger.info("variant %s: stopping (it resumes when the command runs again)", name)
+                handle.stop()
+                state.set(name, status=PENDING)
+        raise
+    return judge_all(spec, tdir, state, cache)
+
+
+def _loop(
+    spec: TournamentSpec,
+    tdir: Path,
+    executor: Executor,
+    state: State,
+    todo: list[str],
+    running: dict[str, Handle],
+    cache: dict[str, tuple[int, VariantResult]],
+    poll_seconds: float,
+    start: list[str],
+    sleep: Callable[[float], None],
+) -> None:
+    """Start variants as capacity allows, collect ended ones, judge, stop losers."""
     while todo or running:
         while todo and len(running) < executor.capacity:
             name = todo.pop(0)
@@ -310,7 +335,6 @@ def run_tournament(
             running.pop(name).stop()
             spent = judge.spent_gpu_hours(tdir / name / "metrics.jsonl")
             state.set(name, status=STOPPED, stopped_at=spent, reason=why)
-    return judge_all(spec, tdir, state, cache)
 
 
 def judge_all(

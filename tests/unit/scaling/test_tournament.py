@@ -232,3 +232,30 @@ def test_a_run_of_zero_steps_is_the_warm_start_only():
     assert load_run_config(recipe, ["training.max_steps=0"]).training.max_steps == 0
     with pytest.raises(ConfigError, match="training.max_steps"):
         load_run_config(recipe, ["training.max_steps=-1"])
+
+
+def test_a_killed_command_stops_its_local_runs(tmp_path):
+    """Ctrl-C on the tournament: its local runs (own sessions, so the terminal's SIGINT
+    does not reach them) get SIGTERM (they checkpoint and exit) and resume next time."""
+    import subprocess
+    import sys
+
+    procs = []
+
+    class Sleeper(runner.LocalExecutor):
+        def start(self, name, recipe, overrides, run_dir):
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True
+            )
+            procs.append(proc)
+            return runner.LocalHandle(proc, open(tmp_path / f"{name}.log", "a"))
+
+    def interrupt(seconds):
+        raise KeyboardInterrupt
+
+    spec = make_spec(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_tournament(spec, tmp_path, Sleeper(), 0, start=[], sleep=interrupt)
+    assert len(procs) == 1 and procs[0].poll() is not None  # stopped, not left behind
+    state = json.loads((tmp_path / "tournament.json").read_text())
+    assert state["variants"]["scalerl"]["status"] == "pending"
