@@ -259,3 +259,9 @@ def test_a_killed_command_stops_its_local_runs(tmp_path):
     assert len(procs) == 1 and procs[0].poll() is not None  # stopped, not left behind
     state = json.loads((tmp_path / "tournament.json").read_text())
     assert state["variants"]["scalerl"]["status"] == "pending"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes" / "tournaments").glob("*.yaml")))
+def test_every_shipped_tournament_spec_loads(path):
+    spec = load_spec(path)
+    assert spec.variants and plan(spec)
