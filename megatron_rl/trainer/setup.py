@@ -195,10 +195,13 @@ def build_run(
     sampler = build_sampler(data, config.data, tracker)
     # GPU-hours: trainer devices plus generator devices; on a CPU run the CPU time of the
     # run's work processes (trainer.compute: wall time on a shared CPU counts the load).
+    # Engines of other tasks (``placement: remote``, a Slurm CPU job) cannot be read from
+    # here: such a run keeps wall time x processes.
     rollout = config.rollout
-    if get_platform().is_gpu:
+    if get_platform().is_gpu or rollout.placement == "remote":
+        gpu = get_platform().is_gpu
         clock = ComputeClock(
-            run_devices(dist.get_world_size(), rollout.engines, rollout.tensor_parallel, True)
+            run_devices(dist.get_world_size(), rollout.engines, rollout.tensor_parallel, gpu)
         )
     else:
         clock = _cpu_clock(dist)
