@@ -25,6 +25,8 @@ CORE = [
     # logging.wandb (off by default): resume_from (run rewind), define_metric, offline runs.
     "wandb>=0.19",
     "tqdm",
+    # CPU runs' training compute: CPU time of the run's processes (trainer.compute).
+    "psutil",
     "math-verify==0.9.0",
     "einops",
 ]

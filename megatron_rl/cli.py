@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("megatron_rl.conversion.cli", "convert checkpoints HF <-> Megatron"),
     "check-parity": ("megatron_rl.rollout.parity", "Megatron vs vLLM log-prob parity"),
     "launch": ("megatron_rl.launch.cli", "render and submit a Slurm job for a recipe"),
+    "tournament": (
+        "megatron_rl.scaling.tournament.cli",
+        "compare recipe variants at small compute, stop losers early, predict the winner",
+    ),
     "plan": ("megatron_rl.planning.cli", "per-GPU memory plan of a recipe: will it fit"),
     "preflight": ("megatron_rl.preflight.cli", "check the allocation before a long run"),
     "reward-audit": (

@@ -260,8 +260,10 @@ class TrainingConfig:
     """When training stops: whichever budget is reached first.
 
     Attributes:
-        max_steps: optimizer updates (ScaleRL 8B: 7,400; Scout: 7,100).
-        max_gpu_hours: GPU-hours of the whole run (trainers + generators); null: no limit.
+        max_steps: optimizer updates (ScaleRL 8B: 7,400; Scout: 7,100); 0: the warm start
+            and a checkpoint of step 0 only (a tournament's shared start).
+        max_gpu_hours: training GPU-hours (``gpu_hours``, docs/scaling.md: trainers +
+            generators on training samples); null: no limit.
         check_logprob_gap: stop the run when the generator's log-probs of tokens sampled with
             the trainer's current weights differ from the trainer's by more than
             ``max_logprob_gap`` (mean |delta| per token, checked every step before the
@@ -309,7 +311,7 @@ class TrainingConfig:
     hang_timeout_minutes: float = 20.0
 
     def validate(self) -> None:
-        _check_int(self, "max_steps", 1)
+        _check_int(self, "max_steps", 0)  # 0: the warm start only (a tournament's shared start)
         _check_positive(self, "hang_timeout_minutes", allow_zero=True)  # 0: off
         if self.max_gpu_hours is not None:
             _check_positive(self, "max_gpu_hours")

@@ -4,6 +4,10 @@ Defaults reproduce the paper's procedure (GPU-hours, points from 1.5k GPU-hours,
 0.450..0.800 step 0.005, 100 C_mid values in [100, 40000]). For small runs (e.g. CPU runs
 with ~1e-3 GPU-hours) use ``--min-x 0 --auto-grid`` (ranges derived from the data).
 
+``--holdout 0.5`` is the paper's hold-out test: fit on the first half of each run's compute,
+predict the rest with the bootstrap band, report the errors against the later validations
+(overall and per domain).
+
 ``--watch RUN_DIR`` follows a running run instead: every ``--interval`` seconds it refits the
 run's forecast (its recipe's ``forecast`` settings), redraws RUN_DIR/reward_curve.png and
 prints one line, until the run finishes (or Ctrl-C, or ``--max-refreshes``).
@@ -25,6 +29,7 @@ from megatron_rl.scaling.report import comparison_summary, format_report
 
 logger = logging.getLogger(__name__)
 _DEFAULTS = FitConfig()
+HOLDOUT_BOOTSTRAP = 100  # --holdout reports the band: bootstrap resamples unless given
 
 
 def _range(text: str) -> tuple[float, float] | str:
@@ -84,6 +89,12 @@ def _add_data_arguments(group: argparse._ArgumentGroup) -> None:
     )  # fmt: skip
     group.add_argument("--fit-until", type=float, help="fit only points with x <= this")
     group.add_argument("--extrapolate-to", type=float, help="report (and plot) R at this x")
+    group.add_argument(
+        "--holdout", type=float, metavar="FRACTION",
+        help="the paper's hold-out test: fit each run on the first 1 - FRACTION of its "
+        "compute, predict its later validations (overall and per domain) with the band "
+        f"(--bootstrap, default {HOLDOUT_BOOTSTRAP} here) and report the errors",
+    )  # fmt: skip
 
 
 def _add_grid_arguments(group: argparse._ArgumentGroup) -> None:
@@ -192,6 +203,32 @@ def _range_from_data(args: argparse.Namespace, runs: list) -> bool:
     return True
 
 
+def _holdout(args: argparse.Namespace) -> int:
+    """``--holdout``: the hold-out test of every run (table or JSON; the plot of the fits
+    on the first part, the held-out points hollow)."""
+    from megatron_rl.scaling.holdout import format_holdout, holdout_metrics
+
+    if args.bootstrap is None:
+        args.bootstrap = HOLDOUT_BOOTSTRAP
+    runs = [load_run(path, args.x, args.y, name) for path, name in zip(args.metrics, _labels(args))]
+    config = config_from_args(args, from_data=_range_from_data(args, runs))
+    results = [
+        holdout_metrics(path, config, args.holdout, name)
+        for path, name in zip(args.metrics, _labels(args))
+    ]
+    if args.json:
+        sys.stdout.write(json.dumps([r.summary() for r in results], indent=2) + "\n")
+    else:
+        sys.stdout.write(format_holdout(results) + "\n")
+    sys.stdout.flush()
+    if args.plot:
+        end = max(r.overall.x_end for r in results)
+        fits = [r.overall.fit for r in results]
+        path = plot_runs(fits, args.plot, end, args.logx, args.title or "hold-out test")
+        logger.info("plot saved to %s", path)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Fit every file, print the table (or JSON), save the plot; 2 with a message on bad input."""
     try:
@@ -210,6 +247,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if not args.metrics:
             raise ValueError("no metrics files given (or --watch RUN_DIR)")
+        if args.holdout is not None:
+            return _holdout(args)
         config = config_from_args(args)
         runs = [
             load_run(path, config.x_field, config.y_field, name)

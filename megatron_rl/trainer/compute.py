@@ -1,7 +1,7 @@
-"""GPU-hours accounting: the x axis of the compute-performance curve.
+"""GPU-hours accounting: the x axis of the compute-performance curve (docs/scaling.md).
 
-Every second of the run is charged, times the run's devices (trainers + generators; on a CPU
-run: the trainer and generator processes), to one *category*:
+Every second of the run is charged, times the run's devices (trainers + generators), to one
+*category*:
 
 - ``train``: the training loop itself: waiting for generation, updates, weight pushes and the
   per-step bookkeeping. ``gpu_hours`` is this category alone: the paper's x axis
@@ -20,6 +20,15 @@ equal steps. The token share is a cost model, exact when every token costs the s
 saturated generators (production); on a tiny CPU run a few training requests riding along
 a large validation batch cost less than alone, and the share undercounts them slightly.
 
+On a CPU run the seconds are CPU seconds, not wall seconds (:class:`WorkCPUClock`): the
+CPU time of the run's work processes (the trainer with its in-process engines, engine and
+reward-worker processes), with ``devices`` 1. A CPU is shared: on a loaded machine (other
+jobs, the run's own background fits) wall time stretches with the load and charged the
+training steps with the live forecast's and other jobs' work (validating every step gave
+2.5x the ``gpu_hours`` of validating every 10 steps at step 10, measured here), while CPU
+time counts the work done. Background helpers (the live forecast's fits, HF exports) run
+at a lower priority and are not counted (:func:`background`).
+
 The count is resumable: a checkpoint stores the hours so far, and time while the job was down
 is not counted. Work redone after a resume (from the checkpoint to the crash) is counted
 again: it was spent again.
@@ -28,8 +37,9 @@ again: it was spent again.
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -57,27 +67,37 @@ class ComputeClock:
     code to another category, then returns to the running one.
 
     Args:
-        devices: accelerator devices (or CPU processes) the run occupies now.
-        clock: monotonic time source in seconds (injectable for tests).
+        devices: accelerator devices the run occupies now (1 with a CPU-time ``clock``).
+        clock: monotonic source of the seconds charged: wall time on GPU, the work
+            processes' CPU time on CPU (:class:`WorkCPUClock`); injectable for tests.
+        wall: monotonic wall time (``wall_hours``).
     """
 
-    def __init__(self, devices: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        devices: int,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.monotonic,
+    ) -> None:
         if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices must be an int >= 1, got {devices!r}")
         self.devices = devices
         self._clock = clock
+        self._wall = wall
         self._mark = clock()
+        self._wall_mark = wall()
         self._category = "startup"
         self._hours = dict.fromkeys(CATEGORIES, 0.0)  # device-hours of finished stretches
         self._wall_hours = 0.0
 
     def _settle(self) -> None:
         """Charge the time since the last mark to the running category."""
-        now = self._clock()
+        now, wall = self._clock(), self._wall()
         hours = max(0.0, now - self._mark) / 3600.0
         self._mark = now
         self._hours[self._category] += hours * self.devices
-        self._wall_hours += hours
+        self._wall_hours += max(0.0, wall - self._wall_mark) / 3600.0
+        self._wall_mark = wall
 
     def begin(self, category: str) -> None:
         """Charge time from now on to ``category``."""
@@ -161,6 +181,7 @@ class ComputeClock:
         self._hours = hours
         self._wall_hours = float(state.get("wall_hours", 0.0))
         self._mark = self._clock()
+        self._wall_mark = self._wall()
 
 
 def generation_share(train_tokens: float, other_tokens: float) -> float:
@@ -184,3 +205,83 @@ def run_devices(trainer_ranks: int, engines: int, engine_devices: int, gpu: bool
 def _check_category(category: str) -> None:
     if category not in CATEGORIES:
         raise ValueError(f"unknown compute category {category!r}; one of {CATEGORIES}")
+
+
+# Processes of the run that do background work (the live forecast's fits, HF exports): not
+# training compute. Marked by their starter, in this process, before any clock reads again.
+_BACKGROUND: set[int] = set()
+
+
+def background(pid: int) -> None:
+    """Mark process ``pid`` (and its descendants) as background work: :class:`WorkCPUClock`
+    does not count it."""
+    _BACKGROUND.add(int(pid))
+
+
+class WorkCPUClock:
+    """CPU seconds (user + system, every thread) spent so far by the run's work processes:
+    this process and its descendants, less :func:`background` ones and their descendants.
+    Monotonic: each process adds what it spent since it was last seen (a process that ends
+    keeps what it had; what it spent after its last look is lost). A descendant found
+    after the first call counts from its start; the processes that exist at the first call
+    count from then. Descendants are looked up at most every ``refresh`` wall seconds (a
+    scan of the process table); CPU times are read at every call.
+
+    Args:
+        root: the process whose tree is counted (default: this one).
+        others: more trees to count (the other trainer ranks on this host).
+        refresh: wall seconds between two scans for new descendants.
+    """
+
+    def __init__(
+        self, root: int | None = None, others: Sequence[int] = (), refresh: float = 1.0
+    ) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._root = psutil.Process(root if root is not None else os.getpid())
+        self._roots = [self._root, *(psutil.Process(pid) for pid in others)]
+        self._refresh = refresh
+        self._procs: list = []
+        self._scanned = -float("inf")
+        self._seen: dict[tuple[int, float], float] = {}  # (pid, start time) -> CPU seconds
+        self._total = 0.0
+        self._started = False
+
+    def _scan(self) -> None:
+        """The work processes: a walk of the tree that skips background subtrees."""
+        psutil = self._psutil
+        procs, todo = list(self._roots), list(self._roots)
+        while todo:
+            try:
+                children = todo.pop().children()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            for child in children:
+                if child.pid not in _BACKGROUND:
+                    procs.append(child)
+                    todo.append(child)
+        self._procs = procs
+
+    def __call__(self) -> float:
+        psutil = self._psutil
+        now = time.monotonic()
+        if now - self._scanned >= self._refresh:
+            self._scan()
+            self._scanned = now
+        for proc in self._procs:
+            if proc.pid in _BACKGROUND:
+                continue
+            try:
+                times = proc.cpu_times()
+                key = (proc.pid, proc.create_time())
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            cpu = times.user + times.system
+            if proc not in self._roots:  # ended children of a worker (e.g. a sandbox)
+                cpu += times.children_user + times.children_system
+            before = self._seen.get(key, cpu if not self._started else 0.0)
+            self._seen[key] = cpu
+            self._total += max(0.0, cpu - before)
+        self._started = True
+        return self._total

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.platform import LAUNCHER_VARS
+from megatron_rl.trainer import compute
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +296,7 @@ class HFExporter:
             stdin=subprocess.DEVNULL,
             preexec_fn=functools.partial(_die_with, os.getpid()),
         )
+        compute.background(self._proc.pid)  # not training compute (a CPU run's clock)
         self._running = request
         self._started = time.monotonic()
         logger.info(

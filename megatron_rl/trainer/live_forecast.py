@@ -25,6 +25,7 @@ from typing import Any
 
 from megatron_rl.scaling.forecast import ForecastConfig, RunForecast
 from megatron_rl.scaling.records import read_records
+from megatron_rl.trainer import compute
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,10 @@ class LiveForecast:
         future = self._executor.submit(
             forecast_job, str(self.metrics_path), self.config, job.budget, png, self.title
         )
+        # The worker's fits are not training compute (a CPU run's clock counts processes);
+        # ProcessPoolExecutor starts its worker in submit() and keeps it in _processes.
+        for pid in getattr(self._executor, "_processes", None) or {}:
+            compute.background(pid)
         self._running = (job, future)
 
     def poll(self, fields: dict[str, Any]) -> None:

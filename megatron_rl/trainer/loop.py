@@ -731,6 +731,7 @@ def validate(
             return err
         return samples, kinds, rewards, statuses, sum(run.rewards.last_crashes)
 
+    # The whole pass is in the window, its record and the forecast's hand-off too.
     with run.clock.window("validation") as window:
         tokens_before = pool.generated_tokens()
         with console.phase(f"validation at step {step} ({len(ids)} prompts)"):
@@ -743,6 +744,25 @@ def validate(
         val_tokens = sum(len(s) for s in samples)
         train_tokens = pool.generated_tokens() - tokens_before - val_tokens
         window.train_fraction = generation_share(train_tokens, val_tokens)
+        return _log_validation(
+            run, step, hours, t0, window.train_fraction, kinds, rewards, statuses, crashes, forecast
+        )
+
+
+def _log_validation(
+    run: Run,
+    step: int,
+    hours: dict[str, float],
+    t0: float,
+    train_fraction: float,
+    kinds: list[str],
+    rewards: list[float],
+    statuses: list[str],
+    crashes: int,
+    forecast: LiveForecast | None,
+) -> float:
+    """The validation's record (at the compute ``hours`` of the policy measured), its log
+    line and the forecast's job; returns the pass rate."""
     rate = sum(r > 0 for r in rewards) / len(rewards)
     if run.exporter is not None:
         run.exporter.val_pass_rate = rate  # for the README of the next export
@@ -759,7 +779,7 @@ def validate(
             **{f"val_reward_{k}": v for k, v in count_timeouts(statuses).items()},
             "val_reward_errors": count_errors(statuses),
             "val_reward_crashes": crashes,
-            "val_train_fraction": window.train_fraction,
+            "val_train_fraction": train_fraction,
             "val_seconds": time.perf_counter() - t0,
         }
     )

@@ -125,12 +125,16 @@ STEP: dict[str, tuple[str, str]] = {
 }
 
 GPU_HOURS: dict[str, tuple[str, str]] = {
-    "gpu_hours": ("training compute so far: generation, updates, pushes x devices", "GPU-h"),
+    # docs/scaling.md: device-time (GPU: wall x devices; CPU: CPU time of the work processes)
+    "gpu_hours": ("training compute so far: generation and training of training samples", "GPU-h"),
     "total_gpu_hours": ("the whole bill so far: every category", "GPU-h"),
-    "startup_gpu_hours": ("start-up (build, warm start, engines) x devices", "GPU-h"),
-    "validation_gpu_hours": ("validation passes x devices", "GPU-h"),
-    "checkpoint_gpu_hours": ("checkpoint saves x devices", "GPU-h"),
-    "shutdown_gpu_hours": ("shutdown x devices", "GPU-h"),
+    "startup_gpu_hours": ("start-up (build, warm start, engines, first push)", "GPU-h"),
+    "validation_gpu_hours": (
+        "validation passes (less training requests decoded meanwhile)",
+        "GPU-h",
+    ),
+    "checkpoint_gpu_hours": ("checkpoint saves", "GPU-h"),
+    "shutdown_gpu_hours": ("shutdown", "GPU-h"),
 }
 
 VALIDATION: dict[str, tuple[str, str]] = {

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config.checks import check_start_weights
 from megatron_rl.config.schema import RunConfig
@@ -216,14 +217,18 @@ def build_run(
     if algo.npr_threshold is not None:
         tracker = PassRateTracker(algo.npr_threshold, history=algo.npr_history)
     sampler = build_sampler(data, config.data, tracker)
-    # GPU-hours: trainer devices plus generator devices (on a CPU run: processes and engines).
+    # GPU-hours: trainer devices plus generator devices; on a CPU run the CPU time of the
+    # run's work processes (trainer.compute: wall time on a shared CPU counts the load).
+    # Engines of other tasks (``placement: remote``, a Slurm CPU job) cannot be read from
+    # here: such a run keeps wall time x processes.
     rollout = config.rollout
-    devices = run_devices(
-        dist.get_world_size(),
-        rollout.engines,
-        rollout.tensor_parallel,
-        gpu=get_platform().is_gpu,
-    )
+    if get_platform().is_gpu or rollout.placement == "remote":
+        gpu = get_platform().is_gpu
+        clock = ComputeClock(
+            run_devices(dist.get_world_size(), rollout.engines, rollout.tensor_parallel, gpu)
+        )
+    else:
+        clock = _cpu_clock(dist)
     run = Run(
         config=config,
         run_dir=run_dir,
@@ -251,7 +256,7 @@ def build_run(
             if dist.get_rank() == 0
             else NullMetrics()
         ),
-        clock=ComputeClock(devices),
+        clock=clock,
         encode=encode,
         claim=claim,
         exporter=(
@@ -274,3 +279,21 @@ def template_kwargs(config, tokenizer) -> dict:
     from megatron_rl.environments.registry import template_kwargs as environment_kwargs
 
     return environment_kwargs(config.rollout.environment, tokenizer)
+
+
+def _cpu_clock(dist: Any) -> ComputeClock:
+    """A CPU run's clock: the CPU time of every trainer rank's process tree. Every rank calls
+    this (a collective): the ranks on this host are counted from their pids; those on other
+    hosts, which cannot be read from here, as this host's share (devices = hosts)."""
+    import socket
+
+    from megatron_rl.trainer.compute import ComputeClock, WorkCPUClock
+
+    here = (socket.gethostname(), os.getpid())
+    ranks: list[Any] = [here]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, here)
+    hosts = {host for host, _ in ranks}
+    others = [pid for host, pid in ranks if host == here[0] and pid != here[1]]
+    return ComputeClock(len(hosts), clock=WorkCPUClock(others=others))

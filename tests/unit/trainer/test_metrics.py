@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 from megatron_rl.scaling.records import plot_reward_curve, read_records
-from megatron_rl.trainer.compute import ComputeClock, generation_share, run_devices
+from megatron_rl.trainer import compute
+from megatron_rl.trainer.compute import (
+    ComputeClock,
+    WorkCPUClock,
+    generation_share,
+    run_devices,
+)
 from megatron_rl.trainer.metrics import MetricsLogger
 
 
@@ -150,7 +159,7 @@ class FakeClock:
 
 def test_gpu_hours_are_training_hours_times_devices_across_restarts():
     t = FakeClock()
-    clock = ComputeClock(devices=80, clock=t)
+    clock = ComputeClock(devices=80, clock=t, wall=t)
     t.now += 600  # start-up: not training compute
     clock.begin("train")
     t.now += 1800  # half an hour of training on 80 GPUs
@@ -159,7 +168,7 @@ def test_gpu_hours_are_training_hours_times_devices_across_restarts():
     assert clock.wall_hours == pytest.approx(2400 / 3600)
     state = clock.state_dict()
     t.now += 3 * 3600  # the job is down for three hours (and the last half hour is lost)
-    resumed = ComputeClock(devices=16, clock=t)  # resumed on a smaller allocation
+    resumed = ComputeClock(devices=16, clock=t, wall=t)  # resumed on a smaller allocation
     t.now += 300  # its start-up before the checkpoint is loaded: not counted anywhere
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert resumed.gpu_hours == pytest.approx(40.0)  # downtime not counted
@@ -276,3 +285,35 @@ def test_a_full_disk_under_metrics_jsonl_is_said_naming_the_disk(tmp_path):
     assert "file system" in message and "mounted at /" in message and "bytes free" in message
     logger.close()
     assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl")] == [1]
+
+
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\nprint(time.process_time())"
+
+
+def _burn(seconds: float) -> subprocess.Popen:
+    """A child that spends ``seconds`` of CPU, then prints its own CPU time and waits for a
+    line on stdin (so that it is still alive when the clock looks at it)."""
+    code = BURN.format(s=seconds) + "\nimport sys; sys.stdout.flush(); sys.stdin.readline()"
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def test_a_cpu_run_counts_the_cpu_time_of_its_work_processes_only():
+    """CPU runs charge CPU seconds of the process tree (a loaded machine's waits are not
+    work), less background helpers (the forecast's fits): each child's own CPU time is the
+    reference."""
+    clock = WorkCPUClock(refresh=0.0)
+    start = clock()
+    time.sleep(0.3)  # waiting is not work
+    assert clock() - start < 0.05
+    worker, helper = _burn(0.4), _burn(0.4)
+    compute.background(helper.pid)
+    spent = float(worker.stdout.readline())  # the worker's own count, at its end
+    float(helper.stdout.readline())
+    counted = clock() - start
+    for child in (worker, helper):
+        child.stdin.close()
+        child.wait()
+    # the worker's CPU (its start-up included), not the helper's; this process adds little
+    assert spent <= counted < spent + 0.25
