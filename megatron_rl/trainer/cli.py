@@ -75,10 +75,15 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         if problem:  # a dry run shows the config; the real run would refuse
             print(f"megatron-rl train: warning: {problem}", file=sys.stderr)
+        from megatron_rl.data import DataError
         from megatron_rl.trainer.preview import preview_lines
 
         sys.stdout.write(to_yaml(config))
-        sys.stdout.write("".join(line + "\n" for line in preview_lines(config)))
+        try:
+            sys.stdout.write("".join(line + "\n" for line in preview_lines(config)))
+        except DataError as err:  # the data the run would read: checked, named
+            print(f"megatron-rl train: error: {err}", file=sys.stderr)
+            return 2
         return 0
     if problem:
         print(f"megatron-rl train: error: {problem}", file=sys.stderr)

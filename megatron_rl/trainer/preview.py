@@ -67,9 +67,13 @@ def first_prompt(config: RunConfig, tokenizer: Any = None) -> tuple[int, str, li
 def preview_lines(config: RunConfig) -> list[str]:
     """The first training prompt's text (as a JSON string: newlines and special tokens
     visible) and ids, as YAML comment lines (the dry run's output stays the config's YAML)."""
+    from megatron_rl.data import DataError
+
     try:
         prompt_id, text, ids = first_prompt(config)
-    except Exception as err:  # noqa: BLE001 - a preview never fails the dry run; it says why
+    except DataError:  # a field or file the real run would refuse: the dry run refuses it too
+        raise
+    except Exception as err:  # noqa: BLE001 - e.g. a hub dataset not in the local cache
         return [f"# first training prompt: not shown ({type(err).__name__}: {err})"]
     return [
         f"# first training prompt (id {prompt_id}) as the model sees it:",

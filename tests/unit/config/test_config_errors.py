@@ -303,3 +303,20 @@ def test_no_key_meaning_in_the_reference_is_cut_inside_parentheses_or_quotes():
     for key, meaning in docs.items():
         assert meaning.count("(") == meaning.count(")"), (key, meaning)
         assert meaning.count('"') % 2 == 0, (key, meaning)
+
+
+def test_the_dry_run_refuses_a_data_field_the_run_would_refuse(tmp_path, capsys):
+    """`--dry-run` passed a recipe whose data field was wrong (the run failed later): it reads
+    the data as the run does and exits 2 naming the field and the file; the right field
+    passes (the control)."""
+    from megatron_rl.cli import main
+
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"question": "1+1?", "final": "2"}\n{"question": "2+2?", "final": "4"}\n')
+    argv = ["train", str(TINY), f"data.source={data}", "data.format=custom"]
+    argv += ["data.problem_field=question", "data.val_size=1", "--dry-run"]
+    assert main([*argv, "data.answer_field=answr"]) == 2
+    err = capsys.readouterr().err
+    assert "field 'answr' is not in the dataset" in err and str(data) in err
+    assert main([*argv, "data.answer_field=final"]) == 0
+    assert "# first training prompt (id" in capsys.readouterr().out
