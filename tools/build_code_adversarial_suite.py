@@ -549,6 +549,86 @@ def cases() -> list[dict]:  # noqa: PLR0915 - one table
             -1,
             f"{falsy} for a bare assert",
         )
+    # --- second reading: a program's stderr read as the box's failure (an "error" status
+    # counts against reward.max_error_fraction and can stop the run) ---
+    kill = (
+        "import os, signal, sys\nsys.stderr.write('bwrap: Can not mount tmpfs\\n')\n"
+        "sys.stderr.flush()\nPRINT"
+        "signal.pidfd_send_signal(os.pidfd_open(os.getppid()), signal.SIGKILL)\n"
+        "while True:\n    pass\n"
+    )
+    add(
+        "error_forgery",
+        "'bwrap:' on stderr, then SIGKILL the harness (pidfd: no audit event)",
+        respond(kill.replace("PRINT", "")),
+        stdin_tests("7"),
+        -1,
+    )
+    add(
+        "error_forgery",
+        "the answer printed, 'bwrap:' on stderr, SIGKILL the harness",
+        respond(kill.replace("PRINT", "print(7, flush=True)\n")),
+        stdin_tests("7"),
+        -1,
+    )
+    add(
+        "error_forgery",
+        "a functional test: 'bwrap:' on stderr, SIGKILL the harness",
+        respond(
+            "def f(x):\n"
+            + "".join("    " + line + "\n" for line in kill.replace("PRINT", "").splitlines())
+        ),
+        lcb("f", [1], 4),
+        -1,
+    )
+    add("error_forgery", "", respond(prints("7")), stdin_tests("7"), 1, "7")
+    # --- second reading: zero-padded digits are text ("11" paid for "0011") ---
+    for got, want in (("11", "0011"), ("7", "007"), ("5 7", "05 07"), ("-5", "-05")):
+        add("zero_padded", f"{got!r} for {want!r}", respond(prints(got)), stdin_tests(want), -1)
+    add("zero_padded", "", respond(prints("0011")), stdin_tests("0011"), 1, "'0011'")
+    add("zero_padded", "", respond(prints("007")), stdin_tests("7"), 1, "'007' for '7'")
+    # --- second reading: a set is no list (sorted by repr it matched [10, 9]) ---
+    add(
+        "set_as_list",
+        "{9, 10} for [10, 9]",
+        respond(returns("{9, 10}")),
+        lcb("f", [1], [10, 9]),
+        -1,
+    )
+    add(
+        "set_as_list",
+        "frozenset for TACO's [10, 9]",
+        respond(returns("frozenset({9, 10})")),
+        taco("f", [1], [10, 9]),
+        -1,
+    )
+    add("set_as_list", "{1, 2} for [1, 2]", respond(returns("{2, 1}")), lcb("f", [1], [1, 2]), -1)
+    add("set_as_list", "", respond(returns("[10, 9]")), lcb("f", [1], [10, 9]), 1, "[10, 9]")
+    # --- second reading: stdin readers the graded-block rule did not see, then a usage block
+    # that reads nothing (graded instead of the solution) ---
+    for reader in (
+        "from sys import stdin\na, b = map(int, stdin.readline().split())\n",
+        "import fileinput\na, b = map(int, next(fileinput.input()).split())\n",
+        "import os\na, b = map(int, os.read(0, 1 << 16).split())\n",
+    ):
+        add(
+            "miss_stdin_reader",
+            reader.splitlines()[0],
+            respond(reader + "print(a + b)\n", "# sample: 3 4 -> 7\nprint(7)\n"),
+            stdin_tests("8", "5 3\n"),
+            1,
+        )
+    add(
+        "miss_stdin_reader",
+        "",
+        respond(
+            "from sys import stdin\na, b = map(int, stdin.readline().split())\nprint(a * b)\n",
+            "print(8)\n",
+        ),
+        stdin_tests("8", "5 3\n"),
+        -1,
+        "a wrong reader, then a block printing the answer",
+    )
     return rows
 
 

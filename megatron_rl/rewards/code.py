@@ -73,6 +73,9 @@ _MATCHES = ("equal", "equal_or_only_element", "is", "truthy", "falsy")
 # overflow).
 _NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,4})?")
 _INTEGER_RE = re.compile(r"[+-]?[0-9]+")
+# Digits with a leading zero ("0011", "007", "09"): a binary string, a padded number, a time;
+# the zeros are part of the answer, so only the same text matches.
+_ZERO_PADDED_RE = re.compile(r"[+-]?0[0-9]+")
 
 
 class SpecialJudgeError(ValueError):
@@ -381,6 +384,8 @@ def _tokens_equal(got: str, want: str, options: CompareOptions) -> bool:
         return True
     if not (_NUMBER_RE.fullmatch(got) and _NUMBER_RE.fullmatch(want)):
         return False
+    if _ZERO_PADDED_RE.fullmatch(want):
+        return False  # "11" is not "0011" (not equal as text, checked above)
     if Decimal(got) == Decimal(want):  # exact at any length (no int() digit limit)
         return True
     if _INTEGER_RE.fullmatch(want):
@@ -459,8 +464,9 @@ _LITERAL_TYPES = (type(None), bool, int, float, complex, str, bytes, list, tuple
 
 
 def _json_default(value: Any) -> Any:
-    if isinstance(value, (set, frozenset)):
-        return sorted(value, key=repr)
+    # A set has no JSON form either: the datasets' graders compare ``set == list`` (False),
+    # and a set written as a list in some order (by repr: [10, 9]) matched an expected list
+    # that happened to be in that order.
     raise TypeError(f"{type(value).__name__} has no JSON form")
 
 
@@ -560,7 +566,8 @@ _FENCE_RE = re.compile(r"```[ \t]{0,8}([A-Za-z0-9_+-]{0,20})[ \t]{0,8}\n")
 _PYTHON_TAGS = ("python", "py", "python3")
 # A program that reads its test's input (stdin problems).
 _READS_INPUT_RE = re.compile(
-    r"\binput\s{0,8}\(|\bsys\s{0,8}\.\s{0,8}stdin\b|\bopen\s{0,8}\(\s{0,8}0\b"
+    r"\binput\s{0,8}\(|\bstdin\b|\bopen\s{0,8}\(\s{0,8}0\b|\bfileinput\b"
+    r"|\bos\s{0,8}\.\s{0,8}read\s{0,8}\(\s{0,8}0\b"
 )
 
 

@@ -486,6 +486,7 @@ class ProgramSession:
         self._files: list[IO[bytes]] = []
         self._control: tuple[int, int] | None = None  # (to the harness, from the harness)
         self._work: str | None = None
+        self._ready = False  # whether the current box's harness said it was ready
 
     def __enter__(self) -> ProgramSession:
         return self
@@ -550,8 +551,11 @@ class ProgramSession:
             returncode = self._stop(grace_s=max(0.0, started + wall - time.monotonic()))
             stdout, stderr = self._outputs()
             status = "failed"
-            if self.box.isolated and stderr.startswith("bwrap:"):
+            if self.box.isolated and not self._ready and stderr.startswith("bwrap:"):
                 # The box itself failed (the program never ran): not the program's fault.
+                # Only before the harness said it was ready: after it, the program ran, and
+                # its stderr may begin with "bwrap:" too (an error status for a program's
+                # own doing would count against reward.max_error_fraction).
                 logger.warning("code sandbox: bwrap failed: %s", stderr.strip()[:500])
                 status = "error"
             return SandboxResult(status, returncode, stdout, stderr, elapsed)
@@ -592,6 +596,7 @@ class ProgramSession:
             if not chunk:
                 return True
             data += chunk
+        self._ready = True
         return True
 
     def _outputs(self) -> tuple[str, str]:
@@ -649,6 +654,7 @@ class ProgramSession:
             for fd in (to_box_read, from_box_write) + ((main,) if main is not None else ()):
                 os.close(fd)
         self._control = (to_box, from_box)
+        self._ready = False
         self.boxes_started += 1
 
     def _unsafe_dir(self) -> str:

@@ -650,3 +650,20 @@ def test_the_block_that_defines_the_entry_point_is_graded():
     # Two solutions: the last one that defines the entry point is graded, and only it.
     hedge = response.replace(usage, "def add(a, b):\n    return a * b\n")
     assert code_reward.score_code(hedge, tests, CONFIG) == -1.0
+
+
+def test_second_reading_zero_padding_sets_and_stdin_readers():
+    # "11" was paid for "0011" (Decimal-equal): zero-padded digits are text.
+    assert not outputs_match("11", "0011") and not outputs_match("7", "007")
+    assert not outputs_match("-5", "-05")
+    assert outputs_match("0011", "0011") and outputs_match("007", "7")  # controls
+    # A set, written as a list sorted by repr ([10, 9]), matched an expected [10, 9].
+    assert not values_match({9, 10}, [10, 9]) and not values_match(frozenset({1}), [1])
+    assert values_match([10, 9], [10, 9]) and values_match((10, 9), [10, 9])
+    # A solution reading with ``from sys import stdin`` (or os.read(0)) was not seen as one:
+    # the usage block after it was graded instead.
+    config = RewardConfig(kind="code")
+    problem = code_reward.parse_problem([{"input": "5 3\n", "output": "8"}])
+    for reader in ("from sys import stdin\nx = stdin.read()\n", "import os\nx = os.read(0, 99)\n"):
+        response = respond(reader + "print(8)\n") + "\n```python\nprint(7)\n```\n"
+        assert code_reward.select_program(response, problem, config) == reader + "print(8)\n"

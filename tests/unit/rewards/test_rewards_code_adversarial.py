@@ -5,7 +5,10 @@ crashes (big integers, malformed or forged reports, results nested past the recu
 limit), false positives (integer tolerance, non-finite values, Python-only number spellings,
 one-element lists, MBPP's ``is``, attacks on the harness) and misses (a worker thread with a
 larger stack, an example-usage block, MBPP's bare assert), each class with several probes and
-matched controls. Scored through ``RewardPool.score_batch`` with a recipe's reward settings,
+matched controls. A second reading added: a program's stderr taken for the box's failure (an
+"error" status, which counts against ``reward.max_error_fraction``), zero-padded digits
+("11" for "0011"), a set for an expected list, and stdin readers the graded-block rule did
+not see. Scored through ``RewardPool.score_batch`` with a recipe's reward settings,
 the call training makes: every item must get the reward a correct grader gives, and nothing
 may raise.
 """
@@ -38,6 +41,10 @@ CLASSES = {
     "miss_thread",
     "miss_usage_block",
     "miss_mbpp_truthy",
+    "error_forgery",
+    "zero_padded",
+    "set_as_list",
+    "miss_stdin_reader",
 }
 
 
