@@ -629,6 +629,21 @@ def cases() -> list[dict]:  # noqa: PLR0915 - one table
         -1,
         "a wrong reader, then a block printing the answer",
     )
+    # --- second reading: MBPP's math.isclose with an integer (compared exactly, as an int) ---
+    for body, line in (
+        ("return 0.1 + 0.2 - 0.3", "assert math.isclose(f(1), 0, abs_tol=1e-9)"),
+        ("return (x ** 0.5) ** 2", "assert math.isclose(f(7), 7)"),
+        ("return x * 0.1 * 10", "assert isclose(f(3), 3)"),
+    ):
+        add("miss_mbpp_isclose", line, respond(f"def f(x):\n    {body}\n"), [line], 1)
+    add(
+        "miss_mbpp_isclose",
+        "",
+        respond("def f(x):\n    return 6.9\n"),
+        ["assert math.isclose(f(7), 7)"],
+        -1,
+        "6.9 for isclose(f(7), 7)",
+    )
     return rows
 
 

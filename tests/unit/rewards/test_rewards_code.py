@@ -667,3 +667,14 @@ def test_second_reading_zero_padding_sets_and_stdin_readers():
     for reader in ("from sys import stdin\nx = stdin.read()\n", "import os\nx = os.read(0, 99)\n"):
         response = respond(reader + "print(8)\n") + "\n```python\nprint(7)\n```\n"
         assert code_reward.select_program(response, problem, config) == reader + "print(8)\n"
+
+
+def test_an_integer_in_mbpp_isclose_is_a_float_reference():
+    # math.isclose(f(7), 7) holds for 7.000000000000001; read as an int the reference was
+    # exact and that right answer failed.
+    (case,) = parse_tests(["assert math.isclose(f(7), 7)"])
+    assert case.expected() == 7.0 and isinstance(case.expected(), float)
+    assert values_match(7.000000000000001, case.expected(), encoding="python")
+    assert not values_match(6.9, case.expected(), encoding="python")  # control
+    (big,) = parse_tests([f"assert math.isclose(f(1), {10**400})"])  # beyond float: exact
+    assert big.expected() == 10**400

@@ -7,10 +7,10 @@ one-element lists, MBPP's ``is``, attacks on the harness) and misses (a worker t
 larger stack, an example-usage block, MBPP's bare assert), each class with several probes and
 matched controls. A second reading added: a program's stderr taken for the box's failure (an
 "error" status, which counts against ``reward.max_error_fraction``), zero-padded digits
-("11" for "0011"), a set for an expected list, and stdin readers the graded-block rule did
-not see. Scored through ``RewardPool.score_batch`` with a recipe's reward settings,
-the call training makes: every item must get the reward a correct grader gives, and nothing
-may raise.
+("11" for "0011"), a set for an expected list, stdin readers the graded-block rule did
+not see, and MBPP's ``math.isclose`` with an integer reference. Scored through
+``RewardPool.score_batch`` with a recipe's reward settings, the call training makes: every
+item must get the reward a correct grader gives, and nothing may raise.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ CLASSES = {
     "zero_padded",
     "set_as_list",
     "miss_stdin_reader",
+    "miss_mbpp_isclose",
 }
 
 
