@@ -644,6 +644,23 @@ def cases() -> list[dict]:  # noqa: PLR0915 - one table
         -1,
         "6.9 for isclose(f(7), 7)",
     )
+    # --- second reading: one MBPP isclose line's tolerance was every line's ---
+    for first, body in (
+        ("assert f(1) == 0.5", "return 1.4 if x == 1 else 100.0"),
+        ("assert f(1) == 2.5", "return 2.52 if x == 1 else 100.0"),
+        ("assert f(1) == [0.5, 1.5]", "return [0.55, 1.5] if x == 1 else 100.0"),
+    ):
+        lines = [first, "assert math.isclose(f(2), 100.0, abs_tol=1)"]
+        note = f"{body.split()[1]} for '{first}' beside an isclose line with abs_tol=1"
+        add("mbpp_tolerance", note, respond(f"def f(x):\n    {body}\n"), lines, -1)
+    add(
+        "mbpp_tolerance",
+        "",
+        respond("def f(x):\n    return 0.5 if x == 1 else 100.3\n"),
+        ["assert f(1) == 0.5", "assert math.isclose(f(2), 100.0, abs_tol=1)"],
+        1,
+        "0.5, and 100.3 within the isclose line's abs_tol",
+    )
     return rows
 
 

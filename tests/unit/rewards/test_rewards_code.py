@@ -351,7 +351,8 @@ def test_mbpp_asserts_that_are_not_literal_calls_are_refused_by_line():
         parse_tests(["assert f(__import__('os').getcwd()) == 1"])
     with pytest.raises(ValueError, match="not an assert"):
         parse_tests(["print(f(1))"])
-    tolerance = code_reward.parse_problem(MBPP_ROWS[2]["test_list"]).compare
+    problem = code_reward.parse_problem(MBPP_ROWS[2]["test_list"])
+    tolerance = problem.tests[0].options(problem.compare)  # each isclose line its own
     assert tolerance.float_rel_tol == 0.001 and tolerance.float_abs_tol == 0.0
 
 
@@ -678,3 +679,24 @@ def test_an_integer_in_mbpp_isclose_is_a_float_reference():
     assert not values_match(6.9, case.expected(), encoding="python")  # control
     (big,) = parse_tests([f"assert math.isclose(f(1), {10**400})"])  # beyond float: exact
     assert big.expected() == 10**400
+
+
+def test_an_mbpp_isclose_tolerance_is_its_own_lines():
+    # The loosest isclose line's tolerance was the problem's, so '== 0.5' paid 1.4 beside an
+    # isclose line with abs_tol=1.
+    lines = ["assert f(1) == 0.5", "assert math.isclose(f(2), 100.0, abs_tol=1)"]
+    problem = code_reward.parse_problem(lines)
+    exact, close = problem.tests
+    assert exact.tolerance is None and close.tolerance == {
+        "float_rel_tol": 1e-9,
+        "float_abs_tol": 1.0,
+    }
+    assert not values_match(1.4, 0.5, exact.options(problem.compare), "python")
+    assert values_match(100.3, 100.0, close.options(problem.compare), "python")  # control
+    # The canonical form keeps each line's tolerance.
+    again = code_reward.parse_problem(json.loads(json.dumps(problem.to_dict())))
+    assert again == problem
+    program = respond("def f(x):\n    return 1.4 if x == 1 else 100.0\n")
+    assert code_reward.score_code(program, problem.to_dict(), CONFIG) == -1.0
+    right = respond("def f(x):\n    return 0.5 if x == 1 else 100.3\n")
+    assert code_reward.score_code(right, problem.to_dict(), CONFIG) == 1.0
