@@ -661,6 +661,45 @@ def cases() -> list[dict]:  # noqa: PLR0915 - one table
         1,
         "0.5, and 100.3 within the isclose line's abs_tol",
     )
+    # --- second reading: LeetCode-style names used without their import (NameError) ---
+    two_sum = lcb("twoSum", [[2, 7, 11, 15], 9], [0, 1])
+    body = (
+        "        seen = {}\n        for i, x in enumerate(nums):\n"
+        "            if target - x in seen:\n                return [seen[target - x], i]\n"
+        "            seen[x] = i\n"
+    )
+    for signature, note in (
+        ("nums: List[int], target: int) -> List[int]", "List without 'from typing import'"),
+        ("nums: List[int], target: int) -> Optional[List[int]]", "Optional and List"),
+        ("nums: Deque[int], target: int) -> Tuple[int, int]", "Deque and Tuple"),
+    ):
+        program = f"class Solution:\n    def twoSum(self, {signature}:\n{body}"
+        add("miss_leetcode_names", note, respond(program), two_sum, 1)
+    add(
+        "miss_leetcode_names",
+        "defaultdict and deque without 'from collections import'",
+        respond(
+            "class Solution:\n    def twoSum(self, nums, target):\n"
+            "        where = defaultdict(list)\n        order = deque(nums)\n"
+            "        for i, x in enumerate(order):\n"
+            "            if where[target - x]:\n                return [where[target - x][0], i]\n"
+            "            where[x].append(i)\n"
+        ),
+        two_sum,
+        1,
+    )
+    add(
+        "miss_leetcode_names",
+        "",
+        respond(
+            f"class Solution:\n    def twoSum(self, nums: List[int], target: int):\n{body}".replace(
+                "[seen[target - x], i]", "[i, seen[target - x]]"
+            )
+        ),
+        two_sum,
+        -1,
+        "the same idiom, indices swapped",
+    )
     return rows
 
 

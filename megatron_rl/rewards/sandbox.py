@@ -211,6 +211,15 @@ def _run_one(source, name):
         exec(code, namespace)
         return None
     args = decode(sys.stdin.read())
+    # LeetCode-style solutions annotate with List / Optional and use deque / defaultdict
+    # without importing them (the judge's environment has them; LiveCodeBench's and TACO's
+    # graders prepend 'from typing import *', 'from collections import *' ...): a NameError
+    # at the def line failed right programs. The program's own names override these.
+    import collections
+    import typing
+
+    for module in (typing, collections):
+        namespace.update((key, getattr(module, key)) for key in module.__all__)
     exec(code, namespace)
     owner = namespace.get("Solution")
     fn = getattr(owner(), name) if owner is not None and hasattr(owner, name) else namespace[name]
@@ -354,6 +363,7 @@ def _sandbox_main():
         request = None
         if not test.endswith(" "):
             import ast  # noqa: F401 - for functional tests' arguments, in the next runners
+            import typing  # noqa: F401 - and their namespace (``_run_one``)
         try:
             _write_all(request_w, test.encode() + b"\n")
         except OSError:

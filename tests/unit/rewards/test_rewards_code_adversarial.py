@@ -8,8 +8,9 @@ larger stack, an example-usage block, MBPP's bare assert), each class with sever
 matched controls. A second reading added: a program's stderr taken for the box's failure (an
 "error" status, which counts against ``reward.max_error_fraction``), zero-padded digits
 ("11" for "0011"), a set for an expected list, stdin readers the graded-block rule did
-not see, MBPP's ``math.isclose`` with an integer reference, and an isclose line's
-tolerance given to a problem's ``==`` lines. Scored through
+not see, MBPP's ``math.isclose`` with an integer reference, an isclose line's
+tolerance given to a problem's ``==`` lines, and LeetCode-style names (``List``,
+``defaultdict``) used without their import. Scored through
 ``RewardPool.score_batch`` with a recipe's reward settings, the call training makes: every
 item must get the reward a correct grader gives, and nothing may raise.
 """
@@ -48,6 +49,7 @@ CLASSES = {
     "miss_stdin_reader",
     "miss_mbpp_isclose",
     "mbpp_tolerance",
+    "miss_leetcode_names",
 }
 
 
