@@ -700,6 +700,32 @@ def cases() -> list[dict]:  # noqa: PLR0915 - one table
         -1,
         "the same idiom, indices swapped",
     )
+    # --- second reading: a script's thread started and not joined (the interpreter waits for
+    # it before the script ends; the runner ended at once, without its output) ---
+    unjoined = (
+        "import sys, threading\nsys.setrecursionlimit(1 << 20)\nthreading.stack_size(1 << 26)\n"
+        "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
+        "def main():\n    print(depth(int(input())) + OFFSET)\nSTART\n"
+    )
+    for start, note in (
+        ("threading.Thread(target=main).start()", "Thread(target=main).start(), no join"),
+        ("t = threading.Thread(target=main)\nt.start()", "a started thread, no join"),
+        ("threading.Thread(target=main).start()\nsys.exit(0)", "a started thread, then sys.exit"),
+    ):
+        program = unjoined.replace("START", start).replace("OFFSET", "0")
+        add("miss_thread_unjoined", note, respond(program), stdin_tests("50000", "50000\n"), 1)
+    add(
+        "miss_thread_unjoined",
+        "",
+        respond(
+            unjoined.replace("START", "threading.Thread(target=main).start()").replace(
+                "OFFSET", "1"
+            )
+        ),
+        stdin_tests("50000", "50000\n"),
+        -1,
+        "the same idiom, off by one",
+    )
     return rows
 
 

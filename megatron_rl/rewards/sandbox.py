@@ -226,6 +226,30 @@ def _run_one(source, name):
     return fn(*args)
 
 
+def _join_threads():
+    # As the interpreter does before a script ends (threading._shutdown: the threading
+    # atexit calls, such as a thread pool's, then every non-daemon thread to its end):
+    # ``threading.Thread(target=main).start()`` without a join, the usual way to recurse
+    # deeply on a bigger stack, printed nothing when the runner ended at once.
+    threading = sys.modules.get("threading")
+    if threading is None:
+        return
+    try:
+        shutdown = getattr(threading, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()
+            return
+        while True:
+            me = threading.current_thread()
+            pending = [t for t in threading.enumerate() if t is not me and not t.daemon]
+            if not pending:
+                return
+            for thread in pending:
+                thread.join()
+    except BaseException:
+        return
+
+
 def _encode_result(value):
     try:
         return "L" + encode(value)
@@ -275,6 +299,8 @@ def _runner(box, tools, request, result):
 
         traceback.print_exc(file=err)
         code = 1
+    if not name:
+        _join_threads()
     for stream in {id(s): s for s in (sys.stdout, sys.stderr, out, err)}.values():
         try:
             stream.flush()

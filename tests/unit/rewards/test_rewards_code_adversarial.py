@@ -10,7 +10,7 @@ matched controls. A second reading added: a program's stderr taken for the box's
 ("11" for "0011"), a set for an expected list, stdin readers the graded-block rule did
 not see, MBPP's ``math.isclose`` with an integer reference, an isclose line's
 tolerance given to a problem's ``==`` lines, and LeetCode-style names (``List``,
-``defaultdict``) used without their import. Scored through
+``defaultdict``) used without their import, and a script's thread started without a join. Scored through
 ``RewardPool.score_batch`` with a recipe's reward settings, the call training makes: every
 item must get the reward a correct grader gives, and nothing may raise.
 """
@@ -50,6 +50,7 @@ CLASSES = {
     "miss_mbpp_isclose",
     "mbpp_tolerance",
     "miss_leetcode_names",
+    "miss_thread_unjoined",
 }
 
 
