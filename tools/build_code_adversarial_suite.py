@@ -583,7 +583,13 @@ def cases() -> list[dict]:  # noqa: PLR0915 - one table
     )
     add("error_forgery", "", respond(prints("7")), stdin_tests("7"), 1, "7")
     # --- second reading: zero-padded digits are text ("11" paid for "0011") ---
-    for got, want in (("11", "0011"), ("7", "007"), ("5 7", "05 07"), ("-5", "-05")):
+    for got, want in (
+        ("11", "0011"),
+        ("7", "007"),
+        ("5 7", "05 07"),
+        ("-5", "-05"),
+        ("5.5", "05.50"),
+    ):
         add("zero_padded", f"{got!r} for {want!r}", respond(prints(got)), stdin_tests(want), -1)
     add("zero_padded", "", respond(prints("0011")), stdin_tests("0011"), 1, "'0011'")
     add("zero_padded", "", respond(prints("007")), stdin_tests("7"), 1, "'007' for '7'")

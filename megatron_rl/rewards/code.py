@@ -73,9 +73,9 @@ _MATCHES = ("equal", "equal_or_only_element", "is", "truthy", "falsy")
 # overflow).
 _NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,4})?")
 _INTEGER_RE = re.compile(r"[+-]?[0-9]+")
-# Digits with a leading zero ("0011", "007", "09"): a binary string, a padded number, a time;
-# the zeros are part of the answer, so only the same text matches.
-_ZERO_PADDED_RE = re.compile(r"[+-]?0[0-9]+")
+# Digits with a leading zero ("0011", "007", "09", "05.50"): a binary string, a padded
+# number, a time; the zeros are part of the answer, so only the same text matches.
+_ZERO_PADDED_RE = re.compile(r"[+-]?0[0-9]+(?:\.[0-9]*)?")
 
 
 class SpecialJudgeError(ValueError):

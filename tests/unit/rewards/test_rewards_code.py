@@ -656,7 +656,8 @@ def test_the_block_that_defines_the_entry_point_is_graded():
 def test_second_reading_zero_padding_sets_and_stdin_readers():
     # "11" was paid for "0011" (Decimal-equal): zero-padded digits are text.
     assert not outputs_match("11", "0011") and not outputs_match("7", "007")
-    assert not outputs_match("-5", "-05")
+    assert not outputs_match("-5", "-05") and not outputs_match("5.5", "05.50")
+    assert outputs_match("5.5", "5.50") and outputs_match("0.5", "0.50")  # controls
     assert outputs_match("0011", "0011") and outputs_match("007", "7")  # controls
     # A set, written as a list sorted by repr ([10, 9]), matched an expected [10, 9].
     assert not values_match({9, 10}, [10, 9]) and not values_match(frozenset({1}), [1])
