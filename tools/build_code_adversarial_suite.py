@@ -732,6 +732,30 @@ def cases() -> list[dict]:  # noqa: PLR0915 - one table
         -1,
         "the same idiom, off by one",
     )
+    # --- second reading: output written from an atexit function (a fast-output idiom; the
+    # runner ended without running them) ---
+    fast_io = (
+        "import atexit, io, sys\n_buffer = io.StringIO()\nsys.stdout = _buffer\n"
+        "@atexit.register\ndef _write():\n    sys.__stdout__.write(_buffer.getvalue())\n"
+        "a, b = map(int, input().split())\nprint(a OP b)\nEND"
+    )
+    for note, program in (
+        ("stdout collected and written from atexit", fast_io.replace("END", "")),
+        ("the same, then sys.exit(0)", fast_io.replace("END", "sys.exit(0)\n")),
+        (
+            "atexit.register(print, answer)",
+            "import atexit\na, b = map(int, input().split())\natexit.register(print, a OP b)\n",
+        ),
+    ):
+        add("miss_atexit", note, respond(program.replace("OP", "+")), stdin_tests("8", "5 3\n"), 1)
+    add(
+        "miss_atexit",
+        "",
+        respond(fast_io.replace("END", "").replace("OP", "*")),
+        stdin_tests("8", "5 3\n"),
+        -1,
+        "the idiom with a wrong answer",
+    )
     return rows
 
 

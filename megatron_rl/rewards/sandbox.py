@@ -250,6 +250,18 @@ def _join_threads():
         return
 
 
+def _run_exit_functions():
+    # Then, as the interpreter does, the script's atexit functions: a fast-output idiom
+    # collects the output and writes it from one (nothing came out when the runner ended).
+    atexit = sys.modules.get("atexit")
+    if atexit is None:
+        return
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:
+        return
+
+
 def _encode_result(value):
     try:
         return "L" + encode(value)
@@ -301,6 +313,7 @@ def _runner(box, tools, request, result):
         code = 1
     if not name:
         _join_threads()
+        _run_exit_functions()
     for stream in {id(s): s for s in (sys.stdout, sys.stderr, out, err)}.values():
         try:
             stream.flush()
