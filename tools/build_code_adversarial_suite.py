@@ -549,6 +549,213 @@ def cases() -> list[dict]:  # noqa: PLR0915 - one table
             -1,
             f"{falsy} for a bare assert",
         )
+    # --- second reading: a program's stderr read as the box's failure (an "error" status
+    # counts against reward.max_error_fraction and can stop the run) ---
+    kill = (
+        "import os, signal, sys\nsys.stderr.write('bwrap: Can not mount tmpfs\\n')\n"
+        "sys.stderr.flush()\nPRINT"
+        "signal.pidfd_send_signal(os.pidfd_open(os.getppid()), signal.SIGKILL)\n"
+        "while True:\n    pass\n"
+    )
+    add(
+        "error_forgery",
+        "'bwrap:' on stderr, then SIGKILL the harness (pidfd: no audit event)",
+        respond(kill.replace("PRINT", "")),
+        stdin_tests("7"),
+        -1,
+    )
+    add(
+        "error_forgery",
+        "the answer printed, 'bwrap:' on stderr, SIGKILL the harness",
+        respond(kill.replace("PRINT", "print(7, flush=True)\n")),
+        stdin_tests("7"),
+        -1,
+    )
+    add(
+        "error_forgery",
+        "a functional test: 'bwrap:' on stderr, SIGKILL the harness",
+        respond(
+            "def f(x):\n"
+            + "".join("    " + line + "\n" for line in kill.replace("PRINT", "").splitlines())
+        ),
+        lcb("f", [1], 4),
+        -1,
+    )
+    add("error_forgery", "", respond(prints("7")), stdin_tests("7"), 1, "7")
+    # --- second reading: zero-padded digits are text ("11" paid for "0011") ---
+    for got, want in (
+        ("11", "0011"),
+        ("7", "007"),
+        ("5 7", "05 07"),
+        ("-5", "-05"),
+        ("5.5", "05.50"),
+    ):
+        add("zero_padded", f"{got!r} for {want!r}", respond(prints(got)), stdin_tests(want), -1)
+    add("zero_padded", "", respond(prints("0011")), stdin_tests("0011"), 1, "'0011'")
+    add("zero_padded", "", respond(prints("007")), stdin_tests("7"), 1, "'007' for '7'")
+    # --- second reading: a set is no list (sorted by repr it matched [10, 9]) ---
+    add(
+        "set_as_list",
+        "{9, 10} for [10, 9]",
+        respond(returns("{9, 10}")),
+        lcb("f", [1], [10, 9]),
+        -1,
+    )
+    add(
+        "set_as_list",
+        "frozenset for TACO's [10, 9]",
+        respond(returns("frozenset({9, 10})")),
+        taco("f", [1], [10, 9]),
+        -1,
+    )
+    add("set_as_list", "{1, 2} for [1, 2]", respond(returns("{2, 1}")), lcb("f", [1], [1, 2]), -1)
+    add("set_as_list", "", respond(returns("[10, 9]")), lcb("f", [1], [10, 9]), 1, "[10, 9]")
+    # --- second reading: stdin readers the graded-block rule did not see, then a usage block
+    # that reads nothing (graded instead of the solution) ---
+    for reader in (
+        "from sys import stdin\na, b = map(int, stdin.readline().split())\n",
+        "import fileinput\na, b = map(int, next(fileinput.input()).split())\n",
+        "import os\na, b = map(int, os.read(0, 1 << 16).split())\n",
+    ):
+        add(
+            "miss_stdin_reader",
+            reader.splitlines()[0],
+            respond(reader + "print(a + b)\n", "# sample: 3 4 -> 7\nprint(7)\n"),
+            stdin_tests("8", "5 3\n"),
+            1,
+        )
+    add(
+        "miss_stdin_reader",
+        "",
+        respond(
+            "from sys import stdin\na, b = map(int, stdin.readline().split())\nprint(a * b)\n",
+            "print(8)\n",
+        ),
+        stdin_tests("8", "5 3\n"),
+        -1,
+        "a wrong reader, then a block printing the answer",
+    )
+    # --- second reading: MBPP's math.isclose with an integer (compared exactly, as an int) ---
+    for body, line in (
+        ("return 0.1 + 0.2 - 0.3", "assert math.isclose(f(1), 0, abs_tol=1e-9)"),
+        ("return (x ** 0.5) ** 2", "assert math.isclose(f(7), 7)"),
+        ("return x * 0.1 * 10", "assert isclose(f(3), 3)"),
+    ):
+        add("miss_mbpp_isclose", line, respond(f"def f(x):\n    {body}\n"), [line], 1)
+    add(
+        "miss_mbpp_isclose",
+        "",
+        respond("def f(x):\n    return 6.9\n"),
+        ["assert math.isclose(f(7), 7)"],
+        -1,
+        "6.9 for isclose(f(7), 7)",
+    )
+    # --- second reading: one MBPP isclose line's tolerance was every line's ---
+    for first, body in (
+        ("assert f(1) == 0.5", "return 1.4 if x == 1 else 100.0"),
+        ("assert f(1) == 2.5", "return 2.52 if x == 1 else 100.0"),
+        ("assert f(1) == [0.5, 1.5]", "return [0.55, 1.5] if x == 1 else 100.0"),
+    ):
+        lines = [first, "assert math.isclose(f(2), 100.0, abs_tol=1)"]
+        note = f"{body.split()[1]} for '{first}' beside an isclose line with abs_tol=1"
+        add("mbpp_tolerance", note, respond(f"def f(x):\n    {body}\n"), lines, -1)
+    add(
+        "mbpp_tolerance",
+        "",
+        respond("def f(x):\n    return 0.5 if x == 1 else 100.3\n"),
+        ["assert f(1) == 0.5", "assert math.isclose(f(2), 100.0, abs_tol=1)"],
+        1,
+        "0.5, and 100.3 within the isclose line's abs_tol",
+    )
+    # --- second reading: LeetCode-style names used without their import (NameError) ---
+    two_sum = lcb("twoSum", [[2, 7, 11, 15], 9], [0, 1])
+    body = (
+        "        seen = {}\n        for i, x in enumerate(nums):\n"
+        "            if target - x in seen:\n                return [seen[target - x], i]\n"
+        "            seen[x] = i\n"
+    )
+    for signature, note in (
+        ("nums: List[int], target: int) -> List[int]", "List without 'from typing import'"),
+        ("nums: List[int], target: int) -> Optional[List[int]]", "Optional and List"),
+        ("nums: Deque[int], target: int) -> Tuple[int, int]", "Deque and Tuple"),
+    ):
+        program = f"class Solution:\n    def twoSum(self, {signature}:\n{body}"
+        add("miss_leetcode_names", note, respond(program), two_sum, 1)
+    add(
+        "miss_leetcode_names",
+        "defaultdict and deque without 'from collections import'",
+        respond(
+            "class Solution:\n    def twoSum(self, nums, target):\n"
+            "        where = defaultdict(list)\n        order = deque(nums)\n"
+            "        for i, x in enumerate(order):\n"
+            "            if where[target - x]:\n                return [where[target - x][0], i]\n"
+            "            where[x].append(i)\n"
+        ),
+        two_sum,
+        1,
+    )
+    add(
+        "miss_leetcode_names",
+        "",
+        respond(
+            f"class Solution:\n    def twoSum(self, nums: List[int], target: int):\n{body}".replace(
+                "[seen[target - x], i]", "[i, seen[target - x]]"
+            )
+        ),
+        two_sum,
+        -1,
+        "the same idiom, indices swapped",
+    )
+    # --- second reading: a script's thread started and not joined (the interpreter waits for
+    # it before the script ends; the runner ended at once, without its output) ---
+    unjoined = (
+        "import sys, threading\nsys.setrecursionlimit(1 << 20)\nthreading.stack_size(1 << 26)\n"
+        "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
+        "def main():\n    print(depth(int(input())) + OFFSET)\nSTART\n"
+    )
+    for start, note in (
+        ("threading.Thread(target=main).start()", "Thread(target=main).start(), no join"),
+        ("t = threading.Thread(target=main)\nt.start()", "a started thread, no join"),
+        ("threading.Thread(target=main).start()\nsys.exit(0)", "a started thread, then sys.exit"),
+    ):
+        program = unjoined.replace("START", start).replace("OFFSET", "0")
+        add("miss_thread_unjoined", note, respond(program), stdin_tests("50000", "50000\n"), 1)
+    add(
+        "miss_thread_unjoined",
+        "",
+        respond(
+            unjoined.replace("START", "threading.Thread(target=main).start()").replace(
+                "OFFSET", "1"
+            )
+        ),
+        stdin_tests("50000", "50000\n"),
+        -1,
+        "the same idiom, off by one",
+    )
+    # --- second reading: output written from an atexit function (a fast-output idiom; the
+    # runner ended without running them) ---
+    fast_io = (
+        "import atexit, io, sys\n_buffer = io.StringIO()\nsys.stdout = _buffer\n"
+        "@atexit.register\ndef _write():\n    sys.__stdout__.write(_buffer.getvalue())\n"
+        "a, b = map(int, input().split())\nprint(a OP b)\nEND"
+    )
+    for note, program in (
+        ("stdout collected and written from atexit", fast_io.replace("END", "")),
+        ("the same, then sys.exit(0)", fast_io.replace("END", "sys.exit(0)\n")),
+        (
+            "atexit.register(print, answer)",
+            "import atexit\na, b = map(int, input().split())\natexit.register(print, a OP b)\n",
+        ),
+    ):
+        add("miss_atexit", note, respond(program.replace("OP", "+")), stdin_tests("8", "5 3\n"), 1)
+    add(
+        "miss_atexit",
+        "",
+        respond(fast_io.replace("END", "").replace("OP", "*")),
+        stdin_tests("8", "5 3\n"),
+        -1,
+        "the idiom with a wrong answer",
+    )
     return rows
 
 

@@ -99,6 +99,7 @@ class CodeFeedbackEnvironment(Environment):
                 return "passed", []
             return "failed", [f"got: {_shown(result.stdout)}"]
         expected = case.expected()
-        if values_match(result.result, expected, self.public.compare, case.encoding, case.match):
+        options = case.options(self.public.compare)
+        if values_match(result.result, expected, options, case.encoding, case.match):
             return "passed", []
         return "failed", [f"got: {_shown(repr(result.result))}"]

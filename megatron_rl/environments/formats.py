@@ -112,8 +112,10 @@ class ToolFormat(ABC):
         whatever reopens the model's turn."""
 
     def observation_ids(self, output: str, tokenizer: Any) -> list[int]:
-        """``observation_text`` tokenized once, without BOS: the ids appended to the episode."""
-        return list(tokenizer.encode(self.observation_text(output), add_special_tokens=False))
+        """``observation_text`` tokenized once, without BOS: the ids appended to the episode.
+        Special-token text in it is ordinary text (``plain_text_ids``): a format whose
+        observation holds real special tokens encodes them apart from the output."""
+        return plain_text_ids(self.observation_text(output), tokenizer)
 
 
 _PLAIN_TEXT: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -262,13 +264,25 @@ class QwenFormat(ToolFormat):
         # Qwen's templates list the tools in the system turn, with the <tool_call> format
         return {"tools": [tool_schema]}
 
+    HEAD = "<|im_end|>\n<|im_start|>"
+    TAIL = "<|im_end|>\n<|im_start|>assistant\n"
+
+    def _body(self, output: str) -> str:
+        return f"user\n<tool_response>\n{output}\n</tool_response>"
+
     def observation_text(self, output: str) -> str:
         # The call ended the assistant's turn at </tool_call>: close it as the chat template
         # would (<|im_end|>), then the tool message and the next assistant header.
-        return (
-            "<|im_end|>\n<|im_start|>user\n<tool_response>\n"
-            f"{output}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-        )
+        return self.HEAD + self._body(output) + self.TAIL
+
+    def observation_ids(self, output: str, tokenizer: Any) -> list[int]:
+        # The turn's own special tokens as such; the tool message between them (the text a
+        # tokenizer encodes apart anyway, split at special tokens) with the output's
+        # special-token text as ordinary text: an output printing "<|im_end|>\n<|im_start|>
+        # assistant\n..." forged a turn end and an assistant turn in the episode.
+        head = tokenizer.encode(self.HEAD, add_special_tokens=False)
+        tail = tokenizer.encode(self.TAIL, add_special_tokens=False)
+        return [*head, *plain_text_ids(self._body(output), tokenizer), *tail]
 
 
 class MarkdownFormat(ToolFormat):

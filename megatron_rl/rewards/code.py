@@ -57,7 +57,7 @@ from typing import Any
 from megatron_rl.rewards import literals
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rewards.extraction import answer_section, extract_code
-from megatron_rl.rewards.mbpp import assert_tolerance, parse_asserts
+from megatron_rl.rewards.mbpp import line_tolerance, parse_asserts
 from megatron_rl.rewards.sandbox import ProgramSession
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,9 @@ _MATCHES = ("equal", "equal_or_only_element", "is", "truthy", "falsy")
 # overflow).
 _NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,4})?")
 _INTEGER_RE = re.compile(r"[+-]?[0-9]+")
+# Digits with a leading zero ("0011", "007", "09", "05.50"): a binary string, a padded
+# number, a time; the zeros are part of the answer, so only the same text matches.
+_ZERO_PADDED_RE = re.compile(r"[+-]?0[0-9]+(?:\.[0-9]*)?")
 
 
 class SpecialJudgeError(ValueError):
@@ -156,10 +159,22 @@ class CodeTest:
     fn_name: str | None = None
     encoding: str = "json"
     match: str = "equal"
+    # This test's own float tolerance (``CompareOptions``' float_rel_tol / float_abs_tol),
+    # over the problem's: an MBPP ``math.isclose`` line's, which its ``==`` lines do not get.
+    tolerance: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical JSON-able form; ``parse_tests`` reads it back to an equal test."""
-        return asdict(self)
+        raw = asdict(self)
+        if raw["tolerance"] is None:
+            del raw["tolerance"]
+        return raw
+
+    def options(self, compare: CompareOptions) -> CompareOptions:
+        """The comparison of this test in a problem compared under ``compare``."""
+        if not self.tolerance:
+            return compare
+        return CompareOptions.from_dict({**compare.to_dict(), **self.tolerance})
 
     def arguments(self) -> list[Any]:
         """The functional test's positional arguments."""
@@ -254,7 +269,13 @@ def _canonical(test: dict[str, Any], name: str) -> CodeTest:
     else:
         if not isinstance(raw_in, str) or not isinstance(raw_out, str):
             raise ValueError("a 'python' test holds its input and output as literal text")
-        case = CodeTest(raw_in, raw_out, name, "python", match)
+        tolerance = test.get("tolerance")
+        if tolerance is not None:
+            known = {"float_rel_tol", "float_abs_tol"}
+            if not isinstance(tolerance, dict) or not set(tolerance) <= known:
+                raise ValueError(f"tolerance must be a dict of {sorted(known)}: {tolerance!r}")
+            CompareOptions.from_dict(tolerance)  # the values' checks
+        case = CodeTest(raw_in, raw_out, name, "python", match, tolerance or None)
     case.arguments()  # fails here, at parse time, on a malformed input
     return case
 
@@ -262,8 +283,8 @@ def _canonical(test: dict[str, Any], name: str) -> CodeTest:
 def _from_list(tests: list[Any], fn_name: str | None) -> list[CodeTest]:
     if tests and all(isinstance(t, str) for t in tests):
         return [
-            CodeTest(args, out, name, "python", match)
-            for name, args, out, match in parse_asserts(tests)
+            CodeTest(args, out, name, "python", match, line_tolerance(line) or None)
+            for (name, args, out, match), line in zip(parse_asserts(tests), tests)
         ]
     cases = []
     for i, test in enumerate(tests):
@@ -348,8 +369,6 @@ def _parse(tests: Any, fn_name: str | None, compare: Any) -> CodeProblem:
         cases = _from_columns(tests, fn_name)
     elif isinstance(tests, list):
         cases = _from_list(tests, fn_name)
-        if cases and all(isinstance(t, str) for t in tests):
-            compare = {**assert_tolerance(tests), **(compare or {})}
     else:
         raise ValueError(f"unknown test format: {type(tests).__name__} {str(tests)[:200]!r}")
     if not cases:
@@ -381,6 +400,8 @@ def _tokens_equal(got: str, want: str, options: CompareOptions) -> bool:
         return True
     if not (_NUMBER_RE.fullmatch(got) and _NUMBER_RE.fullmatch(want)):
         return False
+    if _ZERO_PADDED_RE.fullmatch(want):
+        return False  # "11" is not "0011" (not equal as text, checked above)
     if Decimal(got) == Decimal(want):  # exact at any length (no int() digit limit)
         return True
     if _INTEGER_RE.fullmatch(want):
@@ -459,8 +480,9 @@ _LITERAL_TYPES = (type(None), bool, int, float, complex, str, bytes, list, tuple
 
 
 def _json_default(value: Any) -> Any:
-    if isinstance(value, (set, frozenset)):
-        return sorted(value, key=repr)
+    # A set has no JSON form either: the datasets' graders compare ``set == list`` (False),
+    # and a set written as a list in some order (by repr: [10, 9]) matched an expected list
+    # that happened to be in that order.
     raise TypeError(f"{type(value).__name__} has no JSON form")
 
 
@@ -543,8 +565,9 @@ def evaluate_program(
             if case.fn_name is None:
                 passed = outputs_match(result.stdout, case.output, problem.compare)
             else:
+                options = case.options(problem.compare)
                 passed = values_match(
-                    result.result, case.expected(), problem.compare, case.encoding, case.match
+                    result.result, case.expected(), options, case.encoding, case.match
                 )
             if not passed:
                 return CodeOutcome(WRONG, n, cpu, wall, f"test {n - 1}: output differs")
@@ -560,7 +583,8 @@ _FENCE_RE = re.compile(r"```[ \t]{0,8}([A-Za-z0-9_+-]{0,20})[ \t]{0,8}\n")
 _PYTHON_TAGS = ("python", "py", "python3")
 # A program that reads its test's input (stdin problems).
 _READS_INPUT_RE = re.compile(
-    r"\binput\s{0,8}\(|\bsys\s{0,8}\.\s{0,8}stdin\b|\bopen\s{0,8}\(\s{0,8}0\b"
+    r"\binput\s{0,8}\(|\bstdin\b|\bopen\s{0,8}\(\s{0,8}0\b|\bfileinput\b"
+    r"|\bos\s{0,8}\.\s{0,8}read\s{0,8}\(\s{0,8}0\b"
 )
 
 

@@ -37,7 +37,7 @@ def parse_asserts(lines: list[str]) -> list[tuple[str, str, str, str]]:
     """MBPP assert lines as functional tests ``(fn_name, arguments, expected, match)``:
     arguments and expected are Python literals, ``match`` how the returned value is checked
     (``code.CodeTest.match``: "equal", "is", "truthy" or "falsy"); ValueError naming the line
-    it cannot read. The float tolerance of ``math.isclose`` lines is ``assert_tolerance``'s."""
+    it cannot read. The float tolerance of a ``math.isclose`` line is ``line_tolerance``'s."""
     cases = []
     for line in lines:
         try:
@@ -63,12 +63,25 @@ def parse_asserts(lines: list[str]) -> list[tuple[str, str, str, str]]:
                     raise ValueError(f"'is' compares with None, True or False only: {line!r:.200}")
         elif _isclose(test):
             case, expected, match = _call(test.args[0], line), _literal(test.args[1], line), "equal"
+            if _is_int_literal(expected):
+                # math.isclose(f(x), 7) holds for 7.000000000000001: an integer written in an
+                # isclose is a float reference (an int one compares exactly, and the right
+                # float missed). Beyond float range it stays exact.
+                try:
+                    expected = repr(float(int(expected)))
+                except (OverflowError, ValueError):
+                    pass
         else:
             case = _call(test, line)
         if case is None:
             raise ValueError(f"unsupported assert (want f(literals) == literal): {line!r:.200}")
         cases.append((case[0], case[1], expected, match))
     return cases
+
+
+def _is_int_literal(text: str) -> bool:
+    body = text[1:] if text.startswith("-") else text
+    return body.isdigit() and body.isascii()
 
 
 def _isclose(node: ast.expr) -> bool:
@@ -79,18 +92,17 @@ def _isclose(node: ast.expr) -> bool:
     )
 
 
-def assert_tolerance(lines: list[str]) -> dict[str, float]:
-    """The loosest ``rel_tol`` / ``abs_tol`` of the ``math.isclose`` asserts (the problem's
-    float tolerance; ``math.isclose``'s own defaults are rel 1e-9, abs 0)."""
-    tolerance: dict[str, float] = {}
-    for line in lines:
-        test = ast.parse(line.strip()).body[0].test  # type: ignore[attr-defined]
-        if _isclose(test):
-            found = {"float_rel_tol": 1e-9, "float_abs_tol": 0.0}
-            for keyword in test.keywords:
-                key = {"rel_tol": "float_rel_tol", "abs_tol": "float_abs_tol"}.get(keyword.arg)
-                if key:
-                    found[key] = float(ast.literal_eval(keyword.value))
-            for key, value in found.items():
-                tolerance[key] = max(tolerance.get(key, 0.0), value)
-    return tolerance
+def line_tolerance(line: str) -> dict[str, float]:
+    """The float tolerance of one assert line: a ``math.isclose`` line's ``rel_tol`` /
+    ``abs_tol`` (``math.isclose``'s own defaults are rel 1e-9, abs 0), {} for any other line
+    (compared under the problem's tolerance). Per line: the loosest isclose of a problem used
+    to be its tolerance for every line, so an ``==`` line got an isclose line's ``abs_tol``."""
+    test = ast.parse(line.strip()).body[0].test  # type: ignore[attr-defined]
+    if not _isclose(test):
+        return {}
+    found = {"float_rel_tol": 1e-9, "float_abs_tol": 0.0}
+    for keyword in test.keywords:
+        key = {"rel_tol": "float_rel_tol", "abs_tol": "float_abs_tol"}.get(keyword.arg)
+        if key:
+            found[key] = float(ast.literal_eval(keyword.value))
+    return found

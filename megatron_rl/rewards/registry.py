@@ -65,8 +65,13 @@ def load(value: str) -> Callable[[str, Any], Any]:
 def score(value: str, answer: str, reference: Any, correct: float, incorrect: float) -> float:
     """The reward of ``answer`` by the plug-in ``value``; runs in a reward worker. Raises
     (an ``error`` of this item) on a result that is not a bool or a finite float in
-    [incorrect, correct]."""
+    [incorrect, correct] (numpy scalars count as their Python values)."""
     result = load(value)(answer, reference)
+    if type(result).__module__ == "numpy" and callable(getattr(result, "item", None)):
+        # A numpy scalar (``np.isclose(a, b)``, ``abs(x - y) < tol`` on numpy floats: an
+        # np.bool_, which is no bool): its Python value. An array stays refused.
+        if getattr(result, "shape", None) == ():
+            result = result.item()
     if isinstance(result, bool):
         return correct if result else incorrect
     if isinstance(result, (int, float)) and math.isfinite(result):

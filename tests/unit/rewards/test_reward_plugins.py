@@ -24,6 +24,13 @@ def score(answer, reference):
         return 0.0
     if answer.strip() == "way out":
         return 7.5
+    if answer.strip().startswith("np "):
+        import numpy as np
+
+        x = np.float64(float(answer.split()[1]))
+        if answer.split()[-1] == "array":
+            return np.array([x == 1.0])
+        return np.float32(x) if answer.split()[-1] == "f32" else abs(x - 1.0) < 1e-9
     return answer.strip().upper() == reference
 '''
 
@@ -64,6 +71,22 @@ def test_a_plugin_reward_scores_through_the_entry_point_in_the_workers(installed
             ["t</think>\\boxed{4}", "t</think>blue"], ["4", "BLUE"], ["math", "upper"]
         )
         assert rewards == [1.0, 1.0]
+
+
+def test_a_plugin_returning_numpy_scalars_is_scored_as_their_values(installed_plugin):
+    # ``abs(x - y) < tol`` on numpy floats is an np.bool_ (no bool): it was an error, on every
+    # item of such a plug-in, which stops the run past reward.max_error_fraction.
+    config = RewardConfig(kind="upper", require_think_end=True, num_workers=1)
+    with RewardPool(config) as pool:
+        responses = [
+            "t</think>np 1.0",  # np.True_: correct
+            "t</think>np 2.0",  # np.False_: wrong
+            "t</think>np 0.0 f32",  # np.float32(0.0) between the rewards: the reward
+            "t</think>np 1.0 array",  # an array is no reward: an error
+        ]
+        rewards = pool.score_batch(responses, ["BLUE"] * 4, ["upper"] * 4)
+        assert rewards == [1.0, -1.0, 0.0, -1.0]
+        assert pool.last_statuses == ["correct", "wrong", "wrong", "error"]
 
 
 def test_a_recipe_names_the_plugin_as_a_domain_or_the_reward_kind(installed_plugin):

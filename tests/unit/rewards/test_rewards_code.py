@@ -351,7 +351,8 @@ def test_mbpp_asserts_that_are_not_literal_calls_are_refused_by_line():
         parse_tests(["assert f(__import__('os').getcwd()) == 1"])
     with pytest.raises(ValueError, match="not an assert"):
         parse_tests(["print(f(1))"])
-    tolerance = code_reward.parse_problem(MBPP_ROWS[2]["test_list"]).compare
+    problem = code_reward.parse_problem(MBPP_ROWS[2]["test_list"])
+    tolerance = problem.tests[0].options(problem.compare)  # each isclose line its own
     assert tolerance.float_rel_tol == 0.001 and tolerance.float_abs_tol == 0.0
 
 
@@ -650,3 +651,53 @@ def test_the_block_that_defines_the_entry_point_is_graded():
     # Two solutions: the last one that defines the entry point is graded, and only it.
     hedge = response.replace(usage, "def add(a, b):\n    return a * b\n")
     assert code_reward.score_code(hedge, tests, CONFIG) == -1.0
+
+
+def test_second_reading_zero_padding_sets_and_stdin_readers():
+    # "11" was paid for "0011" (Decimal-equal): zero-padded digits are text.
+    assert not outputs_match("11", "0011") and not outputs_match("7", "007")
+    assert not outputs_match("-5", "-05") and not outputs_match("5.5", "05.50")
+    assert outputs_match("5.5", "5.50") and outputs_match("0.5", "0.50")  # controls
+    assert outputs_match("0011", "0011") and outputs_match("007", "7")  # controls
+    # A set, written as a list sorted by repr ([10, 9]), matched an expected [10, 9].
+    assert not values_match({9, 10}, [10, 9]) and not values_match(frozenset({1}), [1])
+    assert values_match([10, 9], [10, 9]) and values_match((10, 9), [10, 9])
+    # A solution reading with ``from sys import stdin`` (or os.read(0)) was not seen as one:
+    # the usage block after it was graded instead.
+    config = RewardConfig(kind="code")
+    problem = code_reward.parse_problem([{"input": "5 3\n", "output": "8"}])
+    for reader in ("from sys import stdin\nx = stdin.read()\n", "import os\nx = os.read(0, 99)\n"):
+        response = respond(reader + "print(8)\n") + "\n```python\nprint(7)\n```\n"
+        assert code_reward.select_program(response, problem, config) == reader + "print(8)\n"
+
+
+def test_an_integer_in_mbpp_isclose_is_a_float_reference():
+    # math.isclose(f(7), 7) holds for 7.000000000000001; read as an int the reference was
+    # exact and that right answer failed.
+    (case,) = parse_tests(["assert math.isclose(f(7), 7)"])
+    assert case.expected() == 7.0 and isinstance(case.expected(), float)
+    assert values_match(7.000000000000001, case.expected(), encoding="python")
+    assert not values_match(6.9, case.expected(), encoding="python")  # control
+    (big,) = parse_tests([f"assert math.isclose(f(1), {10**400})"])  # beyond float: exact
+    assert big.expected() == 10**400
+
+
+def test_an_mbpp_isclose_tolerance_is_its_own_lines():
+    # The loosest isclose line's tolerance was the problem's, so '== 0.5' paid 1.4 beside an
+    # isclose line with abs_tol=1.
+    lines = ["assert f(1) == 0.5", "assert math.isclose(f(2), 100.0, abs_tol=1)"]
+    problem = code_reward.parse_problem(lines)
+    exact, close = problem.tests
+    assert exact.tolerance is None and close.tolerance == {
+        "float_rel_tol": 1e-9,
+        "float_abs_tol": 1.0,
+    }
+    assert not values_match(1.4, 0.5, exact.options(problem.compare), "python")
+    assert values_match(100.3, 100.0, close.options(problem.compare), "python")  # control
+    # The canonical form keeps each line's tolerance.
+    again = code_reward.parse_problem(json.loads(json.dumps(problem.to_dict())))
+    assert again == problem
+    program = respond("def f(x):\n    return 1.4 if x == 1 else 100.0\n")
+    assert code_reward.score_code(program, problem.to_dict(), CONFIG) == -1.0
+    right = respond("def f(x):\n    return 0.5 if x == 1 else 100.3\n")
+    assert code_reward.score_code(right, problem.to_dict(), CONFIG) == 1.0

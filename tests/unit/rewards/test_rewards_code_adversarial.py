@@ -5,9 +5,14 @@ crashes (big integers, malformed or forged reports, results nested past the recu
 limit), false positives (integer tolerance, non-finite values, Python-only number spellings,
 one-element lists, MBPP's ``is``, attacks on the harness) and misses (a worker thread with a
 larger stack, an example-usage block, MBPP's bare assert), each class with several probes and
-matched controls. Scored through ``RewardPool.score_batch`` with a recipe's reward settings,
-the call training makes: every item must get the reward a correct grader gives, and nothing
-may raise.
+matched controls. A second reading added: a program's stderr taken for the box's failure (an
+"error" status, which counts against ``reward.max_error_fraction``), zero-padded digits
+("11" for "0011"), a set for an expected list, stdin readers the graded-block rule did not
+see, MBPP's ``math.isclose`` with an integer reference, an isclose line's tolerance given to a
+problem's ``==`` lines, LeetCode-style names (``List``, ``defaultdict``) used without their
+import, a script's thread started without a join, and output written from an ``atexit``
+function. Scored through ``RewardPool.score_batch`` with a recipe's reward settings, the call
+training makes: every item must get the reward a correct grader gives, and nothing may raise.
 """
 
 from __future__ import annotations
@@ -38,6 +43,15 @@ CLASSES = {
     "miss_thread",
     "miss_usage_block",
     "miss_mbpp_truthy",
+    "error_forgery",
+    "zero_padded",
+    "set_as_list",
+    "miss_stdin_reader",
+    "miss_mbpp_isclose",
+    "mbpp_tolerance",
+    "miss_leetcode_names",
+    "miss_thread_unjoined",
+    "miss_atexit",
 }
 
 
