@@ -29,7 +29,7 @@ def numbers_equal(gold: Any, pred: Any) -> bool | None:
     Math-Verify rounded both to 6 decimals (``0.0`` equalled any reference below 5e-7) and
     compared floats at 15 digits (``1.0\\times10^{17}`` equalled 100000000000000007).
     None when the two are not both constant numbers: Math-Verify's own rule then."""
-    from sympy import Basic, Float, Mul, Rational, UnevaluatedExpr, nsimplify
+    from sympy import Basic, Float, Mul, Rational, UnevaluatedExpr
 
     if not (isinstance(gold, Basic) and isinstance(pred, Basic)):
         return None
@@ -47,7 +47,7 @@ def numbers_equal(gold: Any, pred: Any) -> bool | None:
             return bool(distance <= _RELATIVE_TOLERANCE * abs(g.evalf(30)))
         decimal = p.has(Float)
         if g.is_Rational:
-            return bool(g == (nsimplify(p, rational=True) if decimal else p))
+            return bool(g == (_written_rational(p) if decimal else p))
         # An irrational reference: a decimal answer was computed in 15-digit floats
         # (``\sqrt{10.5}``), and must agree to their precision.
         distance = abs((g - p).evalf(30))
@@ -55,6 +55,15 @@ def numbers_equal(gold: Any, pred: Any) -> bool | None:
         return bool(distance == 0 or distance <= (1e-13 if decimal else 1e-25) * scale)
     except Exception:
         return None
+
+
+def _written_rational(value: Any) -> Any:
+    """``value`` with each decimal read as the rational its digits write: ``3.0000000001`` is
+    30000000001/10000000000. (sympy's ``nsimplify(rational=True)`` gave 3 for it: a decimal
+    within about 1e-9 of an integer reference was paid.)"""
+    from sympy import Float, Rational
+
+    return value.xreplace({f: Rational(str(f)) for f in value.atoms(Float)})
 
 
 def install_numeric_rule() -> None:
