@@ -89,6 +89,15 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     return box[0]
 
 
+def all_gather_object(obj: Any, group=None) -> list[Any]:
+    """Every rank's ``obj`` of ``group``, in rank order, on every rank (pickled, over gloo)."""
+    if not _active(group):
+        return [obj]
+    objects: list[Any] = [None] * dist.get_world_size(control_group(group))
+    dist.all_gather_object(objects, obj, group=control_group(group))
+    return objects
+
+
 def barrier(group=None, timeout_minutes: float | None = None, timeout_key: str = "") -> None:
     """Wait for every rank of ``group`` on the gloo control group. With a timeout, a rank
     that does not arrive in time is named in the error (``monitored_barrier``): a

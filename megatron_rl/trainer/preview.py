@@ -16,6 +16,7 @@ import contextlib
 import json
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from megatron_rl.config.schema import RunConfig
@@ -64,6 +65,18 @@ def first_prompt(config: RunConfig, tokenizer: Any = None) -> tuple[int, str, li
     return prompt_id, text, ids
 
 
+def _local_data(config: RunConfig) -> bool:
+    """Whether every data source is on this machine (a file, a directory or synthetic): its
+    errors are the run's. A hub dataset may just be absent from this machine's cache."""
+    from megatron_rl.data.config import SYNTHETIC_CODE_SOURCE, SYNTHETIC_SOURCE
+
+    synthetic = (SYNTHETIC_SOURCE, SYNTHETIC_CODE_SOURCE)
+    return all(
+        s.config.source in synthetic or Path(s.config.source).exists()
+        for s in config.data.resolve()
+    )
+
+
 def preview_lines(config: RunConfig) -> list[str]:
     """The first training prompt's text (as a JSON string: newlines and special tokens
     visible) and ids, as YAML comment lines (the dry run's output stays the config's YAML)."""
@@ -71,8 +84,10 @@ def preview_lines(config: RunConfig) -> list[str]:
 
     try:
         prompt_id, text, ids = first_prompt(config)
-    except DataError:  # a field or file the real run would refuse: the dry run refuses it too
-        raise
+    except DataError as err:
+        if _local_data(config):  # a field or file the run would refuse: refused here too
+            raise
+        return [f"# first training prompt: not shown ({type(err).__name__}: {err})"]
     except Exception as err:  # noqa: BLE001 - e.g. a hub dataset not in the local cache
         return [f"# first training prompt: not shown ({type(err).__name__}: {err})"]
     return [

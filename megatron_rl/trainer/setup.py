@@ -287,13 +287,11 @@ def _cpu_clock(dist: Any) -> ComputeClock:
     hosts, which cannot be read from here, as this host's share (devices = hosts)."""
     import socket
 
+    from megatron_rl.platform import collectives
     from megatron_rl.trainer.compute import ComputeClock, WorkCPUClock
 
     here = (socket.gethostname(), os.getpid())
-    ranks: list[Any] = [here]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, here)
+    ranks: list[Any] = collectives.all_gather_object(here)
     hosts = {host for host, _ in ranks}
     others = [pid for host, pid in ranks if host == here[0] and pid != here[1]]
     return ComputeClock(len(hosts), clock=WorkCPUClock(others=others))

@@ -409,6 +409,9 @@ def reward_failure_worker(sync_dir: str, world_timeout_s: float) -> list[str]:
         forecast=None,
         config=config,
         save_checkpoint=save_checkpoint,
+        finalize_checkpoint=lambda blocking=False: None,  # no save in flight
+        owed=SimpleNamespace(step=None),  # no validation owed by a stop
+        paid=None,
         source=Source() if rank == 0 else None,
     )
     trainer._on_every_rank = lambda make: loop.Trainer._on_every_rank(trainer, make)

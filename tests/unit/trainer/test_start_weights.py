@@ -71,6 +71,7 @@ def test_train_refuses_before_any_work_and_dry_run_only_warns(tmp_path, capsys, 
     out = capsys.readouterr()
     assert code == 0 and "warning: recipe key 'model.hf_path'" in out.err
     assert "preset: llama4-scout" in out.out
+    monkeypatch.setenv("WORLD_SIZE", "32")  # its 32 trainer ranks' launcher
     code = cli_main(["train", recipe, "model.allow_random_init=true", "--run-dir", str(run_dir)])
     assert code == 0 and started == [run_dir]
 
