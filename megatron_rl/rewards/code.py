@@ -56,7 +56,7 @@ from typing import Any
 
 from megatron_rl.rewards import literals
 from megatron_rl.rewards.config import RewardConfig
-from megatron_rl.rewards.extraction import answer_section, extract_code
+from megatron_rl.rewards.extraction import PYTHON_TAGS, answer_section, extract_code, fenced_blocks
 from megatron_rl.rewards.mbpp import line_tolerance, parse_asserts
 from megatron_rl.rewards.sandbox import ProgramSession
 
@@ -579,8 +579,6 @@ def run_tests(program: str, problem: CodeProblem | list[CodeTest], config: Rewar
     return evaluate_program(program, problem, config).status == CORRECT
 
 
-_FENCE_RE = re.compile(r"```[ \t]{0,8}([A-Za-z0-9_+-]{0,20})[ \t]{0,8}\n")
-_PYTHON_TAGS = ("python", "py", "python3")
 # A program that reads its test's input (stdin problems).
 _READS_INPUT_RE = re.compile(
     r"\binput\s{0,8}\(|\bstdin\b|\bopen\s{0,8}\(\s{0,8}0\b|\bfileinput\b"
@@ -591,23 +589,9 @@ _READS_INPUT_RE = re.compile(
 def _python_blocks(section: str) -> list[str]:
     """The fenced blocks ``extract_code`` chooses among: the ```python (py, python3) blocks,
     or without any, the untagged ones (other languages never)."""
-    tagged: list[str] = []
-    untagged: list[str] = []
-    pos = 0
-    while True:
-        fence = _FENCE_RE.search(section, pos)
-        if fence is None:
-            break
-        end = section.find("```", fence.end())
-        if end < 0:
-            break
-        language = fence.group(1).lower()
-        if language in _PYTHON_TAGS:
-            tagged.append(section[fence.end() : end])
-        elif language == "":
-            untagged.append(section[fence.end() : end])
-        pos = end + 3
-    return tagged or untagged
+    blocks = list(fenced_blocks(section))
+    tagged = [body for language, body in blocks if language in PYTHON_TAGS]
+    return tagged or [body for language, body in blocks if language == ""]
 
 
 def _defines(block: str, name: str) -> bool:

@@ -10,6 +10,7 @@ answers in prose and answer tags by ``megatron_rl.rewards.stated``.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 from megatron_rl.rewards.boxes import (
     boxed_answer,
@@ -51,6 +52,22 @@ _DIGITS_RE = re.compile(r"\d+")
 _FACTORIAL_RE = re.compile(r"(\d+)\s{0,8}!")
 _INTEGER_RE = re.compile(r"[+-]?\d+")
 _CODE_FENCE_RE = re.compile(r"```[ \t]{0,8}([A-Za-z0-9_+-]{0,20})[ \t]{0,8}\n")
+PYTHON_TAGS = ("python", "py", "python3")  # fence languages read as Python
+
+
+def fenced_blocks(section: str) -> Iterator[tuple[str, str]]:
+    """``(language, body)`` of each closed fenced block of ``section``, in order (the language
+    lower-cased, "" when untagged); an unclosed fence ends the scan."""
+    pos = 0
+    while True:
+        fence = _CODE_FENCE_RE.search(section, pos)
+        if fence is None:
+            return
+        end = section.find("```", fence.end())
+        if end < 0:
+            return
+        yield fence.group(1).lower(), section[fence.end() : end]
+        pos = end + 3
 
 
 def answer_section(response: str, think_end_tag: str, require_think_end: bool) -> str | None:
@@ -278,19 +295,10 @@ def extract_code(response: str, config: RewardConfig) -> str | None:
         return None
     best: str | None = None
     best_tagged = False
-    pos = 0
-    while True:
-        fence = _CODE_FENCE_RE.search(section, pos)
-        if fence is None:
-            break
-        end = section.find("```", fence.end())
-        if end < 0:
-            break
-        language = fence.group(1).lower()
-        tagged = language in ("python", "py", "python3")
+    for language, body in fenced_blocks(section):
+        tagged = language in PYTHON_TAGS
         if tagged or (language == "" and not best_tagged):
-            best, best_tagged = section[fence.end() : end], tagged
-        pos = end + 3
+            best, best_tagged = body, tagged
     if best is None or len(best) > config.code_max_chars or not best.strip():
         return None
     return best
