@@ -8,11 +8,12 @@ import queue
 from types import SimpleNamespace
 
 import pytest
+from support.episode_doubles import Echo, Scripted
 
 from megatron_rl.environments.config import EnvironmentConfig
 from megatron_rl.environments.episodes import EnvironmentSteps
 from megatron_rl.environments.formats import format_for
-from megatron_rl.environments.protocol import Environment, EnvironmentContext, ToolResult
+from megatron_rl.environments.protocol import EnvironmentContext
 from megatron_rl.environments.tools import ToolExecutor
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rewards.isolation import SandboxUnavailableError, box_for
@@ -20,39 +21,6 @@ from megatron_rl.rollout.engine.runner import EngineRunner
 from megatron_rl.rollout.messages import RequestSpec, RunnerSettings, SamplesDone
 
 REWARD = RewardConfig(kind="math", num_workers=1)
-
-
-class Echo(Environment):
-    """Answers every call with its code's length (no sandbox: the executor's threads only)."""
-
-    def run(self, code: str) -> ToolResult:
-        return ToolResult("ok", f"{len(code)}\n")
-
-
-class Scripted:
-    """An engine that writes ``turns[k]`` (ids) as its k-th request's output."""
-
-    max_model_len = 1000
-
-    def __init__(self, turns):
-        self.turns, self.added, self.active = list(turns), [], {}
-
-    def add(self, request_id, prompt_ids, max_tokens, temperature, top_p, stop, **_):
-        self.added.append(list(prompt_ids))
-        self.active[request_id] = (self.turns.pop(0), stop)
-
-    def has_work(self):
-        return bool(self.active)
-
-    def step(self):
-        from megatron_rl.rollout.engine.vllm_engine import TokenDelta
-
-        deltas = []
-        for rid, (ids, stop) in list(self.active.items()):
-            del self.active[rid]
-            reason = "stop" if ids[-1] in stop else "length"
-            deltas.append(TokenDelta(rid, ids, [-0.5] * len(ids), True, reason, None))
-        return deltas
 
 
 def test_a_llama3_call_runs_on_the_executor_and_its_output_is_appended_by_id(llama_tokenizer):

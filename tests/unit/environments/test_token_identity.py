@@ -23,50 +23,19 @@ from __future__ import annotations
 import queue
 from types import SimpleNamespace
 
+from support.episode_doubles import Echo, Scripted
+
 from megatron_rl.data import DataConfig, encode_prompt
 from megatron_rl.environments.config import EnvironmentConfig
 from megatron_rl.environments.episodes import EnvironmentSteps
 from megatron_rl.environments.formats import format_for
-from megatron_rl.environments.protocol import Environment, EnvironmentContext, ToolResult
+from megatron_rl.environments.protocol import EnvironmentContext
 from megatron_rl.environments.tools import ToolExecutor
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.engine.runner import EngineRunner
 from megatron_rl.rollout.messages import RequestSpec, RunnerSettings, SamplesDone
 
 REWARD = RewardConfig(kind="math", num_workers=1)
-
-
-class Echo(Environment):
-    """Answers every call with its code's length (no sandbox: the executor's threads only)."""
-
-    def run(self, code: str) -> ToolResult:
-        return ToolResult("ok", f"{len(code)}\n")
-
-
-class Scripted:
-    """An engine that writes ``turns[k]`` (ids) as its k-th request's output."""
-
-    max_model_len = 4096
-
-    def __init__(self, turns):
-        self.turns, self.added, self.active = list(turns), [], {}
-
-    def add(self, request_id, prompt_ids, max_tokens, temperature, top_p, stop, **_):
-        self.added.append(list(prompt_ids))
-        self.active[request_id] = (self.turns.pop(0), stop)
-
-    def has_work(self):
-        return bool(self.active)
-
-    def step(self):
-        from megatron_rl.rollout.engine.vllm_engine import TokenDelta
-
-        deltas = []
-        for rid, (ids, stop) in list(self.active.items()):
-            del self.active[rid]
-            reason = "stop" if ids[-1] in stop else "length"
-            deltas.append(TokenDelta(rid, ids, [-0.5] * len(ids), True, reason, None))
-        return deltas
 
 
 def test_an_episode_keeps_a_non_canonical_model_turn_by_id(llama31_tokenizer):
@@ -87,7 +56,7 @@ def test_an_episode_keeps_a_non_canonical_model_turn_by_id(llama31_tokenizer):
     assert prompt.count(128000) == 1
 
     context = EnvironmentContext(EnvironmentConfig(name="python_tool"), REWARD, tok, max_turns=3)
-    engine = Scripted([turn1, turn2])
+    engine = Scripted([turn1, turn2], max_model_len=4096)
     events = queue.Queue()
     with ToolExecutor(1, REWARD) as executor:
         steps = EnvironmentSteps(fmt, tok, executor, lambda: Echo(context), max_turns=3)
