@@ -10,6 +10,8 @@ Each is a plain, linear-time reading of a short answer that already passed
 - ``scientific_notation``: ``1e-3`` is ``1\\times 10^{-3}``, not e - 3.
 - ``normalise_string``: Math-Verify's string fallback without spaces and single-token braces.
 - ``base_numeral``: ``40_9`` keeps its base (Math-Verify dropped the subscript).
+- ``visible_answer``: the answer as it renders (``\\phantom``, colour, bold, brace groups).
+- ``repeating_decimal``: ``0.\\overline{3}`` is ``\\frac{1}{3}``.
 """
 
 from __future__ import annotations
@@ -202,6 +204,33 @@ _COLOR_SWITCH = "\\color"
 _COLOR_COMMANDS = ("\\textcolor", "\\colorbox")
 _BOX_NAMES = ("\\boxed", "\\fbox")
 _TEXT_COMMANDS = ("\\text", "\\textrm", "\\mathrm", "\\mbox", "\\textnormal")
+# Commands that render their argument visibly, in place (bold, italic, a typewriter face,
+# ``\smash``, which only hides its height): ``\mathbf{8}7`` is 87. Taken off a number or a
+# sign only (``\text{-}7`` is -7); a letter keeps its command (``\mathbf{v}``, ``5\text{ cm}``).
+_VISIBLE_COMMANDS = _TEXT_COMMANDS + (
+    "\\mathbf",
+    "\\textbf",
+    "\\boldsymbol",
+    "\\bm",
+    "\\pmb",
+    "\\mathit",
+    "\\textit",
+    "\\emph",
+    "\\mathsf",
+    "\\textsf",
+    "\\mathtt",
+    "\\texttt",
+    "\\mathnormal",
+    "\\textup",
+    "\\smash",
+    "\\underline",
+)
+# A number, or a sign, as the whole argument of a visible command or of a brace group.
+_NUMBER_FRAGMENT_RE = re.compile(
+    r"\s{0,8}(?:[+-]?(?:\d{1,400}(?:\.\d{1,400})?|\.\d{1,400})|[+-])\s{0,8}"
+)
+# A brace group that holds a number: ``{3}4`` renders as 34 (Math-Verify read it as 3 + 4).
+_NUMBER_GROUP_RE = re.compile(r"\{(\s{0,8}(?:[+-]?\d{1,400}(?:\.\d{1,400})?|[+-])\s{0,8})\}")
 # Colours that hide the text on a page.
 _HIDING_COLOURS = frozenset(("white", "transparent"))
 # LaTeX spacing between two digits: ``10\,000`` (a thin space between digit groups).
@@ -268,8 +297,11 @@ def visible_answer(answer: str) -> str | None:
             colour = _command_at(text, i, _COLOR_COMMANDS)
             switch = _command_at(text, i, (_COLOR_SWITCH,))
             boxed = _command_at(text, i, _BOX_NAMES)
-            name = blank or colour or switch or boxed
+            visible = _command_at(text, i, _VISIBLE_COMMANDS)
+            name = blank or colour or switch or boxed or visible
             group = _group_after(text, i + len(name)) if name else None
+            if group is not None and visible and not _NUMBER_FRAGMENT_RE.fullmatch(group[0]):
+                group = None  # ``\mathbf{v}``, ``\text{ cm}``: as they are
             if group is not None:
                 content, end = group
                 if blank:
@@ -283,15 +315,15 @@ def visible_answer(answer: str) -> str | None:
                     replacement, end = "{" + second[0] + "}", second[1]
                 elif switch:
                     replacement = ""
-                else:
-                    bare = content.strip().isdigit() or not content.strip()
-                    replacement = content.strip() if bare else "{" + content + "}"
+                else:  # a box, or a visible command around a number (``_number_groups``)
+                    replacement = "{" + content + "}" if content.strip() else ""
                 text = text[:i] + replacement + text[end:]
                 changed = True
                 break
             i = text.find("\\", i + 1)
         if not changed:
             break
+    text = _number_groups(text)
     text = _GROUPED_RE.sub(lambda m: _GROUP_SPACING_RE.sub("", m.group(0)), text).strip()
     if _DIGIT_SPACING_RE.search(text):
         return None
@@ -301,6 +333,29 @@ def visible_answer(answer: str) -> str | None:
     if group is not None and group[1] == len(text) and group[0].strip():
         text = group[0].strip()
     return text
+
+
+def _number_groups(text: str) -> str:
+    """``text`` with the braces taken off each group that holds a number (``{3}4`` and
+    ``{3}{4}`` are 34), but not where they delimit something: a command's argument
+    (``\\frac{8}{7}``, ``\\sqrt[3]{8}``), an exponent or a subscript (``2^{8}7`` is 2^8
+    times 7, ``x^2{3}`` is x^2 times 3). What precedes a group is read from the text as
+    rewritten so far, so a run of groups is read left to right; linear in the length."""
+    out, tail, last = [], " ", 0
+    for found in _NUMBER_GROUP_RE.finditer(text):
+        between = text[last : found.start()]
+        tail = (tail + between).rstrip(" \t\n")[-2:].rjust(2)
+        out.append(between)
+        before, ahead = tail[-1], tail[-2]
+        if before.isalpha() or before in "}]^_\\" or (before.isdigit() and ahead in "^_"):
+            kept = found.group(0)
+        else:
+            kept = found.group(1).strip()
+        out.append(kept)
+        tail = (tail + kept)[-2:].rjust(2)
+        last = found.end()
+    out.append(text[last:])
+    return "".join(out)
 
 
 # An ordering written as a chain of one relation: ``b > a > c``, ``x<y<z``.
@@ -367,3 +422,49 @@ def _ray(answer: str) -> str:
     if relation in (">", "≥") or relation.startswith("\\g"):
         return ("[" if closed else "(") + bound + ",\\infty)"
     return "(-\\infty," + bound + ("]" if closed else ")")
+
+
+# A repeating decimal: ``0.\overline{3}``, ``6.\overline{9}``, ``0.1\overline{6}``, ``0.\bar{3}``,
+# ``0.\dot{3}``, ``0.\dot{1}4\dot{2}`` (dots over the first and last repeating digits),
+# ``0.(3)``. Integer and decimal digits, then the repeating ones; no digit or point around it.
+_REPEAT_OPEN = r"(?<![\d.])([+-]?)(\d{0,40})\.(\d{0,40})"
+_REPEATING_RE = re.compile(
+    _REPEAT_OPEN + r"(?:\\(?:overline|bar)\s{0,4}(?:\{\s{0,4}(\d{1,40})\s{0,4}\}|(\d))"
+    r"|\\dot\s{0,4}\{?(\d)\}?(?:(\d{0,40})\\dot\s{0,4}\{?(\d)\}?)?"
+    r"|\((\d{1,40})\))(?![\d.])"
+)
+
+
+def _repeating_value(found: re.Match) -> str:
+    from fractions import Fraction
+
+    sign, whole, decimals = found.group(1), found.group(2), found.group(3)
+    over, over_digit, first_dot, dotted, last_dot, parenthesised = found.groups()[3:]
+    if parenthesised is not None and decimals:
+        return found.group(0)  # ``0.5(3)``: also a product, as Math-Verify reads it
+    if first_dot is not None:
+        period = first_dot + ((dotted or "") + last_dot if last_dot is not None else "")
+    else:
+        period = over or over_digit or parenthesised
+    head = int((whole or "0") + decimals)
+    value = Fraction(int((whole or "0") + decimals + period) - head) / (
+        10 ** len(decimals) * (10 ** len(period) - 1)
+    )
+    text = (
+        str(value.numerator)
+        if value.denominator == 1
+        else f"\\frac{{{value.numerator}}}{{{value.denominator}}}"
+    )
+    whole_answer = found.start() == 0 and found.end() == len(found.string)
+    return sign + (text if whole_answer or value.denominator == 1 else "(" + text + ")")
+
+
+def repeating_decimal(answer: str) -> str:
+    """``answer`` with each repeating decimal written as the fraction it is: ``0.\\overline{3}``
+    is ``\\frac{1}{3}``, ``6.\\overline{9}`` is 7, ``0.1\\dot{6}`` is ``\\frac{1}{6}``,
+    ``0.(3)`` is ``\\frac{1}{3}`` (Math-Verify read none of them). A fraction inside a longer
+    answer is put in parentheses. Not read: ``0.1(6)``, which is also the product 0.1 * 6,
+    and ``0.333\\ldots``, which does not write which digits repeat."""
+    if len(answer) > 1000 or not ("\\" in answer or "(" in answer):
+        return answer
+    return _REPEATING_RE.sub(_repeating_value, answer.strip())

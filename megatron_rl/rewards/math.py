@@ -21,7 +21,8 @@ Safety (model text is hostile input):
 
 Rules beyond Math-Verify's (issues 37 and 45; docs/rewards.md lists them): answers are read
 as they render and with multiplier words as factors (``prepare``); numbers compare exactly
-unless the reference is a decimal (``numeric``); units, percent signs, false equations,
+unless the reference is a decimal, and an answer's variable must be the reference's
+(``numeric``); units, percent signs, false equations,
 degrees, ``i``, ``\\ln`` / ``\\log`` and hyperbolic functions in ``verify``. Every rule has
 wrong answers and their correct controls in ``tests/data/math_adversarial_suite.jsonl``.
 """
@@ -55,6 +56,7 @@ from megatron_rl.rewards.forms import (
     option_letter,
     option_text,
     ordering,
+    repeating_decimal,
     scientific_notation,
     time_of_day,
     visible_answer,
@@ -91,8 +93,9 @@ def reference_answer(answer: str) -> str:
 def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[str, str]:
     """Decide a response in the trainer process when that is safe and cheap.
 
-    Both answers are read as they render (``forms.visible_answer``) with multiplier words
-    as factors (``units.scaled``). Returns the reward when it is decided here (no answer, an
+    Both answers are read as they render (``forms.visible_answer``), with repeating
+    decimals as fractions (``forms.repeating_decimal``) and multiplier words as factors
+    (``units.scaled``). Returns the reward when it is decided here (no answer, an
     unsafe answer, digits set apart by spacing, an operator left unevaluated (``\\int``,
     ``\\sum``, ``\\gcd``...) that the reference does not hold, a reference that is a time of
     day or a numeral in a base, an option letter opening the answer against a letter or
@@ -112,9 +115,10 @@ def prepare(response: str, answer: str, config: RewardConfig) -> float | tuple[s
     if not prediction:
         return config.incorrect_reward
     # After the checks, on a short answer; its exponent has at most 3 digits.
-    prediction = scaled(scientific_notation(prediction))
+    prediction = scaled(scientific_notation(repeating_decimal(prediction)))
     reference = reference_answer(answer)
-    reference = scaled(scientific_notation(visible_answer(reference) or reference))
+    reference = visible_answer(reference) or reference
+    reference = scaled(scientific_notation(repeating_decimal(reference)))
     operator = unevaluated_operator(prediction)
     if operator is not None and unevaluated_operator(reference) is None:
         # The question restated (an integral, a sum, a limit left undone): no final answer.
@@ -392,6 +396,37 @@ def _equal_in_radians(prediction: str, reference: str, gold: list, target: list)
     return bool(target) and _math_verify(radians, target)
 
 
+# A reference that is a decimal written out: ``0.333``, ``-12.5``.
+_DECIMAL_RE = re.compile(r"([+-]?)(\d{1,40})\.(\d{1,40})")
+# The fewest significant digits of a decimal reference that an exact answer is rounded to.
+_ROUNDED_DIGITS = 3
+
+
+def _equal_rounded(prediction: str, reference: str, gold: list, target: list) -> bool:
+    """An exact answer (``\\frac{1}{3}``, ``\\sqrt{2}``) against a decimal reference that
+    has at least ``_ROUNDED_DIGITS`` significant digits (``0.333``): equal when the answer
+    rounds to the reference at the reference's last decimal place (within half a unit of
+    it, ends included). A decimal answer keeps the tolerance of ``numeric``; a reference
+    of fewer digits (``0.3``, ``7.0``) or an integer one compares as before. Runs inside
+    ``verify``'s CPU-time limit."""
+    from sympy import Basic, Eq, Float, Rational
+
+    found = _DECIMAL_RE.fullmatch(reference.replace(" ", ""))
+    if found is None or len((found.group(2) + found.group(3)).lstrip("0")) < _ROUNDED_DIGITS:
+        return False
+    value = next((t for t in target if isinstance(t, Basic)), None)
+    if isinstance(value, Eq):
+        value = value.rhs  # ``x = \\frac{1}{3}``
+    if value is None or value.free_symbols or value.has(Float) or not value.is_number:
+        return False
+    decimal = Rational(found.group(0))
+    half_unit = Rational(1, 2 * 10 ** len(found.group(3)))
+    distance = abs(value.doit() - decimal)
+    if distance.is_Rational:
+        return bool(distance <= half_unit)
+    return bool(distance.is_finite) and bool(distance.evalf(50) < half_unit)
+
+
 def _rewritten(parsed: list) -> list:
     """A parse with the symbol ``i`` as the imaginary unit and hyperbolic functions written
     with ``exp``: ``e^{i\\pi}`` is -1, ``\\sinh(at)/a`` is ``(e^{at}-e^{-at})/2a``."""
@@ -465,7 +500,8 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
     percent sign on either side, ``_equal_percent`` alone decides. An answer that is a
     false equation of constants (``2+2=5``) is wrong. Otherwise compared as they are, then
     without a unit at their end (``_equal_without_units``), then in radians against degrees
-    (``_equal_in_radians``), then rewritten (``_equal_rewritten``).
+    (``_equal_in_radians``), then rewritten (``_equal_rewritten``), then an exact answer
+    rounded to a decimal reference (``_equal_rounded``).
     ``timeout_s`` > 0 gives the reference parse, and then the prediction parse with the
     comparisons, ``_CPU_SHARE * timeout_s`` CPU seconds each; running out is TIMEOUT, never
     WRONG. The hard wall-clock limit is the worker pool's.
@@ -493,7 +529,8 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
             else:
                 target = _parse(prediction, None)
                 correct = bool(target) and _math_verify(gold, target)
-                for equal in (_equal_without_units, _equal_in_radians, _equal_rewritten):
+                rules = (_equal_without_units, _equal_in_radians, _equal_rewritten, _equal_rounded)
+                for equal in rules:
                     correct = correct or _contained(equal)(prediction, reference, gold, target)
     except _OutOfTime:
         return TIMEOUT

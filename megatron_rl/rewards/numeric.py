@@ -5,7 +5,8 @@ one is a float, so ``0.0`` equalled every reference below 5e-7 (14 of 272 real M
 references accept it), and compares floats at 15 digits, so ``1.0\\times10^{17}`` equalled
 100000000000000007. Here integers and exact rationals compare exactly, and a tolerance is
 relative to the reference's magnitude and applies only where the reference is inexact (a
-decimal). ``install_numeric_rule`` puts the rule into Math-Verify's grader; it runs in the
+decimal). An answer's variables must be the reference's (``new_variables``: ``7 + 0x`` is
+not 7). ``install_numeric_rule`` puts the rules into Math-Verify's grader; it runs in the
 reward workers (``megatron_rl.rewards.math.verify``), under their CPU-time limit.
 """
 
@@ -66,10 +67,31 @@ def _written_rational(value: Any) -> Any:
     return value.xreplace({f: Rational(str(f)) for f in value.atoms(Float)})
 
 
+def new_variables(gold: Any, pred: Any) -> bool:
+    """The answer ``pred`` holds a variable (a free symbol, or an undefined function such as
+    ``f(1)``) that the reference ``gold`` does not: ``\\frac{7x}{x}``, ``7 + 0x``,
+    ``6 + \\sin^2 x + \\cos^2 x`` are not the constant 7 written out, though a CAS simplifies
+    them to it. Read on the parse as written (latex2sympy builds it unevaluated)."""
+    from sympy.core.function import AppliedUndef
+
+    try:
+        gold_symbols = getattr(gold, "free_symbols", set())
+        if not getattr(pred, "free_symbols", set()) <= gold_symbols:
+            return True
+        gold_functions = (
+            {f.func for f in gold.atoms(AppliedUndef)} if hasattr(gold, "atoms") else set()
+        )
+        predicted = pred.atoms(AppliedUndef) if hasattr(pred, "atoms") else set()
+        return any(f.func not in gold_functions for f in predicted)
+    except Exception:  # an object without symbols: nothing to say
+        return False
+
+
 def install_numeric_rule() -> None:
     """Math-Verify compares numbers with ``_numbers_equal`` (once per process); its symbolic
     fallback is skipped for two constants of which one is a decimal (``simplify`` of their
-    difference is done in 15-digit floats)."""
+    difference is done in 15-digit floats); and an answer with a variable that the reference
+    does not have (``new_variables``) equals nothing."""
     global _NUMERIC_RULE_INSTALLED
     if _NUMERIC_RULE_INSTALLED:
         return
@@ -77,6 +99,7 @@ def install_numeric_rule() -> None:
     from sympy import Basic, Float
 
     numeric, symbolic = grader.sympy_numeric_eq, grader.sympy_symbolic_eq
+    expression = grader.sympy_expr_eq
 
     def numeric_eq(a: Any, b: Any, float_rounding: int, numeric_precision: int) -> bool:
         decided = numbers_equal(a, b)
@@ -89,5 +112,15 @@ def install_numeric_rule() -> None:
             return False
         return symbolic(a, b)
 
+    def expr_eq(gold: Any, pred: Any, *args: Any, **kwargs: Any) -> bool:
+        # Before any of Math-Verify's comparisons, which evaluate (``y - (7 + z - z)`` of two
+        # relations, sympy's set equality): the answer's value as Math-Verify takes it, the
+        # right side of its equation against a reference that is none.
+        value = pred
+        if grader.is_equation(pred) and not grader.is_equation(gold):
+            value = grader.take_last_relation(pred).rhs
+        return not new_variables(gold, value) and expression(gold, pred, *args, **kwargs)
+
     grader.sympy_numeric_eq, grader.sympy_symbolic_eq = numeric_eq, symbolic_eq
+    grader.sympy_expr_eq = expr_eq
     _NUMERIC_RULE_INSTALLED = True

@@ -31,6 +31,7 @@ from megatron_rl.rewards.forms import (
     option_hedge,
     option_text,
     ordering,
+    repeating_decimal,
     scientific_notation,
     time_of_day,
     visible_answer,
@@ -71,11 +72,13 @@ EQUIVALENT = [
     ("  42 ", "42"),  # spacing
     ("\\boxed{7}", "7"),  # nested \boxed
     ("\\frac{1}{\\frac{1}{2}}", "2"),  # nested braces
+    ("\\frac{1}{3}", "0.333"),  # an exact answer rounds to a 3-digit decimal reference
 ]
 
 NOT_EQUIVALENT = [
     ("3", "4"),
-    ("\\frac{1}{3}", "0.333"),
+    ("\\frac{1}{3}", "0.334"),  # rounds to 0.333
+    ("\\frac{1}{3}", "0.33"),  # too few digits to round to: the decimal tolerance
     ("[1,2)", "(1,2]"),  # interval ends differ
     ("\\{1,2\\}", "\\{1,3\\}"),
     ("x^2+1", "(x+1)^2"),
@@ -784,15 +787,36 @@ def test_answers_are_read_as_they_render():
     assert visible_answer("\\boxed{6}5") == "65"
     assert visible_answer("10\\,000") == "10000"
     assert visible_answer("1\\,234\\,567.5") == "1234567.5"
-    assert visible_answer("\\textcolor{red}{5}") == visible_answer("{\\color{red}5}") == "{5}"
+    assert visible_answer("\\textcolor{red}{5}") == visible_answer("{\\color{red}5}") == "5"
     assert visible_answer("5\u200b") == visible_answer("\\cancel{6}5") == "5"
-    assert visible_answer("\\colorbox{white}{5}") == "{5}"  # a white background shows it
+    assert visible_answer("\\colorbox{white}{5}") == "5"  # a white background shows it
+    # Round five: visible formatting keeps a number in place, and braces around a number
+    # that delimit nothing go (Math-Verify read {3}4 as 3 + 4 = 7).
+    for shown in ("\\mathbf{8}7", "\\textcolor{red}{8}7", "\\smash{8}7", "{8}7", "{8}{7}"):
+        assert visible_answer(shown) == "87", shown
+    assert visible_answer("\\text{\u2212}7") == visible_answer("\\mathrm{-}7") == "-7"
+    assert visible_answer("2^\\mathbf{8}7") == "2^{8}7"  # an exponent stays one
+    for kept in ("\\mathbf{v}", "5\\text{ cm}", "\\frac {1} {2}", "\\sqrt[3]{8}", "x^2{3}"):
+        assert visible_answer(kept) == kept, kept
     assert visible_answer("45°") == "45^{\\circ}"
     assert visible_answer("5²") == "5^{2}" and visible_answer("−½") == "-\\frac{1}{2}"
     for hidden in ("3\\,5", "12\\,34", "\\color{white}{6}", "\\textcolor{white}{6}"):
         assert visible_answer(hidden) is None, hidden
     for kept in ("\\frac{1}{2}", "x^2 + 1", "\\{1,2\\}"):
         assert visible_answer(kept) == kept
+
+
+def test_repeating_decimals_are_the_fractions_they_write():
+    # The fractions by hand: 0.1666... = 1/6, 0.142142... = 142/999, 6.999... = 7.
+    assert repeating_decimal("0.\\overline{3}") == repeating_decimal("0.\\dot{3}") == "\\frac{1}{3}"
+    assert repeating_decimal("0.(3)") == repeating_decimal("0.\\bar{3}") == "\\frac{1}{3}"
+    assert repeating_decimal("0.1\\overline{6}") == "\\frac{1}{6}"
+    assert repeating_decimal("0.\\dot{1}4\\dot{2}") == "\\frac{142}{999}"
+    assert repeating_decimal("6.\\overline{9}") == repeating_decimal("7.0\\overline{0}") == "7"
+    assert repeating_decimal("-0.\\overline{3}") == "-\\frac{1}{3}"
+    assert repeating_decimal("2 \\cdot 0.\\overline{3}") == "2 \\cdot (\\frac{1}{3})"
+    for kept in ("0.5(3)", "0.333\\ldots", "f(0.5)", "0.\\overline{3}4"):
+        assert repeating_decimal(kept) == kept, kept
 
 
 def test_multiplier_words_scale_and_units_must_agree():
