@@ -163,9 +163,19 @@ def last_boxed(text: str) -> str | None:
     return unwrap_answer(boxes[-1][2]) if boxes else None
 
 
+# A box that is denied: "It is $\\boxed{7}$, not $\\boxed{8}$", "it isn't \\boxed{8}".
+_DENIED_RE = re.compile(r"(?i)\b(?:not|isn(?:'|’)t|never)\s{0,4}(?:\$\$?|\\[(\[])?\s{0,4}$")
+
+
+def _denied(text: str, start: int) -> bool:
+    """The box starting at ``text[start]`` follows a "not": it says what the answer is not."""
+    return _DENIED_RE.search(text[max(0, start - 24) : start]) is not None
+
+
 def boxed_answer(text: str) -> tuple[str, int] | None:
-    """``(final_boxed(text), index after its last box)``, or None without a box."""
-    boxes = top_level_boxes(text)
+    """``(final_boxed(text), index after its last box)``, or None without a box. A denied
+    box (``not \\boxed{8}``) is no part of it."""
+    boxes = [box for box in top_level_boxes(text) if not _denied(text, box[0])]
     if not boxes:
         return None
     contents = [boxes[-1][2].strip()]
