@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Callable
 
 _BOX_COMMANDS: tuple[str, ...] = ("\\boxed", "\\fbox")
 # Bold (AMC / AIME choices: ``\textbf{(C)}``) is markup around an answer, not part of it.
@@ -172,9 +173,12 @@ def _denied(text: str, start: int) -> bool:
     return _DENIED_RE.search(text[max(0, start - 24) : start]) is not None
 
 
-def boxed_answer(text: str) -> tuple[str, int] | None:
+def boxed_answer(
+    text: str, separate: Callable[[str], bool] | None = None
+) -> tuple[str, int] | None:
     """``(final_boxed(text), index after its last box)``, or None without a box. A denied
-    box (``not \\boxed{8}``) is no part of it."""
+    box (``not \\boxed{8}``) is no part of it, nor a box that ``separate`` (given the
+    text between two boxes) sets apart from the last: "$\\boxed{7}$ was wrong; $\\boxed{8}$"."""
     boxes = [box for box in top_level_boxes(text) if not _denied(text, box[0])]
     if not boxes:
         return None
@@ -186,7 +190,7 @@ def boxed_answer(text: str) -> tuple[str, int] | None:
         joined = len(between) < 10 or (
             len(between) < 70 and content != contents[-1] and _SEPARATOR_RE.search(between)
         )
-        if not joined:
+        if not joined or (separate is not None and separate(between)):
             break
         if content != contents[-1]:
             contents.append(content)

@@ -6,8 +6,12 @@ answer counts).
 - Doubt ("Actually, D.", "Hmm, no, it's 8", "Err, 8", "I meant 8", "on second thought,
   $8$"): the first value stated after it (not one it denies: "rather than 8"), when it
   states one; else the answer stands.
-- A conditional alternative ("or, if the endpoints count, 8", "otherwise 8", "unless
-  n = 0, in which case 0", "or 8 if ..."): a hedge over two values, which is no answer.
+- Another value offered ("or, if the endpoints count, 8", "otherwise 8", "unless n = 0, in
+  which case 0", "or 8 if ...", "or 8", "/ 8", "maybe 8"): a hedge over two values, which
+  is no answer.
+
+``separates`` tells ``boxes.boxed_answer`` that two boxes with a retraction or a doubt
+between them form no set of answers.
 
 Linear-time reads of hostile text: the regexes have bounded quantifiers and only see the
 first ``PATTERN_WINDOW`` characters after the answer. Nothing here parses or evaluates it.
@@ -88,10 +92,11 @@ def _value_after_doubt(window: str, i: int) -> str | None:
 # ... in which case 8", "alternatively 8", "or 8 if ...", "or 8".
 _CONDITIONAL_RE = re.compile(
     r"(?i)\b(?:otherwise|unless|in\s{1,4}which\s{1,4}case|alternatively|if\s{1,4}instead"
-    r"|or\s{0,4},?\s{0,4}(?:if|when|assuming|possibly|maybe|perhaps)"
+    r"|or\s{0,4},?\s{0,4}(?:if|when|assuming|possibly|maybe|perhaps)|else|maybe|perhaps"
+    r"|possibly|probably|(?:could|might)\s{1,4}(?:also\s{1,4})?be|not\s{1,4}sure"
     r"|or\s{1,4}[^\s,.;]{1,40}\s{1,4}(?:if|when|assuming))\b"
-    # "or 8", "or $8$": a second value offered.
-    r"|\bor\s{1,4}(?=[$\d]|\\[(\[]|\\boxed)"
+    # "or 8", "or $8$", "/ 8" right after the answer: a second value offered.
+    r"|\bor\s{1,4}(?=[$\d]|\\[(\[]|\\boxed)|\A[\s$)\]}\\]{0,8}/\s{0,4}(?=[$\d])"
     # "if the endpoints count, 8", "if ..., it would be 8", "if ... then $8$".
     r"|(?i:\bif\b[^.\n]{0,80}?(?:,|:|\bthen\b)\s{0,4}"
     r"(?:it(?:'s|’s|\s{1,4}is|\s{1,4}would\s{1,4}be)\s{0,4})?(?=[$\d]|\\[(\[]|\\boxed))"
@@ -111,6 +116,13 @@ def _conditional(window: str) -> bool:
         if _VALUE_MARK_RE.search(reach[: end.start() if end else len(reach)]):
             return True
     return False
+
+
+def separates(between: str) -> bool:
+    """The text between two boxes retracts or doubts the first ("$\\boxed{7}$ was wrong;
+    $\\boxed{8}$", "Actually, I meant $\\boxed{8}$"): they are no set of answers."""
+    window = between[:PATTERN_WINDOW]
+    return _RETRACTION_RE.search(window) is not None or _DOUBT_RE.search(window) is not None
 
 
 def after_answer(text: str) -> str | None:

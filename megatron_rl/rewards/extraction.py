@@ -20,7 +20,7 @@ from megatron_rl.rewards.boxes import (
     skip_spaces,
 )
 from megatron_rl.rewards.config import RewardConfig
-from megatron_rl.rewards.corrections import after_answer
+from megatron_rl.rewards.corrections import after_answer, separates
 from megatron_rl.rewards.stated import (
     PATTERN_WINDOW,
     bare_answer,
@@ -86,7 +86,7 @@ def final_answer(text: str, stated: bool = True) -> str | None:
     "final answer" that states math follows the last box (the rightmost wins, as in
     Math-Verify; prose such as "the final answer is exact" does not override the box);
     without a box, the stated answer (``stated_answer``) when ``stated``."""
-    boxed = boxed_answer(text)
+    boxed = boxed_answer(text, separates)
     if boxed is None:
         found = stated_answer(text) if stated else None
         if found is None:
