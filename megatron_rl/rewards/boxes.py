@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Callable
 
 _BOX_COMMANDS: tuple[str, ...] = ("\\boxed", "\\fbox")
 # Bold (AMC / AIME choices: ``\textbf{(C)}``) is markup around an answer, not part of it.
@@ -163,9 +164,22 @@ def last_boxed(text: str) -> str | None:
     return unwrap_answer(boxes[-1][2]) if boxes else None
 
 
-def boxed_answer(text: str) -> tuple[str, int] | None:
-    """``(final_boxed(text), index after its last box)``, or None without a box."""
-    boxes = top_level_boxes(text)
+# A box that is denied: "It is $\\boxed{7}$, not $\\boxed{8}$", "it isn't \\boxed{8}".
+_DENIED_RE = re.compile(r"(?i)\b(?:not|isn(?:'|’)t|never)\s{0,4}(?:\$\$?|\\[(\[])?\s{0,4}$")
+
+
+def _denied(text: str, start: int) -> bool:
+    """The box starting at ``text[start]`` follows a "not": it says what the answer is not."""
+    return _DENIED_RE.search(text[max(0, start - 24) : start]) is not None
+
+
+def boxed_answer(
+    text: str, separate: Callable[[str], bool] | None = None
+) -> tuple[str, int] | None:
+    """``(final_boxed(text), index after its last box)``, or None without a box. A denied
+    box (``not \\boxed{8}``) is no part of it, nor a box that ``separate`` (given the
+    text between two boxes) sets apart from the last: "$\\boxed{7}$ was wrong; $\\boxed{8}$"."""
+    boxes = [box for box in top_level_boxes(text) if not _denied(text, box[0])]
     if not boxes:
         return None
     contents = [boxes[-1][2].strip()]
@@ -176,7 +190,7 @@ def boxed_answer(text: str) -> tuple[str, int] | None:
         joined = len(between) < 10 or (
             len(between) < 70 and content != contents[-1] and _SEPARATOR_RE.search(between)
         )
-        if not joined:
+        if not joined or (separate is not None and separate(between)):
             break
         if content != contents[-1]:
             contents.append(content)

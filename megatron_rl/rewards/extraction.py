@@ -20,15 +20,14 @@ from megatron_rl.rewards.boxes import (
     skip_spaces,
 )
 from megatron_rl.rewards.config import RewardConfig
+from megatron_rl.rewards.corrections import after_answer, separates
 from megatron_rl.rewards.stated import (
-    MATH,
     PATTERN_WINDOW,
     bare_answer,
     clean_answer,
     stated_answer,
     tag_content,
     unwrap_math,
-    value_at,
 )
 
 __all__ = [
@@ -87,60 +86,26 @@ def final_answer(text: str, stated: bool = True) -> str | None:
     "final answer" that states math follows the last box (the rightmost wins, as in
     Math-Verify; prose such as "the final answer is exact" does not override the box);
     without a box, the stated answer (``stated_answer``) when ``stated``."""
-    boxed = boxed_answer(text)
+    boxed = boxed_answer(text, separates)
     if boxed is None:
         found = stated_answer(text) if stated else None
         if found is None:
             return None
         window = text[-PATTERN_WINDOW:]
         at = window.rfind(found)
-        corrected = _after_retraction(window[at + len(found) :]) if at >= 0 else None
+        corrected = after_answer(window[at + len(found) :]) if at >= 0 else None
         return found if corrected is None else corrected or None
     answer, end = boxed
-    corrected = _after_retraction(text[end:])
+    corrected = after_answer(text[end:])
     if corrected is not None:
         # The last stated answer counts: a box then "that is wrong: the value is 6" is 6;
-        # a box retracted with no value stated is no answer.
+        # a box retracted with no value stated, or hedged ("otherwise 8"), is no answer.
         return corrected or None
     if stated and _FINAL_ANSWER_RE.search(text, end):
         after = stated_answer(text[end:], math_only=True)
         if after is not None:
             return after
     return clean_answer(answer) or None
-
-
-# A statement that the answer before it is wrong ("Wait, that is wrong", "that's incorrect",
-# "I made a mistake", "scratch that"): the answer is then what is stated after it.
-_RETRACTION_RE = re.compile(
-    r"(?i)\b(?:(?:that|this|it|which|the\s{1,4}(?:box|answer|value|result))"
-    r"(?:\s{1,4}(?:is|was)|'s|’s)(?:\s{1,4}(?:wrong|incorrect|not\s{1,4}(?:right|correct)|a\s{1,4}mistake))"
-    r"|(?:that|this|it)\s{1,4}(?:can(?:'|’|no)t|isn(?:'|’)t|wasn(?:'|’)t)\s{1,4}(?:be\s{1,4})?(?:right|correct)"
-    r"|(?:i|we)\s{1,4}(?:made\s{1,4}(?:a|an)\s{1,4}(?:mistake|error)|was\s{1,4}wrong|miscalculated)"
-    # ... but not one already put right: "I made a mistake earlier in step 2".
-    r"(?!\s{1,4}(?:earlier|before|above|previously|initially|at\s{1,4}first|in\s{1,4}(?:step|my|the)))"
-    r"|my\s{1,4}mistake|scratch\s{1,4}that|oops|correction(?=\s{0,4}:))\b"
-)
-# What states the corrected value: "the value is 6", "it should be $6$", "= 6", ": 6".
-# How many of those (the last ones) are read.
-_MAX_RESTATED_TRIES = 8
-_RESTATED_RE = re.compile(r"(?i)(?:\bis|\bbe|=|:)\s{0,8}(?=\S)")
-
-
-def _after_retraction(text: str) -> str | None:
-    """The value stated after the last retraction in ``text`` (the text after a box): what
-    follows its last "is", "be", "=" or ":" when that is math, else "" (retracted, and no
-    value stated); None when nothing is retracted."""
-    window = text[:PATTERN_WINDOW]
-    retractions = list(_RETRACTION_RE.finditer(window))
-    if not retractions:
-        return None
-    retraction = retractions[-1]
-    restated = list(_RESTATED_RE.finditer(window, retraction.end()))
-    for statement in reversed(restated[-_MAX_RESTATED_TRIES:]):
-        value = value_at(window, statement.end(), clause=False)
-        if value is not None and value[0] and value[1] == MATH:
-            return value[0]
-    return ""
 
 
 def _pattern_answer(section: str, pattern: str) -> str | None:

@@ -22,9 +22,10 @@ Safety (model text is hostile input):
 Rules beyond Math-Verify's (issues 37 and 45; docs/rewards.md lists them): answers are read
 as they render and with multiplier words as factors (``prepare``); numbers compare exactly
 unless the reference is a decimal, and an answer's variable must be the reference's
-(``numeric``); units, percent signs, false equations,
-degrees, ``i``, ``\\ln`` / ``\\log`` and hyperbolic functions in ``verify``. Every rule has
-wrong answers and their correct controls in ``tests/data/math_adversarial_suite.jsonl``.
+(``numeric``); units, percent signs, false equations (``=``, ``\\equiv``, a closing
+``(= 7)``), logarithms that evaluate away, degrees, ``i``, ``\\ln`` / ``\\log`` and
+hyperbolic functions in ``verify``. Every rule has wrong answers and their correct controls
+in ``tests/data/math_adversarial_suite.jsonl``.
 """
 
 from __future__ import annotations
@@ -347,9 +348,17 @@ def _equal_percent(prediction: str, reference: str, gold: list) -> bool:
     return bool(fraction) and _math_verify(whole, fraction)
 
 
+# A relation that states equality in a chain: ``=``, ``==``, ``\\equiv`` (``2 \\times 3 \\equiv 7``).
+_EQUIV = "\\equiv"
+# A congruence (``17 \\equiv 3 \\pmod 7``) is no equality of its sides.
+_MODULUS_RE = re.compile(
+    r"\\[bp]?mod(?![A-Za-z])|\\(?:text|mathrm|operatorname)\s{0,4}\{\s{0,4}mod|\bmod\b"
+)
+
+
 def _top_level_sides(answer: str) -> list[str]:
-    """The sides of ``answer``'s top-level ``=`` (or ``==``) signs, not of ``<=``, ``>=``,
-    ``!=``."""
+    """The sides of ``answer``'s top-level ``=`` (or ``==``, ``\\equiv``, ``≡``) signs, not of
+    ``<=``, ``>=``, ``!=``."""
     sides, depth, start, i = [], 0, 0, 0
     while i < len(answer):
         ch = answer[i]
@@ -362,23 +371,90 @@ def _top_level_sides(answer: str) -> list[str]:
             if answer.startswith("==", i):  # "1==2" is an equation too
                 i += 1
             start = i + 1
+        elif ch == "≡" and depth == 0:
+            sides.append(answer[start:i])
+            start = i + 1
+        elif (
+            ch == "\\"
+            and depth == 0
+            and answer.startswith(_EQUIV, i)
+            and not answer[i + len(_EQUIV) : i + len(_EQUIV) + 1].isalpha()
+        ):
+            sides.append(answer[start:i])
+            i += len(_EQUIV) - 1
+            start = i + 1
         i += 1
     sides.append(answer[start:])
     return sides
 
 
 def _false_equation(prediction: str) -> bool:
-    """``prediction`` is a chain of equalities of constants that do not all agree
-    (``2+2=5``); Math-Verify took the last side. A chain with a variable (``x = 5+5+1 =
-    7 = 11``) is left to Math-Verify, whose own tests take its last side: the variable's
-    value is what is stated last. Runs inside ``verify``'s CPU-time limit."""
+    """``prediction`` is a false chain of equalities: of constants that do not all agree
+    (``2+2=5``, ``2 \\times 3 \\equiv 7``), or with a variable, whose first constant side
+    does not agree with its last (``x = 5 = 7``); Math-Verify took the last side. A
+    congruence (``\\pmod``) is no equality. Runs inside ``verify``'s CPU-time limit."""
     sides = _top_level_sides(prediction)
     if len(sides) < 2 or not all(side.strip() for side in sides):
         return False
-    parsed = [_parse(side, None) for side in sides]
-    if not all(_constant(p) for p in parsed):
+    if (_EQUIV in prediction or "≡" in prediction) and _MODULUS_RE.search(prediction):
         return False
-    return any(not _math_verify(parsed[-1], side) for side in parsed[:-1])
+    parsed = [_parse(side, None) for side in sides]
+    constants = [p for p in parsed if _constant(p)]
+    if len(constants) == len(parsed):  # every side agrees with the last
+        return any(not _math_verify(constants[-1], side) for side in constants[:-1])
+    # With a variable, the first constant side computes the value stated last; a side
+    # between them may slip (Math-Verify's own tests pay ``x = 5+5+1 = 7 = 11`` for 11).
+    return len(constants) >= 2 and not _math_verify(constants[-1], constants[0])
+
+
+# A remark that closes an answer with the value it equals: ``6 + 1 \\quad (= 7)``.
+_EQUALS_REMARK_RE = re.compile(
+    r"(?:\\q?quad|\\[,;:! ]|~|\s){0,8}(?:\\left\s{0,4})?\(\s{0,8}=([^()=]{1,200})"
+    r"(?:\\right\s{0,4})?\)\s{0,8}$"
+)
+
+
+def _remark_as_side(prediction: str) -> str:
+    """``6 + 1 = 7`` for ``6 + 1 \\quad (= 7)``: a closing remark "(= value)" is the last
+    side of an equation (whose sides must then agree, ``_false_equation``)."""
+    values: list[str] = []
+    for _ in range(4):  # "6 + 1 \\quad (= 7) \\quad (= 8)" is 6 + 1 = 7 = 8
+        tail = prediction[-300:]
+        found = _EQUALS_REMARK_RE.search(tail)
+        if found is None:
+            break
+        head = prediction[: len(prediction) - len(tail) + found.start()]
+        value = found.group(1).strip().removesuffix("\\right").strip()
+        if not head.strip() or not value:
+            break
+        prediction, values = head, [value, *values]
+    return " = ".join([prediction, *values])
+
+
+# A logarithm: ``\\log``, ``\\ln``, ``\\lg``, ``\\log_2``, ``\\operatorname{log}``.
+_LOG_RE = re.compile(
+    r"\\(?:log|ln|lg)(?![A-Za-z])|\\operatorname\s{0,4}\{\s{0,4}(?:log|ln|lg)\s{0,4}\}"
+)
+
+
+def _evaluated_logarithm(prediction: str, reference: str) -> bool:
+    """The value that ``prediction`` states (its last side) writes a logarithm that
+    evaluates away (``\\log_2 8`` is 3, ``e^{\\ln 7}`` is 7, ``\\ln e^2`` is 2), against a
+    reference that writes none: the question restated, no final answer. A logarithm with
+    no simpler exact form (``\\log_2 3``, ``\\ln 2 + i\\pi/3``) is a final answer. Runs
+    inside ``verify``'s CPU-time limit."""
+    stated = _top_level_sides(prediction)[-1]
+    stated = (split_unit(stated) or (stated,))[0]  # "\\log_2 8 \\text{ bits}"
+    if not _LOG_RE.search(stated) or _LOG_RE.search(reference):
+        return False
+    from sympy import Basic, expand_log, log
+
+    # The parse keeps ``log(8, 2)`` as written; evaluated, with its products and powers
+    # taken apart (``\\log_3 \\sqrt{27}`` is 3/2), it is a number or still a logarithm.
+    values = [
+        expand_log(p.doit(), force=True) for p in _parse(stated, None) if isinstance(p, Basic)
+    ]
+    return bool(values) and not any(v.has(log) for v in values)
 
 
 _COMMAND_RE = re.compile(r"\\[A-Za-z]+")
@@ -512,6 +588,7 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
         if not gold:
             return BAD_REFERENCE
         with _cpu_time_limit(cpu_seconds):
+            prediction = _remark_as_side(prediction)
             predicted_unit, reference_unit = unit_key(prediction), unit_key(reference)
             if predicted_unit and reference_unit and predicted_unit != reference_unit:
                 # 5 mm is not 5 cm; radians answer degrees only as an angle in pi.
@@ -525,6 +602,8 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
             if _without_percent(prediction) is not None or _without_percent(reference):
                 correct = _contained(_equal_percent)(prediction, reference, gold)
             elif _contained(_false_equation)(prediction):
+                correct = False
+            elif _contained(_evaluated_logarithm)(prediction, reference):
                 correct = False
             else:
                 target = _parse(prediction, None)

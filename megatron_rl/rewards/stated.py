@@ -24,7 +24,10 @@ _MATH_DELIMITERS = (
     ("$", "$", True),
 )
 # The word "answer", but not the name of an answer tag (``<answer>``, ``</answer>``).
-_ANSWER_ANCHOR_RE = re.compile(r"(?i)(?<![</])\banswer\b(?!>)")
+# "The correct option is (C)", "the right choice is B" anchor an answer too.
+_ANSWER_ANCHOR_RE = re.compile(
+    r"(?i)(?<![</])\b(?:answer|(?:correct|right)\s{1,4}(?:option|choice))\b(?!>)"
+)
 # After "answer": markup, a colon, "is" or "=", in any order ("Answer:** is $5$"); not the
 # emphasis that opens the answer ("is *x* = 2", "is **33**").
 # A comma too: "The answer, **tan A = 2**, matches the figure".
@@ -127,10 +130,13 @@ def unwrap_math(text: str) -> str:
 
 
 def _without_trailing_clause(value: str) -> str:
-    """``3/8`` for ``3/8, and the final answer is exact``: a comma followed by two words of
-    prose ends the answer (``1, 2``, ``x = 1, and x = 2``, ``[2, infinity)`` stay)."""
+    """``3/8`` for ``3/8, and the final answer is exact`` and ``7`` for ``7, not 8``: a comma
+    followed by "not" or by two words of prose ends the answer (``1, 2``,
+    ``x = 1, and x = 2``, ``[2, infinity)`` stay)."""
     for comma in _COMMA_RE.finditer(value):
         following = value[comma.end() :].split(maxsplit=2)
+        if following and following[0].lower() == "not":  # "7, not 8": 8 is denied
+            return value[: comma.start()]
         if len(following) >= 2 and _is_word(following[0]) and _is_word(following[1]):
             return value[: comma.start()]
     return value
@@ -210,6 +216,25 @@ def value_at(text: str, i: int, clause: bool = True, bold: bool = True) -> tuple
     return clean_answer(unwrap_answer(value)), plain_kind(value)
 
 
+# A math span that ends right before "is our answer" / "as the final answer".
+_SPAN_BEFORE_ANCHOR_RE = re.compile(
+    r"(?i)\$\s{0,4}(?:is|as)\s{1,4}(?:our|the|my)\s{1,4}(?:final\s{1,4})?$"
+)
+
+
+def _span_before(window: str, anchor: int) -> str | None:
+    """The math span (``$x <= 2$``) that an "answer" at ``window[anchor]`` follows as in
+    "$x <= 2$ is our answer", or None."""
+    lead = _SPAN_BEFORE_ANCHOR_RE.search(window, max(0, anchor - 40), anchor)
+    if lead is None:
+        return None
+    opener = window.rfind("$", max(0, lead.start() - _MAX_SPAN), lead.start())
+    span = math_span(window, opener) if opener >= 0 else None
+    if span is None or span[1] != lead.start() + 1:
+        return None
+    return clean_answer(unwrap_answer(span[0])) or None
+
+
 def stated_answer(section: str, math_only: bool = False) -> str | None:
     """The answer stated after the last usable "answer" near the end of ``section``.
 
@@ -223,9 +248,12 @@ def stated_answer(section: str, math_only: bool = False) -> str | None:
     ``_MAX_ANCHOR_TRIES`` bounded reads from the last anchors back.
     """
     window = section[-PATTERN_WINDOW:]
-    anchors = [m.end() for m in _ANSWER_ANCHOR_RE.finditer(window)]
+    anchors = [(m.start(), m.end()) for m in _ANSWER_ANCHOR_RE.finditer(window)]
     word = None
-    for anchor in reversed(anchors[-_MAX_ANCHOR_TRIES:]):
+    for start, anchor in reversed(anchors[-_MAX_ANCHOR_TRIES:]):
+        before = _span_before(window, start)
+        if before is not None:  # "Thus $x <= 2$ is our answer."
+            return before
         found = value_at(window, _ANSWER_LEAD_RE.match(window, anchor).end())
         if found is None or not found[0]:
             continue

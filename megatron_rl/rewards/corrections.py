@@ -1,0 +1,150 @@
+"""What a response says after its final answer that changes it (issue 45: the last stated
+answer counts).
+
+- A retraction ("that is wrong", "$\\boxed{7}$ is incorrect", "no, wait", "scratch that"):
+  the answer is the value stated after it, or none.
+- Doubt ("Actually, D.", "Hmm, no, it's 8", "Err, 8", "I meant 8", "on second thought,
+  $8$"): the first value stated after it (not one it denies: "rather than 8"), when it
+  states one; else the answer stands.
+- Another value offered ("or, if the endpoints count, 8", "otherwise 8", "unless n = 0, in
+  which case 0", "or 8 if ...", "or 8", "/ 8", "maybe 8"): a hedge over two values, which
+  is no answer.
+
+``separates`` tells ``boxes.boxed_answer`` that two boxes with a retraction or a doubt
+between them form no set of answers.
+
+Linear-time reads of hostile text: the regexes have bounded quantifiers and only see the
+first ``PATTERN_WINDOW`` characters after the answer. Nothing here parses or evaluates it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from megatron_rl.rewards.stated import MATH, PATTERN_WINDOW, math_span, value_at
+
+# A statement that the answer before it is wrong ("Wait, that is wrong", "that's incorrect",
+# "I made a mistake", "scratch that", "no, wait"): the answer is then what is stated after it.
+_WRONG = r"(?:wrong|incorrect|not\s{1,4}(?:right|correct|the\s{1,4}answer)|a\s{1,4}mistake)"
+_RETRACTION_RE = re.compile(
+    r"(?i)\b(?:(?:that|this|it|which|the\s{1,4}(?:box|answer|value|result))"
+    rf"(?:\s{{1,4}}(?:is|was)|'s|’s)\s{{1,4}}{_WRONG}"
+    r"|(?:that|this|it)\s{1,4}(?:can(?:'|’|no)t|isn(?:'|’)t|wasn(?:'|’)t)\s{1,4}(?:be\s{1,4})?(?:right|correct)"
+    r"|(?:i|we)\s{1,4}(?:made\s{1,4}(?:a|an)\s{1,4}(?:mistake|error)|was\s{1,4}wrong|miscalculated)"
+    # ... but not one already put right: "I made a mistake earlier in step 2".
+    r"(?!\s{1,4}(?:earlier|before|above|previously|initially|at\s{1,4}first|in\s{1,4}(?:step|my|the)))"
+    r"|my\s{1,4}mistake|scratch\s{1,4}that|oops|correction(?=\s{0,4}:)"
+    r"|no\s{0,4},?\s{0,4}wait|wait\s{0,4},?\s{0,4}no(?!\s{1,4}(?:one|more|need))"
+    r"|(?:is|was)n(?:'|’)t\s{1,4}(?:right|correct))\b"
+    # The answer itself as the subject, right after it: "$\boxed{7}$ is incorrect".
+    rf"|\A[\s$)\]}}\\]{{0,8}}(?:is|was)\s{{1,4}}{_WRONG}\b"
+)
+# A sign of doubt that may bring a new value: "Actually, D.", "Hmm, no, it's 8", "Err, 8",
+# "I meant 8", "make that 8", "on second thought", "No, 8" ("no" as an interjection, not
+# "no one").
+_DOUBT_RE = re.compile(
+    r"(?i)\b(?:actually|wait|hmm+|err+|erm|um+|i\s{1,4}meant?|make\s{1,4}that|re-?check(?:ing)?"
+    r"|rather|instead|on\s{1,4}second\s{1,4}thought|hold\s{1,4}on|no(?=\s{0,4}[,.!:;—–-]))\b"
+)
+# How far after a sign of doubt a value is looked for.
+_DOUBT_REACH = 300
+# The first value after a sign of doubt: a math span (read by ``math_span``), a number, or
+# an option letter that ends its sentence ("Actually, D.").
+_VALUE_START_RE = re.compile(
+    r"\$|\\[(\[]|(?<![\w.^_{])[-+−]?\d|(?<![\w\\])\(?[A-J]\)?(?=\s{0,4}(?:[.!;]|$))",
+    re.MULTILINE,
+)
+_NUMBER_RE = re.compile(r"[-+−]?\d+(?:[.,/]\d+){0,8}")
+# After a number, an operator: the number opens an expression ("3 + 4 = 7"), read as one.
+_OPERATOR_AFTER_RE = re.compile(r"\s{0,4}[-+*/=×·^]")
+# Before a value, what denies it: "rather than 8", "instead of 8", "not 8", "n = 2".
+_DENIAL_RE = re.compile(r"(?i)(?:\bnot|n't|n’t|\bthan|\bof|[A-Za-z]\s{0,4}=)\s{0,4}$")
+# What states the corrected value after a retraction: "the value is 6", "it should be $6$",
+# "= 6", ": 6", "it's 6". How many of those (the last ones) are read.
+_MAX_RESTATED_TRIES = 8
+_RESTATED_RE = re.compile(r"(?i)(?:\bis|\bbe|'s|’s|=|:)\s{0,8}(?=\S)")
+
+
+def _value_after_doubt(window: str, i: int) -> str | None:
+    """The first value stated in the ``_DOUBT_REACH`` characters after ``window[i]`` that
+    is not denied ("rather than 8"), or None."""
+    end = min(len(window), i + _DOUBT_REACH)
+    for found in _VALUE_START_RE.finditer(window, i, end):
+        j = found.start()
+        if _DENIAL_RE.search(window[max(i, j - 12) : j]):
+            continue
+        span = math_span(window, j)
+        if span is not None:
+            return span[0].strip() or None
+        if window[j] == "\\":
+            continue  # a delimiter that never closes
+        number = _NUMBER_RE.match(window, j)
+        if number is None:
+            return found.group(0).strip("()")
+        if _OPERATOR_AFTER_RE.match(window, number.end()):
+            value = value_at(window, j, clause=False)
+            return value[0] if value is not None and value[1] == MATH else None
+        return number.group(0)
+    return None
+
+
+# An alternative value, under a condition or not: "otherwise 8", "or, if ..., 8", "unless
+# ... in which case 8", "alternatively 8", "or 8 if ...", "or 8".
+_CONDITIONAL_RE = re.compile(
+    r"(?i)\b(?:otherwise|unless|in\s{1,4}which\s{1,4}case|alternatively|if\s{1,4}instead"
+    r"|or\s{0,4},?\s{0,4}(?:if|when|assuming|possibly|maybe|perhaps)|else|maybe|perhaps"
+    r"|possibly|probably|(?:could|might)\s{1,4}(?:also\s{1,4})?be|not\s{1,4}sure"
+    r"|or\s{1,4}[^\s,.;]{1,40}\s{1,4}(?:if|when|assuming))\b"
+    # "or 8", "or $8$", "/ 8" right after the answer: a second value offered.
+    r"|\bor\s{1,4}(?=[$\d]|\\[(\[]|\\boxed)|\A[\s$)\]}\\]{0,8}/\s{0,4}(?=[$\d])"
+    # "if the endpoints count, 8", "if ..., it would be 8", "if ... then $8$".
+    r"|(?i:\bif\b[^.\n]{0,80}?(?:,|:|\bthen\b)\s{0,4}"
+    r"(?:it(?:'s|’s|\s{1,4}is|\s{1,4}would\s{1,4}be)\s{0,4})?(?=[$\d]|\\[(\[]|\\boxed))"
+)
+# After a condition, how far (at most; a sentence or line ends it sooner) a value is looked for.
+_CONDITION_REACH = 160
+_SENTENCE_END_RE = re.compile(r"\.(?:\s|$)|\n")
+_VALUE_MARK_RE = re.compile(r"\d|\$|\\[(\[]|\\boxed")
+
+
+def _conditional(window: str) -> bool:
+    """``window`` offers another value under a condition (``_CONDITIONAL_RE`` and then a
+    number or math before its sentence ends)."""
+    for found in _CONDITIONAL_RE.finditer(window):
+        reach = window[found.start() : found.end() + _CONDITION_REACH]
+        end = _SENTENCE_END_RE.search(reach, found.end() - found.start())
+        if _VALUE_MARK_RE.search(reach[: end.start() if end else len(reach)]):
+            return True
+    return False
+
+
+def separates(between: str) -> bool:
+    """The text between two boxes retracts or doubts the first ("$\\boxed{7}$ was wrong;
+    $\\boxed{8}$", "Actually, I meant $\\boxed{8}$"): they are no set of answers."""
+    window = between[:PATTERN_WINDOW]
+    return _RETRACTION_RE.search(window) is not None or _DOUBT_RE.search(window) is not None
+
+
+def after_answer(text: str) -> str | None:
+    """What ``text`` (the text after a final answer) makes of that answer: None when it
+    stands; "" when it is no answer (retracted with no value stated, or offered with a
+    conditional alternative); else the value that replaces it (the last stated after a
+    retraction or a sign of doubt)."""
+    window = text[:PATTERN_WINDOW]
+    if _conditional(window):
+        return ""
+    retractions = list(_RETRACTION_RE.finditer(window))
+    start = retractions[-1].end() if retractions else 0
+    doubts = list(_DOUBT_RE.finditer(window, start))
+    for doubt in reversed(doubts[-_MAX_RESTATED_TRIES:]):
+        value = _value_after_doubt(window, doubt.end())
+        if value:
+            return value
+    if not retractions:
+        return None
+    restated = list(_RESTATED_RE.finditer(window, start))
+    for statement in reversed(restated[-_MAX_RESTATED_TRIES:]):
+        value = value_at(window, statement.end(), clause=False)
+        if value is not None and value[0] and value[1] == MATH:
+            return value[0]
+    return ""
