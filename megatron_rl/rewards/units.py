@@ -137,8 +137,9 @@ def _is_unit_word(words: str) -> bool:
     if not _UNIT_WORDS_RE.fullmatch(words.strip()):
         return False
     tokens = _UNIT_SPLIT_RE.split(words.strip())
-    if len(tokens) == 1 and tokens[0] in _TIME_ABBREVIATIONS:
-        return True  # ``5 min``: minutes, not the function (written ``\\min``)
+    named = [t for t in tokens if t]
+    if len(named) == 1 and named[0] in _TIME_ABBREVIATIONS:
+        return True  # ``5 min``, ``5 sec.``: minutes, not the function (written ``\\min``)
     if any(t in _NOT_UNITS for t in tokens):
         return False
     return len(tokens) == 1 or all(len(t) > 1 or t in _LETTER_UNITS for t in tokens if t)
