@@ -224,7 +224,9 @@ def unsafe_reason(answer: str, config: RewardConfig) -> str | None:
 _OPERATOR_RE = re.compile(
     r"\\(?:[iod]{0,3}int|sum|prod|lim|limsup|liminf|gcd|lcm|max|min|det|partial|nabla|lfloor|lceil)"
     r"(?![A-Za-z])"
-    r"|\\(?:operatorname\*?|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?i:gcd|lcm|max|min|lim|det)\s{0,4}\}"
+    r"|\\(?:operatorname\*?|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?i:gcd|lcm|max|lim|det)\s{0,4}\}"
+    # ``\text{min}`` ending the answer is the unit (``5\text{ min}``), not the operator.
+    r"|\\(?:operatorname\*?|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?i:min)\s{0,4}\}(?!\s{0,4}$)"
     r"|\\[dt]?frac\s{0,4}\{\s{0,4}(?:d|\\mathrm\s{0,4}\{\s{0,4}d\s{0,4}\})(?:\^\{?\d\}?)?\s{0,4}\}"
     r"\s{0,4}\{\s{0,4}(?:d|\\mathrm\s{0,4}\{\s{0,4}d\s{0,4}\})\s{0,4}[A-Za-z]"
     r"|(?<![A-Za-z])(?i:gcd|lcm)\s{0,4}\(|(?<![A-Za-z\\])d/d[A-Za-z]"

@@ -64,7 +64,14 @@ from megatron_rl.rewards.forms import (
 )
 from megatron_rl.rewards.numeric import install_numeric_rule
 from megatron_rl.rewards.stated import unwrap_math
-from megatron_rl.rewards.units import scaled, split_unit, unit_key
+from megatron_rl.rewards.units import (
+    conversion,
+    kept_against_bare,
+    scaled,
+    split_unit,
+    unit_key,
+    unit_value,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +297,8 @@ def _equal_without_units(prediction: str, reference: str, gold: list, target: li
     reference_split, prediction_split = split_unit(reference), split_unit(prediction)
     if reference_split is None and prediction_split is None:
         return False
+    if reference_split is None and kept_against_bare(unit_key(prediction) or ""):
+        return False  # ``5\\text{ cents}`` is not the bare 5 (dollars)
     if reference_split is not None:
         gold = _parse_reference(reference_split[0], None)
     if not _constant(gold):
@@ -503,6 +512,49 @@ def _equal_rounded(prediction: str, reference: str, gold: list, target: list) ->
     return bool(distance.is_finite) and bool(distance.evalf(50) < half_unit)
 
 
+_DEGREES_END_RE = re.compile(rf"(?:{_DEGREE_RE.pattern})\s{{0,4}}$")
+
+
+def _in_degrees(answer: str) -> str | None:
+    """The value of an answer in degrees (``90^\\circ``, ``90\\degree``, ``90\\text{
+    degrees}`` are ``90``), or None."""
+    found = _DEGREES_END_RE.search(answer)
+    if found is not None:
+        return answer[: found.start()].strip() or None
+    return unit_value(answer) if unit_key(answer) == "deg" else None
+
+
+def _equal_in_degrees(degrees: str, gold: list) -> bool:
+    """An answer in degrees (its value ``degrees``: ``90`` of ``90^\\circ``) against a
+    reference in radians (``gold``, a constant such as ``\\frac{\\pi}{2}``). Runs inside
+    ``verify``'s CPU-time limit."""
+    from sympy import Basic, pi
+
+    target = _parse(degrees, None)
+    if not (_constant(gold) and _constant(target)):
+        return False
+    radians = [t * pi / 180 for t in target if isinstance(t, Basic)]
+    return bool(radians) and _math_verify(gold, radians)
+
+
+def _equal_converted(prediction: str, reference: str, factor: Any, gold: list) -> bool:
+    """Equality of a value in one unit with the reference's in another of the same
+    dimension (``300\\text{ seconds}`` for ``5 minutes``): the reference's value times the
+    exact ``factor`` (``units.conversion``) against the answer's. Both values constant.
+    Runs inside ``verify``'s CPU-time limit."""
+    from sympy import Basic, Rational
+
+    predicted, expected = unit_value(prediction), unit_value(reference)
+    if predicted is None or expected is None:
+        return False
+    gold, target = _parse_reference(expected, None), _parse(predicted, None)
+    if not (_constant(gold) and _constant(target)):
+        return False
+    ratio = Rational(factor.numerator, factor.denominator)
+    converted = [g * ratio for g in gold if isinstance(g, Basic)]
+    return bool(converted) and _math_verify(converted, target)
+
+
 def _rewritten(parsed: list) -> list:
     """A parse with the symbol ``i`` as the imaginary unit and hyperbolic functions written
     with ``exp``: ``e^{i\\pi}`` is -1, ``\\sinh(at)/a`` is ``(e^{at}-e^{-at})/2a``."""
@@ -572,7 +624,9 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
     """Math-Verify equivalence of two extracted answers: CORRECT, WRONG, TIMEOUT or
     BAD_REFERENCE (the reference does not parse). Runs inside a worker process.
 
-    Units first: when both end with one, the units must agree (``units.unit_key``). With a
+    Units first: when both end with one, the units must agree (``units.unit_key``) or
+    convert exactly (``units.conversion``: ``300\\text{ s}`` for ``5 minutes``), and degrees
+    answer radians as an angle (``_equal_in_degrees``). With a
     percent sign on either side, ``_equal_percent`` alone decides. An answer that is a
     false equation of constants (``2+2=5``) is wrong. Otherwise compared as they are, then
     without a unit at their end (``_equal_without_units``), then in radians against degrees
@@ -591,7 +645,18 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
             prediction = _remark_as_side(prediction)
             predicted_unit, reference_unit = unit_key(prediction), unit_key(reference)
             if predicted_unit and reference_unit and predicted_unit != reference_unit:
-                # 5 mm is not 5 cm; radians answer degrees only as an angle in pi.
+                # 5 mm is not 5 cm, but 0.05 m is; radians answer degrees only as an angle
+                # in pi.
+                factor = conversion(reference_unit, predicted_unit)
+                if factor is not None:
+                    correct = _contained(_equal_converted)(prediction, reference, factor, gold)
+                    return CORRECT if correct else WRONG
+                degrees = _in_degrees(prediction) if reference_unit == "rad" else None
+                reference_radians = unit_value(reference) if degrees is not None else None
+                if reference_radians is not None:  # 90^\\circ for \\frac{\\pi}{2}\\text{ rad}
+                    radians_gold = _parse_reference(reference_radians, None)
+                    correct = _contained(_equal_in_degrees)(degrees, radians_gold)
+                    return CORRECT if correct else WRONG
                 radians = split_unit(prediction) if predicted_unit == "rad" else None
                 if radians is None or reference_unit != "deg":
                     return WRONG
@@ -605,6 +670,15 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
                 correct = False
             elif _contained(_evaluated_logarithm)(prediction, reference):
                 correct = False
+            elif (
+                "\\pi" in reference
+                and reference_unit is None
+                and _in_degrees(prediction) is not None
+            ):
+                # An answer in degrees against a reference in radians: as an angle, never
+                # the number before the sign (``\\frac{\\pi}{2}^\\circ`` is not pi/2).
+                degrees = _in_degrees(prediction)
+                correct = _contained(_equal_in_degrees)(degrees, gold)
             else:
                 target = _parse(prediction, None)
                 correct = bool(target) and _math_verify(gold, target)

@@ -14,6 +14,7 @@ Plain linear-time string work on short, already validated answers; nothing is ev
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 # Spacing between a value and its unit: spaces, ``\,``, ``\;``, ``\:``, ``\!``, ``\ ``, ``~``,
 # ``\quad``.
@@ -52,8 +53,20 @@ _NOT_UNITS = frozenset(
     "hundred hundreds thousand thousands million millions billion billions trillion "
     "trillions dozen dozens half halves third thirds quarter quarters tenth tenths "
     "hundredth hundredths thousandth thousandths millionth millionths "
-    "probably perhaps possibly likely guess unknown kidding joking sorry oops hmm".split()
+    "probably perhaps possibly likely guess unknown kidding joking sorry oops hmm "
+    # Counting words and abbreviations that scale (``scaled`` reads them as factors) or may
+    # (``mil`` is a thousandth of an inch or a million, ``MM`` a million or 2000).
+    "k grand grands lakh lakhs lac lacs crore crores gross score scores ten tens bn bln mln "
+    "mil mils MM mn tn thou pct zillion zillions gazillion gazillions".split()
 )
+# Currency subunits: a reference without a unit counts money in the main unit (dollars), so
+# ``5 cents`` is not its 5; they count against a reference with a unit (``\\$5``), and
+# convert. (Letters that are units and multipliers, ``5\\text{K}`` and ``5\\text{ M}``,
+# are read as the units, kelvin and molar, as science answers write them: taken off against
+# a bare number, never scaled.)
+_KEPT_AGAINST_BARE = frozenset("cent penny".split())
+# Function names that are also units of time when they stand alone after a number.
+_TIME_ABBREVIATIONS = frozenset("min mins sec secs".split())
 # What a parenthesised text may say and still be taken off as a unit (``9 \\text{
 # (approximately)}``); any other remark in parentheses (``5 \\text{ (just kidding)}``) stays.
 _PARENTHESISED_UNITS = frozenset("approximately approx about rounded exact exactly".split())
@@ -124,6 +137,9 @@ def _is_unit_word(words: str) -> bool:
     if not _UNIT_WORDS_RE.fullmatch(words.strip()):
         return False
     tokens = _UNIT_SPLIT_RE.split(words.strip())
+    named = [t for t in tokens if t]
+    if len(named) == 1 and named[0] in _TIME_ABBREVIATIONS:
+        return True  # ``5 min``, ``5 sec.``: minutes, not the function (written ``\\min``)
     if any(t in _NOT_UNITS for t in tokens):
         return False
     return len(tokens) == 1 or all(len(t) > 1 or t in _LETTER_UNITS for t in tokens if t)
@@ -215,22 +231,47 @@ _MULTIPLIERS = {
     "hundredth": "\\frac{1}{100}",
     "thousandth": "\\frac{1}{1000}",
     "millionth": "\\frac{1}{10^{6}}",
+    "ten": "10",
+    "grand": "1000",
+    "lakh": "10^{5}",
+    "lac": "10^{5}",
+    "crore": "10^{7}",
+    "gross": "144",
+}
+# Only as written (``5\\text{ score}`` is 100, ``5 scores`` no product) and, for the
+# abbreviations, only in a text command (``5\\text{k}``; a plain ``5k`` is a product with
+# the variable ``k``).
+_EXACT_MULTIPLIERS = {"score": "20"}
+_ABBREVIATED_MULTIPLIERS = {
+    "k": "1000",
+    "bn": "10^{9}",
+    "Bn": "10^{9}",
+    "BN": "10^{9}",
+    "bln": "10^{9}",
+    "mln": "10^{6}",
 }
 _NUMBER = r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+"
-# A number, then a multiplier or "factorial" / "percent" (plain or in a text command), then
-# anything (a unit: ``5 million dollars``).
+# A number (after a dollar sign or none), then a multiplier or "factorial" / "percent" (plain
+# or in a text command: the commands ``split_unit`` reads a unit from), then anything (a
+# unit: ``5 million dollars``).
 _SCALED_RE = re.compile(
-    rf"\s{{0,4}}({_NUMBER})(?:{_SPACING}){{0,4}}"
-    r"(?:\\(?:text|textrm|textnormal|mathrm|mbox)\s{0,4}\{\s{0,4}([A-Za-z]{3,12})\s{0,4}\}"
+    rf"\s{{0,4}}(\\?\$\s{{0,4}})?({_NUMBER})(?:{_SPACING}){{0,4}}"
+    r"(?:\\(?:text|textrm|textnormal|textbf|textit|mathrm|mathbf|mathit|mbox|operatorname)"
+    r"\s{0,4}\{(?:\s|\\[,;:! ]|~){0,4}([A-Za-z]{1,12})\s{0,4}\}"
     r"|([A-Za-z]{3,12})(?![A-Za-z]))"
 )
 
 
-def _scale_word(word: str) -> str | None:
+def _scale_word(word: str, wrapped: bool) -> str | None:
     """The factor a multiplier word stands for (plural or not), "!" for factorial, "%"
-    for percent, else None."""
+    for percent, else None. Abbreviations (``k``, ``bn``) only when ``wrapped`` in a text
+    command."""
+    if wrapped and word in _ABBREVIATED_MULTIPLIERS:
+        return _ABBREVIATED_MULTIPLIERS[word]
     word = word.lower()
-    if word in ("factorial", "percent"):
+    if word in _EXACT_MULTIPLIERS:
+        return _EXACT_MULTIPLIERS[word]
+    if word in ("factorial", "percent", "pct"):
         return "!" if word == "factorial" else "%"
     if word.endswith("s") and word[:-1] in _MULTIPLIERS:
         word = word[:-1]
@@ -251,14 +292,15 @@ def scaled(answer: str) -> str:
     found = _SCALED_RE.match(answer)
     if found is None:
         return answer
-    factor = _scale_word(found.group(2) or found.group(3))
+    factor = _scale_word(found.group(3) or found.group(4), wrapped=found.group(3) is not None)
     if factor is None:
         return answer
-    number, rest = found.group(1).replace(",", ""), answer[found.end() :]
+    number, rest = found.group(2).replace(",", ""), answer[found.end() :]
     if factor in ("!", "%"):
         written = number + ("!" if factor == "!" else "\\%")
     else:
         written = f"{number}\\times {factor}"
+    written = (found.group(1) or "").strip() + written
     return written + (" " + rest.strip() if rest.strip() else "")
 
 
@@ -315,9 +357,17 @@ _UNIT_NAMES = {
     "litre": "l",
     "gallon": "gal",
     "degree": "deg",
+    "radian": "rad",
     "°": "deg",
     "dollar": "dollar",
+    "usd": "dollar",
+    "buck": "dollar",
     "cent": "cent",
+    "¢": "cent",
+    "penny": "penny",
+    "pennies": "penny",
+    "pence": "penny",
+    "kelvin": "K",
     "unit": "unit",
     "kph": "km/h",
     "kmh": "km/h",
@@ -347,20 +397,46 @@ def _unit_name(token: str) -> str:
     return lower if len(token) > 2 else token
 
 
+# A dollar sign before a constant value (``\\$5``, ``$ 12.50``): a unit of its own.
+_DOLLAR_RE = re.compile(r"\\?\$\s{0,4}")
+
+
+def _dollars(answer: str) -> str | None:
+    """The value of ``answer`` written with a dollar sign before it (``\\$5`` is ``5``), or
+    None."""
+    answer = answer.strip()
+    found = _DOLLAR_RE.match(answer)
+    if found is None or len(answer) > 200 or not _constant_terms(answer[found.end() :]):
+        return None
+    return answer[found.end() :].strip()
+
+
+def unit_value(answer: str) -> str | None:
+    """``answer`` without the unit that ``unit_key`` reads (``300\\text{ s}`` is ``300``,
+    ``\\$5`` is ``5``), or None without one."""
+    found = split_unit(answer)
+    if found is None:
+        return _dollars(answer)
+    equals = _LAST_EQUALS_RE.search(found[0])  # ``x = 300\\text{ s}`` is 300
+    return found[0] if equals is None else found[0][equals.end() :].strip()
+
+
 def unit_key(answer: str) -> str | None:
     """The unit that ends ``answer`` (``split_unit``) in one spelling with its power, or None
     without one: ``5 centimeters`` and ``5\\text{ cm}`` are ``cm``, ``12 \\text{ m}^2`` and
     ``12 square meters`` are ``m^2``, ``60 km/h`` and ``60 kilometers per hour`` are
     ``km/h``; ``30^\\circ`` and ``30 degrees`` are ``deg``. When both a response and its
-    reference carry a unit, the keys must agree: ``5 mm`` is not ``5 cm`` (the unit is no
-    longer taken off both sides regardless)."""
+    reference carry a unit, the keys must agree or convert (``conversion``): ``5 mm`` is not
+    ``5 cm`` (the unit is no longer taken off both sides regardless), ``50 mm`` is. A dollar
+    sign before a constant value is ``dollar``."""
     if _DEGREES_RE.search(answer):
         return "deg"
     found = split_unit(answer)
     if found is None:
-        return None
+        return "dollar" if _dollars(answer) is not None else None
     unit = found[1]
-    power = _TRAILING_POWER_RE.search(answer)
+    # After the unit (``\\text{ m}^2``) or inside its text (``\\text{ m/s^2}``).
+    power = _TRAILING_POWER_RE.search(answer) or _TRAILING_POWER_RE.search(unit)
     exponent = next((g for g in power.groups() if g), None) if power else None
     if exponent in ("²", "³"):
         exponent = "2" if exponent == "²" else "3"
@@ -376,3 +452,73 @@ def unit_key(answer: str) -> str | None:
     key = "".join(n if n == "/" else n + " " for n in names).replace(" /", "/").strip()
     key = _UNIT_NAMES.get(key, key)
     return key + (f"^{exponent}" if exponent else "")
+
+
+def kept_against_bare(key: str) -> bool:
+    """A unit (``unit_key``) that is not taken off against a reference without a unit: a
+    currency subunit (``5\\text{ cents}`` is not the answer 5)."""
+    return key.split("^")[0] in _KEPT_AGAINST_BARE
+
+
+# Units that convert into one another, each with its dimension (exponents of length, mass,
+# time and dollars) and its size in the base unit (metre, gram, second, dollar) as an exact
+# fraction. Only units of fixed size: no months or years, no ton (short or metric), no
+# temperature (its scales have offsets), no other currency.
+_LENGTH, _MASS, _TIME, _MONEY = (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)
+_SIZES: dict[str, tuple[tuple[int, ...], Fraction]] = {
+    "nm": (_LENGTH, Fraction(1, 10**9)),
+    "um": (_LENGTH, Fraction(1, 10**6)),
+    "mm": (_LENGTH, Fraction(1, 1000)),
+    "cm": (_LENGTH, Fraction(1, 100)),
+    "m": (_LENGTH, Fraction(1)),
+    "km": (_LENGTH, Fraction(1000)),
+    "in": (_LENGTH, Fraction(254, 10000)),
+    "ft": (_LENGTH, Fraction(3048, 10000)),
+    "yd": (_LENGTH, Fraction(9144, 10000)),
+    "mi": (_LENGTH, Fraction(1609344, 1000)),
+    "mg": (_MASS, Fraction(1, 1000)),
+    "g": (_MASS, Fraction(1)),
+    "kg": (_MASS, Fraction(1000)),
+    "lb": (_MASS, Fraction(45359237, 100000)),
+    "oz": (_MASS, Fraction(45359237, 1600000)),
+    "ms": (_TIME, Fraction(1, 1000)),
+    "s": (_TIME, Fraction(1)),
+    "min": (_TIME, Fraction(60)),
+    "h": (_TIME, Fraction(3600)),
+    "day": (_TIME, Fraction(86400)),
+    "week": (_TIME, Fraction(604800)),
+    "ml": ((3, 0, 0, 0), Fraction(1, 10**6)),
+    "l": ((3, 0, 0, 0), Fraction(1, 1000)),
+    "dollar": (_MONEY, Fraction(1)),
+    "cent": (_MONEY, Fraction(1, 100)),
+}
+_SIMPLE_UNIT_RE = re.compile(r"([a-z]{1,6})(?:\^([23]))?")
+
+
+def _size(key: str) -> tuple[tuple[int, ...], Fraction] | None:
+    """Dimension and size of a ``unit_key``: one unit of ``_SIZES`` with a power of 2 or 3
+    (``cm^2``), or one over another (``km/h``, ``m/s^2``); None for anything else."""
+    parts = key.split("/")
+    if len(parts) > 2:
+        return None
+    dimension, size = [0, 0, 0, 0], Fraction(1)
+    for sign, part in zip((1, -1), parts):
+        found = _SIMPLE_UNIT_RE.fullmatch(part)
+        if found is None or found.group(1) not in _SIZES:
+            return None
+        power = int(found.group(2) or 1)
+        unit_dimension, unit_size = _SIZES[found.group(1)]
+        dimension = [d + sign * power * u for d, u in zip(dimension, unit_dimension)]
+        size *= unit_size ** (sign * power)
+    return tuple(dimension), size
+
+
+def conversion(source: str, target: str) -> Fraction | None:
+    """The exact factor that turns a value in the unit ``source`` into the unit ``target``
+    (both ``unit_key``s): 60 from ``min`` to ``s``, 1/100 from ``cm`` to ``m``, 100 from
+    ``dollar`` to ``cent``; None unless both are known units of one dimension (``min`` and
+    ``m`` are not)."""
+    source_size, target_size = _size(source), _size(target)
+    if source_size is None or target_size is None or source_size[0] != target_size[0]:
+        return None
+    return source_size[1] / target_size[1]

@@ -50,6 +50,7 @@ ISSUE_45 = {
     "retraction",
     "miss_interval",
     "miss_degrees",
+    "miss_units",
     "miss_complex",
     "miss_hyperbolic",
     "miss_ordering",

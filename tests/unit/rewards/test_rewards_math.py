@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ from megatron_rl.rewards.forms import (
     visible_answer,
 )
 from megatron_rl.rewards.numeric import numbers_equal
-from megatron_rl.rewards.units import scaled, split_unit, unit_key
+from megatron_rl.rewards.units import conversion, scaled, split_unit, unit_key, unit_value
 from megatron_rl.rewards.workers import WorkerPool
 
 TIMEOUT_S = 2.0
@@ -841,6 +842,34 @@ def test_multiplier_words_scale_and_units_must_agree():
         assert unit_key(a) != unit_key(b), (a, b)
     for no_unit in ("5", "4h", "5 factorial", "5 \\text{ (wrong)}", "5 \\text{ probably}"):
         assert unit_key(no_unit) is None, no_unit
+
+
+def test_abbreviated_multipliers_and_unit_conversions():
+    """Issue 45 round five: abbreviations and counting words scale (``5\\text{k}`` was taken
+    off as a unit and equalled 5), units convert exactly within one dimension (the factors
+    are the definitions: 1 in = 2.54 cm, 1 lb = 0.45359237 kg, 1 mi = 1609.344 m)."""
+    assert scaled("5\\text{k}") == scaled("5\\mathrm{ k}") == "5\\times 1000"
+    assert scaled("\\$5\\text{k}") == "\\$5\\times 1000"
+    assert scaled("5\\text{ lakh}") == "5\\times 10^{5}" and scaled("4 score") == "4\\times 20"
+    assert scaled("5\\text{ gross}") == "5\\times 144" and scaled("5 tens") == "5\\times 10"
+    assert scaled("50\\text{ pct}") == "50\\%"
+    for kept in ("5k", "5 k", "5\\text{ mil}", "5\\text{ MM}", "5\\text{ scores}", "5\\text{K}"):
+        assert scaled(kept) == kept, kept
+    for not_unit in ("5\\text{ mil}", "5 MM", "5 bn", "5\\text{ grand}", "5 \\text{k}"):
+        assert split_unit(not_unit) is None, not_unit
+    assert unit_key("5\\text{ min}") == unit_key("5 minutes") == "min"
+    assert unit_key("5\\text{ sec}") == "s" and unit_key("5 m") == "m"
+    assert unit_key("\\$5") == "dollar" and unit_value("\\$ 5") == "5"
+    assert unit_key("5\\text{ m/s^2}") == "m/s^2"
+    assert unit_value("x = 300\\text{ s}") == "300"
+    assert conversion("min", "s") == 60 and conversion("cm", "m") == Fraction(1, 100)
+    assert conversion("dollar", "cent") == 100 and conversion("in", "cm") == Fraction(254, 100)
+    assert conversion("lb", "kg") == Fraction(45359237, 10**8)
+    assert conversion("mi/h", "km/h") == Fraction(1609344, 10**6)
+    assert conversion("m/s", "km/h") == Fraction(36, 10)
+    assert conversion("m^2", "cm^2") == 10**4 and conversion("l", "cm^3") == 1000
+    for apart in (("min", "m"), ("m", "m^2"), ("month", "day"), ("t", "kg"), ("deg", "rad")):
+        assert conversion(*apart) is None, apart
 
 
 def test_operators_left_undone_options_orderings_and_intervals():
