@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rl.config import load_run_config
-from megatron_rl.trainer import loop, summary
-from megatron_rl.trainer.loop import OwedValidation, StopFlag, Trainer
+from megatron_rl.trainer import loop, summary, validation
+from megatron_rl.trainer.loop import StopFlag, Trainer
+from megatron_rl.trainer.validation import OwedValidation
 
 RECIPE = "recipes/tiny_cpu.yaml"
 
@@ -76,7 +77,9 @@ def run(monkeypatch):
     events: list = []
     monkeypatch.setattr(summary, "log_start", lambda *args: None)
     monkeypatch.setattr(summary, "log_end", lambda *args: None)
-    monkeypatch.setattr(loop, "validate", lambda run, pool, step, *a: events.append(("val", step)))
+    monkeypatch.setattr(
+        validation, "validate", lambda run, pool, step, *a: events.append(("val", step))
+    )
 
     def train(config, trainer) -> int:
         monkeypatch.setattr(loop, "Trainer", lambda *args: trainer)
@@ -132,7 +135,7 @@ def test_a_signal_during_a_validation_checkpoints_after_it(run, monkeypatch):
         events.append(("val", step))
         trainer.stop.requested = "SIGTERM"
 
-    monkeypatch.setattr(loop, "validate", validate)
+    monkeypatch.setattr(validation, "validate", validate)
     assert train(config, trainer) == 0
     assert events[1:] == [("val", 2), ("save", 2, True, None), ("published", 2), ("close", False)]
 
