@@ -29,6 +29,11 @@ class WeightsNeeded(Exception):
     until the next regular push (forever, when no engine runs the current weights)."""
 
 
+class GenerationStopped(Exception):
+    """``generate`` gave up on its caller's request (``stop_when``): its requests were
+    cancelled in every engine; nothing of them is returned, now or later."""
+
+
 @runtime_checkable
 class RolloutClient(Protocol):
     """A pool of generators as the trainer drives it (see the module docstring)."""

@@ -5,8 +5,8 @@ They cross thread queues (``placement: in_process``), an engine process's pipe
 (``remote``, :mod:`megatron_rl.rollout.wire`): all of them pickle (plain fields, slots),
 and a sample list is carried as is, never copied into another form.
 
-- Commands (pool -> engine): :class:`Submit`, :class:`Push`, :class:`AskStatus`,
-  :class:`JoinTransport`, :class:`Stop`.
+- Commands (pool -> engine): :class:`Submit`, :class:`Cancel`, :class:`Push`,
+  :class:`AskStatus`, :class:`JoinTransport`, :class:`Stop`.
 - Events (engine -> pool): :class:`Ready`, :class:`SamplesDone`, :class:`Pushed`,
   :class:`StatusReport`, :class:`TransportJoined`, :class:`Failed`, :class:`Stopped`,
   :class:`Alive` (an engine process's beat: ``rollout.engine_stall_timeout``).
@@ -72,6 +72,14 @@ class Submit:
 
 
 @_message
+class Cancel:
+    """Drop every request of these prompts (``RequestSpec.prompt_index``): the pool gave
+    them up (a validation abandoned on a stop); nothing of theirs is sent back."""
+
+    prompts: tuple[int, ...]
+
+
+@_message
 class Push:
     """Load the buckets that follow in the weights queue (up to None) as ``version``; the
     engine generates until the first one arrives."""
@@ -97,7 +105,7 @@ class Stop:
     """Close the engine and end its loop (requests in flight are dropped)."""
 
 
-Command = Union[Submit, Push, AskStatus, JoinTransport, Stop]
+Command = Union[Submit, Cancel, Push, AskStatus, JoinTransport, Stop]
 
 
 # -- events: engine -> pool -----------------------------------------------------------------

@@ -15,7 +15,6 @@ import torch
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.platform import collectives, watchdog
-from megatron_rl.rewards.pool import RewardFailure
 from megatron_rl.rollout.client import WeightsNeeded
 
 if TYPE_CHECKING:
@@ -78,8 +77,9 @@ def on_every_rank(
             watchdog.paused("waiting for the main rank") if not main else contextlib.nullcontext()
         )
         with waiting:
-            # unshared values: a reweigh, or a RewardFailure (every rank raises it)
-            unshared = isinstance(value, (Reweigh, RewardFailure))
+            # unshared values: a reweigh, or an error (a RewardFailure, a validation given
+            # up on a stop), which every rank raises
+            unshared = isinstance(value, (Reweigh, Exception))
             sent = broadcast(value if share or unshared else None)
         if not isinstance(sent, Reweigh):
             return value if main else sent

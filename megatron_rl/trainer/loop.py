@@ -31,7 +31,7 @@ from megatron_rl.trainer.rundir import AlreadyFinished
 from megatron_rl.trainer.scoring import dynamic_sampling, score_groups
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update, recompute_old_logprobs
-from megatron_rl.trainer.validation import OwedValidation, sampling_seed
+from megatron_rl.trainer.validation import OwedValidation, ValidationStopped, sampling_seed
 
 if TYPE_CHECKING:
     from megatron_rl.rollout import GeneratorPool, PushStats, RolloutConfig
@@ -84,7 +84,10 @@ def train(
     finished = False
     try:
         if trainer.owed_validation():  # at the start, or put off by a stop on a signal
-            trainer.validate()
+            trainer.validate()  # a signal stops it: still owed, by the checkpoint we resumed
+            if trainer.signalled():
+                outcome = _stopped(trainer, "before its first step (nothing trained to save)")
+                return 0
         trainer.begin()  # the x axis (training compute) starts; progress bar; hang watchdog
         while trainer.step < config.training.max_steps:
             t0 = time.perf_counter()
@@ -105,16 +108,19 @@ def train(
                 if signalled:
                     trainer.owe_validation()
                 else:
-                    trainer.validate()  # publishes the save in flight first
+                    # publishes the save in flight first; a signal during it stops it (owed)
+                    trainer.validate()
                     signalled = trainer.signalled()  # one that came during the validation
             if _due(trainer.step, config.checkpoint.every_steps) or signalled:
                 trainer.save_checkpoint(wait=signalled)
             if signalled:
-                signal_name = trainer.stop.requested or "a signal to another rank"
-                logger.info("stopping on %s after checkpointing step %d", signal_name, trainer.step)
-                outcome = f"stopped on {signal_name}"
+                outcome = _stopped(trainer, f"after checkpointing step {trainer.step}")
                 return 0
-        trainer.finish()  # validation and checkpoint of the last step, unless done already
+        # validation and checkpoint of the last step, unless done already; False: a signal
+        # stopped that validation (owed by the checkpoint saved then)
+        if not trainer.finish():
+            outcome = _stopped(trainer, f"after checkpointing step {trainer.step}")
+            return 0
         finished, outcome = True, "finished"
     except KeyboardInterrupt:  # a second Ctrl-C (the first one stops after a checkpoint)
         again = "a second SIGINT" if stop.interrupted else "SIGINT (not in checkpoint.on_signals)"
@@ -126,6 +132,13 @@ def train(
         trainer.close(finished)
         summary.log_end(config, trainer.run, first_step, trainer.step, outcome, trainer.main)
     return 0
+
+
+def _stopped(trainer: Trainer, where: str) -> str:
+    """Log a stop on a signal (``where``: after what); the run's outcome."""
+    signal_name = trainer.stop.requested or "a signal to another rank"
+    logger.info("stopping on %s %s", signal_name, where)
+    return f"stopped on {signal_name}"
 
 
 class Preempted(Exception):
@@ -470,17 +483,32 @@ class Trainer:
         ``finish``).
         A save in flight is published first: a validation may run for longer than a signal's
         window, and a save complete on disk but not published when the job is killed would
-        be lost. When the reward fails in it (``RewardFailure``, on every rank), the step was
-        trained all the same: its checkpoint, if due now, is saved before the error ends the
-        run."""
+        be lost. A stop's signal during it (on the main rank) gives it up on every rank, its
+        requests cancelled: it is owed again (:meth:`owe_validation`), the step's checkpoint
+        comes first (the caller's), and NaN is returned. When the reward fails in it
+        (``RewardFailure``, on every rank), the step was trained all the same: its
+        checkpoint, if due now, is saved before the error ends the run."""
         self.finalize_checkpoint(blocking=True)
+        paid = self.paid
         if self.owed.step == self.step:  # its checkpoint owes it: a new one must not
             self.paid = self.step
         self.owed.step = None
+        stop = self.stop
         try:
             return validation.validate(
-                self.run, self.pool, self.step, self.main, self.waits, self.forecast
+                self.run,
+                self.pool,
+                self.step,
+                self.main,
+                self.waits,
+                self.forecast,
+                stopped=lambda: stop.requested is not None,
             )
+        except ValidationStopped as err:
+            logger.info("%s: owed, the resumed run validates step %d first", err, self.step)
+            self.paid = paid
+            self.owe_validation()
+            return float("nan")
         except RewardFailure:
             checkpoint = self.config.checkpoint
             due = _due(self.step, checkpoint.every_steps) or (at_end and checkpoint.save_at_end)
@@ -523,12 +551,19 @@ class Trainer:
         with self.run.clock.window("checkpoint"):
             self.run.checkpoints.finalize(blocking=blocking)
 
-    def finish(self) -> None:
-        """At the end: validation and a checkpoint of the last step, unless done already."""
+    def finish(self) -> bool:
+        """At the end: validation and a checkpoint of the last step, unless done already.
+        False: a stop's signal gave that validation up; the checkpoint that owes it is saved,
+        and the run is not finished (its resume validates, then ends)."""
         validation, checkpoint = self.config.validation, self.config.checkpoint
         validated_at_end = validation.enabled and self.step % validation.every_steps != 0
+        validated_at_end = validated_at_end and self.paid != self.step  # done at the start
         if validated_at_end:
             self.validate(at_end=True)
+            if self.owed.step == self.step:  # stopped by a signal
+                self.save_checkpoint(wait=True)
+                self.finalize_checkpoint(blocking=True)
+                return False
         # The loop's own checkpoint of this step holds everything unless validation ran since
         # (at the end, or the one that checkpoint owed, paid by a resumed run).
         saved = self.step > 0 and _due(self.step, checkpoint.every_steps) and not validated_at_end
@@ -536,6 +571,7 @@ class Trainer:
         if checkpoint.save_at_end and not saved:
             self.save_checkpoint(wait=True)
         self.finalize_checkpoint(blocking=True)
+        return True
 
     def close(self, finished: bool) -> None:
         """Stop the engines, the reward workers and the metrics (``finished``: a normal end,

@@ -4,13 +4,16 @@
 and take part when restarted engines wait for the weights), scores, and logs the record
 (:func:`_log_validation`); a ``RewardFailure`` of its scoring is handed to every rank.
 :class:`OwedValidation` is the step whose validation a stop on a signal put off, kept by the
-checkpoint and done first by the resumed run.
+checkpoint and done first by the resumed run. A signal that comes during the pass stops it
+(:class:`ValidationStopped` on every rank): a pass can outlast the signal's window, and the
+checkpoint must come first; its requests are cancelled in the engines, and it is owed.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from megatron_rl.rewards.pool import (
@@ -19,6 +22,7 @@ from megatron_rl.rewards.pool import (
     count_errors,
     count_timeouts,
 )
+from megatron_rl.rollout.client import GenerationStopped
 from megatron_rl.scaling.forecast import resolve_budget
 from megatron_rl.trainer import console
 from megatron_rl.trainer.compute import generation_share
@@ -31,6 +35,11 @@ if TYPE_CHECKING:
     from megatron_rl.trainer.setup import Run
 
 logger = logging.getLogger(__name__)
+
+
+class ValidationStopped(Exception):
+    """The validation pass was given up on a stop (:func:`validate`'s ``stopped``), on every
+    rank: its requests were cancelled, nothing was logged."""
 
 
 class OwedValidation:
@@ -60,17 +69,21 @@ def validate(
     main: bool = True,
     waits: RankZeroWaits | None = None,
     forecast: LiveForecast | None = None,
+    stopped: Callable[[], bool] | None = None,
 ) -> float:
     """mean@G pass rate on the held-out split with the current weights; logged overall
     (``val_pass_rate``) and, for a mixture of sources, per domain
     (``val_pass_rate/<domain>``). Every rank calls it: the main rank generates and scores;
     the others take part when restarted engines wait for the weights (``on_every_rank``:
     a death with every engine down mid-validation), and return NaN. ``waits``: the other
-    ranks' bound (None: the world's); ``forecast``: the live forecast to update."""
+    ranks' bound (None: the world's); ``forecast``: the live forecast to update.
+    ``stopped``: asked by the main rank while it generates; once true the pass is given up
+    (its requests cancelled in the engines, no record) and every rank raises
+    :class:`ValidationStopped`."""
     wait = waits.validation if waits is not None else None
     if not main:  # waits for the whole pass, scoring included
         failed = on_every_rank(run, pool, False, lambda: None, wait, share=False)
-        if isinstance(failed, RewardFailure):  # the main rank's reward failed: every rank stops
+        if isinstance(failed, Exception):  # the main rank's reward failed, or a stop
             raise failed
         return float("nan")
     cfg = run.config.validation
@@ -85,8 +98,10 @@ def validate(
         episodes = (
             {"problems": [run.data.get(i) for i in ids]} if run.config.rollout.episodes else {}
         )
+        stop = {"stop_when": stopped} if stopped is not None else {}
         return pool.generate(
             [run.encode(i) for i in ids],
+            **stop,
             seeds=[sampling_seed(run.config.seed, -1 - i, step) for i in ids],
             samples_per_prompt=cfg.samples_per_prompt,
             temperature=cfg.temperature,
@@ -95,10 +110,15 @@ def validate(
 
     # Blocking validation, accounted apart; the training requests that PipelineRL generators
     # keep decoding meanwhile are training compute (their token share of the window).
-    def score() -> tuple | RewardFailure | None:
-        samples = generate()  # scoring too: the other ranks wait until the pass is done
+    def score() -> tuple | RewardFailure | ValidationStopped | None:
+        try:  # scoring too: the other ranks wait until the pass is done
+            samples = generate()
+        except GenerationStopped as err:  # every rank raises it (on_every_rank)
+            return ValidationStopped(f"the validation of step {step} was stopped: {err}")
         if not samples:
             return None
+        if stopped is not None and stopped():  # generated; the scoring may be long too
+            return ValidationStopped(f"the validation of step {step} was stopped")
         texts = [model_text(run.tokenizer, s) for s in samples]  # a tool's output left out
         refs = [run.data.get(ids[s.prompt_index - samples[0].prompt_index]) for s in samples]
         kinds = [p.kind for p in refs]
@@ -114,11 +134,14 @@ def validate(
     # The whole pass is in the window, its record and the forecast's hand-off too.
     with run.clock.window("validation") as window:
         tokens_before = pool.generated_tokens()
+        logger.info(
+            "step %d: validating (%d prompts x %d samples)", step, len(ids), cfg.samples_per_prompt
+        )
         with console.phase(f"validation at step {step} ({len(ids)} prompts)"):
             scored = on_every_rank(run, pool, True, score, wait, share=False)
         if scored is None:
             return float("nan")
-        if isinstance(scored, RewardFailure):
+        if isinstance(scored, (RewardFailure, ValidationStopped)):
             raise scored
         samples, kinds, rewards, statuses, crashes = scored
         val_tokens = sum(len(s) for s in samples)

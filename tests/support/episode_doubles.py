@@ -3,6 +3,9 @@ episode-steps and token-identity tests)."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from megatron_rl.environments.protocol import Environment, ToolResult
 
 
@@ -27,6 +30,11 @@ class Scripted:
     def has_work(self):
         return bool(self.active)
 
+    def abort(self, request_ids):
+        for rid in request_ids:
+            del self.active[rid]
+        return {}
+
     def step(self):
         from megatron_rl.rollout.engine.vllm_engine import TokenDelta
 
@@ -36,3 +44,29 @@ class Scripted:
             reason = "stop" if ids[-1] in stop else "length"
             deltas.append(TokenDelta(rid, ids, [-0.5] * len(ids), True, reason, None))
         return deltas
+
+
+class SleepyTool:
+    """The runner's ``EpisodeSteps`` with a tool that takes ``seconds`` a call (on a thread of
+    its own) and answers ``observation`` (ids); a model turn that ends on ``call_id`` calls
+    it. ``ended``: the episodes ended, as (prompt, sample)."""
+
+    def __init__(self, call_id: int, observation: list[int], seconds: float, max_turns: int = 3):
+        self.stop_token_ids, self.stop_strings, self.max_turns = (call_id,), (), max_turns
+        self.observation, self.seconds = list(observation), seconds
+        self.ended: list[tuple[int, int]] = []
+        self._threads = ThreadPoolExecutor(4)
+
+    def tool_step(self, spec, sample, turn_ids) -> Future:
+        def call() -> list[int]:
+            time.sleep(self.seconds)
+            return self.observation
+
+        return self._threads.submit(call)
+
+    def end(self, spec) -> list[tuple[str, float]]:
+        self.ended.append((spec.prompt_index, spec.sample_index))
+        return [("ok", self.seconds)]
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)

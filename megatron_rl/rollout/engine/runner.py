@@ -7,8 +7,8 @@ in flight wait in vLLM's scheduler, then generation goes on with the new weights
 it. It runs on a thread of the trainer's process or as the main loop of an engine process;
 both talk to the pool through queues:
 
-- ``commands``: the commands of :mod:`megatron_rl.rollout.messages` (``Submit``, ``Push``,
-  ``AskStatus``, ``JoinTransport``, ``Stop``);
+- ``commands``: the commands of :mod:`megatron_rl.rollout.messages` (``Submit``, ``Cancel``,
+  ``Push``, ``AskStatus``, ``JoinTransport``, ``Stop``);
 - ``weights``: a push's bucket update infos, then ``None`` (``get`` takes ``block=False``);
 - ``events``: the events of :mod:`megatron_rl.rollout.messages` (``Ready``, ``SamplesDone``,
   ``Pushed``, ``StatusReport``, ``TransportJoined``, ``Failed``, ``Stopped``, and ``Alive``
@@ -38,6 +38,7 @@ from megatron_rl.rollout.engine.nccl_env import drop_trainer_only_vars
 from megatron_rl.rollout.messages import (
     Alive,
     AskStatus,
+    Cancel,
     Failed,
     JoinTransport,
     Push,
@@ -138,6 +139,8 @@ class EngineRunner:
                 if isinstance(command, Submit):
                     for spec in command.specs:
                         self.submit(spec)
+                elif isinstance(command, Cancel):
+                    self.cancel(set(command.prompts))
                 elif isinstance(command, Push):
                     pending = (command.version, command.kv_on_push)
                 elif isinstance(command, AskStatus):
@@ -243,6 +246,24 @@ class EngineRunner:
             engine=self.index,
         )
         self._start(_Track(spec, sample), list(spec.prompt_ids), spec.max_tokens)
+
+    def cancel(self, prompts: set[int]) -> None:
+        """Drop every request of ``prompts``: aborted in the engine, an episode waiting on
+        its tool call forgotten (a call under way ends in its thread, within the sandbox's
+        limits; its result is not used), a finished sample not sent yet dropped."""
+        ids = [rid for rid, track in self.requests.items() if track.spec.prompt_index in prompts]
+        if ids:
+            self.engine.abort(ids)
+        dropped = [self.requests.pop(rid) for rid in ids]
+        for future, track in list(self._tools.items()):
+            if track.spec.prompt_index in prompts:
+                del self._tools[future]
+                future.cancel()
+                dropped.append(track)
+        for track in dropped:
+            if self._episode(track):  # its environment is let go
+                self.episodes.end(track.spec)
+        self._finished = [s for s in self._finished if s.prompt_index not in prompts]
 
     def _start(self, track: _Track, prompt_ids: list[int], max_tokens: int) -> None:
         max_tokens = min(max_tokens, self.engine.max_model_len - len(prompt_ids))

@@ -11,11 +11,12 @@ from typing import Any
 
 from megatron_rl.conversion.weight_stream import WeightBucket
 from megatron_rl.platform import watchdog
-from megatron_rl.rollout.client import RolloutClient, WeightsNeeded
+from megatron_rl.rollout.client import GenerationStopped, RolloutClient, WeightsNeeded
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine.interruption import InterruptionPolicy
 from megatron_rl.rollout.messages import (
     AskStatus,
+    Cancel,
     Event,
     Pushed,
     SamplesDone,
@@ -171,9 +172,16 @@ class GeneratorPool(RolloutClient):
         self._pump(0.0)
         return self._requests.take_done()
 
-    def generate(self, prompts: Sequence[Sequence[int]], **settings: Any) -> list[Sample]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        stop_when: Callable[[], bool] | None = None,
+        **settings: Any,
+    ) -> list[Sample]:
         """Generate and wait: the samples of ``prompts`` ordered by (prompt, sample). Raises
-        ``WeightsNeeded`` (withdrawing its requests) when every engine waits for weights."""
+        ``WeightsNeeded`` (withdrawing its requests) when every engine waits for weights,
+        and ``GenerationStopped`` (cancelling them: :meth:`cancel`) as soon as ``stop_when()``
+        is true (asked while it waits, e.g. a preemption's signal)."""
         indices = set(self.submit(prompts, **settings))
         mine: list[Sample] = []
         expected = len(indices) * (
@@ -181,6 +189,12 @@ class GeneratorPool(RolloutClient):
         )
         while len(mine) < expected:
             self._pump(POLL_SECONDS)
+            if stop_when is not None and stop_when():
+                self.cancel(indices)
+                raise GenerationStopped(
+                    f"generate(): stopped with {len(mine)} of {expected} samples; its "
+                    "requests were cancelled"
+                )
             if self.needs_weights() and not any(e.current for e in self._engines.engines):
                 # No engine holds any of our requests now: withdraw them all, so that the
                 # caller can reweigh and call again (same seeds: the same samples).
@@ -191,6 +205,16 @@ class GeneratorPool(RolloutClient):
                 )
             mine += self._requests.take_done(indices)
         return sorted(mine, key=lambda s: (s.prompt_index, s.sample_index))
+
+    def cancel(self, prompts: Iterable[int]) -> None:
+        """Give up every request of ``prompts`` (``Sample.prompt_index``): the engines that
+        hold one abort it (``Cancel``), the waiting ones and the finished samples not taken
+        are dropped, and none of their samples is returned later (``poll`` included), so
+        that they cannot reach a training batch."""
+        self._check_open()
+        prompts = set(prompts)
+        for index in self._requests.cancel(prompts):
+            self._engines.engines[index].handle.send(Cancel(tuple(sorted(prompts))))
 
     # -- state ------------------------------------------------------------------------------
     @property

@@ -84,6 +84,7 @@ class RequestBook:
         self._finished_tokens = [0] * engines  # response tokens returned, per engine
         self._busy = [InFlightClock() for _ in range(engines)]
         self.statuses: dict[int, dict[str, Any]] = {}  # the engines' last StatusReport
+        self.cancelled: set[int] = set()  # prompts given up (:meth:`cancel`)
 
     # -- new requests ----------------------------------------------------------------------
     def new_prompt(
@@ -158,11 +159,30 @@ class RequestBook:
         self.pending = [s for s in self.pending if s.prompt_index not in prompts]
         self.done = [s for s in self.done if s.prompt_index not in prompts]
 
+    def cancel(self, prompts: set[int]) -> list[int]:
+        """Give up ``prompts``: their requests held by engines, waiting, or finished and not
+        taken are dropped, and a sample of theirs that an engine returns later (it finished
+        before the engine heard of it) is dropped as well. Returns the engines that held
+        one (to be told: ``Cancel``)."""
+        holders = []
+        for engine, held in enumerate(self._held):
+            keys = [key for key in held if key[0] in prompts]
+            for key in keys:
+                del held[key]
+            if keys:
+                holders.append(engine)
+                self._busy[engine].observe(self.outstanding(engine))
+        self.forget_prompts(prompts)
+        self.cancelled |= prompts
+        return holders
+
     # -- samples back ----------------------------------------------------------------------
     def returned(self, engine: int, samples: Sequence[Sample]) -> None:
         """``engine`` returned ``samples``: they are done, its requests released."""
         kept = []
         for sample in samples:
+            if sample.prompt_index in self.cancelled:  # given up: nobody wants it
+                continue
             if self._held[engine].pop((sample.prompt_index, sample.sample_index), None) is None:
                 # never expected: every request is returned by one engine, once
                 logger.warning("engine %d returned a sample it was not given: dropped", engine)
