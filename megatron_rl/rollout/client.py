@@ -81,6 +81,6 @@ class RolloutClient(Protocol):
         """Start a new window for :meth:`engine_idle_fractions`."""
 
     def engine_idle_fractions(self) -> list[float]:
-        """Per engine, the fraction of the window with no request in flight ([] when the
-        pool does not keep it)."""
+        """Per engine, the fraction of the window with no request generating (an episode
+        that waits on a tool call is not; [] when the pool does not keep it)."""
         return []

@@ -7,9 +7,9 @@ and a sample list is carried as is, never copied into another form.
 
 - Commands (pool -> engine): :class:`Submit`, :class:`Cancel`, :class:`Push`,
   :class:`AskStatus`, :class:`JoinTransport`, :class:`Stop`.
-- Events (engine -> pool): :class:`Ready`, :class:`SamplesDone`, :class:`Pushed`,
-  :class:`StatusReport`, :class:`TransportJoined`, :class:`Failed`, :class:`Stopped`,
-  :class:`Alive` (an engine process's beat: ``rollout.engine_stall_timeout``).
+- Events (engine -> pool): :class:`Ready`, :class:`SamplesDone`, :class:`ToolWaits`,
+  :class:`Pushed`, :class:`StatusReport`, :class:`TransportJoined`, :class:`Failed`,
+  :class:`Stopped`, :class:`Alive` (an engine process's beat: ``rollout.engine_stall_timeout``).
   ``engine`` is the engine's index in the pool; ``oldest`` the oldest policy version still
   in flight on it (None when it is idle).
 - The remote wire adds what a connection needs around them (:class:`Hello`, :class:`Init`,
@@ -126,6 +126,16 @@ class SamplesDone:
 
 
 @_message
+class ToolWaits:
+    """``waiting``: how many of the engine's episodes wait on a tool call now (sent when it
+    changes, before the samples of the same step): their requests are held, not generating;
+    the pool leaves them out of the engine's busy time."""
+
+    engine: int
+    waiting: int
+
+
+@_message
 class Pushed:
     """The push of ``version`` is loaded; generation was paused ``seconds``."""
 
@@ -171,9 +181,11 @@ class Alive:
     step_seconds: float
 
 
-Event = Union[Ready, SamplesDone, Pushed, StatusReport, TransportJoined, Failed, Stopped, Alive]
+Event = Union[
+    Ready, SamplesDone, ToolWaits, Pushed, StatusReport, TransportJoined, Failed, Stopped, Alive
+]
 EVENTS: tuple[type, ...] = (
-    Ready, SamplesDone, Pushed, StatusReport, TransportJoined, Failed, Stopped, Alive,
+    Ready, SamplesDone, ToolWaits, Pushed, StatusReport, TransportJoined, Failed, Stopped, Alive,
 )  # fmt: skip
 
 

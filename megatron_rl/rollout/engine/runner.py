@@ -11,7 +11,7 @@ both talk to the pool through queues:
   ``Push``, ``AskStatus``, ``JoinTransport``, ``Stop``);
 - ``weights``: a push's bucket update infos, then ``None`` (``get`` takes ``block=False``);
 - ``events``: the events of :mod:`megatron_rl.rollout.messages` (``Ready``, ``SamplesDone``,
-  ``Pushed``, ``StatusReport``, ``TransportJoined``, ``Failed``, ``Stopped``, and ``Alive``
+  ``ToolWaits``, ``Pushed``, ``StatusReport``, ``TransportJoined``, ``Failed``, ``Stopped``, and ``Alive``
   from a thread of an engine process: ``rollout.engine_stall_timeout``); one queue
   shared by in-process and remote engines, a pipe of its own for an engine process
   (:mod:`megatron_rl.rollout.wire`).
@@ -51,6 +51,7 @@ from megatron_rl.rollout.messages import (
     Stop,
     Stopped,
     Submit,
+    ToolWaits,
     TransportJoined,
     unknown_message,
 )
@@ -116,6 +117,7 @@ class EngineRunner:
         self.events = events
         self.episodes = episodes
         self._tools: dict[Future, _Track] = {}  # episodes waiting on a tool call
+        self._tool_waits_sent = 0  # len(_tools) as the pool last heard it (ToolWaits)
         self.version = 0
         self.kv_on_push = "keep"  # of the last push: whether KV of older weights is kept
         self.requests: dict[str, _Track] = {}
@@ -394,6 +396,11 @@ class EngineRunner:
         self._finished.append(track.sample)
 
     def _flush(self) -> None:
+        # The episodes on a tool first: an episode that ends in this step leaves the tool
+        # wait and its request together, as the pool sees them.
+        if len(self._tools) != self._tool_waits_sent:
+            self._tool_waits_sent = len(self._tools)
+            self.events.put(ToolWaits(self.index, self._tool_waits_sent))
         if self._finished:
             self.events.put(SamplesDone(self.index, self._finished, self.oldest_version()))
             self._finished = []

@@ -22,6 +22,7 @@ from megatron_rl.rollout.messages import (
     SamplesDone,
     StatusReport,
     Stopped,
+    ToolWaits,
     TransportJoined,
     unknown_message,
 )
@@ -275,9 +276,11 @@ class GeneratorPool(RolloutClient):
 
     def engine_idle_fractions(self) -> list[float]:
         """Per engine, the fraction of the time since :meth:`reset_engine_load` (or the
-        start) that it had no request of the pool in flight. As the pool sees it: requests
+        start) that it had no request of the pool generating. As the pool sees it: requests
         count from their submission until their samples are handled (any pool call), so an
-        engine that finished a request counts as busy until the pool's next call."""
+        engine that finished a request counts as busy until the pool's next call; an episode
+        that waits on a tool call does not count from the engine's ``ToolWaits`` on until
+        the one that says its call returned."""
         return [] if self.closed else self._requests.idle_fractions()
 
     def engine_status(self) -> list[dict[str, Any]]:
@@ -378,6 +381,8 @@ class GeneratorPool(RolloutClient):
         if isinstance(event, SamplesDone):
             self._engines.engines[event.engine].oldest = event.oldest
             self._requests.returned(event.engine, event.samples)
+        elif isinstance(event, ToolWaits):
+            self._requests.tool_waits(event.engine, event.waiting)
         elif isinstance(event, Pushed):
             self._engines.engines[event.engine].oldest = event.oldest
             self._pusher.acked(event)

@@ -113,3 +113,53 @@ def test_a_cancelled_prompts_requests_and_episodes_waiting_on_a_tool_are_dropped
     sent = [s for e in list(events.queue) if isinstance(e, SamplesDone) for s in e.samples]
     assert [(s.prompt_index, s.sample_index, s.response_ids) for s in sent] == [(8, 0, [7, 2])]
     tools.close()
+
+
+def test_an_engines_busy_time_leaves_out_its_episodes_waiting_on_a_tool():
+    """Issue 49: an episode waiting on its tool call holds a request of the pool but does
+    not use the engine; the engine's idle fraction counted it busy. The real pool over a
+    runner thread: one episode generates 0.2 s, calls a tool that sleeps 1 s, generates
+    0.2 s more. The engine was idle for the tool's call (its measured span, less the
+    pool's latency to hear of the call and its return: at most 0.25 s here), and for no
+    more than that and the pool's own time to collect the sample. Before: idle ~0."""
+    import time
+
+    from support.episode_doubles import RunnerThreads, SleepyTool, Timed
+
+    from megatron_rl.environments.config import EnvironmentConfig
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.pool import GeneratorPool
+
+    call, eos = 9, 2
+    tools = SleepyTool(call, [40, 41], seconds=1.0)
+    launcher = RunnerThreads(
+        lambda: Timed([[5, call], [6, eos]], 0.2), tools, RunnerSettings((eos,))
+    )
+    config = RolloutConfig(
+        engines=1,
+        placement="in_process",
+        samples_per_prompt=1,
+        max_turns=3,
+        environment=EnvironmentConfig(name="python_tool", tool_format="markdown"),
+    )
+    hf = SimpleNamespace(vocab_size=100, eos_token_id=eos)
+    with GeneratorPool("unused", config, launcher=launcher, text_config=hf) as pool:
+        pool.submit([[1, 3]], seeds=[1], problems=[SimpleNamespace(problem="p")])
+        start = time.monotonic()
+        pool.reset_engine_load()
+        got = []
+        while not got:
+            got = pool.poll(timeout=5)
+        (idle,) = pool.engine_idle_fractions()
+        window = time.monotonic() - start
+    tools.close()
+    (sample,) = got
+    assert sample.response_ids == [5, call, 40, 41, 6, eos] and tools.ended == [(0, 0)]
+    ((call_start, call_end),) = tools.calls
+    on_tool = call_end - call_start  # >= 1.0 s, measured
+    latency = 0.25  # the pool hears of the call, and of its return, through the event queue
+    assert (on_tool - latency) / window <= idle <= (on_tool + latency) / window, (
+        idle,
+        on_tool,
+        window,
+    )
