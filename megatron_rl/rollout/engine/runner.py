@@ -444,10 +444,12 @@ def run_engine(
     weights_get: Callable[[], Any],
     events,
     beat_seconds: float = 0.0,
+    store_dir: str | None = None,
 ) -> None:
     """Build engine ``index`` and serve until stopped; failures become ``Failed`` events.
     ``beat_seconds`` > 0: an ``Alive`` event that often, from a thread of its own, from now
-    until the end (the pool's stall check, ``rollout.engine_stall_timeout``)."""
+    until the end (the pool's stall check, ``rollout.engine_stall_timeout``). ``store_dir``:
+    an engine process's directory for vLLM's rendezvous file (``VLLMEngine``)."""
     engine = episodes = None
     runner: list[EngineRunner] = []  # the runner once built, for the beat
     done = threading.Event()
@@ -459,7 +461,7 @@ def run_engine(
         from megatron_rl.rollout.engine.vllm_engine import VLLMEngine
 
         episodes = build_episodes(hf_dir, config, settings)
-        engine = VLLMEngine(hf_dir, config, index)
+        engine = VLLMEngine(hf_dir, config, index, store_dir)
         runner.append(EngineRunner(index, engine, settings, events, episodes))
         events.put(Ready(index, engine.max_model_len, os.getpid()))
         runner[0].serve(commands, weights_get)
@@ -538,8 +540,19 @@ def subprocess_main(
     exit_with_parent()
     writer = EventWriter(events)
     try:
+        # vLLM's rendezvous file in the launcher's directory (with the log), not in /tmp:
+        # the launcher removes a SIGKILLed engine's, which it never removes itself
+        store_dir = os.path.dirname(log_path) if log_path is not None else None
         run_engine(
-            index, hf_dir, config, settings, commands, weights.get, writer, beat_seconds(config)
+            index,
+            hf_dir,
+            config,
+            settings,
+            commands,
+            weights.get,
+            writer,
+            beat_seconds(config),
+            store_dir,
         )
     finally:
         writer.close()

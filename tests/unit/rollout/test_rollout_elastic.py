@@ -643,3 +643,40 @@ def test_the_nccl_group_is_formed_anew_with_the_ranks_vllm_expects(tmp_path, mon
         assert not pool.needs_weights() and pool.version == 2
     finally:
         pool.close()
+
+
+def test_an_engine_process_rendezvous_file_is_its_launchers_and_goes_with_its_death(tmp_path):
+    """Issue 49 item 12: vLLM names its one-process world's FileStore ``/tmp/vllm_dist_<uuid>``
+    and removes it when the world closes; a SIGKILLed engine process left it in /tmp. An
+    engine process builds vLLM with the file in its launcher's directory, named after its
+    pid (vLLM's own executor function, as it calls it), and the launcher removes a dead
+    engine's files (``ProcessEngine.discard``); the directory goes at the launcher's close.
+    The temporary directory itself is not moved (the episodes' tool sandbox uses it)."""
+    import os
+    import tempfile
+
+    from vllm.v1.executor import multiproc_executor, uniproc_executor
+
+    from megatron_rl.rollout.engine.vllm_engine import _file_store_in
+    from megatron_rl.rollout.pool.launchers import remove_file_stores
+
+    original = uniproc_executor.get_file_store_init_method
+    with _file_store_in(str(tmp_path)):
+        made = [uniproc_executor.get_file_store_init_method() for _ in range(2)]
+        made.append(multiproc_executor.get_file_store_init_method())
+        assert tempfile.gettempdir() != str(tmp_path)
+    assert uniproc_executor.get_file_store_init_method is original  # restored
+    prefix = f"file://{tmp_path}/vllm_dist_pid{os.getpid()}_"
+    assert all(m.startswith(prefix) and len(m) == len(prefix) + 32 for m in made), made
+    assert len(set(made)) == 3
+    with _file_store_in(None):  # engines on threads of the trainer: vLLM's own
+        assert original().startswith(f"file://{tempfile.gettempdir()}/vllm_dist_")
+    # the dead engine's files go; another engine's (another pid) and the log stay
+    for m in made:
+        open(m.removeprefix("file://"), "w").close()
+    other = tmp_path / "vllm_dist_pid1_abc"
+    other.write_text("")
+    (tmp_path / "engine-0.log").write_text("log")
+    removed = remove_file_stores(str(tmp_path), os.getpid())
+    assert sorted(removed) == sorted(m.rsplit("/", 1)[1] for m in made)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine-0.log", other.name]
