@@ -84,10 +84,14 @@ def train(
     finished = False
     try:
         if trainer.owed_validation():  # at the start, or put off by a stop on a signal
-            trainer.validate()  # a signal stops it: still owed, by the checkpoint we resumed
+            trainer.validate()  # a signal stops it: owed again
             if trainer.signalled():
-                outcome = _stopped(trainer, "before its first step (nothing trained to save)")
-                return 0
+                if trainer.step > 0:  # the checkpoint resumed from is the latest, and owes it
+                    outcome = _stopped(trainer, "before its first step (nothing new to save)")
+                    return 0
+                # No checkpoint yet (a warm start may be hours of work): step 1 is trained and
+                # checkpointed first, as for any signal; the point at C = 0 is not made up.
+                trainer.forgive_start_validation()
         trainer.begin()  # the x axis (training compute) starts; progress bar; hang watchdog
         while trainer.step < config.training.max_steps:
             t0 = time.perf_counter()
@@ -530,6 +534,16 @@ class Trainer:
         """This step's validation is put off by a stop: its checkpoint says so, and the
         resumed run validates first (:meth:`owed_validation`)."""
         self.owed.step = self.step
+
+    def forgive_start_validation(self) -> None:
+        """The validation at step 0 that a signal stopped is not owed: the run has no
+        checkpoint to owe it; it trains step 1 and checkpoints."""
+        if self.owed.step == 0:
+            logger.warning(
+                "the validation at the start was stopped by a signal and is not made up: "
+                "step 1 is trained and checkpointed first (no checkpoint yet)"
+            )
+        self.owed.step = None
 
     def owed_validation(self) -> bool:
         """Whether a validation is due before the first step: at the start of a run

@@ -394,7 +394,7 @@ def test_the_cli_refuses_a_locked_run_dir_and_changed_settings(preempted, tmp_pa
 
 # -- a job preempted at each phase of its start-up, requeued each time ---------------------
 
-VAL_SAMPLES = 64
+VAL_SAMPLES = 128
 
 STARTUP = (
     "warm_start.steps=20",  # a few seconds: long enough to be signalled in
@@ -402,7 +402,7 @@ STARTUP = (
     "batch.samples_per_prompt=2",
     "checkpoint.every_steps=1",
     "training.max_steps=4",
-    # one validation, at step 4: long (16 prompts x 64 samples), to be signalled in
+    # one validation, at step 4: long (16 prompts x 128 samples), to be signalled in
     "validation.enabled=true",
     "validation.at_start=false",
     "validation.every_steps=4",
@@ -439,7 +439,7 @@ def _job(run_dir: Path, log: Path, marker: str | None) -> tuple[int, str, float]
     return status, log.read_text(errors="replace"), time.monotonic() - signalled
 
 
-@pytest.mark.timeout(600)  # 6 jobs: 131-165 s in all for the first 5 on the loaded machine
+@pytest.mark.timeout(900)  # 6 jobs: 131-165 s for the first 5 on a loaded machine; 750 s at load 45
 def test_a_job_preempted_at_each_phase_of_its_start_up_is_requeued_and_finishes(tmp_path):
     """SIGTERM to the job's process group while it warm-starts, while its engines start,
     while its first checkpoint is written, in the first step of a requeued job, and during
@@ -465,7 +465,7 @@ def test_a_job_preempted_at_each_phase_of_its_start_up_is_requeued_and_finishes(
         assert status == 0, output[-3000:]
         assert f"stopping on SIGTERM {stopped}" in output, output[-3000:]
     assert "the validation of step 4 was stopped" in output, output[-3000:]
-    assert "validation pass rate" not in output  # no partial record
+    assert "step 4: validation pass rate" not in output  # no partial record
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert "step_00000004" in ckpts and not [c for c in ckpts if c.endswith(".tmp")], ckpts
     assert not [r for r in read_records(run_dir / "metrics.jsonl") if "val_pass_rate" in r]
@@ -477,7 +477,7 @@ def test_a_job_preempted_at_each_phase_of_its_start_up_is_requeued_and_finishes(
     assert len([r for r in records if "warm_start_loss" in r]) == 1
     assert _steps(run_dir) == [1, 2, 3, 4]
     assert [r.get("run_finished") for r in records].count(True) == 1
-    # the owed validation, at step 4, whole: what an unsignalled run records (16 x 64)
+    # the owed validation, at step 4, whole: what an unsignalled run records (16 x 128)
     (val,) = [r for r in records if "val_pass_rate" in r]
     assert val["step"] == 4 and val["val_samples"] == 16 * VAL_SAMPLES
     # the stop took far less than the pass it gave up (its checkpoint and exit included)

@@ -166,6 +166,25 @@ def test_a_signal_during_a_validation_stops_it_checkpoints_and_the_resume_valida
     assert [e[1] for e in events if e[0] == "val"] == [2, 4, 6]
 
 
+def test_a_signal_during_a_resumed_runs_owed_validation_stops_before_training(run, monkeypatch):
+    """The owed validation at a resumed run's start, signalled in turn: the job stops
+    before its first step without a save (its checkpoint, the latest, owes it still); with
+    no checkpoint yet (step 0's validation) step 1 is trained and checkpointed first."""
+    events, train = run
+    config = _config()
+    resumed = make_trainer(config, events, step=2, owed=2)
+    monkeypatch.setattr(validation, "validate", _stopped_validation(events, resumed, at=2))
+    assert train(config, resumed) == 0
+    assert events == [("val", 2), ("val stopped", 2), ("close", False)]
+    assert resumed.owed.step == 2
+    events.clear()
+    fresh = make_trainer(config, events)
+    monkeypatch.setattr(validation, "validate", _stopped_validation(events, fresh, at=0))
+    assert train(config, fresh) == 0
+    assert events[:3] == [("val", 0), ("val stopped", 0), ("begin", 0)]
+    assert ("save", 1, True, None) in events and events[-1] == ("close", False)
+
+
 def test_a_signal_during_the_end_validation_checkpoints_and_the_run_is_not_finished(
     run, monkeypatch
 ):
