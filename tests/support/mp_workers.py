@@ -351,7 +351,7 @@ def reward_failure_worker(sync_dir: str, world_timeout_s: float) -> list[str]:
     class Pool:
         version = 1
 
-        def generate(self, prompts, seeds, samples_per_prompt, temperature):
+        def generate(self, prompts, seeds, samples_per_prompt, temperature, stop_when=None):
             return [Sample([1, 2]) for _ in range(len(prompts) * samples_per_prompt)]
 
         def generated_tokens(self) -> int:
@@ -411,6 +411,7 @@ def reward_failure_worker(sync_dir: str, world_timeout_s: float) -> list[str]:
         save_checkpoint=save_checkpoint,
         finalize_checkpoint=lambda blocking=False: None,  # no save in flight
         owed=SimpleNamespace(step=None),  # no validation owed by a stop
+        stop=SimpleNamespace(requested=None),  # no stop signal
         paid=None,
         source=Source() if rank == 0 else None,
     )
