@@ -23,7 +23,8 @@ def check_engines(ctx: PreflightContext) -> Outcome:
     from megatron_rl.platform import collectives
     from megatron_rl.rollout.weights import m2n_ranks
     from megatron_rl.trainer.batch import token_multiple
-    from megatron_rl.trainer.loop import push_weights, start_generators
+    from megatron_rl.trainer.handoff import push_weights
+    from megatron_rl.trainer.loop import start_generators
     from megatron_rl.trainer.probe import LogprobProbe
 
     config, run = ctx.config, ctx.run
@@ -176,7 +177,7 @@ def check_validation(ctx: PreflightContext) -> Outcome:
     """Decode a full batch of validation prompts (as many sequences as the engines hold at
     once, :data:`THROUGHPUT_TOKENS` long), extrapolate one validation pass, compare with
     ``validation.timeout_minutes``: the other ranks wait that long for rank 0's validation
-    pass (``trainer.loop.rank_zero_waits``), not ``parallel.timeout_minutes``."""
+    pass (``trainer.handoff.rank_zero_waits``), not ``parallel.timeout_minutes``."""
     from megatron_rl.platform import collectives
 
     config, run = ctx.config, ctx.run

@@ -29,6 +29,11 @@ class WeightsNeeded(Exception):
     until the next regular push (forever, when no engine runs the current weights)."""
 
 
+class GenerationStopped(Exception):
+    """``generate`` gave up on its caller's request (``stop_when``): its requests were
+    cancelled in every engine; nothing of them is returned, now or later."""
+
+
 @runtime_checkable
 class RolloutClient(Protocol):
     """A pool of generators as the trainer drives it (see the module docstring)."""
@@ -76,6 +81,6 @@ class RolloutClient(Protocol):
         """Start a new window for :meth:`engine_idle_fractions`."""
 
     def engine_idle_fractions(self) -> list[float]:
-        """Per engine, the fraction of the window with no request in flight ([] when the
-        pool does not keep it)."""
+        """Per engine, the fraction of the window with no request generating (an episode
+        that waits on a tool call is not; [] when the pool does not keep it)."""
         return []

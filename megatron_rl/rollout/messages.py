@@ -5,11 +5,11 @@ They cross thread queues (``placement: in_process``), an engine process's pipe
 (``remote``, :mod:`megatron_rl.rollout.wire`): all of them pickle (plain fields, slots),
 and a sample list is carried as is, never copied into another form.
 
-- Commands (pool -> engine): :class:`Submit`, :class:`Push`, :class:`AskStatus`,
-  :class:`JoinTransport`, :class:`Stop`.
-- Events (engine -> pool): :class:`Ready`, :class:`SamplesDone`, :class:`Pushed`,
-  :class:`StatusReport`, :class:`TransportJoined`, :class:`Failed`, :class:`Stopped`,
-  :class:`Alive` (an engine process's beat: ``rollout.engine_stall_timeout``).
+- Commands (pool -> engine): :class:`Submit`, :class:`Cancel`, :class:`Push`,
+  :class:`AskStatus`, :class:`JoinTransport`, :class:`Stop`.
+- Events (engine -> pool): :class:`Ready`, :class:`SamplesDone`, :class:`ToolWaits`,
+  :class:`Pushed`, :class:`StatusReport`, :class:`TransportJoined`, :class:`Failed`,
+  :class:`Stopped`, :class:`Alive` (an engine process's beat: ``rollout.engine_stall_timeout``).
   ``engine`` is the engine's index in the pool; ``oldest`` the oldest policy version still
   in flight on it (None when it is idle).
 - The remote wire adds what a connection needs around them (:class:`Hello`, :class:`Init`,
@@ -72,6 +72,14 @@ class Submit:
 
 
 @_message
+class Cancel:
+    """Drop every request of these prompts (``RequestSpec.prompt_index``): the pool gave
+    them up (a validation abandoned on a stop); nothing of theirs is sent back."""
+
+    prompts: tuple[int, ...]
+
+
+@_message
 class Push:
     """Load the buckets that follow in the weights queue (up to None) as ``version``; the
     engine generates until the first one arrives."""
@@ -97,7 +105,7 @@ class Stop:
     """Close the engine and end its loop (requests in flight are dropped)."""
 
 
-Command = Union[Submit, Push, AskStatus, JoinTransport, Stop]
+Command = Union[Submit, Cancel, Push, AskStatus, JoinTransport, Stop]
 
 
 # -- events: engine -> pool -----------------------------------------------------------------
@@ -115,6 +123,16 @@ class SamplesDone:
     engine: int
     samples: list[Sample]
     oldest: int | None
+
+
+@_message
+class ToolWaits:
+    """``waiting``: how many of the engine's episodes wait on a tool call now (sent when it
+    changes, before the samples of the same step): their requests are held, not generating;
+    the pool leaves them out of the engine's busy time."""
+
+    engine: int
+    waiting: int
 
 
 @_message
@@ -163,9 +181,11 @@ class Alive:
     step_seconds: float
 
 
-Event = Union[Ready, SamplesDone, Pushed, StatusReport, TransportJoined, Failed, Stopped, Alive]
+Event = Union[
+    Ready, SamplesDone, ToolWaits, Pushed, StatusReport, TransportJoined, Failed, Stopped, Alive
+]
 EVENTS: tuple[type, ...] = (
-    Ready, SamplesDone, Pushed, StatusReport, TransportJoined, Failed, Stopped, Alive,
+    Ready, SamplesDone, ToolWaits, Pushed, StatusReport, TransportJoined, Failed, Stopped, Alive,
 )  # fmt: skip
 
 

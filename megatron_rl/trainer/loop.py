@@ -11,24 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import torch
 from tqdm import tqdm
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.platform import collectives, get_platform, watchdog
-from megatron_rl.rewards.pool import (
-    RewardFailure,
-    check_error_fraction,
-    count_errors,
-    count_timeouts,
-)
-from megatron_rl.rollout.client import WeightsNeeded
+from megatron_rl.rewards.pool import RewardFailure
 from megatron_rl.rollout.samples import TOOL_VERSION
 from megatron_rl.rollout.weights import m2n_ranks
-from megatron_rl.scaling.forecast import resolve_budget
-from megatron_rl.trainer import console, hf_export, summary
+from megatron_rl.trainer import console, hf_export, summary, validation
 from megatron_rl.trainer.batch import TrainSample, token_multiple
-from megatron_rl.trainer.compute import generation_share
+from megatron_rl.trainer.handoff import RankZeroWaits, on_every_rank, push_weights, rank_zero_waits
 from megatron_rl.trainer.probe import LogprobProbe
 from megatron_rl.trainer.rollout_source import (
     PromptsExhausted,
@@ -36,9 +28,10 @@ from megatron_rl.trainer.rollout_source import (
     token_lag_histogram,
 )
 from megatron_rl.trainer.rundir import AlreadyFinished
-from megatron_rl.trainer.scoring import by_domain, dynamic_sampling, model_text, score_groups
+from megatron_rl.trainer.scoring import dynamic_sampling, score_groups
 from megatron_rl.trainer.setup import Run, build_run
 from megatron_rl.trainer.step import policy_update, recompute_old_logprobs
+from megatron_rl.trainer.validation import OwedValidation, ValidationStopped, sampling_seed
 
 if TYPE_CHECKING:
     from megatron_rl.rollout import GeneratorPool, PushStats, RolloutConfig
@@ -91,7 +84,14 @@ def train(
     finished = False
     try:
         if trainer.owed_validation():  # at the start, or put off by a stop on a signal
-            trainer.validate()
+            trainer.validate()  # a signal stops it: owed again
+            if trainer.signalled():
+                if trainer.step > 0:  # the checkpoint resumed from is the latest, and owes it
+                    outcome = _stopped(trainer, "before its first step (nothing new to save)")
+                    return 0
+                # No checkpoint yet (a warm start may be hours of work): step 1 is trained and
+                # checkpointed first, as for any signal; the point at C = 0 is not made up.
+                trainer.forgive_start_validation()
         trainer.begin()  # the x axis (training compute) starts; progress bar; hang watchdog
         while trainer.step < config.training.max_steps:
             t0 = time.perf_counter()
@@ -112,16 +112,19 @@ def train(
                 if signalled:
                     trainer.owe_validation()
                 else:
-                    trainer.validate()  # publishes the save in flight first
+                    # publishes the save in flight first; a signal during it stops it (owed)
+                    trainer.validate()
                     signalled = trainer.signalled()  # one that came during the validation
             if _due(trainer.step, config.checkpoint.every_steps) or signalled:
                 trainer.save_checkpoint(wait=signalled)
             if signalled:
-                signal_name = trainer.stop.requested or "a signal to another rank"
-                logger.info("stopping on %s after checkpointing step %d", signal_name, trainer.step)
-                outcome = f"stopped on {signal_name}"
+                outcome = _stopped(trainer, f"after checkpointing step {trainer.step}")
                 return 0
-        trainer.finish()  # validation and checkpoint of the last step, unless done already
+        # validation and checkpoint of the last step, unless done already; False: a signal
+        # stopped that validation (owed by the checkpoint saved then)
+        if not trainer.finish():
+            outcome = _stopped(trainer, f"after checkpointing step {trainer.step}")
+            return 0
         finished, outcome = True, "finished"
     except KeyboardInterrupt:  # a second Ctrl-C (the first one stops after a checkpoint)
         again = "a second SIGINT" if stop.interrupted else "SIGINT (not in checkpoint.on_signals)"
@@ -133,6 +136,13 @@ def train(
         trainer.close(finished)
         summary.log_end(config, trainer.run, first_step, trainer.step, outcome, trainer.main)
     return 0
+
+
+def _stopped(trainer: Trainer, where: str) -> str:
+    """Log a stop on a signal (``where``: after what); the run's outcome."""
+    signal_name = trainer.stop.requested or "a signal to another rank"
+    logger.info("stopping on %s %s", signal_name, where)
+    return f"stopped on {signal_name}"
 
 
 class Preempted(Exception):
@@ -181,21 +191,6 @@ class InFlight:
         self.prompt_ids = list(prompt_ids)
 
 
-class OwedValidation:
-    """The step whose validation a stop on a signal put off (the checkpoint came first: a
-    validation can outlast the signal's window): the resumed run validates it before its
-    first step. None: none is owed (a checkpoint without this entry owes none)."""
-
-    def __init__(self) -> None:
-        self.step: int | None = None
-
-    def state_dict(self) -> int | None:
-        return self.step
-
-    def load_state_dict(self, step: int | None) -> None:
-        self.step = step
-
-
 @dataclass(frozen=True)
 class Batch:
     """One step's training batch, the same on every rank (``next_batch``)."""
@@ -204,14 +199,6 @@ class Batch:
     info: dict[str, Any]  # the step's batch metrics (rewards, staleness, counts ...)
     wants_push: bool  # the update is pushed to the engines (PipelineRL: always)
     generator_version: int  # the policy version the engines held when the batch was taken
-
-
-@dataclass(frozen=True)
-class Reweigh:
-    """The main rank's answer instead of a value (``on_every_rank``): restarted engines wait
-    for the weights of ``version``; every rank streams them, then the main rank asks again."""
-
-    version: int
 
 
 class Trainer:
@@ -323,7 +310,7 @@ class Trainer:
             config.batch.samples_per_prompt,
             config.off_policy.mode,
             _lag(config),
-            seed_of=lambda prompt_id: _sampling_seed(config.seed, prompt_id, self.step),
+            seed_of=lambda prompt_id: sampling_seed(config.seed, prompt_id, self.step),
             shuffle_seed=config.seed,
             dynamic=dynamic_sampling(self.run),
             capacity=config.rollout.engines * config.rollout.max_num_seqs,
@@ -496,18 +483,36 @@ class Trainer:
                 run.exporter.poll()
 
     def validate(self, at_end: bool = False) -> float:
-        """Validate the current weights (:func:`validate`; ``at_end``: the one of ``finish``).
+        """Validate the current weights (``validation.validate``; ``at_end``: the one of
+        ``finish``).
         A save in flight is published first: a validation may run for longer than a signal's
         window, and a save complete on disk but not published when the job is killed would
-        be lost. When the reward fails in it (``RewardFailure``, on every rank), the step was
-        trained all the same: its checkpoint, if due now, is saved before the error ends the
-        run."""
+        be lost. A stop's signal during it (on the main rank) gives it up on every rank, its
+        requests cancelled: it is owed again (:meth:`owe_validation`), the step's checkpoint
+        comes first (the caller's), and NaN is returned. When the reward fails in it
+        (``RewardFailure``, on every rank), the step was trained all the same: its
+        checkpoint, if due now, is saved before the error ends the run."""
         self.finalize_checkpoint(blocking=True)
+        paid = self.paid
         if self.owed.step == self.step:  # its checkpoint owes it: a new one must not
             self.paid = self.step
         self.owed.step = None
+        stop = self.stop
         try:
-            return validate(self.run, self.pool, self.step, self.main, self.waits, self.forecast)
+            return validation.validate(
+                self.run,
+                self.pool,
+                self.step,
+                self.main,
+                self.waits,
+                self.forecast,
+                stopped=lambda: stop.requested is not None,
+            )
+        except ValidationStopped as err:
+            logger.info("%s: owed, the resumed run validates step %d first", err, self.step)
+            self.paid = paid
+            self.owe_validation()
+            return float("nan")
         except RewardFailure:
             checkpoint = self.config.checkpoint
             due = _due(self.step, checkpoint.every_steps) or (at_end and checkpoint.save_at_end)
@@ -530,6 +535,16 @@ class Trainer:
         resumed run validates first (:meth:`owed_validation`)."""
         self.owed.step = self.step
 
+    def forgive_start_validation(self) -> None:
+        """The validation at step 0 that a signal stopped is not owed: the run has no
+        checkpoint to owe it; it trains step 1 and checkpoints."""
+        if self.owed.step == 0:
+            logger.warning(
+                "the validation at the start was stopped by a signal and is not made up: "
+                "step 1 is trained and checkpointed first (no checkpoint yet)"
+            )
+        self.owed.step = None
+
     def owed_validation(self) -> bool:
         """Whether a validation is due before the first step: at the start of a run
         (``validation.at_start``), or the one a stop put off at this step."""
@@ -550,12 +565,19 @@ class Trainer:
         with self.run.clock.window("checkpoint"):
             self.run.checkpoints.finalize(blocking=blocking)
 
-    def finish(self) -> None:
-        """At the end: validation and a checkpoint of the last step, unless done already."""
+    def finish(self) -> bool:
+        """At the end: validation and a checkpoint of the last step, unless done already.
+        False: a stop's signal gave that validation up; the checkpoint that owes it is saved,
+        and the run is not finished (its resume validates, then ends)."""
         validation, checkpoint = self.config.validation, self.config.checkpoint
         validated_at_end = validation.enabled and self.step % validation.every_steps != 0
+        validated_at_end = validated_at_end and self.paid != self.step  # done at the start
         if validated_at_end:
             self.validate(at_end=True)
+            if self.owed.step == self.step:  # stopped by a signal
+                self.save_checkpoint(wait=True)
+                self.finalize_checkpoint(blocking=True)
+                return False
         # The loop's own checkpoint of this step holds everything unless validation ran since
         # (at the end, or the one that checkpoint owed, paid by a resumed run).
         saved = self.step > 0 and _due(self.step, checkpoint.every_steps) and not validated_at_end
@@ -563,6 +585,7 @@ class Trainer:
         if checkpoint.save_at_end and not saved:
             self.save_checkpoint(wait=True)
         self.finalize_checkpoint(blocking=True)
+        return True
 
     def close(self, finished: bool) -> None:
         """Stop the engines, the reward workers and the metrics (``finished``: a normal end,
@@ -590,66 +613,6 @@ class Trainer:
         return on_every_rank(self.run, self.pool, self.main, make, self.waits.batch)
 
 
-@dataclass(frozen=True)
-class RankZeroWaits:
-    """The other ranks' waits on the main rank's long work, each on a gloo group bounded by
-    its own setting instead of ``parallel.timeout_minutes`` (which a validation pass at
-    paper scale outlasts by hours)."""
-
-    batch: collectives.RankZeroWait  # a batch or a probe: rollout.batch_timeout_minutes
-    validation: collectives.RankZeroWait  # a validation pass: validation.timeout_minutes
-
-
-def rank_zero_waits(config: RunConfig) -> RankZeroWaits:
-    """Every rank calls this at the same point (it makes gloo groups)."""
-    return RankZeroWaits(
-        collectives.RankZeroWait(
-            config.rollout.batch_timeout_minutes, "rollout.batch_timeout_minutes"
-        ),
-        collectives.RankZeroWait(config.validation.timeout_minutes, "validation.timeout_minutes"),
-    )
-
-
-def on_every_rank(
-    run: Run,
-    pool: GeneratorPool | None,
-    main: bool,
-    make: Callable[[], T],
-    wait: collectives.RankZeroWait | None = None,
-    share: bool = True,
-) -> T | None:
-    """``make()`` on the main rank (it drives the pool), broadcast to every rank (``share``;
-    else it stays on the main rank and the others get None). While the main rank waits on
-    the pool, restarted engines may wait for the current weights (elastic engines,
-    ``WeightsNeeded``): then every rank streams the weights again into those engines (a
-    collective, like a push), and ``make`` is called again (it resumes). The other ranks
-    wait under ``wait`` (a batch's or a validation pass's bound; None: the world's)."""
-    broadcast = wait.broadcast_object if wait is not None else collectives.broadcast_object
-    while True:
-        value = _or_reweigh(make, pool) if main else None
-        # The other ranks wait here for the main rank's long work (a batch, validation), under
-        # its own bound (``wait``); the main rank is judged meanwhile (its waits on the pool
-        # beat), and so is its wait here for another rank that stopped.
-        waiting = (
-            watchdog.paused("waiting for the main rank") if not main else contextlib.nullcontext()
-        )
-        with waiting:
-            # unshared values: a reweigh, or a RewardFailure (every rank raises it)
-            unshared = isinstance(value, (Reweigh, RewardFailure))
-            sent = broadcast(value if share or unshared else None)
-        if not isinstance(sent, Reweigh):
-            return value if main else sent
-        push_weights(run, pool, reweigh=True)
-
-
-def _or_reweigh(make: Callable[[], T], pool: GeneratorPool) -> T | Reweigh:
-    try:
-        return make()
-    except WeightsNeeded:
-        logger.info("re-sending the weights of version %d to restarted engines", pool.version)
-        return Reweigh(pool.version)
-
-
 def next_batch(
     run: Run, source: RolloutSource, pool: GeneratorPool, step: int = 0
 ) -> Batch | RewardFailure | None:
@@ -671,138 +634,6 @@ def next_batch(
     info["generator_version"] = pool.version  # of the weights the generator holds now
     info.update(source.counts)  # prompts drawn this step; dynamic sampling's kept / dropped
     return Batch(samples, info, source.wants_push(), pool.version)
-
-
-def validate(
-    run: Run,
-    pool: GeneratorPool | None,
-    step: int,
-    main: bool = True,
-    waits: RankZeroWaits | None = None,
-    forecast: LiveForecast | None = None,
-) -> float:
-    """mean@G pass rate on the held-out split with the current weights; logged overall
-    (``val_pass_rate``) and, for a mixture of sources, per domain
-    (``val_pass_rate/<domain>``). Every rank calls it: the main rank generates and scores;
-    the others take part when restarted engines wait for the weights (``on_every_rank``:
-    a death with every engine down mid-validation), and return NaN. ``waits``: the other
-    ranks' bound (None: the world's); ``forecast``: the live forecast to update."""
-    wait = waits.validation if waits is not None else None
-    if not main:  # waits for the whole pass, scoring included
-        failed = on_every_rank(run, pool, False, lambda: None, wait, share=False)
-        if isinstance(failed, RewardFailure):  # the main rank's reward failed: every rank stops
-            raise failed
-        return float("nan")
-    cfg = run.config.validation
-    # ``num_prompts`` counts per domain, so a cap never leaves a domain out.
-    ids = [i for ids in run.data.val_by_domain().values() for i in ids[: cfg.num_prompts]]
-    t0 = time.perf_counter()
-    hours = run.clock.summary()  # the policy being measured cost this much
-
-    def generate() -> list:  # asked again after a reweigh: the same seeds, the same samples
-        if not ids:
-            return []
-        episodes = (
-            {"problems": [run.data.get(i) for i in ids]} if run.config.rollout.episodes else {}
-        )
-        return pool.generate(
-            [run.encode(i) for i in ids],
-            seeds=[_sampling_seed(run.config.seed, -1 - i, step) for i in ids],
-            samples_per_prompt=cfg.samples_per_prompt,
-            temperature=cfg.temperature,
-            **episodes,
-        )
-
-    # Blocking validation, accounted apart; the training requests that PipelineRL generators
-    # keep decoding meanwhile are training compute (their token share of the window).
-    def score() -> tuple | RewardFailure | None:
-        samples = generate()  # scoring too: the other ranks wait until the pass is done
-        if not samples:
-            return None
-        texts = [model_text(run.tokenizer, s) for s in samples]  # a tool's output left out
-        refs = [run.data.get(ids[s.prompt_index - samples[0].prompt_index]) for s in samples]
-        kinds = [p.kind for p in refs]
-        try:  # a failed reward is handed to every rank (on_every_rank), which all raise it
-            rewards = run.rewards.score_batch(texts, [p.reference for p in refs], kinds)
-            statuses = list(run.rewards.last_statuses)
-            limit = run.config.reward.max_error_fraction
-            check_error_fraction(statuses, limit, f"the validation pass of step {step}")
-        except RewardFailure as err:
-            return err
-        return samples, kinds, rewards, statuses, sum(run.rewards.last_crashes)
-
-    # The whole pass is in the window, its record and the forecast's hand-off too.
-    with run.clock.window("validation") as window:
-        tokens_before = pool.generated_tokens()
-        with console.phase(f"validation at step {step} ({len(ids)} prompts)"):
-            scored = on_every_rank(run, pool, True, score, wait, share=False)
-        if scored is None:
-            return float("nan")
-        if isinstance(scored, RewardFailure):
-            raise scored
-        samples, kinds, rewards, statuses, crashes = scored
-        val_tokens = sum(len(s) for s in samples)
-        train_tokens = pool.generated_tokens() - tokens_before - val_tokens
-        window.train_fraction = generation_share(train_tokens, val_tokens)
-        return _log_validation(
-            run, step, hours, t0, window.train_fraction, kinds, rewards, statuses, crashes, forecast
-        )
-
-
-def _log_validation(
-    run: Run,
-    step: int,
-    hours: dict[str, float],
-    t0: float,
-    train_fraction: float,
-    kinds: list[str],
-    rewards: list[float],
-    statuses: list[str],
-    crashes: int,
-    forecast: LiveForecast | None,
-) -> float:
-    """The validation's record (at the compute ``hours`` of the policy measured), its log
-    line and the forecast's job; returns the pass rate."""
-    rate = sum(r > 0 for r in rewards) / len(rewards)
-    if run.exporter is not None:
-        run.exporter.val_pass_rate = rate  # for the README of the next export
-    # A mixture (math + code) also logs each domain's pass rate: one curve per domain.
-    mixture = len(run.data.sources) > 1
-    per_domain = by_domain("val_pass_rate", kinds, rewards, mean=False) if mixture else {}
-    run.metrics.log(
-        {
-            "step": step,
-            **hours,
-            "val_pass_rate": rate,
-            **per_domain,
-            "val_samples": len(rewards),
-            **{f"val_reward_{k}": v for k, v in count_timeouts(statuses).items()},
-            "val_reward_errors": count_errors(statuses),
-            "val_reward_crashes": crashes,
-            "val_train_fraction": train_fraction,
-            "val_seconds": time.perf_counter() - t0,
-        }
-    )
-    domains = "".join(f"{k.split('/')[1]} {v:.3f}, " for k, v in per_domain.items())
-    logger.info(
-        "step %d: validation pass rate %.3f (%s%d samples)",
-        step,
-        rate,
-        domains,
-        len(rewards),
-        extra=console.QUIET_KEEPS,  # --quiet shows it
-    )
-    if forecast is not None:
-        training = run.config.training
-        budget = resolve_budget(
-            run.config.forecast,
-            training.max_gpu_hours,
-            training.max_steps,
-            step,
-            hours["gpu_hours"],
-        )
-        forecast.submit(step, budget, hours["gpu_hours"])
-    return rate
 
 
 # -- set-up helpers ---------------------------------------------------------------------------
@@ -942,26 +773,6 @@ def start_generators(
     )
 
 
-def push_weights(
-    run: Run,
-    pool: GeneratorPool | None,
-    reweigh: bool = False,
-    between: Callable[[], None] | None = None,
-) -> PushStats | None:
-    """Stream the trainer's weights (HF names, full tensors, bounded buckets) into the pool
-    (``reweigh``: into restarted engines only, see ``GeneratorPool.reweigh``). Every rank
-    calls this (the gathers are collectives); ``pool`` is None off the main rank.
-    ``between``: called by the pool whenever the push waits or a bucket went out (the
-    rollout source's ``feed``: the pool stays topped up through the push)."""
-    from megatron_rl.rollout.weights.push import push_megatron_weights
-
-    bucket_bytes = run.config.rollout.weight_bucket_bytes
-    with torch.no_grad():
-        return push_megatron_weights(
-            pool, run.model, bucket_bytes, reweigh=reweigh, between=between
-        )
-
-
 def save_checkpoint(
     run: Run, step: int, optim: Optimizer, states: dict[str, Stateful | None], wait: bool = False
 ) -> None:
@@ -1069,11 +880,6 @@ def _rank() -> int:
 def _due(step: int, every: int) -> bool:
     """Every ``every`` steps; 0 = never (checkpoints: only on signals and at the end)."""
     return every > 0 and step % every == 0
-
-
-def _sampling_seed(seed: int, prompt_id: int, step: int) -> int:
-    """Sampling seed of a prompt submitted at ``step``: the same in a resumed run."""
-    return (seed * 1_000_003 + prompt_id * 10_007 + step * 101 + 17) % (2**62)
 
 
 def _lag(config: RunConfig) -> int:

@@ -107,7 +107,11 @@ STEP: dict[str, tuple[str, str]] = {
         "sequences",
     ),
     "generator_idle_fraction": ("fraction of the step with no sequence in flight", "fraction"),
-    "engine_idle_fraction_mean": ("mean over engines of each engine's idle fraction", "fraction"),
+    "engine_idle_fraction_mean": (
+        "mean over engines of each engine's idle fraction (of the step with no request "
+        "generating: an episode waiting on a tool call does not count)",
+        "fraction",
+    ),
     "engine_idle_fraction_max": ("the idlest engine's idle fraction", "fraction"),
     "logprob_probe_gap": ("mean |gap| of the post-push probe's samples", "nats"),
     "logprob_probe_max_gap": ("largest per-token |gap| of the probe", "nats"),

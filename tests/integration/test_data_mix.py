@@ -260,7 +260,7 @@ class FakePool:
 
 
 def _validation_run(joint, tmp_path):
-    """(run, the validation prompt ids): what ``loop.validate`` reads of a run."""
+    """(run, the validation prompt ids): what ``validation.validate`` reads of a run."""
     from megatron_rl.config.sections import ValidationConfig
     from megatron_rl.trainer.compute import ComputeClock
     from megatron_rl.trainer.metrics import MetricsLogger
@@ -288,7 +288,7 @@ def test_validation_logs_each_domain_to_metrics_tensorboard_and_the_plot(joint, 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from megatron_rl.scaling.records import plot_reward_curve, read_records
-    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.validation import validate
 
     data, _ = joint
     run, ids = _validation_run(joint, tmp_path)
@@ -317,7 +317,7 @@ def test_validation_with_every_engine_restarted_reweighs_and_validates_once(
     collective of every rank, as in training) and asks again with the same seeds."""
     from megatron_rl.rollout.client import WeightsNeeded
     from megatron_rl.scaling.records import read_records
-    from megatron_rl.trainer import loop
+    from megatron_rl.trainer import handoff, validation
 
     data, _ = joint
     run, ids = _validation_run(joint, tmp_path)
@@ -334,9 +334,11 @@ def test_validation_with_every_engine_restarted_reweighs_and_validates_once(
 
     pool = RestartedPool(data, run.tokenizer, ids)
     monkeypatch.setattr(
-        loop, "push_weights", lambda run_, pool_, reweigh=False: events.append(("reweigh", reweigh))
+        handoff,
+        "push_weights",
+        lambda run_, pool_, reweigh=False: events.append(("reweigh", reweigh)),
     )
-    assert loop.validate(run, pool, step=3) == 0.5  # math right, code wrong (as above)
+    assert validation.validate(run, pool, step=3) == 0.5  # math right, code wrong (as above)
     run.metrics.close()
     seeds = events[0][1]
     assert events == [("generate", seeds), ("reweigh", True), ("generate", seeds)]

@@ -40,10 +40,10 @@ SMALL = [
 FAILING_SCORER = """
 import sys
 
-import megatron_rl.trainer.loop as loop
+import megatron_rl.trainer.validation as validation
 from megatron_rl.rewards import math
 
-real_prepare, real_validate = math.prepare, loop.validate
+real_prepare, real_validate = math.prepare, validation.validate
 state = {"calls": 0, "validating": False}
 
 
@@ -62,7 +62,7 @@ def validate(*args, **kwargs):
         state["validating"] = False
 
 
-math.prepare, loop.validate = prepare, validate
+math.prepare, validation.validate = prepare, validate
 from megatron_rl.cli import main
 
 sys.exit(main())

@@ -500,8 +500,12 @@ def test_an_engine_process_killed_mid_run_is_replaced_and_every_prompt_trains_on
     """Elastic engines: SIGKILL the engine process after the first step. The pool restarts
     it, its requests wait (it is the only engine) until the trainer sent it the weights, and
     the run completes: every group complete (G samples each), no prompt twice, the lag bound
-    kept, one restart logged."""
+    kept, one restart logged. The run's temporary directory (its own TMPDIR) keeps no
+    ``vllm_dist_*`` file of the killed engine (issue 49 item 12: vLLM's rendezvous file,
+    which a SIGKILLed engine never removes, was left in /tmp) nor anything of the engines."""
+    import shutil
     import signal
+    import tempfile
     import time
 
     from support.elastic_runs import assert_every_prompt_trained_once, assert_killed_in_time
@@ -511,9 +515,16 @@ def test_an_engine_process_killed_mid_run_is_replaced_and_every_prompt_trains_on
     args = ("warm_start.steps=0", "rollout.placement=subprocess")
     args += (f"training.max_steps={max_steps}", f"off_policy.max_lag={k}")
     args += ("validation.enabled=false", "checkpoint.every_steps=0")
+    # a TMPDIR of the run's own, as open as /tmp (pytest's tmp_path is root's alone)
+    tmp = Path(tempfile.mkdtemp(prefix="megatron_rl_tmpdir_"))
+    os.chmod(tmp, 0o1777)
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen(
-            train_cmd(run_dir, *args), cwd=ROOT, env=train_env(), stdout=err, stderr=err
+            train_cmd(run_dir, *args),
+            cwd=ROOT,
+            env={**train_env(), "TMPDIR": str(tmp)},
+            stdout=err,
+            stderr=err,
         )
         metrics, killed = run_dir / "metrics.jsonl", []
         deadline = time.monotonic() + 900
@@ -533,6 +544,10 @@ def test_an_engine_process_killed_mid_run_is_replaced_and_every_prompt_trains_on
     assert_every_prompt_trained_once(steps, max_steps, k, prompts=4, samples=4)
     # the engine gets the weights by the next push, or by a re-send if the run waits first
     assert "vLLM engine 0 exited unexpectedly (exit code -9): restarted" in log
+    left = sorted(p.name for p in tmp.rglob("*") if "vllm_dist_" in p.name)
+    engines = [p.name for p in tmp.iterdir() if p.name.startswith("megatron_rl_engines_")]
+    shutil.rmtree(tmp, ignore_errors=True)
+    assert left == [] and engines == [], (left, engines)
 
 
 @pytest.mark.parametrize(

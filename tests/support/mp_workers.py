@@ -161,7 +161,7 @@ def startup_barrier_worker(sync_dir: str, world_timeout_s: float, late_s: float,
 
 
 def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float, wait_min: float):
-    """The other ranks' wait for rank 0's validation pass (loop.validate) on a world whose
+    """The other ranks' wait for rank 0's validation pass (validation.validate) on a world whose
     own timeout is shorter than the pass: rank 0 generates for ``slow_s`` and scores for
     ``slow_s``; then it never comes. Returns ``[(outcome, seconds)]`` on this rank."""
     import datetime
@@ -176,7 +176,7 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
     from megatron_rl.platform import collectives
     from megatron_rl.rewards.config import RewardConfig
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.trainer import loop
+    from megatron_rl.trainer import handoff, validation
     from megatron_rl.trainer.compute import ComputeClock
 
     rank = int(os.environ["RANK"])
@@ -224,12 +224,12 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
         forecast=None,
         encode=lambda i: [i],
     )
-    waits = loop.rank_zero_waits(config)
+    waits = handoff.rank_zero_waits(config)
     pool = Pool() if rank == 0 else None
     outcomes = []
     start = time.monotonic()
     try:
-        rate = loop.validate(run, pool, step=0, main=rank == 0, waits=waits)
+        rate = validation.validate(run, pool, step=0, main=rank == 0, waits=waits)
         collectives.any_rank(False)  # the loop's next world collective: all in step again
         outcomes.append(("passed", time.monotonic() - start, rate))
     except Exception as err:  # noqa: BLE001 - the outcome is the test's finding
@@ -237,7 +237,7 @@ def validation_wait_worker(sync_dir: str, world_timeout_s: float, slow_s: float,
     if rank == 1 and outcomes[0][0] == "passed":
         start = time.monotonic()
         try:  # rank 0 never starts this pass
-            loop.validate(run, None, step=1, main=False, waits=waits)
+            validation.validate(run, None, step=1, main=False, waits=waits)
             outcomes.append(("passed", time.monotonic() - start, None))
         except Exception as err:  # noqa: BLE001
             outcomes.append((f"{type(err).__name__}: {err}", time.monotonic() - start, None))
@@ -332,7 +332,7 @@ def reward_failure_worker(sync_dir: str, world_timeout_s: float) -> list[str]:
     from megatron_rl.rewards.config import RewardConfig
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.rollout.samples import Sample as RolloutSample
-    from megatron_rl.trainer import loop
+    from megatron_rl.trainer import handoff, loop
     from megatron_rl.trainer.compute import ComputeClock
     from megatron_rl.trainer.rollout_source import Group
 
@@ -351,7 +351,7 @@ def reward_failure_worker(sync_dir: str, world_timeout_s: float) -> list[str]:
     class Pool:
         version = 1
 
-        def generate(self, prompts, seeds, samples_per_prompt, temperature):
+        def generate(self, prompts, seeds, samples_per_prompt, temperature, stop_when=None):
             return [Sample([1, 2]) for _ in range(len(prompts) * samples_per_prompt)]
 
         def generated_tokens(self) -> int:
@@ -405,12 +405,13 @@ def reward_failure_worker(sync_dir: str, world_timeout_s: float) -> list[str]:
         pool=Pool() if rank == 0 else None,
         step=2,
         main=rank == 0,
-        waits=loop.rank_zero_waits(config),
+        waits=handoff.rank_zero_waits(config),
         forecast=None,
         config=config,
         save_checkpoint=save_checkpoint,
         finalize_checkpoint=lambda blocking=False: None,  # no save in flight
         owed=SimpleNamespace(step=None),  # no validation owed by a stop
+        stop=SimpleNamespace(requested=None),  # no stop signal
         paid=None,
         source=Source() if rank == 0 else None,
     )

@@ -7,11 +7,11 @@ in flight wait in vLLM's scheduler, then generation goes on with the new weights
 it. It runs on a thread of the trainer's process or as the main loop of an engine process;
 both talk to the pool through queues:
 
-- ``commands``: the commands of :mod:`megatron_rl.rollout.messages` (``Submit``, ``Push``,
-  ``AskStatus``, ``JoinTransport``, ``Stop``);
+- ``commands``: the commands of :mod:`megatron_rl.rollout.messages` (``Submit``, ``Cancel``,
+  ``Push``, ``AskStatus``, ``JoinTransport``, ``Stop``);
 - ``weights``: a push's bucket update infos, then ``None`` (``get`` takes ``block=False``);
 - ``events``: the events of :mod:`megatron_rl.rollout.messages` (``Ready``, ``SamplesDone``,
-  ``Pushed``, ``StatusReport``, ``TransportJoined``, ``Failed``, ``Stopped``, and ``Alive``
+  ``ToolWaits``, ``Pushed``, ``StatusReport``, ``TransportJoined``, ``Failed``, ``Stopped``, and ``Alive``
   from a thread of an engine process: ``rollout.engine_stall_timeout``); one queue
   shared by in-process and remote engines, a pipe of its own for an engine process
   (:mod:`megatron_rl.rollout.wire`).
@@ -38,6 +38,7 @@ from megatron_rl.rollout.engine.nccl_env import drop_trainer_only_vars
 from megatron_rl.rollout.messages import (
     Alive,
     AskStatus,
+    Cancel,
     Failed,
     JoinTransport,
     Push,
@@ -50,6 +51,7 @@ from megatron_rl.rollout.messages import (
     Stop,
     Stopped,
     Submit,
+    ToolWaits,
     TransportJoined,
     unknown_message,
 )
@@ -115,6 +117,7 @@ class EngineRunner:
         self.events = events
         self.episodes = episodes
         self._tools: dict[Future, _Track] = {}  # episodes waiting on a tool call
+        self._tool_waits_sent = 0  # len(_tools) as the pool last heard it (ToolWaits)
         self.version = 0
         self.kv_on_push = "keep"  # of the last push: whether KV of older weights is kept
         self.requests: dict[str, _Track] = {}
@@ -138,6 +141,8 @@ class EngineRunner:
                 if isinstance(command, Submit):
                     for spec in command.specs:
                         self.submit(spec)
+                elif isinstance(command, Cancel):
+                    self.cancel(set(command.prompts))
                 elif isinstance(command, Push):
                     pending = (command.version, command.kv_on_push)
                 elif isinstance(command, AskStatus):
@@ -243,6 +248,24 @@ class EngineRunner:
             engine=self.index,
         )
         self._start(_Track(spec, sample), list(spec.prompt_ids), spec.max_tokens)
+
+    def cancel(self, prompts: set[int]) -> None:
+        """Drop every request of ``prompts``: aborted in the engine, an episode waiting on
+        its tool call forgotten (a call under way ends in its thread, within the sandbox's
+        limits; its result is not used), a finished sample not sent yet dropped."""
+        ids = [rid for rid, track in self.requests.items() if track.spec.prompt_index in prompts]
+        if ids:
+            self.engine.abort(ids)
+        dropped = [self.requests.pop(rid) for rid in ids]
+        for future, track in list(self._tools.items()):
+            if track.spec.prompt_index in prompts:
+                del self._tools[future]
+                future.cancel()
+                dropped.append(track)
+        for track in dropped:
+            if self._episode(track):  # its environment is let go
+                self.episodes.end(track.spec)
+        self._finished = [s for s in self._finished if s.prompt_index not in prompts]
 
     def _start(self, track: _Track, prompt_ids: list[int], max_tokens: int) -> None:
         max_tokens = min(max_tokens, self.engine.max_model_len - len(prompt_ids))
@@ -373,6 +396,11 @@ class EngineRunner:
         self._finished.append(track.sample)
 
     def _flush(self) -> None:
+        # The episodes on a tool first: an episode that ends in this step leaves the tool
+        # wait and its request together, as the pool sees them.
+        if len(self._tools) != self._tool_waits_sent:
+            self._tool_waits_sent = len(self._tools)
+            self.events.put(ToolWaits(self.index, self._tool_waits_sent))
         if self._finished:
             self.events.put(SamplesDone(self.index, self._finished, self.oldest_version()))
             self._finished = []
@@ -416,10 +444,12 @@ def run_engine(
     weights_get: Callable[[], Any],
     events,
     beat_seconds: float = 0.0,
+    store_dir: str | None = None,
 ) -> None:
     """Build engine ``index`` and serve until stopped; failures become ``Failed`` events.
     ``beat_seconds`` > 0: an ``Alive`` event that often, from a thread of its own, from now
-    until the end (the pool's stall check, ``rollout.engine_stall_timeout``)."""
+    until the end (the pool's stall check, ``rollout.engine_stall_timeout``). ``store_dir``:
+    an engine process's directory for vLLM's rendezvous file (``VLLMEngine``)."""
     engine = episodes = None
     runner: list[EngineRunner] = []  # the runner once built, for the beat
     done = threading.Event()
@@ -431,7 +461,7 @@ def run_engine(
         from megatron_rl.rollout.engine.vllm_engine import VLLMEngine
 
         episodes = build_episodes(hf_dir, config, settings)
-        engine = VLLMEngine(hf_dir, config, index)
+        engine = VLLMEngine(hf_dir, config, index, store_dir)
         runner.append(EngineRunner(index, engine, settings, events, episodes))
         events.put(Ready(index, engine.max_model_len, os.getpid()))
         runner[0].serve(commands, weights_get)
@@ -510,8 +540,19 @@ def subprocess_main(
     exit_with_parent()
     writer = EventWriter(events)
     try:
+        # vLLM's rendezvous file in the launcher's directory (with the log), not in /tmp:
+        # the launcher removes a SIGKILLed engine's, which it never removes itself
+        store_dir = os.path.dirname(log_path) if log_path is not None else None
         run_engine(
-            index, hf_dir, config, settings, commands, weights.get, writer, beat_seconds(config)
+            index,
+            hf_dir,
+            config,
+            settings,
+            commands,
+            weights.get,
+            writer,
+            beat_seconds(config),
+            store_dir,
         )
     finally:
         writer.close()

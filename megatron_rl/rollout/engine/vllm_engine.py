@@ -106,6 +106,45 @@ def _cpu_workers_bound(config: RolloutConfig):
         del os.environ[THREADS_BIND]
 
 
+# vLLM's executors name the FileStore of their one-process world by this function (imported
+# into each executor module): a file ``vllm_dist_<uuid>`` in the temporary directory, removed
+# when the world closes, never when the engine process is SIGKILLed.
+_FILE_STORE_USERS = ("vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor")
+FILE_STORE_PREFIX = "vllm_dist_"
+
+
+def file_store_prefix(pid: int) -> str:
+    """The name prefix of the FileStore files of engine process ``pid`` (:func:`_file_store_in`)."""
+    return f"{FILE_STORE_PREFIX}pid{pid}_"
+
+
+@contextlib.contextmanager
+def _file_store_in(directory: str | None):
+    """While vLLM builds this engine: its FileStore file in ``directory`` (an engine process's
+    own: the launcher's, which removes the files of a dead engine and the directory at its
+    close), named after this process (:func:`file_store_prefix`). Only vLLM's rendezvous
+    moves: the temporary directory stays (the sandbox of the episodes' tools uses it).
+    ``directory`` None: vLLM's own (the engines on threads of the trainer's process)."""
+    if directory is None:
+        yield
+        return
+    import importlib
+    import uuid
+
+    def init_method() -> str:
+        return f"file://{directory}/{file_store_prefix(os.getpid())}{uuid.uuid4().hex}"
+
+    modules = [importlib.import_module(name) for name in _FILE_STORE_USERS]
+    before = [module.get_file_store_init_method for module in modules]
+    for module in modules:
+        module.get_file_store_init_method = init_method
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, before):
+            module.get_file_store_init_method = original
+
+
 def _fix_cuda_stream_stand_ins() -> None:
     """Importing vLLM's CPU worker (``vllm/v1/worker/cpu/shm.py``) replaces ``torch.cuda.Stream``,
     ``current_stream`` and ``stream`` process-wide by placeholders whose ``record_event()``
@@ -310,7 +349,11 @@ def _quiet_expected_reload_warnings() -> None:
 class VLLMEngine:
     """A vLLM ``LLMEngine`` driven step by step, with weight loading between steps."""
 
-    def __init__(self, hf_dir: str, config: RolloutConfig, index: int = 0) -> None:
+    def __init__(
+        self, hf_dir: str, config: RolloutConfig, index: int = 0, store_dir: str | None = None
+    ) -> None:
+        """``store_dir``: where vLLM's rendezvous file goes (an engine process's launcher
+        directory, :func:`_file_store_in`); None: vLLM's temporary directory."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives here
         # whole GiB on CPU
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.kv_cache_gb)))
@@ -340,7 +383,7 @@ class VLLMEngine:
             # (``enable_envs_cache``): a later engine of this process would read the first
             # one's (KV cache size, CPU worker binding). It caches them again after start-up.
             envs.disable_envs_cache()
-            with _cpu_workers_bound(config):
+            with _cpu_workers_bound(config), _file_store_in(store_dir):
                 self.engine = LLMEngine.from_engine_args(engine_args(hf_dir, config, index))
             _live_engines += 1
             if transport_for(config).joins_at_build:  # else JoinTransport: init_transport

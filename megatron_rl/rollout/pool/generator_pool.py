@@ -11,16 +11,18 @@ from typing import Any
 
 from megatron_rl.conversion.weight_stream import WeightBucket
 from megatron_rl.platform import watchdog
-from megatron_rl.rollout.client import RolloutClient, WeightsNeeded
+from megatron_rl.rollout.client import GenerationStopped, RolloutClient, WeightsNeeded
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine.interruption import InterruptionPolicy
 from megatron_rl.rollout.messages import (
     AskStatus,
+    Cancel,
     Event,
     Pushed,
     SamplesDone,
     StatusReport,
     Stopped,
+    ToolWaits,
     TransportJoined,
     unknown_message,
 )
@@ -171,9 +173,16 @@ class GeneratorPool(RolloutClient):
         self._pump(0.0)
         return self._requests.take_done()
 
-    def generate(self, prompts: Sequence[Sequence[int]], **settings: Any) -> list[Sample]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        stop_when: Callable[[], bool] | None = None,
+        **settings: Any,
+    ) -> list[Sample]:
         """Generate and wait: the samples of ``prompts`` ordered by (prompt, sample). Raises
-        ``WeightsNeeded`` (withdrawing its requests) when every engine waits for weights."""
+        ``WeightsNeeded`` (withdrawing its requests) when every engine waits for weights,
+        and ``GenerationStopped`` (cancelling them: :meth:`cancel`) as soon as ``stop_when()``
+        is true (asked while it waits, e.g. a preemption's signal)."""
         indices = set(self.submit(prompts, **settings))
         mine: list[Sample] = []
         expected = len(indices) * (
@@ -181,6 +190,12 @@ class GeneratorPool(RolloutClient):
         )
         while len(mine) < expected:
             self._pump(POLL_SECONDS)
+            if stop_when is not None and stop_when():
+                self.cancel(indices)
+                raise GenerationStopped(
+                    f"generate(): stopped with {len(mine)} of {expected} samples; its "
+                    "requests were cancelled"
+                )
             if self.needs_weights() and not any(e.current for e in self._engines.engines):
                 # No engine holds any of our requests now: withdraw them all, so that the
                 # caller can reweigh and call again (same seeds: the same samples).
@@ -191,6 +206,16 @@ class GeneratorPool(RolloutClient):
                 )
             mine += self._requests.take_done(indices)
         return sorted(mine, key=lambda s: (s.prompt_index, s.sample_index))
+
+    def cancel(self, prompts: Iterable[int]) -> None:
+        """Give up every request of ``prompts`` (``Sample.prompt_index``): the engines that
+        hold one abort it (``Cancel``), the waiting ones and the finished samples not taken
+        are dropped, and none of their samples is returned later (``poll`` included), so
+        that they cannot reach a training batch."""
+        self._check_open()
+        prompts = set(prompts)
+        for index in self._requests.cancel(prompts):
+            self._engines.engines[index].handle.send(Cancel(tuple(sorted(prompts))))
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -251,9 +276,11 @@ class GeneratorPool(RolloutClient):
 
     def engine_idle_fractions(self) -> list[float]:
         """Per engine, the fraction of the time since :meth:`reset_engine_load` (or the
-        start) that it had no request of the pool in flight. As the pool sees it: requests
+        start) that it had no request of the pool generating. As the pool sees it: requests
         count from their submission until their samples are handled (any pool call), so an
-        engine that finished a request counts as busy until the pool's next call."""
+        engine that finished a request counts as busy until the pool's next call; an episode
+        that waits on a tool call does not count from the engine's ``ToolWaits`` on until
+        the one that says its call returned."""
         return [] if self.closed else self._requests.idle_fractions()
 
     def engine_status(self) -> list[dict[str, Any]]:
@@ -354,6 +381,8 @@ class GeneratorPool(RolloutClient):
         if isinstance(event, SamplesDone):
             self._engines.engines[event.engine].oldest = event.oldest
             self._requests.returned(event.engine, event.samples)
+        elif isinstance(event, ToolWaits):
+            self._requests.tool_waits(event.engine, event.waiting)
         elif isinstance(event, Pushed):
             self._engines.engines[event.engine].oldest = event.oldest
             self._pusher.acked(event)

@@ -15,6 +15,7 @@ Every engine runs :func:`megatron_rl.rollout.engine.runner.run_engine`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
@@ -188,12 +189,14 @@ class ProcessEngine:
 
     def discard(self) -> None:
         """End what is left of the dead process's group (e.g. vLLM workers holding its
-        GPUs), so that its restart finds the devices free; drop its queues."""
+        GPUs), so that its restart finds the devices free; drop its queues and vLLM's
+        rendezvous file (a killed engine never removes it)."""
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         self.process.join(timeout=5)
+        remove_file_stores(os.path.dirname(self.log_path), self.process.pid)
         for channel in (self.commands, self.weights):
             channel.cancel_join_thread()  # nobody reads them any more: exit without flushing
 
@@ -274,6 +277,22 @@ def remove_orphaned_logs(root: str | None = None) -> list[str]:
             os.close(fd)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
+    return removed
+
+
+def remove_file_stores(directory: str, pid: int) -> list[str]:
+    """Remove vLLM's rendezvous files of the engine process ``pid`` in ``directory`` (its
+    launcher's: see ``vllm_engine._file_store_in``); returns them."""
+    from megatron_rl.rollout.engine.vllm_engine import file_store_prefix
+
+    prefix = file_store_prefix(pid)
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            if name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(directory, name))
+                    removed.append(name)
     return removed
 
 

@@ -4,8 +4,9 @@ Every request the pool hands out is kept as its :class:`RequestSpec` (with its s
 thinking budget) until its sample returns, so that the requests of an engine that dies can be
 resubmitted exactly as submitted (:meth:`RequestBook.withdraw`, then :meth:`take_pending`).
 Requests that no engine can take now (none runs the current weights) wait here. Per engine,
-the requests in flight over time are integrated (:class:`~megatron_rl.rollout.load.InFlightClock`)
-for the engines' idle fractions.
+the requests generating over time are integrated (:class:`~megatron_rl.rollout.load.InFlightClock`)
+for the engines' idle fractions: a request held by an engine counts unless it is an episode
+that waits on a tool call (the engine's ``ToolWaits``), which does not use the engine.
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ class RequestBook:
         self.pending: list[RequestSpec] = []  # of a dead engine (or none usable), waiting
         self._held: list[dict[Key, RequestSpec]] = [{} for _ in range(engines)]
         self._finished_tokens = [0] * engines  # response tokens returned, per engine
-        self._busy = [InFlightClock() for _ in range(engines)]
+        self._busy = [InFlightClock() for _ in range(engines)]  # of generating()
+        self._on_tools = [0] * engines  # held episodes waiting on a tool call (ToolWaits)
         self.statuses: dict[int, dict[str, Any]] = {}  # the engines' last StatusReport
+        self.cancelled: set[int] = set()  # prompts given up (:meth:`cancel`)
 
     # -- new requests ----------------------------------------------------------------------
     def new_prompt(
@@ -115,6 +118,16 @@ class RequestBook:
     def held(self, engine: int) -> list[RequestSpec]:
         return list(self._held[engine].values())
 
+    def generating(self, engine: int) -> int:
+        """The requests of ``engine`` that generate: held, less the episodes that wait on a
+        tool call (as the engine last said)."""
+        return max(self.outstanding(engine) - self._on_tools[engine], 0)
+
+    def tool_waits(self, engine: int, waiting: int) -> None:
+        """``engine``'s ``ToolWaits``: ``waiting`` of its episodes wait on a tool call."""
+        self._on_tools[engine] = waiting
+        self._busy[engine].observe(self.generating(engine))
+
     @property
     def in_flight(self) -> int:
         """Requests handed to an engine or waiting, not yet returned."""
@@ -127,7 +140,7 @@ class RequestBook:
     def hold(self, engine: int, specs: Sequence[RequestSpec]) -> None:
         """``engine`` was given ``specs``."""
         self._held[engine].update(((s.prompt_index, s.sample_index), s) for s in specs)
-        self._busy[engine].observe(self.outstanding(engine))
+        self._busy[engine].observe(self.generating(engine))
 
     def wait(self, specs: Sequence[RequestSpec]) -> None:
         """No engine can take ``specs`` now: they wait (:meth:`take_pending`)."""
@@ -145,6 +158,7 @@ class RequestBook:
         """The requests of ``engine`` (it died), which holds none any more: they wait."""
         specs = self.held(engine)
         self._held[engine] = {}
+        self._on_tools[engine] = 0  # its restart waits on nothing
         self._busy[engine].observe(0)
         self.pending.extend(specs)
         return specs
@@ -158,17 +172,36 @@ class RequestBook:
         self.pending = [s for s in self.pending if s.prompt_index not in prompts]
         self.done = [s for s in self.done if s.prompt_index not in prompts]
 
+    def cancel(self, prompts: set[int]) -> list[int]:
+        """Give up ``prompts``: their requests held by engines, waiting, or finished and not
+        taken are dropped, and a sample of theirs that an engine returns later (it finished
+        before the engine heard of it) is dropped as well. Returns the engines that held
+        one (to be told: ``Cancel``)."""
+        holders = []
+        for engine, held in enumerate(self._held):
+            keys = [key for key in held if key[0] in prompts]
+            for key in keys:
+                del held[key]
+            if keys:
+                holders.append(engine)
+                self._busy[engine].observe(self.generating(engine))
+        self.forget_prompts(prompts)
+        self.cancelled |= prompts
+        return holders
+
     # -- samples back ----------------------------------------------------------------------
     def returned(self, engine: int, samples: Sequence[Sample]) -> None:
         """``engine`` returned ``samples``: they are done, its requests released."""
         kept = []
         for sample in samples:
+            if sample.prompt_index in self.cancelled:  # given up: nobody wants it
+                continue
             if self._held[engine].pop((sample.prompt_index, sample.sample_index), None) is None:
                 # never expected: every request is returned by one engine, once
                 logger.warning("engine %d returned a sample it was not given: dropped", engine)
                 continue
             kept.append(sample)
-        self._busy[engine].observe(self.outstanding(engine))
+        self._busy[engine].observe(self.generating(engine))
         self.done.extend(kept)
         self._finished_tokens[engine] += sum(len(s) for s in kept)
 
@@ -199,12 +232,12 @@ class RequestBook:
     # -- load ------------------------------------------------------------------------------
     def reset_load(self) -> None:
         for engine, clock in enumerate(self._busy):
-            clock.reset(self.outstanding(engine))
+            clock.reset(self.generating(engine))
 
     def idle_fractions(self) -> list[float]:
         fractions = []
         for engine, clock in enumerate(self._busy):
-            clock.observe(self.outstanding(engine))
+            clock.observe(self.generating(engine))
             fractions.append(clock.averages()[1])
         return fractions
 

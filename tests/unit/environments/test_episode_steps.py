@@ -18,7 +18,7 @@ from megatron_rl.environments.tools import ToolExecutor
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rewards.isolation import SandboxUnavailableError, box_for
 from megatron_rl.rollout.engine.runner import EngineRunner
-from megatron_rl.rollout.messages import RequestSpec, RunnerSettings, SamplesDone
+from megatron_rl.rollout.messages import RequestSpec, RunnerSettings, SamplesDone, Stop
 
 REWARD = RewardConfig(kind="math", num_workers=1)
 
@@ -76,3 +76,90 @@ def test_episode_metrics_count_turns_calls_outcomes_seconds_and_the_tool_token_s
     assert metrics["tool_episode_fraction"] == 2 / 3
     assert metrics["pass_rate_with_tool"] == 1 / 2 and metrics["pass_rate_without_tool"] == 1.0
     assert math.isnan(episode_metrics([one], [1.0])["pass_rate_with_tool"])
+
+
+def test_a_cancelled_prompts_requests_and_episodes_waiting_on_a_tool_are_dropped():
+    """``Cancel`` (a validation given up on a stop, issue 49): the runner aborts the
+    prompt's requests in the engine and forgets its episodes that wait on a tool call (ended
+    in the environment, never continued: the tool's answer is not used); nothing of it is
+    sent back, and another prompt's request goes on. Before: the runner had no such command,
+    the pass's requests generated to their end."""
+    import time
+
+    from support.episode_doubles import SleepyTool
+
+    from megatron_rl.rollout.messages import Cancel
+
+    call = 9
+    engine = Scripted([[5, call], [6, 2], [7, 2]])  # 7/0 calls the tool; 7/1 and 8/0 answer
+    tools = SleepyTool(call, [40, 41], seconds=0.3)
+    events = queue.Queue()
+    runner = EngineRunner(0, engine, RunnerSettings((2,)), events, tools)
+    problem = SimpleNamespace(problem="p")
+    runner.submit(RequestSpec(7, 0, (1,), 20, 1.0, 1.0, None, problem=problem))
+    runner.step()  # 7/0's first turn ends on the call: it waits on the tool
+    assert len(runner._tools) == 1 and not engine.has_work()
+    runner.submit(RequestSpec(7, 1, (1,), 20, 1.0, 1.0))
+    runner.submit(RequestSpec(8, 0, (1,), 20, 1.0, 1.0))
+    commands = queue.Queue()
+    commands.put(Cancel((7,)))
+    commands.put(Stop())
+    runner.serve(commands, lambda **_: None)  # handles the Cancel, then stops
+    assert [t.spec.prompt_index for t in runner.requests.values()] == [8]
+    assert tools.ended == [(7, 0)]  # the episode's environment is let go
+    time.sleep(0.4)  # the tool's call returns meanwhile: its answer is not used
+    while engine.has_work() or runner._tools:
+        runner.step()
+    sent = [s for e in list(events.queue) if isinstance(e, SamplesDone) for s in e.samples]
+    assert [(s.prompt_index, s.sample_index, s.response_ids) for s in sent] == [(8, 0, [7, 2])]
+    tools.close()
+
+
+def test_an_engines_busy_time_leaves_out_its_episodes_waiting_on_a_tool():
+    """Issue 49: an episode waiting on its tool call holds a request of the pool but does
+    not use the engine; the engine's idle fraction counted it busy. The real pool over a
+    runner thread: one episode generates 0.2 s, calls a tool that sleeps 1 s, generates
+    0.2 s more. The engine was idle for the tool's call (its measured span, less the
+    pool's latency to hear of the call and its return: at most 0.25 s here), and for no
+    more than that and the pool's own time to collect the sample. Before: idle ~0."""
+    import time
+
+    from support.episode_doubles import RunnerThreads, SleepyTool, Timed
+
+    from megatron_rl.environments.config import EnvironmentConfig
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.pool import GeneratorPool
+
+    call, eos = 9, 2
+    tools = SleepyTool(call, [40, 41], seconds=1.0)
+    launcher = RunnerThreads(
+        lambda: Timed([[5, call], [6, eos]], 0.2), tools, RunnerSettings((eos,))
+    )
+    config = RolloutConfig(
+        engines=1,
+        placement="in_process",
+        samples_per_prompt=1,
+        max_turns=3,
+        environment=EnvironmentConfig(name="python_tool", tool_format="markdown"),
+    )
+    hf = SimpleNamespace(vocab_size=100, eos_token_id=eos)
+    with GeneratorPool("unused", config, launcher=launcher, text_config=hf) as pool:
+        pool.submit([[1, 3]], seeds=[1], problems=[SimpleNamespace(problem="p")])
+        start = time.monotonic()
+        pool.reset_engine_load()
+        got = []
+        while not got:
+            got = pool.poll(timeout=5)
+        (idle,) = pool.engine_idle_fractions()
+        window = time.monotonic() - start
+    tools.close()
+    (sample,) = got
+    assert sample.response_ids == [5, call, 40, 41, 6, eos] and tools.ended == [(0, 0)]
+    ((call_start, call_end),) = tools.calls
+    on_tool = call_end - call_start  # >= 1.0 s, measured
+    latency = 0.25  # the pool hears of the call, and of its return, through the event queue
+    assert (on_tool - latency) / window <= idle <= (on_tool + latency) / window, (
+        idle,
+        on_tool,
+        window,
+    )

@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 from support.fake_engines import FakeEngines, FakeHandle, channel, die_writing, submitted
 
-from megatron_rl.rollout.client import WeightsNeeded
+from megatron_rl.rollout.client import GenerationStopped, WeightsNeeded
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.messages import (
+    Cancel,
     JoinTransport,
     Push,
     Pushed,
@@ -230,6 +231,62 @@ def test_a_dead_engines_requests_are_resubmitted_exactly_once_each(make_fake_poo
     want = {(i, j) for i in indices for j in range(2)}
     assert sorted((s.prompt_index, s.sample_index) for s in got) == sorted(want)
     assert pool.in_flight == 0
+
+
+def _commands(handle) -> list:
+    """Every command an engine (its handle) was sent since the last look."""
+    commands = []
+    while not handle.commands.empty():
+        commands.append(handle.commands.get_nowait())
+    return commands
+
+
+def test_a_stopped_generate_cancels_its_requests_and_none_of_its_samples_comes_back(
+    fake_pool, caplog
+):
+    """A validation given up on a stop (``generate(stop_when=...)``, issue 49): every engine
+    that holds one of its requests is told to drop its prompts (``Cancel``), the training
+    prompt in flight is untouched, and a sample of a cancelled prompt that an engine had
+    finished before it heard (its ``SamplesDone`` crossing the ``Cancel``) never comes back:
+    not through ``poll`` (a training batch), not in flight. Before: ``generate`` had no
+    stop, the pass ran to its end."""
+    pool, fakes = fake_pool
+    (train,) = pool.submit([[20, 21]], seeds=[1])  # the rollout source's, on one engine
+    handles = pool.engine_handles()
+    held = {
+        i: [s for c in _commands(h) if hasattr(c, "specs") for s in c.specs]
+        for i, h in enumerate(handles)
+    }
+    asked = []
+
+    def stop_when() -> bool:  # asked after each wait on the engines
+        asked.append(True)
+        if len(asked) == 1:  # the validation's requests are out; one sample comes back
+            for i, handle in enumerate(handles):
+                held[i] += [s for c in _commands(handle) for s in c.specs]
+            engine = next(i for i in held if any(s.prompt_index != train for s in held[i]))
+            first = next(s for s in held[engine] if s.prompt_index != train)
+            fakes.writers[engine].put(SamplesDone(engine, [_returned(first, 0)], 0))
+        return len(asked) >= 3  # the signal
+
+    with pytest.raises(GenerationStopped, match="stopped with 1 of 6 samples"):
+        pool.generate([[10], [11], [12]], seeds=[4, 5, 6], stop_when=stop_when)
+    validation = {s.prompt_index for specs in held.values() for s in specs} - {train}
+    assert len(validation) == 3
+    for i, handle in enumerate(handles):
+        mine = {s.prompt_index for s in held[i]} & validation
+        cancels = [c for c in _commands(handle) if isinstance(c, Cancel)]
+        assert cancels == ([Cancel(tuple(sorted(validation)))] if mine else [])
+    assert pool.in_flight == 2  # the training prompt's samples only
+    # an engine returns what it finished before the Cancel, with the training samples
+    for i in held:
+        late = [_returned(s, 0) for s in held[i]]
+        fakes.writers[i].put(SamplesDone(i, late, 0))
+    with caplog.at_level("WARNING"):
+        got = pool.poll(timeout=2)
+        got += pool.poll(timeout=0.5)
+    assert sorted((s.prompt_index, s.sample_index) for s in got) == [(train, 0), (train, 1)]
+    assert pool.in_flight == 0 and "not given" not in caplog.text
 
 
 def test_requests_wait_when_no_engine_runs_the_current_weights(fake_pool):
@@ -586,3 +643,40 @@ def test_the_nccl_group_is_formed_anew_with_the_ranks_vllm_expects(tmp_path, mon
         assert not pool.needs_weights() and pool.version == 2
     finally:
         pool.close()
+
+
+def test_an_engine_process_rendezvous_file_is_its_launchers_and_goes_with_its_death(tmp_path):
+    """Issue 49 item 12: vLLM names its one-process world's FileStore ``/tmp/vllm_dist_<uuid>``
+    and removes it when the world closes; a SIGKILLed engine process left it in /tmp. An
+    engine process builds vLLM with the file in its launcher's directory, named after its
+    pid (vLLM's own executor function, as it calls it), and the launcher removes a dead
+    engine's files (``ProcessEngine.discard``); the directory goes at the launcher's close.
+    The temporary directory itself is not moved (the episodes' tool sandbox uses it)."""
+    import os
+    import tempfile
+
+    from vllm.v1.executor import multiproc_executor, uniproc_executor
+
+    from megatron_rl.rollout.engine.vllm_engine import _file_store_in
+    from megatron_rl.rollout.pool.launchers import remove_file_stores
+
+    original = uniproc_executor.get_file_store_init_method
+    with _file_store_in(str(tmp_path)):
+        made = [uniproc_executor.get_file_store_init_method() for _ in range(2)]
+        made.append(multiproc_executor.get_file_store_init_method())
+        assert tempfile.gettempdir() != str(tmp_path)
+    assert uniproc_executor.get_file_store_init_method is original  # restored
+    prefix = f"file://{tmp_path}/vllm_dist_pid{os.getpid()}_"
+    assert all(m.startswith(prefix) and len(m) == len(prefix) + 32 for m in made), made
+    assert len(set(made)) == 3
+    with _file_store_in(None):  # engines on threads of the trainer: vLLM's own
+        assert original().startswith(f"file://{tempfile.gettempdir()}/vllm_dist_")
+    # the dead engine's files go; another engine's (another pid) and the log stay
+    for m in made:
+        open(m.removeprefix("file://"), "w").close()
+    other = tmp_path / "vllm_dist_pid1_abc"
+    other.write_text("")
+    (tmp_path / "engine-0.log").write_text("log")
+    removed = remove_file_stores(str(tmp_path), os.getpid())
+    assert sorted(removed) == sorted(m.rsplit("/", 1)[1] for m in made)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine-0.log", other.name]

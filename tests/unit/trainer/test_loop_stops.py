@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rl.config import load_run_config
-from megatron_rl.trainer import loop, summary
-from megatron_rl.trainer.loop import OwedValidation, StopFlag, Trainer
+from megatron_rl.trainer import loop, summary, validation
+from megatron_rl.trainer.loop import StopFlag, Trainer
+from megatron_rl.trainer.validation import OwedValidation, ValidationStopped
 
 RECIPE = "recipes/tiny_cpu.yaml"
 
@@ -65,7 +66,7 @@ def make_trainer(config, events, step=0, signal_at=None, owed=None, written_afte
     trainer.log_step = lambda *args: None
     trainer.save_checkpoint = save_checkpoint
     real_finish = trainer.finish
-    trainer.finish = lambda: (events.append(("finish", trainer.step)), real_finish())
+    trainer.finish = lambda: (events.append(("finish", trainer.step)), real_finish())[1]
     trainer.close = lambda finished: events.append(("close", finished))
     return trainer
 
@@ -76,7 +77,9 @@ def run(monkeypatch):
     events: list = []
     monkeypatch.setattr(summary, "log_start", lambda *args: None)
     monkeypatch.setattr(summary, "log_end", lambda *args: None)
-    monkeypatch.setattr(loop, "validate", lambda run, pool, step, *a: events.append(("val", step)))
+    monkeypatch.setattr(
+        validation, "validate", lambda run, pool, step, *a, **k: events.append(("val", step))
+    )
 
     def train(config, trainer) -> int:
         monkeypatch.setattr(loop, "Trainer", lambda *args: trainer)
@@ -121,20 +124,84 @@ def test_a_save_in_flight_is_published_before_a_validation(run):
     assert events.index(("published", 3)) < events.index(("val", 4))
 
 
-def test_a_signal_during_a_validation_checkpoints_after_it(run, monkeypatch):
-    """A validation is not cut short: the signal that comes meanwhile is answered after it,
-    with the checkpoint of that step (which owes nothing)."""
+def _stopped_validation(events, trainer, at: int):
+    """A stand-in ``validation.validate`` whose first pass at step ``at`` is signalled
+    midway: it gives up as the real one does when ``stopped()`` (``ValidationStopped``)."""
+    signalled = []
+
+    def validate(run_, pool, step, *args, stopped=None):
+        events.append(("val", step))
+        if step == at and not signalled:
+            signalled.append(step)
+            trainer.stop.requested = "SIGTERM"
+            assert stopped is not None and stopped()  # the loop asks for the stop flag
+            events.append(("val stopped", step))
+            raise ValidationStopped(f"the validation of step {step} was stopped")
+
+    return validate
+
+
+def test_a_signal_during_a_validation_stops_it_checkpoints_and_the_resume_validates(
+    run, monkeypatch
+):
+    """A signal that comes during a validation (longer than the signal's window at scale)
+    gives it up: the checkpoint of that step owes it, exit 0; the resumed run validates that
+    step before its next. Before, the whole pass ran first (then SIGKILL: no checkpoint)."""
     events, train = run
     config = _config("validation.at_start=false")
     trainer = make_trainer(config, events)
-
-    def validate(run_, pool, step, *args):
-        events.append(("val", step))
-        trainer.stop.requested = "SIGTERM"
-
-    monkeypatch.setattr(loop, "validate", validate)
+    monkeypatch.setattr(validation, "validate", _stopped_validation(events, trainer, at=2))
     assert train(config, trainer) == 0
-    assert events[1:] == [("val", 2), ("save", 2, True, None), ("published", 2), ("close", False)]
+    assert events[1:] == [
+        ("val", 2),
+        ("val stopped", 2),
+        ("save", 2, True, 2),  # it owes step 2's validation
+        ("published", 2),
+        ("close", False),
+    ]
+    events.clear()  # the requeued job, resumed from step 2's checkpoint
+    resumed = make_trainer(config, events, step=2, owed=2)
+    assert train(config, resumed) == 0
+    assert events[:2] == [("val", 2), ("begin", 2)]
+    assert [e[1] for e in events if e[0] == "val"] == [2, 4, 6]
+
+
+def test_a_signal_during_a_resumed_runs_owed_validation_stops_before_training(run, monkeypatch):
+    """The owed validation at a resumed run's start, signalled in turn: the job stops
+    before its first step without a save (its checkpoint, the latest, owes it still); with
+    no checkpoint yet (step 0's validation) step 1 is trained and checkpointed first."""
+    events, train = run
+    config = _config()
+    resumed = make_trainer(config, events, step=2, owed=2)
+    monkeypatch.setattr(validation, "validate", _stopped_validation(events, resumed, at=2))
+    assert train(config, resumed) == 0
+    assert events == [("val", 2), ("val stopped", 2), ("close", False)]
+    assert resumed.owed.step == 2
+    events.clear()
+    fresh = make_trainer(config, events)
+    monkeypatch.setattr(validation, "validate", _stopped_validation(events, fresh, at=0))
+    assert train(config, fresh) == 0
+    assert events[:3] == [("val", 0), ("val stopped", 0), ("begin", 0)]
+    assert ("save", 1, True, None) in events and events[-1] == ("close", False)
+
+
+def test_a_signal_during_the_end_validation_checkpoints_and_the_run_is_not_finished(
+    run, monkeypatch
+):
+    """The end's validation (the last step is not a validation step) signalled: the last
+    step's checkpoint owes it and the run stops unfinished; the resumed run validates it
+    once, at its start, trains nothing and ends finished with a checkpoint that owes none."""
+    events, train = run
+    config = _config("validation.at_start=false", "training.max_steps=5")
+    trainer = make_trainer(config, events)
+    monkeypatch.setattr(validation, "validate", _stopped_validation(events, trainer, at=5))
+    assert train(config, trainer) == 0
+    assert ("save", 5, True, 5) in events and events[-1] == ("close", False)
+    events.clear()
+    resumed = make_trainer(config, events, step=5, owed=5)
+    assert train(config, resumed) == 0
+    assert [e for e in events if e[0] == "val"] == [("val", 5)]  # once, not again at the end
+    assert ("save", 5, True, None) in events and events[-1] == ("close", True)
 
 
 def test_ctrl_c_stops_after_a_checkpoint_and_a_second_one_at_once():
