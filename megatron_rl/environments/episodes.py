@@ -87,10 +87,19 @@ class EnvironmentSteps:
         observation: Future[list[int] | None] = Future()
 
         def done(step: Future[tuple[ToolResult, bool]]) -> None:
+            with self._lock:
+                # Cancelled: the runner gave the episode up (``Cancel``) and ended it; its
+                # result is nobody's. Else it is running now: a later cancel fails, and
+                # ``end`` (under the lock) takes the result kept here.
+                if not observation.set_running_or_notify_cancel():
+                    return
+                try:
+                    result, end = step.result()
+                except BaseException as exc:  # noqa: BLE001 - the runner raises it
+                    observation.set_exception(exc)
+                    return
+                self.results.setdefault(key, []).append(result)
             try:
-                result, end = step.result()
-                with self._lock:
-                    self.results.setdefault(key, []).append(result)
                 if end:
                     self._environments.pop(key, None)
                     observation.set_result(None)

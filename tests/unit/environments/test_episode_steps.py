@@ -163,3 +163,60 @@ def test_an_engines_busy_time_leaves_out_its_episodes_waiting_on_a_tool():
         on_tool,
         window,
     )
+
+
+def test_a_cancelled_episodes_tool_call_that_returns_later_leaves_nothing_behind(
+    llama_tokenizer, caplog
+):
+    """``Cancel`` of an episode whose tool call runs (the real ``EnvironmentSteps`` over a
+    ``ToolExecutor``): the runner cancels the episode's observation future, which is not
+    running (``EnvironmentSteps`` hands out a future of its own, set when the step returns),
+    so the cancel succeeds; the call then returns on its tool thread. It must neither raise
+    in that thread (before: ``set_result`` on the cancelled future raised
+    ``InvalidStateError``, and ``set_exception`` in its handler again: concurrent.futures
+    logged 'exception calling callback' for every cancelled episode) nor keep the episode's
+    tool results (before: ``results[(7, 0)]`` was left after ``end``, never handed over)."""
+    import logging
+    import threading
+
+    try:
+        box_for(REWARD)
+    except SandboxUnavailableError as exc:
+        pytest.skip(f"no code sandbox on this machine: {exc}")
+    from megatron_rl.rollout.messages import Cancel
+
+    tok = llama_tokenizer
+    fmt = format_for("llama3", tok)
+    context = EnvironmentContext(EnvironmentConfig(name="python_tool"), REWARD, tok, max_turns=3)
+    release = threading.Event()
+
+    class Held(Echo):  # its call returns when the test says so
+        def run(self, code):
+            release.wait(10)
+            return super().run(code)
+
+    turn1 = tok.encode("x<|python_tag|>print(1)<|eom_id|>", add_special_tokens=False)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    engine = Scripted([turn1])
+    events = queue.Queue()
+    caplog.set_level(logging.ERROR, logger="concurrent.futures")
+    with ToolExecutor(1, REWARD) as executor:
+        steps = EnvironmentSteps(fmt, tok, executor, lambda: Held(context), max_turns=3)
+        runner = EngineRunner(0, engine, RunnerSettings((eot,)), events, steps)
+        problem = SimpleNamespace(problem="p")
+        runner.submit(RequestSpec(7, 0, (1, 2), 100, 1.0, 1.0, None, problem=problem))
+        runner.step()  # the turn ends on the call: the episode waits on its tool
+        (observation,) = runner._tools
+        assert not observation.running() and not observation.done()
+        commands = queue.Queue()
+        commands.put(Cancel((7,)))
+        commands.put(Stop())
+        runner.serve(commands, lambda **_: None)
+        assert runner._tools == {} and runner.requests == {}
+        release.set()  # the call returns now, on its tool thread
+        executor.close()  # waits for the call's end...
+        executor._executor.shutdown(wait=True)  # ...and its thread's, done callbacks included
+    errors = [r for r in caplog.records if r.name == "concurrent.futures"]
+    assert errors == [], [r.getMessage() for r in errors]
+    assert steps.results == {} and steps._environments == {}
+    assert not [s for e in list(events.queue) if isinstance(e, SamplesDone) for s in e.samples]
