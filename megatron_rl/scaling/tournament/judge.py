@@ -26,6 +26,11 @@ A variant that does not learn. A curve that never rises above its first validati
 the variant has made ``points_past_c_mid`` validations past the upper end of the leader's
 C_mid interval without any rising above its start: where the leader had gained most of its
 way to A, it had gained nothing (a learning rate that diverges, a reward that pays nothing).
+One that falls is stopped sooner, without waiting for any C_mid: once its last
+``points_past_c_mid`` validations all lie more than ``a_margin`` below its first while another
+variant's fitted interval lies wholly above that first value by the margin (the CPU proof's
+learning rate of 3e-4 fell from 0.105 to 0.02 within 0.01 CPU-hours and never came back). A
+curve that only hesitates (a small learning rate near its start) is not below it by the margin.
 """
 
 from __future__ import annotations
@@ -139,6 +144,32 @@ def not_learning(r: VariantResult, leader: VariantResult, rule: EarlyStopConfig)
     return len(ys) > 1 and max(ys[1:]) <= ys[0] and past >= rule.points_past_c_mid
 
 
+def diverged(
+    r: VariantResult,
+    results: list[VariantResult],
+    rule: EarlyStopConfig,
+    target: float,
+    rank_by: str,
+) -> str | None:
+    """Why ``r`` has fallen (module docstring): no fit, its last ``points_past_c_mid``
+    validations all more than ``a_margin`` below its first, while another variant's fitted
+    interval lies wholly above that first value by the margin. None otherwise."""
+    if r.fit is not None or r.points is None:
+        return None
+    ys, k, margin = r.points[1], rule.points_past_c_mid, rule.a_margin
+    if len(ys) <= k or not all(y < ys[0] - margin for y in ys[-k:]):
+        return None
+    for other in results:
+        band = score_interval(other, target, rank_by) if other.fit is not None else None
+        if other is not r and band is not None and band[0] > ys[0] + margin:
+            return (
+                f"its last {k} validations ({', '.join(f'{y:.3f}' for y in ys[-k:])}) lie more "
+                f"than {margin:g} below its first ({ys[0]:.3f}), while {other.name}'s interval "
+                f"starts at {band[0]:.3f}, at {r.spent:.4g} GPU-hours"
+            )
+    return None
+
+
 def early_stops(
     results: list[VariantResult], rule: EarlyStopConfig, target: float, rank_by: str = "target"
 ) -> dict[str, str]:
@@ -147,15 +178,19 @@ def early_stops(
     variant is comparable and none fails to learn."""
     if not rule.enabled:
         return {}
+    out = {}
+    for r in results:
+        why = diverged(r, results, rule, target, rank_by) if r.status == RUNNING else None
+        if why is not None:
+            out[r.name] = why
     ready = [r for r in results if r.comparable(rule)]
     if not ready:
-        return {}
+        return out
     what = f"R({target:.4g})" if rank_by == "target" else "A"
     leader = max(ready, key=lambda r: score_interval(r, target, rank_by)[0])  # type: ignore[index]
     low_leader = score_interval(leader, target, rank_by)[0]  # type: ignore[index]
-    out = {}
     for r in results:
-        if r is leader or r.status != RUNNING:
+        if r is leader or r.status != RUNNING or r.name in out:
             continue
         if not_learning(r, leader, rule):
             out[r.name] = (

@@ -25,6 +25,8 @@ CURVES = {
     "low_lr": CurveParams(a=0.40, b=2.0, c_mid=0.15, r0=0.2),
     # issue 48's CPU proof: a learning rate too high falls below its start and stays there
     "diverges": CurveParams(a=0.05, b=2.0, c_mid=0.1, r0=0.2),
+    # one that stalls just below its start (by less than the 0.02 margin: it does not fall)
+    "stalls": CurveParams(a=0.186, b=2.0, c_mid=0.02, r0=0.2),
     # a crossing: "fast" bends early to a lower ceiling, "slow" bends later to a higher one;
     # at 1.2 GPU-hours fast is ahead (0.650 against 0.624), at infinite compute slow is
     "fast": CurveParams(a=0.65, b=3.0, c_mid=0.05, r0=0.2),
@@ -185,27 +187,35 @@ def test_ranking_by_the_target_follows_the_curves_there_and_by_the_asymptote_fol
     assert [line.split()[1] for line in table[1:3]] == ["fast", "slow"]
 
 
-def test_a_variant_that_never_rises_is_stopped_and_ranked_last(tmp_path):
+def test_a_variant_that_falls_is_stopped_early_and_one_that_stalls_after_the_leaders_c_mid(
+    tmp_path,
+):
     """Issue 48's CPU proof: a learning rate far too high fell below its first validation
-    and stayed there. Without a gain the sigmoid has no fit and no interval to compare; the
-    variant is stopped once it has 3 validations past the leader's C_mid without rising."""
-    spec = make_spec(tmp_path, ("scalerl", "diverges"))
+    and stayed there. Without a gain the sigmoid has no fit and no interval to compare. A
+    variant whose last 3 validations lie more than 0.02 below its first, while another's
+    band lies above it, is stopped then; one that stalls just below its start is stopped
+    once it has 3 validations past the leader's C_mid without rising. Both rank last."""
+    spec = make_spec(tmp_path, ("scalerl", "diverges", "stalls"))
     results = runner.run_tournament(spec, tmp_path, FakeExecutor(), 0, start=[])
     by_name = {r.name: r for r in results}
-    bad = by_name["diverges"]
-    assert bad.status == STOPPED and bad.fit is None
     leader_c_mid = by_name["scalerl"].fit.bootstrap.interval("c_mid")[1]
-    xs, ys = bad.points
+    fell, stalled = by_name["diverges"], by_name["stalls"]
+    assert fell.status == STOPPED and fell.fit is None
+    xs, ys = fell.points
+    assert all(y < ys[0] - 0.02 for y in ys[-3:]) and not all(y < ys[0] - 0.02 for y in ys[-4:])
+    assert xs[-1] < leader_c_mid  # before the rule for stalls could apply
+    assert stalled.status == STOPPED and stalled.fit is None
+    xs, ys = stalled.points
     assert sum(x > leader_c_mid for x in xs) == 3 and max(ys[1:]) <= ys[0]
-    assert bad.stopped_at < 0.5 * BUDGET
+    assert not any(all(y < ys[0] - 0.02 for y in ys[k : k + 3]) for k in range(len(ys)))
     state = json.loads((tmp_path / "tournament.json").read_text())
-    assert "no validation above its first" in state["variants"]["diverges"]["reason"]
+    assert "lie more than 0.02 below its first" in state["variants"]["diverges"]["reason"]
+    assert "no validation above its first" in state["variants"]["stalls"]["reason"]
     table = runner.finish(spec, tmp_path, results).splitlines()
-    assert table[2].split()[:2] == ["2", "diverges"]
-    assert json.loads((tmp_path / "tournament.json").read_text())["ranking"] == [
-        "scalerl",
-        "diverges",
-    ]
+    assert [line.split()[0] for line in table[1:4]] == ["1", "2", "3"]
+    assert table[1].split()[1] == "scalerl"
+    ranking = json.loads((tmp_path / "tournament.json").read_text())["ranking"]
+    assert ranking[0] == "scalerl" and set(ranking[1:]) == {"diverges", "stalls"}
 
 
 def test_running_the_command_again_resumes(tmp_path):
