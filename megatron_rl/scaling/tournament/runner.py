@@ -328,7 +328,8 @@ def _loop(
                 if not ok:
                     logger.error("variant %s failed (exit %s): see its log", name, code)
         results = judge_all(spec, tdir, state, cache)
-        for name, why in judge.early_stops(results, spec.early_stop).items():
+        stops = judge.early_stops(results, spec.early_stop, spec.target_gpu_hours, spec.rank_by)
+        for name, why in stops.items():
             if name not in running:
                 continue
             logger.info("variant %s: stopped early: %s", name, why)
@@ -373,8 +374,9 @@ def finish(spec: TournamentSpec, tdir: Path, results: list[VariantResult]) -> st
     ``TDIR/tournament.json``; return the table."""
     from megatron_rl.scaling.config import PAPER_A_TOLERANCE
 
+    target = spec.target_gpu_hours
     table = judge.format_table(
-        results, spec.target_gpu_hours, spec.budget_gpu_hours, PAPER_A_TOLERANCE
+        results, target, spec.budget_gpu_hours, PAPER_A_TOLERANCE, spec.rank_by
     )
     (tdir / "ranking.txt").write_text(table + "\n")
     png = judge.plot(results, tdir / "tournament.png", spec.target_gpu_hours, spec.name)
@@ -382,7 +384,8 @@ def finish(spec: TournamentSpec, tdir: Path, results: list[VariantResult]) -> st
     s = judge.savings(results, spec.budget_gpu_hours)
     state.save(
         {
-            "ranking": [r.name for r in judge.ranking(results)],
+            "rank_by": spec.rank_by,
+            "ranking": [r.name for r in judge.ranking(results, target, spec.rank_by)],
             "results": {r.name: _summary(r, spec.target_gpu_hours) for r in results},
             "spent_gpu_hours": s.spent,
             "full_gpu_hours": s.full,

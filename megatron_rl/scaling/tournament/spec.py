@@ -11,6 +11,7 @@
     parallel: 1                     # local: variants at a time
     fit: {min_gpu_hours: 0, grid: auto, bootstrap: 50}   # the live forecast's fit settings
     early_stop: {enabled: true, points_past_c_mid: 3}
+    rank_by: target                 # R(target_gpu_hours), or asymptote (A; the paper's reading)
     variants:                       # name -> overrides (dotted.key=value, as on the CLI)
       scalerl: []
       low_lr: [optimizer.lr=1.0e-5]
@@ -36,6 +37,7 @@ from megatron_rl.config.errors import ConfigError
 from megatron_rl.scaling.config import PAPER_A_TOLERANCE, ForecastConfig
 
 EXECUTORS = ("local", "slurm")
+RANK_BY = ("target", "asymptote")  # judge.py: R(target) with its band, or A
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # Keys a variant may not change: the shared start, the data, the budget and the run's place.
 FROZEN_PREFIXES = ("model.hf_path", "model.preset", "warm_start.", "data.", "training.max_gpu")
@@ -87,6 +89,7 @@ class TournamentSpec:
     parallel: int = 1
     fit: ForecastConfig = field(default_factory=ForecastConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    rank_by: str = "target"
     path: Path | None = None
 
     def variant_overrides(self, name: str) -> list[str]:
@@ -144,7 +147,10 @@ def spec_from_dict(data: Any, root: Path) -> TournamentSpec:
         parallel=data.get("parallel", 1),
         fit=_section(ForecastConfig, data.get("fit", {}), "fit"),
         early_stop=_section(EarlyStopConfig, data.get("early_stop", {}), "early_stop"),
+        rank_by=data.get("rank_by", "target"),
     )
+    if spec.rank_by not in RANK_BY:
+        raise ConfigError("rank_by", f"must be one of {RANK_BY}, got {spec.rank_by!r}")
     if spec.executor not in EXECUTORS:
         raise ConfigError("executor", f"must be one of {EXECUTORS}, got {spec.executor!r}")
     if isinstance(spec.parallel, bool) or not isinstance(spec.parallel, int) or spec.parallel < 1:

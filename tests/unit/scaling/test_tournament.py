@@ -23,6 +23,14 @@ CURVES = {
     "scalerl": CurveParams(a=0.70, b=2.0, c_mid=0.15, r0=0.2),
     "near_tie": CurveParams(a=0.69, b=2.0, c_mid=0.15, r0=0.2),
     "low_lr": CurveParams(a=0.40, b=2.0, c_mid=0.15, r0=0.2),
+    # issue 48's CPU proof: a learning rate too high falls below its start and stays there
+    "diverges": CurveParams(a=0.05, b=2.0, c_mid=0.1, r0=0.2),
+    # one that stalls just below its start (by less than the 0.02 margin: it does not fall)
+    "stalls": CurveParams(a=0.186, b=2.0, c_mid=0.02, r0=0.2),
+    # a crossing: "fast" bends early to a lower ceiling, "slow" bends later to a higher one;
+    # at 1.2 GPU-hours fast is ahead (0.650 against 0.624), at infinite compute slow is
+    "fast": CurveParams(a=0.65, b=3.0, c_mid=0.05, r0=0.2),
+    "slow": CurveParams(a=0.80, b=1.0, c_mid=0.5, r0=0.2),
 }
 
 
@@ -107,7 +115,7 @@ def make_spec(tmp_path: Path, variants=("scalerl", "low_lr"), **extra):
 
 
 def test_a_clear_loser_is_stopped_after_its_curve_bends_and_the_winner_is_ranked_first(tmp_path):
-    spec = make_spec(tmp_path, ("scalerl", "near_tie", "low_lr"))
+    spec = make_spec(tmp_path, ("scalerl", "near_tie", "low_lr"), rank_by="asymptote")
     results = runner.run_tournament(spec, tmp_path, FakeExecutor(), 0, start=[])
     by_name = {r.name: r for r in results}
     assert by_name["scalerl"].status == FINISHED
@@ -133,6 +141,8 @@ def test_a_clear_loser_is_stopped_after_its_curve_bends_and_the_winner_is_ranked
     spent = sum(r.spent for r in results)
     assert spent == pytest.approx(3 * BUDGET - saved)
     assert f"early stopping saved {saved:.4g}" in table
+    # the target (4.0) lies beyond the budget (1.0): the compute against all run to it
+    assert f"to the target (4 each): {100 * spent / 12:.0f}% of 12" in table
     assert (tmp_path / "tournament.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     state = json.loads((tmp_path / "tournament.json").read_text())
     assert state["variants"]["low_lr"]["status"] == STOPPED
@@ -142,6 +152,70 @@ def test_a_clear_loser_is_stopped_after_its_curve_bends_and_the_winner_is_ranked
     fit = state["results"]["scalerl"]["fit"]
     expected = fit["R0"] + (fit["A"] - fit["R0"]) / (1 + (fit["C_mid"] / 4.0) ** fit["B"])
     assert state["results"]["scalerl"]["target_prediction"] == pytest.approx(expected)
+
+
+def _fit_all(tmp_path: Path, names: tuple[str, ...]) -> list:
+    """Each named curve run to the budget (FakeRun) and fitted as the judge fits it."""
+    from megatron_rl.scaling.config import ForecastConfig
+    from megatron_rl.scaling.tournament import judge
+
+    config = ForecastConfig(min_gpu_hours=0, grid="auto", bootstrap=30)
+    out = []
+    for seed, name in enumerate(names):
+        run = FakeRun(CURVES[name], tmp_path / name, seed)
+        while run.poll() is None:
+            pass
+        out.append(judge.fit_variant(name, tmp_path / name / "metrics.jsonl", FINISHED, config))
+    return out
+
+
+def test_ranking_by_the_target_follows_the_curves_there_and_by_the_asymptote_follows_a(tmp_path):
+    """Issue 48: a tournament predicts which variant is best at the target budget. Two
+    curves cross beyond it: at 1.2 GPU-hours "fast" is ahead (0.650 against 0.624, the
+    paper's formula), while "slow" has the higher A (0.80 against 0.65)."""
+    from megatron_rl.scaling.tournament import judge
+
+    results = _fit_all(tmp_path, ("slow", "fast"))
+    by_target = judge.ranking(results, 1.2, "target")
+    by_a = judge.ranking(results, 1.2, "asymptote")
+    assert [r.name for r in by_target] == ["fast", "slow"]
+    assert [r.name for r in by_a] == ["slow", "fast"]
+    fits = {r.name: r.fit for r in results}
+    assert fits["fast"].predict(1.2) == pytest.approx(CURVES["fast"].predict(1.2), abs=0.01)
+    assert fits["slow"].predict(1.2) == pytest.approx(CURVES["slow"].predict(1.2), abs=0.01)
+    table = judge.format_table(results, 1.2, BUDGET, rank_by="target").splitlines()
+    assert [line.split()[1] for line in table[1:3]] == ["fast", "slow"]
+
+
+def test_a_variant_that_falls_is_stopped_early_and_one_that_stalls_after_the_leaders_c_mid(
+    tmp_path,
+):
+    """Issue 48's CPU proof: a learning rate far too high fell below its first validation
+    and stayed there. Without a gain the sigmoid has no fit and no interval to compare. A
+    variant whose last 3 validations lie more than 0.02 below its first, while another's
+    band lies above it, is stopped then; one that stalls just below its start is stopped
+    once it has 3 validations past the leader's C_mid without rising. Both rank last."""
+    spec = make_spec(tmp_path, ("scalerl", "diverges", "stalls"))
+    results = runner.run_tournament(spec, tmp_path, FakeExecutor(), 0, start=[])
+    by_name = {r.name: r for r in results}
+    leader_c_mid = by_name["scalerl"].fit.bootstrap.interval("c_mid")[1]
+    fell, stalled = by_name["diverges"], by_name["stalls"]
+    assert fell.status == STOPPED and fell.fit is None
+    xs, ys = fell.points
+    assert all(y < ys[0] - 0.02 for y in ys[-3:]) and not all(y < ys[0] - 0.02 for y in ys[-4:])
+    assert xs[-1] < leader_c_mid  # before the rule for stalls could apply
+    assert stalled.status == STOPPED and stalled.fit is None
+    xs, ys = stalled.points
+    assert sum(x > leader_c_mid for x in xs) == 3 and max(ys[1:]) <= ys[0]
+    assert not any(all(y < ys[0] - 0.02 for y in ys[k : k + 3]) for k in range(len(ys)))
+    state = json.loads((tmp_path / "tournament.json").read_text())
+    assert "lie more than 0.02 below its first" in state["variants"]["diverges"]["reason"]
+    assert "no validation above its first" in state["variants"]["stalls"]["reason"]
+    table = runner.finish(spec, tmp_path, results).splitlines()
+    assert [line.split()[0] for line in table[1:4]] == ["1", "2", "3"]
+    assert table[1].split()[1] == "scalerl"
+    ranking = json.loads((tmp_path / "tournament.json").read_text())["ranking"]
+    assert ranking[0] == "scalerl" and set(ranking[1:]) == {"diverges", "stalls"}
 
 
 def test_running_the_command_again_resumes(tmp_path):
@@ -188,6 +262,7 @@ def test_every_variant_gets_the_shared_start_and_the_budget(tmp_path):
         ({"colour": "red"}, "recipe key 'colour': unknown key"),
         ({"fit": {"grid": "mesh"}}, "recipe key 'fit.grid'"),
         ({"early_stop": {"points_past_c_mid": 0}}, "early_stop.points_past_c_mid"),
+        ({"rank_by": "a"}, "rank_by"),
     ],
 )
 def test_bad_specs_name_the_key(tmp_path, change, message):
