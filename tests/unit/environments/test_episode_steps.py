@@ -23,14 +23,19 @@ from megatron_rl.rollout.messages import RequestSpec, RunnerSettings, SamplesDon
 REWARD = RewardConfig(kind="math", num_workers=1)
 
 
-def test_a_llama3_call_runs_on_the_executor_and_its_output_is_appended_by_id(llama_tokenizer):
+def _python_tool(tok):
+    """The llama3 tool format and a python_tool context of 3 turns (skips without a sandbox)."""
     try:
         box_for(REWARD)
     except SandboxUnavailableError as exc:
         pytest.skip(f"no code sandbox on this machine: {exc}")
-    tok = llama_tokenizer
     fmt = format_for("llama3", tok)
-    context = EnvironmentContext(EnvironmentConfig(name="python_tool"), REWARD, tok, max_turns=3)
+    return fmt, EnvironmentContext(EnvironmentConfig(name="python_tool"), REWARD, tok, max_turns=3)
+
+
+def test_a_llama3_call_runs_on_the_executor_and_its_output_is_appended_by_id(llama_tokenizer):
+    tok = llama_tokenizer
+    fmt, context = _python_tool(tok)
     turn1 = tok.encode("x<|python_tag|>print(1)<|eom_id|>", add_special_tokens=False)
     turn2 = tok.encode("ok<|eot_id|>", add_special_tokens=False)
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
@@ -179,15 +184,10 @@ def test_a_cancelled_episodes_tool_call_that_returns_later_leaves_nothing_behind
     import logging
     import threading
 
-    try:
-        box_for(REWARD)
-    except SandboxUnavailableError as exc:
-        pytest.skip(f"no code sandbox on this machine: {exc}")
     from megatron_rl.rollout.messages import Cancel
 
     tok = llama_tokenizer
-    fmt = format_for("llama3", tok)
-    context = EnvironmentContext(EnvironmentConfig(name="python_tool"), REWARD, tok, max_turns=3)
+    fmt, context = _python_tool(tok)
     release = threading.Event()
 
     class Held(Echo):  # its call returns when the test says so
