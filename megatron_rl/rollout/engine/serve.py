@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import socket
 import threading
 import time
@@ -127,7 +128,22 @@ def serve_engine(
     engine failed (the trainer got the traceback), 3 when the trainer went away, 4 when it
     rejected this task."""
     if runner is None:
-        from megatron_rl.rollout.engine.runner import run_engine as runner
+        import functools
+
+        from megatron_rl.rollout.engine.runner import run_engine
+        from megatron_rl.rollout.pool.launchers import engine_logs_dir
+
+        # vLLM's rendezvous file (/tmp/vllm_dist_<uuid>) goes into a directory this task
+        # owns while it lives: removed at exit, or, when the task is SIGKILLed, by the next
+        # engine launcher on this node (issue 49; the local engine processes' launcher does
+        # the same).
+        store, owner = engine_logs_dir()
+        try:
+            runner = functools.partial(run_engine, store_dir=store)
+            return serve_engine(link, index, runner)
+        finally:
+            os.close(owner)
+            shutil.rmtree(store, ignore_errors=True)
     link.send(Hello(index, {"host": socket.gethostname(), "pid": os.getpid()}))
     init = link.recv()
     if isinstance(init, Reject):

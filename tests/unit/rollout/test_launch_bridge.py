@@ -7,6 +7,7 @@ this process; the vLLM engine itself is exercised by the Slurm test.
 
 from __future__ import annotations
 
+import os
 import queue
 import subprocess
 import sys
@@ -412,3 +413,46 @@ def test_the_generator_task_restarts_an_engine_process_killed_by_a_signal_only(m
         "2",
         "--no-supervise",
     ]
+
+
+def test_a_generator_tasks_engine_gets_a_rendezvous_directory_it_owns_and_removes(
+    job_env, monkeypatch, tmp_path
+):
+    """Issue 49 (second GPU reading): a Slurm generator task's engine left vLLM's
+    /tmp/vllm_dist_<uuid> behind when the task was SIGKILLed, as engine processes did
+    before. Its engine builds vLLM with a rendezvous directory the task owns (locked while
+    it lives, removed at exit; a killed task's is removed by the next launcher on the
+    node)."""
+    import fcntl
+    import tempfile
+
+    from megatron_rl.rollout.engine import runner as runner_module
+    from megatron_rl.rollout.pool.launchers import ENGINE_LOGS_PREFIX, remove_orphaned_logs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = {}
+
+    def real_runner_double(index, hf_dir, config, settings, commands, weights_get, events, **kw):
+        store = kw["store_dir"]
+        seen["store"] = store
+        fd = os.open(os.path.join(store, ".owner"), os.O_RDONLY)
+        try:
+            with pytest.raises(OSError):  # held by this task
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        assert remove_orphaned_logs(str(tmp_path)) == []  # a live task's stays
+        scripted_runner(index, hf_dir, config, settings, commands, weights_get, events)
+
+    monkeypatch.setattr(runner_module, "run_engine", real_runner_double)
+    address, authkey = job_env
+    events: queue.Queue = queue.Queue()
+    results: dict = {}
+    thread = start_engine_task(address, authkey, 0, results, runner=None)
+    (engine,) = remote.accept_engines(1, "/hf", None, None, events)
+    engine.send(Stop())
+    thread.join(20)
+    assert results[0] == 0
+    assert os.path.basename(seen["store"]).startswith(ENGINE_LOGS_PREFIX)
+    assert os.path.dirname(seen["store"]) == str(tmp_path)
+    assert not os.path.exists(seen["store"])  # removed at exit
