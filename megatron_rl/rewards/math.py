@@ -472,8 +472,11 @@ _DEGREE_RE = re.compile(r"\^\s{0,4}\{?\s{0,4}\\circ\s{0,4}\}?|°|\\degree")
 
 def _equal_in_radians(prediction: str, reference: str, gold: list, target: list) -> bool:
     """A reference in degrees (``30^\\circ``) against an answer in radians with ``\\pi``
-    (``\\frac{\\pi}{6}``). Runs inside ``verify``'s CPU-time limit."""
+    (``\\frac{\\pi}{6}``), not one in degrees itself (``\\frac{\\pi}{2}^\\circ`` is not
+    ``90^\\circ``). Runs inside ``verify``'s CPU-time limit."""
     if not _DEGREE_RE.search(reference) or "\\pi" not in prediction or not _constant(gold):
+        return False
+    if _in_degrees(prediction) is not None:
         return False
     from sympy import Basic, pi
 
