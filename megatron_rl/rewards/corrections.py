@@ -34,6 +34,8 @@ _RETRACTION_RE = re.compile(
     # ... but not one already put right: "I made a mistake earlier in step 2".
     r"(?!\s{1,4}(?:earlier|before|above|previously|initially|at\s{1,4}first|in\s{1,4}(?:step|my|the)))"
     r"|my\s{1,4}mistake|scratch\s{1,4}that|oops|correction(?=\s{0,4}:)"
+    # "I'm wrong, it's 8" (not "correct me if I'm wrong", "unless I am wrong").
+    r"|(?<!if\s)(?<!unless\s)(?:i|we)(?:'m|’m|'re|’re|\s{1,4}am|\s{1,4}are)\s{1,4}wrong"
     r"|no\s{0,4},?\s{0,4}wait|wait\s{0,4},?\s{0,4}no(?!\s{1,4}(?:one|more|need))"
     r"|(?:is|was)n(?:'|’)t\s{1,4}(?:right|correct))\b"
     # The answer itself as the subject, right after it: "$\boxed{7}$ is incorrect".

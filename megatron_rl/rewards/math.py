@@ -472,8 +472,11 @@ _DEGREE_RE = re.compile(r"\^\s{0,4}\{?\s{0,4}\\circ\s{0,4}\}?|°|\\degree")
 
 def _equal_in_radians(prediction: str, reference: str, gold: list, target: list) -> bool:
     """A reference in degrees (``30^\\circ``) against an answer in radians with ``\\pi``
-    (``\\frac{\\pi}{6}``). Runs inside ``verify``'s CPU-time limit."""
+    (``\\frac{\\pi}{6}``), not one in degrees itself (``\\frac{\\pi}{2}^\\circ`` is not
+    ``90^\\circ``). Runs inside ``verify``'s CPU-time limit."""
     if not _DEGREE_RE.search(reference) or "\\pi" not in prediction or not _constant(gold):
+        return False
+    if _in_degrees(prediction) is not None:
         return False
     from sympy import Basic, pi
 
@@ -485,6 +488,17 @@ def _equal_in_radians(prediction: str, reference: str, gold: list, target: list)
 _DECIMAL_RE = re.compile(r"([+-]?)(\d{1,40})\.(\d{1,40})")
 # The fewest significant digits of a decimal reference that an exact answer is rounded to.
 _ROUNDED_DIGITS = 3
+# An answer that says it is approximate: ``\\approx``, ``\\sim``, ``\\simeq``, ``≈``.
+_APPROXIMATE_RE = re.compile(r"\\(?:approx|sim|simeq|thickapprox|thicksim)(?![A-Za-z])|≈")
+
+
+def _terminates(denominator: int) -> bool:
+    """A fraction with this (positive) denominator is a terminating decimal: its only prime
+    factors are 2 and 5."""
+    denominator >>= (denominator & -denominator).bit_length() - 1
+    while denominator % 5 == 0:
+        denominator //= 5
+    return denominator == 1
 
 
 def _equal_rounded(prediction: str, reference: str, gold: list, target: list) -> bool:
@@ -492,21 +506,28 @@ def _equal_rounded(prediction: str, reference: str, gold: list, target: list) ->
     has at least ``_ROUNDED_DIGITS`` significant digits (``0.333``): equal when the answer
     rounds to the reference at the reference's last decimal place (within half a unit of
     it, ends included). A decimal answer keeps the tolerance of ``numeric``; a reference
-    of fewer digits (``0.3``, ``7.0``) or an integer one compares as before. Runs inside
-    ``verify``'s CPU-time limit."""
+    of fewer digits (``0.3``, ``7.0``) or an integer one compares as before. Neither an
+    answer that says it is approximate (``\\approx \\frac{1}{3}``) nor a fraction that is
+    a terminating decimal (``\\frac{7001}{1000}`` is ``7.001``, wrong for ``7.00`` as
+    written as a decimal) is exact in this sense. Runs inside ``verify``'s CPU-time limit."""
     from sympy import Basic, Eq, Float, Rational
 
     found = _DECIMAL_RE.fullmatch(reference.replace(" ", ""))
     if found is None or len((found.group(2) + found.group(3)).lstrip("0")) < _ROUNDED_DIGITS:
+        return False
+    if _APPROXIMATE_RE.search(prediction):
         return False
     value = next((t for t in target if isinstance(t, Basic)), None)
     if isinstance(value, Eq):
         value = value.rhs  # ``x = \\frac{1}{3}``
     if value is None or value.free_symbols or value.has(Float) or not value.is_number:
         return False
+    value = value.doit()
+    if value.is_Rational and _terminates(value.q):
+        return False  # a decimal written as a fraction keeps the decimal's tolerance
     decimal = Rational(found.group(0))
     half_unit = Rational(1, 2 * 10 ** len(found.group(3)))
-    distance = abs(value.doit() - decimal)
+    distance = abs(value - decimal)
     if distance.is_Rational:
         return bool(distance <= half_unit)
     return bool(distance.is_finite) and bool(distance.evalf(50) < half_unit)
