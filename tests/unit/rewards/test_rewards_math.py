@@ -921,3 +921,31 @@ def test_numbers_compare_exactly_unless_the_reference_is_a_decimal():
     assert numbers_equal(5 * sqrt(42) / 27, 10 * sqrt(Float(10.5)) / 27) is True
     assert numbers_equal(pi / 6, pi / 6) is True
     assert numbers_equal(Integer(1), pi) is False
+
+
+def test_an_infinity_equals_only_the_same_infinity(monkeypatch):
+    """Issue 45: the answer ``\\infty^{\\infty}`` scored +1 against the reference 7 in some
+    runs of a probe batch (2 of 6 here) and -1 in others. Math-Verify's symbolic rule
+    simplifies the difference of the two, and sympy 1.14's ``simplify(7 - oo**oo)`` (the
+    power unevaluated, as parsed) gave 0 in about one process in five, -oo in the others.
+    A difference with an infinity in it is no longer simplified: sympy's 0 is forced here,
+    and the verdicts are the extended reals' (hand-checked)."""
+    from math_verify import grader
+    from sympy import Integer, Pow, S, nan, oo, zoo
+
+    monkeypatch.setattr(grader, "simplify", lambda expr, *args, **kwargs: Integer(0))
+    for prediction, reference, verdict in [
+        ("\\infty^{\\infty}", "7", math_reward.WRONG),
+        ("\\infty", "7", math_reward.WRONG),
+        ("-\\infty", "\\infty", math_reward.WRONG),
+        ("x+\\infty", "7", math_reward.WRONG),
+        ("\\infty^{\\infty}", "\\infty", math_reward.CORRECT),
+        ("\\infty", "\\infty", math_reward.CORRECT),
+        ("-\\infty", "-\\infty", math_reward.CORRECT),
+    ]:
+        assert math_reward.verify(prediction, reference, 0) == verdict, (prediction, reference)
+    power = Pow(oo, oo, evaluate=False)
+    assert numbers_equal(Integer(7), power) is False
+    assert numbers_equal(S.Infinity, power) is True
+    assert numbers_equal(S.Infinity, -oo) is False and numbers_equal(zoo, oo) is False
+    assert numbers_equal(nan, nan) is False and numbers_equal(Integer(7), nan) is False
