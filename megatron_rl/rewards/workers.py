@@ -91,7 +91,8 @@ def _vm_bytes() -> int:
 
 
 def _worker_main(conn: Connection) -> None:
-    """Worker loop: (init, memory_mb) first, then (task_id, fn, args) -> result messages."""
+    """Worker loop: (init, memory_mb) first, then (task_id, fn, args) -> result messages
+    ``(status, task_id, payload, blocked)`` that carry the task's id back."""
     # The trainer ends its workers (SIGKILL, or EOF on the socket when it dies). A SIGTERM /
     # SIGUSR1 to the job's whole process group (preemption) is the trainer's to handle: a
     # worker killed by it would score its task "crashed" (reward 0) in the step in progress.
@@ -222,6 +223,7 @@ class WorkerPool:
         # The running map's tasks to send and its count of deaths per task.
         self._pending: deque[int] = deque()
         self._deaths: list[int] = []
+        self._batch = 0  # maps run so far: a task's id is (its map, its index)
 
     def _spawn(self) -> _Worker:
         return _Worker(self._init, self._memory_mb)
@@ -240,25 +242,51 @@ class WorkerPool:
         pending = deque(range(len(args_list)))
         deaths = [0] * len(args_list)
         self._pending, self._deaths = pending, deaths
-        while pending or any(w.task is not None for w in self._workers):
-            for worker in self._workers:
-                if worker.ready and worker.task is None and pending:
-                    index = pending.popleft()
-                    worker.task = index
-                    worker.cpu_start = _cpu_seconds(worker.process.pid)
-                    limit = self.timeout_s if worker.cpu_start is None else self.wall_timeout_s
-                    worker.sent = time.monotonic()
-                    worker.deadline = worker.sent + limit
-                    try:
-                        worker.conn.send((index, fn, args_list[index]))
-                    except (OSError, ValueError):
-                        self._on_death(worker, results)
-            self._wait_and_collect(results)
-            self._enforce_deadlines(results)
+        self._batch += 1
+        try:
+            while pending or any(w.task is not None for w in self._workers):
+                for worker in self._workers:
+                    if worker.ready and worker.task is None and pending:
+                        self._send(worker, pending.popleft(), fn, args_list, results)
+                self._wait_and_collect(results)
+                self._enforce_deadlines(results)
+        except BaseException:
+            # A map left half-done (a task that does not pickle, an interrupt): its tasks
+            # still running would answer the next map, whose items have the same indices.
+            self._abandon_tasks()
+            raise
         done = [r if r is not None else TaskResult("crashed") for r in results]
         for result, crashes in zip(done, deaths):
             result.crashes = crashes
         return done
+
+    def _send(
+        self,
+        worker: _Worker,
+        index: int,
+        fn: Callable[..., Any],
+        args_list: Sequence[tuple],
+        results: list[TaskResult | None],
+    ) -> None:
+        """Give task ``index`` of the running map to the idle ``worker``. Its id is
+        (map, index): the reply must carry it (``_wait_and_collect``)."""
+        worker.task = index
+        worker.cpu_start = _cpu_seconds(worker.process.pid)
+        limit = self.timeout_s if worker.cpu_start is None else self.wall_timeout_s
+        worker.sent = time.monotonic()
+        worker.deadline = worker.sent + limit
+        try:
+            worker.conn.send(((self._batch, index), fn, args_list[index]))
+        except (OSError, ValueError):
+            self._on_death(worker, results)
+
+    def _abandon_tasks(self) -> None:
+        """Kill and replace the workers that run a task of a map that ended early: what
+        they send back is never read, by this map or by the next."""
+        for worker in list(self._workers or []):
+            if worker.task is not None:
+                worker.task = None
+                self._replace(worker)
 
     def _wait_and_collect(self, results: list[TaskResult | None]) -> None:
         now = time.monotonic()
@@ -288,10 +316,10 @@ class WorkerPool:
                 worker.ready, self._start_failures = True, 0
             elif status == "failed":
                 self._on_start_failure(worker, payload)
-            elif task_id == worker.task:
+            elif worker.task is not None and task_id == (self._batch, worker.task):
                 value, error = (payload, "") if status == "ok" else (None, payload)
                 elapsed = time.monotonic() - worker.sent
-                results[task_id] = TaskResult(status, value, error, list(blocked), elapsed)
+                results[worker.task] = TaskResult(status, value, error, list(blocked), elapsed)
                 if blocked:
                     logger.warning("reward worker blocked %s", blocked)
                 worker.task = None

@@ -59,6 +59,11 @@ def _unpicklable():
     return lambda: 0  # a result the worker cannot send back
 
 
+def _answer_after(seconds: float, answer: str) -> str:
+    time.sleep(seconds)  # no CPU time
+    return answer
+
+
 def _failing_init() -> None:
     raise ImportError("no module named 'math_verify' (a broken environment)")
 
@@ -171,6 +176,24 @@ def test_a_result_the_worker_cannot_send_is_an_error_of_its_task_alone():
         assert result.status == "error" and "unsendable result" in result.error
         assert result.crashes == 0 and workers.worker_pids() == before
         assert workers.map(abs, [(-3,)])[0].value == 3
+
+
+def test_a_map_left_half_done_never_answers_the_next_one():
+    """Issue 45: a map that raised half-way (here a task that does not pickle; an interrupt
+    alike) left its other task running, and the next map read that task's reply as its own
+    item with the same index ("old" for item 0), and timed out its item 1 on the worker
+    that never got the task that failed to pickle. The workers of an abandoned map are now
+    replaced, and a reply must carry its map's id."""
+    with WorkerPool(num_workers=3, timeout_s=5.0, wall_timeout_s=8.0) as workers:
+        while not all(w.ready for w in workers._workers):  # all three idle, in order
+            workers._wait_and_collect([])
+        before = workers.worker_pids()
+        with pytest.raises(Exception, match="pickle"):
+            workers.map(_answer_after, [(2.0, "old"), (0.0, lambda: 0)])
+        results = workers.map(_answer_after, [(0.0, "new 0"), (0.0, "new 1")])
+        assert [(r.status, r.value) for r in results] == [("ok", "new 0"), ("ok", "new 1")]
+        assert len(set(before) - set(workers.worker_pids())) == 2  # the two busy ones
+        assert [r.value for r in workers.map(_answer_after, [(0.0, "next")])] == ["next"]
 
 
 def test_workers_that_cannot_start_fail_the_batch_with_a_reward_failure(monkeypatch):
