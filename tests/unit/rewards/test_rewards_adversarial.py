@@ -54,6 +54,7 @@ ISSUE_45 = {
     "miss_complex",
     "miss_hyperbolic",
     "miss_ordering",
+    "infinity",
 }
 
 
