@@ -410,10 +410,12 @@ STARTUP = (
 )
 
 
-def _job(run_dir: Path, log: Path, marker: str | None) -> tuple[int, str, float]:
+def _job(
+    run_dir: Path, log: Path, marker: str | None, until: str | None = None
+) -> tuple[int, str, float]:
     """One job of the run (its own process group, as under srun): SIGTERM to the whole
     group once ``marker`` is in its output (None: let it finish). (status, its output, the
-    seconds from the signal to its exit)."""
+    seconds from the signal to its exit, or to ``until`` appearing in its output)."""
     with open(log, "w") as out:
         proc = subprocess.Popen(
             _cmd(run_dir, *STARTUP),
@@ -424,6 +426,7 @@ def _job(run_dir: Path, log: Path, marker: str | None) -> tuple[int, str, float]
             start_new_session=True,
         )
         signalled = time.monotonic()
+        seen = None
         try:
             deadline = time.monotonic() + 400
             while marker is not None and proc.poll() is None and time.monotonic() < deadline:
@@ -432,11 +435,16 @@ def _job(run_dir: Path, log: Path, marker: str | None) -> tuple[int, str, float]
                     signalled = time.monotonic()
                     break
                 time.sleep(0.05)
+            while until is not None and proc.poll() is None and time.monotonic() < deadline:
+                if until in log.read_text(errors="replace"):
+                    seen = time.monotonic()
+                    break
+                time.sleep(0.05)
             status = proc.wait(timeout=400)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    return status, log.read_text(errors="replace"), time.monotonic() - signalled
+    return status, log.read_text(errors="replace"), (seen or time.monotonic()) - signalled
 
 
 @pytest.mark.timeout(900)  # 6 jobs: 131-165 s for the first 5 on a loaded machine; 750 s at load 45
@@ -461,7 +469,8 @@ def test_a_job_preempted_at_each_phase_of_its_start_up_is_requeued_and_finishes(
         ("step 4: validating", "after checkpointing step 4"),  # the pass is given up
     ]
     for i, (marker, stopped) in enumerate(phases):
-        status, output, to_exit = _job(run_dir, tmp_path / f"job{i}.txt", marker)
+        until = "was stopped" if marker.startswith("step 4: validating") else None
+        status, output, to_stop = _job(run_dir, tmp_path / f"job{i}.txt", marker, until)
         assert status == 0, output[-3000:]
         assert f"stopping on SIGTERM {stopped}" in output, output[-3000:]
     assert "the validation of step 4 was stopped" in output, output[-3000:]
@@ -480,8 +489,9 @@ def test_a_job_preempted_at_each_phase_of_its_start_up_is_requeued_and_finishes(
     # the owed validation, at step 4, whole: what an unsignalled run records (16 x 128)
     (val,) = [r for r in records if "val_pass_rate" in r]
     assert val["step"] == 4 and val["val_samples"] == 16 * VAL_SAMPLES
-    # the stop took far less than the pass it gave up (its checkpoint and exit included)
-    assert to_exit < val["val_seconds"] / 2, (to_exit, val["val_seconds"])
+    # the pass was given up in far less time than it takes (the checkpoint and the exit
+    # follow, as for any signal: 5 s here, quiet, for a 9 s pass)
+    assert to_stop < val["val_seconds"] / 3, (to_stop, val["val_seconds"])
 
 
 def test_a_read_only_run_dir_is_one_line_and_exit_2(tmp_path):
