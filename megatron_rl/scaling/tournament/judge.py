@@ -67,15 +67,19 @@ class VariantResult:
             return None
         return self.fit.bootstrap.interval("a")
 
+    def c_mid_high(self) -> float:
+        """The upper end of C_mid's interval (its value without one); needs a fit."""
+        assert self.fit is not None
+        if self.fit.bootstrap is not None:
+            return self.fit.bootstrap.interval("c_mid")[1]
+        return self.fit.fit.params.c_mid
+
     def points_past_c_mid(self) -> int:
-        """Fitted validations past the upper end of C_mid's interval (its value without one)."""
+        """Fitted validations past the upper end of C_mid's interval."""
         if self.fit is None:
             return 0
-        c_mid = self.fit.fit.params.c_mid
-        if self.fit.bootstrap is not None:
-            c_mid = self.fit.bootstrap.interval("c_mid")[1]
         x = self.fit.run.x[self.fit.fitted]
-        return int((x > c_mid).sum())
+        return int((x > self.c_mid_high()).sum())
 
     def comparable(self, rule: EarlyStopConfig) -> bool:
         """Whether the rule may compare this variant (module docstring)."""
@@ -137,9 +141,7 @@ def not_learning(r: VariantResult, leader: VariantResult, rule: EarlyStopConfig)
     if r.fit is not None or r.points is None or leader.fit is None:
         return False
     xs, ys = r.points
-    c_mid = leader.fit.fit.params.c_mid
-    if leader.fit.bootstrap is not None:
-        c_mid = leader.fit.bootstrap.interval("c_mid")[1]
+    c_mid = leader.c_mid_high()
     past = sum(x > c_mid for x in xs)
     return len(ys) > 1 and max(ys[1:]) <= ys[0] and past >= rule.points_past_c_mid
 
