@@ -253,6 +253,18 @@ def _cmd(run_dir: Path, *overrides: str) -> list[str]:
     return [*cmd, "--run-dir", str(run_dir)]
 
 
+def _train(run_dir: Path, *overrides: str, timeout: int) -> subprocess.CompletedProcess:
+    """``megatron-rl train`` of the small recipe to its end (output captured)."""
+    return subprocess.run(
+        _cmd(run_dir, *overrides),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def _env() -> dict[str, str]:
     from megatron_rl.platform import LAUNCHER_VARS
 
@@ -326,28 +338,14 @@ def test_ctrl_c_checkpoints_the_run_which_resumes_and_then_is_finished(preempted
 
     resumed = tmp_path / "run"
     shutil.copytree(run_dir, resumed)
-    proc = subprocess.run(
-        _cmd(resumed, f"training.max_steps={signalled + 1}"),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = _train(resumed, f"training.max_steps={signalled + 1}", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {resumed}/checkpoints/step_{signalled:08d}" in proc.stderr
     assert _steps(resumed) == list(range(1, signalled + 2))  # every step once
     # the same command again: the run is finished
     metrics = (resumed / "metrics.jsonl").read_bytes()
     checkpoints = sorted(p.name for p in (resumed / "checkpoints").iterdir())
-    proc = subprocess.run(
-        _cmd(resumed, f"training.max_steps={signalled + 1}"),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = _train(resumed, f"training.max_steps={signalled + 1}", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"already finished ({signalled + 1} steps" in proc.stderr
     assert "starting 1 engine(s)" not in proc.stderr
@@ -365,28 +363,14 @@ def test_the_cli_refuses_a_locked_run_dir_and_changed_settings(preempted, tmp_pa
     config = (run_dir / "config.yaml").read_bytes()
     holder = _hold_lock(run_dir)
     try:
-        proc = subprocess.run(
-            _cmd(run_dir, "training.max_steps=40"),
-            cwd=ROOT,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        proc = _train(run_dir, "training.max_steps=40", timeout=300)
     finally:
         holder.kill()
         holder.wait()
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"in use by another run (host {socket.gethostname()} pid {holder.pid}" in proc.stderr
 
-    proc = subprocess.run(
-        _cmd(run_dir, "training.max_steps=40", "optimizer.lr=5e-4"),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _train(run_dir, "training.max_steps=40", "optimizer.lr=5e-4", timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "optimizer.lr: 0.0001 -> 0.0005" in proc.stderr
     assert (run_dir / "config.yaml").read_bytes() == config
