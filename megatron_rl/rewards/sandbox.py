@@ -351,19 +351,30 @@ def _sandbox_main():
     with open("main.py") as f:
         source = f.read()
 
-    def stop(*_):
-        # The trainer died (unsafe mode, where no box ends with it): end the runner, remove
-        # the files.
-        for pid in runners:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        if unsafe:
-            import shutil
+    if unsafe:
+        import shutil  # here, not in ``stop``: a second SIGTERM could land mid-import
 
-            shutil.rmtree(os.path.dirname(cwd), ignore_errors=True)
-        os._exit(0)
+    stopping = []
+
+    def stop(*signum):
+        # The trainer died (unsafe mode, where no box ends with it): end the runner, remove
+        # the files. PR_SET_PDEATHSIG fires each time this process is reparented: first to
+        # another thread of the dying trainer (the trainer is still our parent: ignored),
+        # then to PID 1. A second SIGTERM while the first is handled returns at once; before,
+        # it raised inside the first's rmtree and the files stayed.
+        if stopping or (signum and os.getppid() == parent):
+            return
+        stopping.append(True)
+        try:
+            for pid in runners:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            if unsafe:
+                shutil.rmtree(os.path.dirname(cwd), ignore_errors=True)
+        finally:
+            os._exit(0)
 
     box = (source, memory_mb, fsize, hook, me)
 
