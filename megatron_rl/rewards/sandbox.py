@@ -343,14 +343,7 @@ def _sandbox_main():
     import resource  # noqa: F401 - imported once here, not in every runner
     import signal
 
-    ctypes, libc = _prctl()
-    _die_with_parent(libc, parent, signal.SIGTERM if unsafe else signal.SIGKILL)
-    libc.prctl(4, 0, None, 0, 0)  # PR_SET_DUMPABLE 0: no ptrace, no /proc/<pid>/mem or fd
-    tools = (ctypes, libc, _seccomp_filter(os.uname().machine))
     cwd, me, runners = os.getcwd(), os.getpid(), []
-    with open("main.py") as f:
-        source = f.read()
-
     if unsafe:
         import shutil  # here, not in ``stop``: a second SIGTERM could land mid-import
 
@@ -376,16 +369,39 @@ def _sandbox_main():
         finally:
             os._exit(0)
 
+    ctypes, libc = _prctl()
+    if unsafe:
+        # The handler before the parent-death signal (SIGTERM's default action left the
+        # files), and a trainer already gone by then removes them too (it used to _exit(1)).
+        signal.signal(signal.SIGTERM, stop)
+        libc.prctl(1, signal.SIGTERM, None, 0, 0)
+        if os.getppid() != parent:
+            stop()
+    else:
+        _die_with_parent(libc, parent, signal.SIGKILL)
+    libc.prctl(4, 0, None, 0, 0)  # PR_SET_DUMPABLE 0: no ptrace, no /proc/<pid>/mem or fd
+    tools = (ctypes, libc, _seccomp_filter(os.uname().machine))
+    with open("main.py") as f:
+        source = f.read()
     box = (source, memory_mb, fsize, hook, me)
+    term = {signal.SIGTERM}
 
     def spawn():
         # The next test's runner, forked before its nonce is read (nothing of it is copied).
         request_r, request_w = os.pipe()
         result_r, result_w = os.pipe()
+        if unsafe:
+            # SIGTERM waits until the runner is in ``runners`` and has no ``stop`` of its own.
+            signal.pthread_sigmask(signal.SIG_BLOCK, term)
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
+                if unsafe:
+                    # A runner dies of SIGTERM as ``python3 main.py`` does; with ``stop`` it
+                    # exited 0 and removed the files of the box, which runs the next tests.
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, term)
                 for fd in (control_in, control_out, request_w, result_r):
                     os.close(fd)
                 code = _runner(box, tools, request_r, result_w)
@@ -398,10 +414,10 @@ def _sandbox_main():
         os.close(request_r)
         os.close(result_w)
         runners[:] = [pid]
+        if unsafe:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, term)
         return pid, request_w, result_r
 
-    if unsafe:
-        signal.signal(signal.SIGTERM, stop)
     pid, request_w, result_r = spawn()
     os.write(control_out, b"ready\n")  # the parent's clocks start with the first test
     control = open(control_in, "rb", buffering=0, closefd=False)

@@ -972,6 +972,84 @@ def test_an_unsafe_box_outlives_sigterms_while_its_trainer_lives(tmp_path):
         assert (second.status, second.stdout, session.boxes_started) == ("ok", "b\n", 1)
 
 
+# A program that ends itself with SIGTERM on the test "term"; on others it writes a file in
+# its cwd and reads it back.
+SIGTERM_ITSELF = (
+    "import signal\ns = input()\nprint(s, flush=True)\nif s == 'term':\n"
+    "    signal.raise_signal(signal.SIGTERM)\nopen('f', 'w').write(s)\nprint(open('f').read())\n"
+)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hook_on", [True, False], ids=["audit hook", "no hook"])
+def test_an_unsafe_runner_dies_of_sigterm_as_python3_does_and_its_box_goes_on(
+    tmp_path, monkeypatch, hook_on
+):
+    # The runner inherited the supervisor's SIGTERM handler: a SIGTERM (its own, or one sent
+    # to the box's processes) exited 0, "ok", and removed the box's files, so the next test
+    # of the same box failed (its cwd was gone). A plain python3 is the reference.
+    from megatron_rl.rewards.sandbox import ProgramSession
+
+    monkeypatch.setattr(sandbox, "_AUDIT_HOOK", hook_on)
+    (tmp_path / "main.py").write_text(SIGTERM_ITSELF)
+    plain = subprocess.run(
+        [sys.executable, "-I", "main.py"],
+        input="term\n",
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert plain.returncode == -signal.SIGTERM
+    unsafe = dataclasses.replace(
+        CONFIG, code_bwrap=str(tmp_path / "no-bwrap"), code_allow_unsafe_sandbox=True
+    )
+    with ProgramSession(SIGTERM_ITSELF, unsafe, max_tests=2) as session:
+        first = session.run("term\n")
+        assert (first.status, first.returncode, first.stdout) == ("failed", -15, plain.stdout)
+        second = session.run("b\n")
+        assert (second.status, second.stdout, session.boxes_started) == ("ok", "b\nb\n", 1)
+
+
+@pytest.mark.timeout(60)
+def test_an_unsafe_harness_whose_trainer_is_gone_before_its_pdeathsig_removes_its_files(
+    tmp_path,
+):
+    # The trainer can die after starting the harness and before the harness's
+    # PR_SET_PDEATHSIG: no signal ever comes. The harness then has another parent; it exited
+    # 1 and left the files. Started here as ProgramSession._start starts it, with a parent
+    # pid that is not its parent (a process already gone).
+    work = tmp_path / "mrl-sandbox-gone"
+    (work / "box").mkdir(parents=True)
+    (work / "box" / "main.py").write_text("print(1)\n")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    to_box_read, to_box = os.pipe()
+    from_box, from_box_write = os.pipe()
+    limits = [512, 1 << 16, 1, to_box_read, from_box_write, gone.pid, 1]
+    harness = subprocess.Popen(
+        [sys.executable, "-I", "-c", sandbox._harness_source(), *map(str, limits)],
+        cwd=work / "box",
+        pass_fds=(to_box_read, from_box_write),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    os.close(to_box_read)
+    os.close(from_box_write)
+    try:
+        _, stderr = harness.communicate(timeout=30)
+        assert os.read(from_box, 64) == b""  # never "ready": it ran no program
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+            harness.wait()
+        os.close(to_box)
+        os.close(from_box)
+    assert (harness.returncode, stderr) == (0, b"")
+    assert not work.exists(), "its files outlived the trainer"
+
+
 @pytest.mark.timeout(90)
 def test_unsafe_mode_programs_and_their_files_end_with_the_trainer(tmp_path):
     # Issue 49 item 11: without a box nothing ended them: they ran on under PID 1.
