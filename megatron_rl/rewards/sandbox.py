@@ -338,6 +338,9 @@ def _read_result(fd, max_bytes):
         chunks.append(chunk)
 
 
+_RM_ENV = {"PATH": "/usr/bin:/bin"}
+
+
 def _sandbox_main():
     memory_mb, fsize, hook, control_in, control_out, parent, unsafe = map(int, sys.argv[1:8])
     import resource  # noqa: F401 - imported once here, not in every runner
@@ -365,7 +368,13 @@ def _sandbox_main():
                 except OSError:
                     pass
             if unsafe:
-                shutil.rmtree(os.path.dirname(cwd), ignore_errors=True)
+                top = os.path.dirname(cwd)
+                try:
+                    shutil.rmtree(top, ignore_errors=True)
+                except RecursionError:  # a tree deeper than the recursion limit
+                    pass
+                if os.path.lexists(top):
+                    os.waitpid(os.posix_spawnp("rm", ["rm", "-rf", "--", top], _RM_ENV), 0)
         finally:
             os._exit(0)
 
@@ -515,6 +524,24 @@ def capabilities(config: RewardConfig) -> dict[str, object]:
         "network": "own" if net != os.readlink("/proc/self/ns/net") else "shared",
         "pids": "own" if pids != os.readlink("/proc/self/ns/pid") else "shared",
     }
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a box's directory (unsafe mode). ``shutil.rmtree`` recurses, one level per
+    directory: on a tree deeper than the recursion limit (a program's ``os.mkdir('d');
+    os.chdir('d')`` in a loop) it raised RecursionError here, which made the response's
+    score an error and left the files; ``rm -rf`` removes what it left."""
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    except RecursionError:
+        pass
+    if not os.path.lexists(path):
+        return
+    env = {"PATH": "/usr/bin:/bin"}
+    try:
+        subprocess.run(["rm", "-rf", "--", path], env=env, capture_output=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("code sandbox: could not remove %s: %s", path, exc)
 
 
 def _kill_group(pid: int) -> None:
@@ -736,7 +763,7 @@ class ProgramSession:
     def _unsafe_dir(self) -> str:
         # A fresh cwd per box: a program's files never reach its next box.
         if self._work is not None:
-            shutil.rmtree(self._work, ignore_errors=True)
+            _remove_tree(self._work)
         self._work = tempfile.mkdtemp(prefix="mrl-sandbox-")
         cwd = os.path.join(self._work, "box")
         os.mkdir(cwd, 0o700)
@@ -774,7 +801,7 @@ class ProgramSession:
             f.close()
         self._files = []
         if self._work is not None:
-            shutil.rmtree(self._work, ignore_errors=True)
+            _remove_tree(self._work)
             self._work = None
 
 

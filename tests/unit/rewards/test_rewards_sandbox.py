@@ -1011,17 +1011,10 @@ def test_an_unsafe_runner_dies_of_sigterm_as_python3_does_and_its_box_goes_on(
         assert (second.status, second.stdout, session.boxes_started) == ("ok", "b\nb\n", 1)
 
 
-@pytest.mark.timeout(60)
-def test_an_unsafe_harness_whose_trainer_is_gone_before_its_pdeathsig_removes_its_files(
-    tmp_path,
-):
-    # The trainer can die after starting the harness and before the harness's
-    # PR_SET_PDEATHSIG: no signal ever comes. The harness then has another parent; it exited
-    # 1 and left the files. Started here as ProgramSession._start starts it, with a parent
-    # pid that is not its parent (a process already gone).
-    work = tmp_path / "mrl-sandbox-gone"
-    (work / "box").mkdir(parents=True)
-    (work / "box" / "main.py").write_text("print(1)\n")
+def _orphaned_harness(work: Path) -> tuple[int, bytes]:
+    """Start the harness in ``work``/box as ``ProgramSession._start`` does in unsafe mode, but
+    with a parent pid that is not its parent (a process already gone), as when the trainer
+    dies before the harness's PR_SET_PDEATHSIG; (exit status, stderr)."""
     gone = subprocess.Popen(["true"])
     gone.wait()
     to_box_read, to_box = os.pipe()
@@ -1046,8 +1039,74 @@ def test_an_unsafe_harness_whose_trainer_is_gone_before_its_pdeathsig_removes_it
             harness.wait()
         os.close(to_box)
         os.close(from_box)
-    assert (harness.returncode, stderr) == (0, b"")
+    return harness.returncode, stderr
+
+
+@pytest.mark.timeout(60)
+def test_an_unsafe_harness_whose_trainer_is_gone_before_its_pdeathsig_removes_its_files(
+    tmp_path,
+):
+    # The trainer can die after starting the harness and before the harness's
+    # PR_SET_PDEATHSIG: no signal ever comes. The harness then has another parent; it exited
+    # 1 and left the files.
+    work = tmp_path / "mrl-sandbox-gone"
+    (work / "box").mkdir(parents=True)
+    (work / "box" / "main.py").write_text("print(1)\n")
+    assert _orphaned_harness(work) == (0, b"")
     assert not work.exists(), "its files outlived the trainer"
+
+
+def _deep_tree(top: Path, depth: int) -> None:
+    # d/d/d/... ``depth`` levels below ``top`` (by directory fds: paths that long exceed PATH_MAX)
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            fd, parent = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+            os.close(parent)
+    finally:
+        os.close(fd)
+
+
+# 1500 levels: past Python's recursion limit (1000), which shutil.rmtree recursed into.
+DEEP_TREE = (
+    "import os\nfor _ in range(1500):\n    os.mkdir('d')\n    os.chdir('d')\nprint('deep')\n"
+)
+
+
+@pytest.mark.timeout(60)
+def test_an_unsafe_box_s_deep_directory_tree_fails_no_scoring_and_goes(tmp_path):
+    # A program's deep tree in its cwd (the audit hook allows it) made the trainer's
+    # shutil.rmtree raise RecursionError when the session closed: the response's score was
+    # an error (over reward.max_error_fraction of a batch stops the run), the files stayed.
+    from megatron_rl.rewards.sandbox import ProgramSession
+
+    unsafe = dataclasses.replace(
+        CONFIG, code_bwrap=str(tmp_path / "no-bwrap"), code_allow_unsafe_sandbox=True
+    )
+    session = ProgramSession(DEEP_TREE, unsafe)
+    try:
+        result = session.run("")
+        work = session._work
+        assert (result.status, result.stdout) == ("ok", "deep\n"), result
+    finally:
+        session.close()
+    assert work is not None and not os.path.lexists(work)
+
+
+@pytest.mark.timeout(60)
+def test_an_unsafe_harness_removes_a_deep_tree_when_its_trainer_is_gone(tmp_path):
+    # The harness's own clean-up (the trainer is gone) had the same RecursionError, caught
+    # by nothing but its os._exit: the files stayed.
+    work = tmp_path / "mrl-sandbox-deep"
+    (work / "box").mkdir(parents=True)
+    (work / "box" / "main.py").write_text("print(1)\n")
+    _deep_tree(work / "box", 1500)
+    try:
+        assert _orphaned_harness(work) == (0, b"")
+        assert not work.exists(), "its files outlived the trainer"
+    finally:
+        subprocess.run(["rm", "-rf", "--", str(work)], check=False)
 
 
 @pytest.mark.timeout(90)
