@@ -27,7 +27,8 @@ jobs, the run's own background fits) wall time stretches with the load and charg
 training steps with the live forecast's and other jobs' work (validating every step gave
 2.5x the ``gpu_hours`` of validating every 10 steps at step 10, measured here), while CPU
 time counts the work done. Background helpers (the live forecast's fits, HF exports) run
-at a lower priority and are not counted (:func:`background`).
+at a lower priority and are not counted (:func:`background`), nor is what follows wall time
+rather than work: gloo's polling threads and the clock's own readings (:class:`WorkCPUClock`).
 
 The count is resumable: a checkpoint stores the hours so far, and time while the job was down
 is not counted. Work redone after a resume (from the checkpoint to the crash) is counted
@@ -39,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -262,6 +264,7 @@ class WorkCPUClock:
         self._scanned = -float("inf")
         self._seen: dict[tuple[int, float], float] = {}  # (pid, start time) -> CPU seconds
         self._pollers: dict[tuple[int, int], list] = {}  # (pid, tid) -> [fd, CPU seconds]
+        weakref.finalize(self, _close_pollers, self._pollers)  # their fds, with the clock
         self._polled: dict[int, float] = {}  # pid -> CPU seconds of its polling threads
         self._total = 0.0
         self._started = False
@@ -350,6 +353,12 @@ class WorkCPUClock:
         before = self._seen.get(key, work if not self._started else 0.0)
         self._seen[key] = max(before, work)
         self._total += max(0.0, work - before)
+
+
+def _close_pollers(pollers: dict[tuple[int, int], list]) -> None:
+    for fd, _ in pollers.values():
+        os.close(fd)
+    pollers.clear()
 
 
 def _thread_name(pid: int, tid: int) -> str | None:

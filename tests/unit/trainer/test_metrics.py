@@ -370,12 +370,15 @@ def test_the_cpu_clock_leaves_out_gloos_polling_threads(tmp_path):
     )
     try:
         assert child.stdout.readline().strip() == "ready"
+        fds = len(os.listdir("/proc/self/fd"))
         clock = WorkCPUClock(root=child.pid)
         start, polled = clock(), _polling_cpu(child.pid)
         deadline = time.monotonic() + 20
         while _polling_cpu(child.pid) - polled < 0.05 and time.monotonic() < deadline:
             time.sleep(0.2)
         counted, polled = clock() - start, _polling_cpu(child.pid) - polled
+        del clock  # its threads' files are closed with it (a clock per run in one process)
+        assert len(os.listdir("/proc/self/fd")) == fds
     finally:
         child.stdin.close()
         child.wait(timeout=30)
