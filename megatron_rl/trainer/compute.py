@@ -27,7 +27,8 @@ jobs, the run's own background fits) wall time stretches with the load and charg
 training steps with the live forecast's and other jobs' work (validating every step gave
 2.5x the ``gpu_hours`` of validating every 10 steps at step 10, measured here), while CPU
 time counts the work done. Background helpers (the live forecast's fits, HF exports) run
-at a lower priority and are not counted (:func:`background`).
+at a lower priority and are not counted (:func:`background`), nor is what follows wall time
+rather than work: gloo's polling threads and the clock's own readings (:class:`WorkCPUClock`).
 
 The count is resumable: a checkpoint stores the hours so far, and time while the job was down
 is not counted. Work redone after a resume (from the checkpoint to the crash) is counted
@@ -39,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -218,6 +220,13 @@ def background(pid: int) -> None:
     _BACKGROUND.add(int(pid))
 
 
+# Threads that poll whatever the run does: gloo's TCP transport loop (one thread per process
+# group, about 37 in a trainer) wakes every 10 ms (epoll_wait with a 10 ms timeout), idle or
+# not: 36 ms of CPU a wall second in a trainer here. Counted, training compute would grow
+# with the wall time (the machine's load), which the CPU-time axis is there to leave out.
+POLLING_THREADS = frozenset({"gloo_tcp_loop"})
+
+
 class WorkCPUClock:
     """CPU seconds (user + system, every thread) spent so far by the run's work processes:
     this process and its descendants, less :func:`background` ones and their descendants.
@@ -227,10 +236,19 @@ class WorkCPUClock:
     count from then. Descendants are looked up at most every ``refresh`` wall seconds (a
     scan of the process table); CPU times are read at every call.
 
+    Left out as well, being proportional to wall time rather than to work:
+
+    - threads that poll (:data:`POLLING_THREADS`), from when a scan finds them (their
+      name), read to the nanosecond (``/proc/<pid>/task/<tid>/schedstat``);
+    - the clock's own reading (:attr:`own`): a scan walks the whole process table (3-7 ms
+      of CPU here, more on a busier machine) once a wall second. This process, read last,
+      is read to the nanosecond (``time.process_time``; /proc has 10 ms ticks), so that the
+      reading's own CPU time (``time.thread_time``) is taken off exactly.
+
     Args:
         root: the process whose tree is counted (default: this one).
         others: more trees to count (the other trainer ranks on this host).
-        refresh: wall seconds between two scans for new descendants.
+        refresh: wall seconds between two scans for new descendants and threads.
     """
 
     def __init__(
@@ -245,11 +263,16 @@ class WorkCPUClock:
         self._procs: list = []
         self._scanned = -float("inf")
         self._seen: dict[tuple[int, float], float] = {}  # (pid, start time) -> CPU seconds
+        self._pollers: dict[tuple[int, int], list] = {}  # (pid, tid) -> [fd, CPU seconds]
+        weakref.finalize(self, _close_pollers, self._pollers)  # their fds, with the clock
+        self._polled: dict[int, float] = {}  # pid -> CPU seconds of its polling threads
         self._total = 0.0
         self._started = False
+        self.own = 0.0  # CPU seconds of this clock's calls, left out of the count
 
     def _scan(self) -> None:
-        """The work processes: a walk of the tree that skips background subtrees."""
+        """The work processes: a walk of the tree that skips background subtrees; their
+        polling threads."""
         psutil = self._psutil
         procs, todo = list(self._roots), list(self._roots)
         while todo:
@@ -262,15 +285,49 @@ class WorkCPUClock:
                     procs.append(child)
                     todo.append(child)
         self._procs = procs
+        live = {proc.pid for proc in procs}
+        self._polled = {pid: cpu for pid, cpu in self._polled.items() if pid in live}
+        for proc in procs:
+            try:
+                tids = os.listdir(f"/proc/{proc.pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                key = (proc.pid, int(tid))
+                if key not in self._pollers and _thread_name(*key) in POLLING_THREADS:
+                    try:
+                        fd = os.open(f"/proc/{key[0]}/task/{key[1]}/schedstat", os.O_RDONLY)
+                    except OSError:
+                        continue
+                    self._pollers[key] = [fd, _thread_cpu(fd)]
+
+    def _read_pollers(self) -> None:
+        """Add what each polling thread spent since the last call to its process's count."""
+        for key, poller in list(self._pollers.items()):
+            cpu = _thread_cpu(poller[0])
+            if cpu is None:  # the thread has ended (its fd reads no more)
+                os.close(poller[0])
+                del self._pollers[key]
+                continue
+            if poller[1] is not None:
+                self._polled[key[0]] = self._polled.get(key[0], 0.0) + max(0.0, cpu - poller[1])
+            poller[1] = cpu
 
     def __call__(self) -> float:
         psutil = self._psutil
+        started = time.thread_time()
         now = time.monotonic()
         if now - self._scanned >= self._refresh:
             self._scan()
             self._scanned = now
+        self._read_pollers()  # before the processes: their readings hold what is taken off
+        mine = os.getpid()
+        me = None
         for proc in self._procs:
             if proc.pid in _BACKGROUND:
+                continue
+            if proc.pid == mine:
+                me = proc
                 continue
             try:
                 times = proc.cpu_times()
@@ -280,8 +337,41 @@ class WorkCPUClock:
             cpu = times.user + times.system
             if proc not in self._roots:  # ended children of a worker (e.g. a sandbox)
                 cpu += times.children_user + times.children_system
-            before = self._seen.get(key, cpu if not self._started else 0.0)
-            self._seen[key] = cpu
-            self._total += max(0.0, cpu - before)
+            self._count(key, cpu - self._polled.get(proc.pid, 0.0))
+        if me is not None:
+            # Last, so that this call's CPU time so far is in the reading, and is taken off
+            # it: what is left of the call (microseconds) counts in the next reading.
+            cpu = time.process_time()
+            self.own += time.thread_time() - started
+            self._count((mine, me.create_time()), cpu - self.own - self._polled.get(mine, 0.0))
         self._started = True
         return self._total
+
+    def _count(self, key: tuple[int, float], work: float) -> None:
+        """Add what process ``key`` spent on work since it was last seen (``work``: its CPU
+        time so far, less what is left out)."""
+        before = self._seen.get(key, work if not self._started else 0.0)
+        self._seen[key] = max(before, work)
+        self._total += max(0.0, work - before)
+
+
+def _close_pollers(pollers: dict[tuple[int, int], list]) -> None:
+    for fd, _ in pollers.values():
+        os.close(fd)
+    pollers.clear()
+
+
+def _thread_name(pid: int, tid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _thread_cpu(fd: int) -> float | None:
+    """A thread's CPU seconds from its open schedstat (None once it has ended)."""
+    try:
+        return int(os.pread(fd, 64, 0).split()[0]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
