@@ -44,21 +44,31 @@ _RETRACTION_RE = re.compile(
 # A sign of doubt that may bring a new value: "Actually, D.", "Hmm, no, it's 8", "Err, 8",
 # "I meant 8", "make that 8", "on second thought", "No, 8" ("no" as an interjection, not
 # "no one").
+# A correction announced ("Correction, 8.", "Edit: 8", "let me correct that: 8") is one too,
+# not "no correction needed".
 _DOUBT_RE = re.compile(
     r"(?i)\b(?:actually|wait|hmm+|err+|erm|um+|i\s{1,4}meant?|make\s{1,4}that|re-?check(?:ing)?"
-    r"|rather|instead|on\s{1,4}second\s{1,4}thought|hold\s{1,4}on|no(?=\s{0,4}[,.!:;—–-]))\b"
+    r"|rather|instead|on\s{1,4}second\s{1,4}thought|hold\s{1,4}on|no(?=\s{0,4}[,.!:;—–-])"
+    r"|(?<!no\s)(?<!without\s)(?:correction|erratum|edit|update)(?=\s{0,4}[,.!:;—–-])"
+    r"|(?:correcting|let\s{1,4}me\s{1,4}correct|to\s{1,4}correct)\s{1,4}(?:myself|that|this|it))\b"
 )
 # How far after a sign of doubt a value is looked for.
 _DOUBT_REACH = 300
 # The first value after a sign of doubt: a math span (read by ``math_span``), a number, or
 # an option letter that ends its sentence ("Actually, D.").
 _VALUE_START_RE = re.compile(
-    r"\$|\\[(\[]|(?<![\w.^_{])[-+−]?\d|(?<![\w\\])\(?[A-J]\)?(?=\s{0,4}(?:[.!;]|$))",
+    r"\$|\\[(\[]|(?<![\w.^_{])[-+−]?\d|(?<![\w\\])\(?[A-J]\)?(?=\s{0,4}(?:[.!;?]|$))",
     re.MULTILINE,
 )
 _NUMBER_RE = re.compile(r"[-+−]?\d+(?:[.,/]\d+){0,8}")
 # After a number, an operator: the number opens an expression ("3 + 4 = 7"), read as one.
 _OPERATOR_AFTER_RE = re.compile(r"\s{0,4}[-+*/=×·^]")
+# That expression in plain text: numbers, operators, brackets and single spaces, to the
+# first word or sentence end ("3 + 4 = 7, confirmed" is ``3 + 4 = 7``).
+_EXPRESSION_RE = re.compile(
+    r"[-+−]?\d(?:[\d+\-−*/=×·^(){}]|\\[A-Za-z]{1,12}|[ \t](?=\S)|\.(?=\d)){0,200}"
+)
+_DANGLING = " \t+-−*/=×·^"
 # Before a value, what denies it: "rather than 8", "instead of 8", "not 8", "n = 2".
 _DENIAL_RE = re.compile(r"(?i)(?:\bnot|n't|n’t|\bthan|\bof|[A-Za-z]\s{0,4}=)\s{0,4}$")
 # What states the corrected value after a retraction: "the value is 6", "it should be $6$",
@@ -84,8 +94,7 @@ def _value_after_doubt(window: str, i: int) -> str | None:
         if number is None:
             return found.group(0).strip("()")
         if _OPERATOR_AFTER_RE.match(window, number.end()):
-            value = value_at(window, j, clause=False)
-            return value[0] if value is not None and value[1] == MATH else None
+            return _EXPRESSION_RE.match(window, j).group(0).rstrip(_DANGLING) or None
         return number.group(0)
     return None
 
@@ -96,7 +105,11 @@ _CONDITIONAL_RE = re.compile(
     r"(?i)\b(?:otherwise|unless|in\s{1,4}which\s{1,4}case|alternatively|if\s{1,4}instead"
     r"|or\s{0,4},?\s{0,4}(?:if|when|assuming|possibly|maybe|perhaps)|else|maybe|perhaps"
     r"|possibly|probably|(?:could|might)\s{1,4}(?:also\s{1,4})?be|not\s{1,4}sure"
-    r"|or\s{1,4}[^\s,.;]{1,40}\s{1,4}(?:if|when|assuming))\b"
+    r"|or\s{1,4}[^\s,.;]{1,40}\s{1,4}(?:if|when|assuming)"
+    # "Or was it 8?", "or is it $8$", "or else 8", "alternately 8", "another answer is 8".
+    r"|or\s{0,4},?\s{0,4}(?:is|was|would|could|should|might|may|maybe|else|even|rather)"
+    r"|alternat(?:e|ive)(?:ly)?|another\s{1,4}(?:possible\s{1,4}|valid\s{1,4})?"
+    r"(?:answer|solution|value|option|possibility|candidate))\b"
     # "or 8", "or $8$", "/ 8" right after the answer: a second value offered.
     r"|\bor\s{1,4}(?=[$\d]|\\[(\[]|\\boxed)|\A[\s$)\]}\\]{0,8}/\s{0,4}(?=[$\d])"
     # "if the endpoints count, 8", "if ..., it would be 8", "if ... then $8$".
@@ -120,6 +133,83 @@ def _conditional(window: str) -> bool:
     return False
 
 
+# Another value endorsed beside the answer: "although 8 also works", "8 works too", "8 is
+# also a solution", "so does 8": a word of addition and one of approval in one sentence.
+_ALSO_RE = re.compile(r"(?i)\b(?:also|too|as\s{1,4}well|equally|so\s{1,4}(?:does|do|is|would))\b")
+_APPROVAL_RE = re.compile(
+    r"(?i)\b(?:works?|valid|correct|right|possible|acceptable|fine|ok(?:ay)?|true|holds?"
+    r"|satisf(?:y|ies|ying)|fits?|solutions?|answers?|solves?)\b"
+)
+# Where a question or a sentence ends, how much of a sentence around "?" or "also" is read,
+# and how many of each (the first) are.
+_QUESTION_REACH = 200
+_MAX_QUESTIONS = 16
+_CLAUSE_END_RE = re.compile(r"[.!?;\n]")
+
+
+def _values(text: str) -> list[str]:
+    """The values ``text`` states, at most 8, none denied ("not 8", "n = 2"): math spans,
+    expressions read to their last side ("3 + 4 = 7" is 7), numbers and option letters;
+    without spaces and delimiters."""
+    values: list[str] = []
+    for found in _VALUE_START_RE.finditer(text):
+        j = found.start()
+        if _DENIAL_RE.search(text[max(0, j - 12) : j]):
+            continue
+        span = math_span(text, j)
+        if span is not None:
+            value = span[0]
+        elif text[j] in "$\\":
+            continue  # a delimiter that never closes (the one that closed the answer)
+        else:
+            number = _NUMBER_RE.match(text, j)
+            if number is None:
+                value = found.group(0).strip("()")
+            elif _OPERATOR_AFTER_RE.match(text, number.end()):
+                value = _EXPRESSION_RE.match(text, j).group(0).rstrip(_DANGLING)
+            else:
+                value = number.group(0)
+        value = re.split(r"=|\\equiv", value)[-1]
+        values.append("".join(value.split()).strip("().").removesuffix("\\right"))
+        if len(values) >= 8:
+            break
+    return [v for v in values if v]
+
+
+def _other_value(text: str, answer: str | None) -> bool:
+    """``text`` states a value that is not ``answer`` (any value when ``answer`` is None)."""
+    same = None if answer is None else "".join(answer.split())
+    return any(value != same for value in _values(text))
+
+
+def _endorsed_alternative(window: str, answer: str | None) -> bool:
+    """``window`` offers another value as a question ("Or was it 8?", "Is it 8?") or
+    endorses one beside the answer ("although 8 also works", "8 works too"): the sentence
+    states a value other than ``answer``."""
+    questions = 0
+    for mark in re.finditer(r"\?", window):
+        questions += 1
+        if questions > _MAX_QUESTIONS:
+            break
+        start = max(0, mark.start() - _QUESTION_REACH)
+        ends = list(_CLAUSE_END_RE.finditer(window, start, mark.start()))
+        question = window[ends[-1].end() if ends else start : mark.start()]
+        if _other_value(question, answer):
+            return True
+    for count, also in enumerate(_ALSO_RE.finditer(window)):
+        if count >= _MAX_QUESTIONS:
+            break
+        ends = list(
+            _CLAUSE_END_RE.finditer(window, max(0, also.start() - _QUESTION_REACH), also.start())
+        )
+        start = ends[-1].end() if ends else max(0, also.start() - _QUESTION_REACH)
+        end = _CLAUSE_END_RE.search(window, also.end(), also.end() + _QUESTION_REACH)
+        sentence = window[start : end.start() if end else also.end() + _QUESTION_REACH]
+        if _APPROVAL_RE.search(sentence) and _other_value(sentence, answer):
+            return True
+    return False
+
+
 def separates(between: str) -> bool:
     """The text between two boxes retracts or doubts the first ("$\\boxed{7}$ was wrong;
     $\\boxed{8}$", "Actually, I meant $\\boxed{8}$"): they are no set of answers."""
@@ -127,13 +217,14 @@ def separates(between: str) -> bool:
     return _RETRACTION_RE.search(window) is not None or _DOUBT_RE.search(window) is not None
 
 
-def after_answer(text: str) -> str | None:
-    """What ``text`` (the text after a final answer) makes of that answer: None when it
-    stands; "" when it is no answer (retracted with no value stated, or offered with a
-    conditional alternative); else the value that replaces it (the last stated after a
+def after_answer(text: str, answer: str | None = None) -> str | None:
+    """What ``text`` (the text after a final answer, ``answer``) makes of that answer: None
+    when it stands; "" when it is no answer (retracted with no value stated, offered with
+    an alternative, conditional or not, or with another value asked or endorsed,
+    ``_endorsed_alternative``); else the value that replaces it (the last stated after a
     retraction or a sign of doubt)."""
     window = text[:PATTERN_WINDOW]
-    if _conditional(window):
+    if _conditional(window) or _endorsed_alternative(window, answer):
         return ""
     retractions = list(_RETRACTION_RE.finditer(window))
     start = retractions[-1].end() if retractions else 0

@@ -93,10 +93,10 @@ def final_answer(text: str, stated: bool = True) -> str | None:
             return None
         window = text[-PATTERN_WINDOW:]
         at = window.rfind(found)
-        corrected = after_answer(window[at + len(found) :]) if at >= 0 else None
+        corrected = after_answer(window[at + len(found) :], found) if at >= 0 else None
         return found if corrected is None else corrected or None
     answer, end = boxed
-    corrected = after_answer(text[end:])
+    corrected = after_answer(text[end:], clean_answer(answer))
     if corrected is not None:
         # The last stated answer counts: a box then "that is wrong: the value is 6" is 6;
         # a box retracted with no value stated, or hedged ("otherwise 8"), is no answer.
