@@ -49,7 +49,7 @@ _RETRACTION_RE = re.compile(
 _DOUBT_RE = re.compile(
     r"(?i)\b(?:actually|wait|hmm+|err+|erm|um+|i\s{1,4}meant?|make\s{1,4}that|re-?check(?:ing)?"
     r"|rather|instead|on\s{1,4}second\s{1,4}thought|hold\s{1,4}on|no(?=\s{0,4}[,.!:;—–-])"
-    r"|(?<!no\s)(?<!without\s)(?:correction|erratum|edit|update)(?=\s{0,4}[,.!:;—–-])"
+    r"|(?<!no\s)(?<!without\s)(?:correction|errat(?:um|a)|edit|update)(?=\s{0,4}[-,.!:;—–$\d])"
     r"|(?:correcting|let\s{1,4}me\s{1,4}correct|to\s{1,4}correct)\s{1,4}(?:myself|that|this|it))\b"
 )
 # How far after a sign of doubt a value is looked for.
@@ -71,6 +71,8 @@ _EXPRESSION_RE = re.compile(
 _DANGLING = " \t+-−*/=×·^"
 # Before a value, what denies it: "rather than 8", "instead of 8", "not 8", "n = 2".
 _DENIAL_RE = re.compile(r"(?i)(?:\bnot|n't|n’t|\bthan|\bof|[A-Za-z]\s{0,4}=)\s{0,4}$")
+# In a question "not" denies nothing: "Is it not 8?" offers 8.
+_QUESTION_DENIAL_RE = re.compile(r"(?i)(?:\bthan|\bof|[A-Za-z]\s{0,4}=)\s{0,4}$")
 # What states the corrected value after a retraction: "the value is 6", "it should be $6$",
 # "= 6", ": 6", "it's 6". How many of those (the last ones) are read.
 _MAX_RESTATED_TRIES = 8
@@ -135,10 +137,19 @@ def _conditional(window: str) -> bool:
 
 # Another value endorsed beside the answer: "although 8 also works", "8 works too", "8 is
 # also a solution", "so does 8": a word of addition and one of approval in one sentence.
-_ALSO_RE = re.compile(r"(?i)\b(?:also|too|as\s{1,4}well|equally|so\s{1,4}(?:does|do|is|would))\b")
+_ALSO_RE = re.compile(
+    r"(?i)\b(?:also|too|as\s{1,4}well|equally|(?:so|as)\s{1,4}(?:does|do|is|would))\b"
+)
 _APPROVAL_RE = re.compile(
-    r"(?i)\b(?:works?|valid|correct|right|possible|acceptable|fine|ok(?:ay)?|true|holds?"
-    r"|satisf(?:y|ies|ying)|fits?|solutions?|answers?|solves?)\b"
+    r"(?i)\b(?:works?|valid|correct|right|possible|acceptable|allowed|fine|good|ok(?:ay)?|true"
+    r"|holds?|satisf(?:y|ies|ying)|fits?|solutions?|answers?|solves?|do|does|serves?"
+    r"|suffices?|counts?|qualif(?:y|ies)|options?|candidates?|possibilit(?:y|ies))\b"
+)
+# A word of addition right before or after a value ("Also 8.", "and also $8$", "8 too.",
+# "8 as well"): another value offered, approved or not.
+_ALSO_VALUE_RE = re.compile(
+    r"(?i)\b(?:also|too|as\s{1,4}well)\s{0,4}[,:]?\s{0,4}(?:[$\d]|\\[(\[]|\\boxed)"
+    r"|(?:[\d$}]|\\[)\]])\s{0,4},?\s{0,4}(?:also|too|as\s{1,4}well)\b"
 )
 # Where a question or a sentence ends, how much of a sentence around "?" or "also" is read,
 # and how many of each (the first) are.
@@ -147,14 +158,14 @@ _MAX_QUESTIONS = 16
 _CLAUSE_END_RE = re.compile(r"[.!?;\n]")
 
 
-def _values(text: str) -> list[str]:
-    """The values ``text`` states, at most 8, none denied ("not 8", "n = 2"): math spans,
-    expressions read to their last side ("3 + 4 = 7" is 7), numbers and option letters;
-    without spaces and delimiters."""
+def _values(text: str, denial: re.Pattern = _DENIAL_RE) -> list[str]:
+    """The values ``text`` states, at most 8, none denied (``denial``: "not 8", "n = 2"):
+    math spans, expressions read to their last side ("3 + 4 = 7" is 7), numbers and option
+    letters; without spaces and delimiters."""
     values: list[str] = []
     for found in _VALUE_START_RE.finditer(text):
         j = found.start()
-        if _DENIAL_RE.search(text[max(0, j - 12) : j]):
+        if denial.search(text[max(0, j - 12) : j]):
             continue
         span = math_span(text, j)
         if span is not None:
@@ -176,10 +187,10 @@ def _values(text: str) -> list[str]:
     return [v for v in values if v]
 
 
-def _other_value(text: str, answer: str | None) -> bool:
+def _other_value(text: str, answer: str | None, denial: re.Pattern = _DENIAL_RE) -> bool:
     """``text`` states a value that is not ``answer`` (any value when ``answer`` is None)."""
     same = None if answer is None else "".join(answer.split())
-    return any(value != same for value in _values(text))
+    return any(value != same for value in _values(text, denial))
 
 
 def _endorsed_alternative(window: str, answer: str | None) -> bool:
@@ -194,7 +205,7 @@ def _endorsed_alternative(window: str, answer: str | None) -> bool:
         start = max(0, mark.start() - _QUESTION_REACH)
         ends = list(_CLAUSE_END_RE.finditer(window, start, mark.start()))
         question = window[ends[-1].end() if ends else start : mark.start()]
-        if _other_value(question, answer):
+        if _other_value(question, answer, _QUESTION_DENIAL_RE):
             return True
     for count, also in enumerate(_ALSO_RE.finditer(window)):
         if count >= _MAX_QUESTIONS:
@@ -205,7 +216,8 @@ def _endorsed_alternative(window: str, answer: str | None) -> bool:
         start = ends[-1].end() if ends else max(0, also.start() - _QUESTION_REACH)
         end = _CLAUSE_END_RE.search(window, also.end(), also.end() + _QUESTION_REACH)
         sentence = window[start : end.start() if end else also.end() + _QUESTION_REACH]
-        if _APPROVAL_RE.search(sentence) and _other_value(sentence, answer):
+        endorsed = _APPROVAL_RE.search(sentence) or _ALSO_VALUE_RE.search(sentence)
+        if endorsed and _other_value(sentence, answer):
             return True
     return False
 

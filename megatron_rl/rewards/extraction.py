@@ -47,6 +47,11 @@ __all__ = [
 _OPENERS = "{(["
 _CLOSERS = "})]"
 _FINAL_ANSWER_RE = re.compile(r"(?i)\bfinal\s{1,8}answer\b")
+# "answer" after the box: "So the answer is 8.", "Corrected answer: 8" (not ``<answer>``).
+_ANSWER_AFTER_RE = re.compile(r"(?i)(?<![</])\banswer\b(?!>)")
+# A word of prose (three letters or more once LaTeX commands are gone): "7 makes sense".
+_PROSE_WORD_RE = re.compile(r"[A-Za-z]{3,}")
+_LATEX_COMMAND_RE = re.compile(r"\\[A-Za-z]+")
 _DIGITS_RE = re.compile(r"\d+")
 _FACTORIAL_RE = re.compile(r"(\d+)\s{0,8}!")
 _INTEGER_RE = re.compile(r"[+-]?\d+")
@@ -101,9 +106,15 @@ def final_answer(text: str, stated: bool = True) -> str | None:
         # The last stated answer counts: a box then "that is wrong: the value is 6" is 6;
         # a box retracted with no value stated, or hedged ("otherwise 8"), is no answer.
         return corrected or None
-    if stated and _FINAL_ANSWER_RE.search(text, end):
+    if stated and _ANSWER_AFTER_RE.search(text, end):
+        # The last stated answer counts: "$\\boxed{7}$. So the answer is 8." is 8; after
+        # a mere "answer" (not "final answer") only a value without prose ("The answer 7
+        # makes sense" leaves the box).
         after = stated_answer(text[end:], math_only=True)
-        if after is not None:
+        final = _FINAL_ANSWER_RE.search(text, end) is not None
+        if after is not None and (
+            final or not _PROSE_WORD_RE.search(_LATEX_COMMAND_RE.sub("", after))
+        ):
             return after
     return clean_answer(answer) or None
 
