@@ -20,6 +20,7 @@ first ``PATTERN_WINDOW`` characters after the answer. Nothing here parses or eva
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from megatron_rl.rewards.stated import MATH, PATTERN_WINDOW, math_span, value_at
 
@@ -49,7 +50,8 @@ _RETRACTION_RE = re.compile(
 _DOUBT_RE = re.compile(
     r"(?i)\b(?:actually|wait|hmm+|err+|erm|um+|i\s{1,4}meant?|make\s{1,4}that|re-?check(?:ing)?"
     r"|rather|instead|on\s{1,4}second\s{1,4}thought|hold\s{1,4}on|no(?=\s{0,4}[,.!:;—–-])"
-    r"|(?<!no\s)(?<!without\s)(?:correction|errat(?:um|a)|edit|update)(?=\s{0,4}[-,.!:;—–$\d])"
+    r"|(?<!no\s)(?<!without\s)(?:corrections?|corrected|errat(?:um|a)|edit|update)"
+    r"(?=\s{0,4}[-,.!:;—–$\d])"
     r"|(?:correcting|let\s{1,4}me\s{1,4}correct|to\s{1,4}correct)\s{1,4}(?:myself|that|this|it))\b"
 )
 # How far after a sign of doubt a value is looked for.
@@ -69,6 +71,8 @@ _EXPRESSION_RE = re.compile(
     r"[-+−]?\d(?:[\d+\-−*/=×·^(){}]|\\[A-Za-z]{1,12}|[ \t](?=\S)|\.(?=\d)){0,200}"
 )
 _DANGLING = " \t+-−*/=×·^"
+# A plain number that ``Fraction`` reads: ``7``, ``-7.0``, ``14/2``.
+_PLAIN_NUMBER_RE = re.compile(r"[-−]?\d{1,20}(?:\.\d{1,20}|/\d{1,20})?")
 # Before a value, what denies it: "rather than 8", "instead of 8", "not 8", "n = 2".
 _DENIAL_RE = re.compile(r"(?i)(?:\bnot|n't|n’t|\bthan|\bof|[A-Za-z]\s{0,4}=)\s{0,4}$")
 # In a question "not" denies nothing: "Is it not 8?" offers 8.
@@ -96,7 +100,13 @@ def _value_after_doubt(window: str, i: int) -> str | None:
         if number is None:
             return found.group(0).strip("()")
         if _OPERATOR_AFTER_RE.match(window, number.end()):
-            return _EXPRESSION_RE.match(window, j).group(0).rstrip(_DANGLING) or None
+            expression = _EXPRESSION_RE.match(window, j).group(0).rstrip(_DANGLING)
+            # A check ("3 + 4 = 7, confirmed") is its last side, unless the text after it
+            # states another value ("7 = 8 - 1, so 8", "3+4=7, 7+1=8"): the last stated
+            # value counts.
+            last = "".join(re.split(r"=|\\equiv", expression)[-1].split()).strip("().")
+            later = _values(window[j + len(expression) : end])
+            return later[-1] if any(not _same_value(v, last) for v in later) else expression or None
         return number.group(0)
     return None
 
@@ -155,7 +165,8 @@ _ALSO_VALUE_RE = re.compile(
 # and how many of each (the first) are.
 _QUESTION_REACH = 200
 _MAX_QUESTIONS = 16
-_CLAUSE_END_RE = re.compile(r"[.!?;\n]")
+# A point before a digit is a decimal point ("2 \\cdot 3.5 = 7"), no end.
+_CLAUSE_END_RE = re.compile(r"\.(?!\d)|[!?;\n]")
 
 
 def _values(text: str, denial: re.Pattern = _DENIAL_RE) -> list[str]:
@@ -163,13 +174,14 @@ def _values(text: str, denial: re.Pattern = _DENIAL_RE) -> list[str]:
     math spans, expressions read to their last side ("3 + 4 = 7" is 7), numbers and option
     letters; without spaces and delimiters."""
     values: list[str] = []
+    read_to = 0  # the end of the last math span or expression read: none is read twice
     for found in _VALUE_START_RE.finditer(text):
         j = found.start()
-        if denial.search(text[max(0, j - 12) : j]):
+        if j < read_to or denial.search(text[max(0, j - 12) : j]):
             continue
         span = math_span(text, j)
         if span is not None:
-            value = span[0]
+            value, read_to = span[0], span[1]
         elif text[j] in "$\\":
             continue  # a delimiter that never closes (the one that closed the answer)
         else:
@@ -178,8 +190,10 @@ def _values(text: str, denial: re.Pattern = _DENIAL_RE) -> list[str]:
                 value = found.group(0).strip("()")
             elif _OPERATOR_AFTER_RE.match(text, number.end()):
                 value = _EXPRESSION_RE.match(text, j).group(0).rstrip(_DANGLING)
+                read_to = j + len(value)
             else:
                 value = number.group(0)
+                read_to = number.end()  # "14/2" is one value, not 14/2 and 2
         value = re.split(r"=|\\equiv", value)[-1]
         values.append("".join(value.split()).strip("().").removesuffix("\\right"))
         if len(values) >= 8:
@@ -187,10 +201,30 @@ def _values(text: str, denial: re.Pattern = _DENIAL_RE) -> list[str]:
     return [v for v in values if v]
 
 
+def _number(value: str) -> Fraction | None:
+    """``value`` as an exact number when it is a plain one (``7``, ``7.0``, ``14/2``)."""
+    if len(value) > 40 or not _PLAIN_NUMBER_RE.fullmatch(value):
+        return None
+    try:
+        return Fraction(value.replace("−", "-"))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _same_value(value: str, answer: str) -> bool:
+    """``value`` is ``answer``: the same text, or the same plain number (``14/2`` is 7)."""
+    if value == answer:
+        return True
+    number = _number(value)
+    return number is not None and number == _number(answer)
+
+
 def _other_value(text: str, answer: str | None, denial: re.Pattern = _DENIAL_RE) -> bool:
     """``text`` states a value that is not ``answer`` (any value when ``answer`` is None)."""
-    same = None if answer is None else "".join(answer.split())
-    return any(value != same for value in _values(text, denial))
+    if answer is None:
+        return bool(_values(text, denial))
+    same = "".join(answer.split())
+    return any(not _same_value(value, same) for value in _values(text, denial))
 
 
 def _endorsed_alternative(window: str, answer: str | None) -> bool:

@@ -86,6 +86,11 @@ def answer_section(response: str, think_end_tag: str, require_think_end: bool) -
     return response[end + len(think_end_tag) :]
 
 
+def _opened(text: str, brackets: str = "([") -> int:
+    """How many of ``brackets`` (round and square, by default the openers) ``text`` holds."""
+    return sum(text.count(bracket) for bracket in brackets[:2])
+
+
 def final_answer(text: str, stated: bool = True) -> str | None:
     """The final answer of ``text``: its final boxed answer (``final_boxed``), unless a
     "final answer" that states math follows the last box (the rightmost wins, as in
@@ -110,8 +115,11 @@ def final_answer(text: str, stated: bool = True) -> str | None:
         # The last stated answer counts: "$\\boxed{7}$. So the answer is 8." is 8; after
         # a mere "answer" (not "final answer") only a value without prose ("The answer 7
         # makes sense" leaves the box).
-        after = stated_answer(text[end:], math_only=True)
         final = _FINAL_ANSWER_RE.search(text, end) is not None
+        after = stated_answer(text[end:], math_only=True, clause=final)
+        # "(Answer: 7)": the bracket that closes the remark is no part of the value.
+        while after and after[-1] in ")]" and _opened(after) < _opened(after, _CLOSERS):
+            after = after[:-1].rstrip()
         if after is not None and (
             final or not _PROSE_WORD_RE.search(_LATEX_COMMAND_RE.sub("", after))
         ):

@@ -412,8 +412,9 @@ def _residue(prediction: str, modulus: re.Match) -> str | None:
     (``6`` of ``6 \\pmod{7}`` and of ``13 \\equiv 6 \\pmod{7}``), against a reference that
     states no modulus; None when that is no true congruence: a constant side that is no
     integer, or two constant sides that differ by no multiple of the modulus (``13 \\equiv 5
-    \\pmod 7``: the rule ``_false_equation`` applies to ``=``, modulo the modulus). Runs
-    inside ``verify``'s CPU-time limit."""
+    \\pmod 7``: the rule ``_false_equation`` applies to ``=``, modulo the modulus), or a
+    modulus below 2 (modulo 1 every side agrees: ``8 \\equiv 7 \\pmod 1`` hedges 8 and 7).
+    Runs inside ``verify``'s CPU-time limit."""
     from sympy import Basic
 
     if bool(modulus.group(1)) != bool(modulus.group(4)):
@@ -421,7 +422,7 @@ def _residue(prediction: str, modulus: re.Match) -> str | None:
     n = int(modulus.group(2) or modulus.group(3))
     head = prediction[: modulus.start()]
     sides = [side.strip() for side in _top_level_sides(head)]
-    if n < 1 or not all(sides) or _MODULUS_RE.search(head):
+    if n < 2 or not all(sides) or _MODULUS_RE.search(head):
         return None
     residues = []
     for side in sides:
@@ -443,8 +444,8 @@ def _false_equation(prediction: str) -> bool:
     sides = _top_level_sides(prediction)
     if len(sides) < 2 or not all(side.strip() for side in sides):
         return False
-    if (_EQUIV in prediction or "≡" in prediction) and _MODULUS_RE.search(prediction):
-        return False
+    if (_EQUIV in prediction or "≡" in prediction) and _TRAILING_MODULUS_RE.search(prediction):
+        return False  # a congruence; a modulus inside a side (``13 \\mod 7 \\equiv 5``) is Mod
     parsed = [_parse(side, None) for side in sides]
     constants = [p for p in parsed if _constant(p)]
     if len(constants) == len(parsed):  # every side agrees with the last

@@ -57,7 +57,11 @@ _NOT_UNITS = frozenset(
     # Counting words and abbreviations that scale (``scaled`` reads them as factors) or may
     # (``mil`` is a thousandth of an inch or a million, ``MM`` a million or 2000).
     "k grand grands lakh lakhs lac lacs crore crores gross score scores ten tens bn bln mln "
-    "mil mils MM mn tn thou pct zillion zillions gazillion gazillions".split()
+    "mil mils MM mn tn thou pct zillion zillions gazillion gazillions "
+    # Number words: ``5\\text{ thousand five}`` is 5005, never 5000 in the unit "five".
+    "zero one two three four five six seven eight nine eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy "
+    "eighty ninety".split()
 )
 # Currency subunits: a reference without a unit counts money in the main unit (dollars), so
 # ``5 cents`` is not its 5; they count against a reference with a unit (``\\$5``), and
@@ -302,17 +306,37 @@ def _scale_word(word: str, wrapped: bool) -> str | None:
     return _MULTIPLIERS.get(word)
 
 
-def _stacks(factors: list[str], factor: str) -> bool:
-    """``factor`` may follow the multiplier words ``factors`` already read: the first may be
-    any; after it only whole numbers stack (``hundred thousand`` is 100 * 1000), as "five
-    hundred thousandths" (0.7 or 0.00007?) and "hundred percent" say no one product."""
-    if not factors:
+# The words of a scale, each a power of ten, that may follow another in a number ("five
+# hundred thousand", "two thousand million", "one lakh crore").
+_SCALE_POWERS = {
+    "hundred": 2,
+    "thousand": 3,
+    "lakh": 5,
+    "lac": 5,
+    "million": 6,
+    "crore": 7,
+    "billion": 9,
+    "trillion": 12,
+}
+
+
+def _stacks(words: list[str], word: str) -> bool:
+    """The multiplier ``word`` may follow the multiplier words ``words`` already read: the
+    first may be any; after it only a word of the scale larger than the one before
+    (``hundred thousand`` is 100 * 1000, as English writes it). "Five thousand hundred",
+    "five thousand thousand", "five hundred dozen" or "five hundred thousandths" (0.7 or
+    0.00007?) say no one number; nor does a percent or a factorial after a word."""
+    if not words:
         return True
+    power = _SCALE_POWERS.get(_singular(word))
+    before = _SCALE_POWERS.get(_singular(words[-1]))
+    return power is not None and before is not None and power > before
 
-    def whole(f: str) -> bool:
-        return f not in ("!", "%") and "frac" not in f
 
-    return whole(factor) and all(whole(f) for f in factors)
+def _singular(word: str) -> str:
+    """A multiplier word without its plural "s" (``thousands`` is ``thousand``)."""
+    word = word.lower()
+    return word[:-1] if word.endswith("s") and word[:-1] in _MULTIPLIERS else word
 
 
 def scaled(answer: str) -> str:
@@ -329,6 +353,7 @@ def scaled(answer: str) -> str:
     if found is None:
         return answer
     factors: list[str] = []
+    read: list[str] = []  # the multiplier words read, as written
     position, leftover = found.end(), ""
     while len(factors) < _MAX_SCALE_WORDS and factors[-1:] not in (["!"], ["%"]):
         words = _SCALE_WORDS_RE.match(answer, position)
@@ -339,9 +364,10 @@ def scaled(answer: str) -> str:
         taken = 0
         for name in names[: _MAX_SCALE_WORDS - len(factors)]:
             factor = _scale_word(name, wrapped)
-            if factor is None or not _stacks(factors, factor):
+            if factor is None or not _stacks(read, name):
                 break
             factors.append(factor)
+            read.append(name)
             taken += 1
         if not taken:
             break
