@@ -77,6 +77,10 @@ _PLAIN_NUMBER_RE = re.compile(r"[-−]?\d{1,20}(?:\.\d{1,20}|/\d{1,20})?")
 _DENIAL_RE = re.compile(r"(?i)(?:\bnot|n't|n’t|\bthan|\bof|[A-Za-z]\s{0,4}=)\s{0,4}$")
 # In a question "not" denies nothing: "Is it not 8?" offers 8.
 _QUESTION_DENIAL_RE = re.compile(r"(?i)(?:\bthan|\bof|[A-Za-z]\s{0,4}=)\s{0,4}$")
+_NO_DENIAL_RE = re.compile(r"(?!)")
+# A question answered "No." right after it ("Is it 8? No."): its value is refused, and the
+# "No" is a sign of doubt of its own (a value after it is the answer).
+_ANSWERED_NO_RE = re.compile(r"(?i)\s{0,4}(?:no|nope)\b\s{0,4}(?:[,.!;:—–-]|$)")
 # What states the corrected value after a retraction: "the value is 6", "it should be $6$",
 # "= 6", ": 6", "it's 6". How many of those (the last ones) are read.
 _MAX_RESTATED_TRIES = 8
@@ -134,13 +138,21 @@ _SENTENCE_END_RE = re.compile(r"\.(?:\s|$)|\n")
 _VALUE_MARK_RE = re.compile(r"\d|\$|\\[(\[]|\\boxed")
 
 
-def _conditional(window: str) -> bool:
+def _conditional(window: str, answer: str | None = None) -> bool:
     """``window`` offers another value under a condition (``_CONDITIONAL_RE`` and then a
-    number or math before its sentence ends)."""
+    number or math before its sentence ends), one that is not ``answer`` ("Alternatively,
+    7 can be found by counting" offers none)."""
     for found in _CONDITIONAL_RE.finditer(window):
         reach = window[found.start() : found.end() + _CONDITION_REACH]
         end = _SENTENCE_END_RE.search(reach, found.end() - found.start())
-        if _VALUE_MARK_RE.search(reach[: end.start() if end else len(reach)]):
+        sentence = reach[: end.start() if end else len(reach)]
+        if not _VALUE_MARK_RE.search(sentence):
+            continue
+        if answer is None or "\\boxed" in sentence:
+            return True
+        values = _values(sentence, _NO_DENIAL_RE)
+        same = "".join(answer.split())
+        if not values or any(value != same for value in values):
             return True
     return False
 
@@ -239,6 +251,8 @@ def _endorsed_alternative(window: str, answer: str | None) -> bool:
         start = max(0, mark.start() - _QUESTION_REACH)
         ends = list(_CLAUSE_END_RE.finditer(window, start, mark.start()))
         question = window[ends[-1].end() if ends else start : mark.start()]
+        if _ANSWERED_NO_RE.match(window, mark.end()):
+            continue
         if _other_value(question, answer, _QUESTION_DENIAL_RE):
             return True
     for count, also in enumerate(_ALSO_RE.finditer(window)):
@@ -270,7 +284,7 @@ def after_answer(text: str, answer: str | None = None) -> str | None:
     ``_endorsed_alternative``); else the value that replaces it (the last stated after a
     retraction or a sign of doubt)."""
     window = text[:PATTERN_WINDOW]
-    if _conditional(window) or _endorsed_alternative(window, answer):
+    if _conditional(window, answer) or _endorsed_alternative(window, answer):
         return ""
     retractions = list(_RETRACTION_RE.finditer(window))
     start = retractions[-1].end() if retractions else 0

@@ -52,6 +52,7 @@ _ANSWER_AFTER_RE = re.compile(r"(?i)(?<![</])\banswer\b(?!>)")
 # A word of prose (three letters or more once LaTeX commands are gone): "7 makes sense".
 _PROSE_WORD_RE = re.compile(r"[A-Za-z]{3,}")
 _LATEX_COMMAND_RE = re.compile(r"\\[A-Za-z]+")
+_LEADING_NUMBER_RE = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _DIGITS_RE = re.compile(r"\d+")
 _FACTORIAL_RE = re.compile(r"(\d+)\s{0,8}!")
 _INTEGER_RE = re.compile(r"[+-]?\d+")
@@ -112,19 +113,30 @@ def final_answer(text: str, stated: bool = True) -> str | None:
         # a box retracted with no value stated, or hedged ("otherwise 8"), is no answer.
         return corrected or None
     if stated and _ANSWER_AFTER_RE.search(text, end):
-        # The last stated answer counts: "$\\boxed{7}$. So the answer is 8." is 8; after
-        # a mere "answer" (not "final answer") only a value without prose ("The answer 7
-        # makes sense" leaves the box).
+        # The last stated answer counts (``_restates``); after a mere "answer" (not "final
+        # answer") the value must follow the word ("The answer squared is 49" leaves it).
         final = _FINAL_ANSWER_RE.search(text, end) is not None
         after = stated_answer(text[end:], math_only=True, clause=final)
         # "(Answer: 7)": the bracket that closes the remark is no part of the value.
         while after and after[-1] in ")]" and _opened(after) < _opened(after, _CLOSERS):
             after = after[:-1].rstrip()
-        if after is not None and (
-            final or not _PROSE_WORD_RE.search(_LATEX_COMMAND_RE.sub("", after))
-        ):
+        if after is not None and _restates(after, clean_answer(answer), text, end):
             return after
     return clean_answer(answer) or None
+
+
+def _restates(after: str, boxed: str, text: str, end: int) -> bool:
+    """The answer ``after``, stated after a box (``boxed``) that ends at ``text[end]``,
+    replaces it: the last stated answer counts ("$\\boxed{7}$. So the answer is 8." is 8).
+    After "final answer" any math does; after a mere "answer", a value without prose, or
+    one whose leading number is not the box's ("The answer is 8 apples"): "The answer 7
+    makes sense" leaves the box."""
+    if _FINAL_ANSWER_RE.search(text, end) is not None:
+        return True
+    if not _PROSE_WORD_RE.search(_LATEX_COMMAND_RE.sub("", after)):
+        return True
+    number = _LEADING_NUMBER_RE.match(after)
+    return number is not None and number.group(0) != "".join(boxed.split())
 
 
 def _pattern_answer(section: str, pattern: str) -> str | None:
@@ -244,8 +256,10 @@ _OPERATOR_RE = re.compile(
     r"\\(?:[iod]{0,3}int|sum|prod|lim|limsup|liminf|gcd|lcm|max|min|det|partial|nabla|lfloor|lceil)"
     r"(?![A-Za-z])"
     r"|\\(?:operatorname\*?|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?i:gcd|lcm|max|lim|det)\s{0,4}\}"
-    # ``\text{min}`` ending the answer is the unit (``5\text{ min}``), not the operator.
-    r"|\\(?:operatorname\*?|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?i:min)\s{0,4}\}(?!\s{0,4}$)"
+    # ``\text{min}`` ending the answer, with a power or none, is the unit (``5\text{ min}``,
+    # ``300\text{ min}^{-1}``), not the operator.
+    r"|\\(?:operatorname\*?|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?i:min)\s{0,4}\}"
+    r"(?!\s{0,4}(?:\^\s{0,4}(?:\{\s{0,4}-?\s{0,4}\d\s{0,4}\}|\d)\s{0,4})?$)"
     r"|\\[dt]?frac\s{0,4}\{\s{0,4}(?:d|\\mathrm\s{0,4}\{\s{0,4}d\s{0,4}\})(?:\^\{?\d\}?)?\s{0,4}\}"
     r"\s{0,4}\{\s{0,4}(?:d|\\mathrm\s{0,4}\{\s{0,4}d\s{0,4}\})\s{0,4}[A-Za-z]"
     r"|(?<![A-Za-z])(?i:gcd|lcm)\s{0,4}\(|(?<![A-Za-z\\])d/d[A-Za-z]"

@@ -585,9 +585,10 @@ def unit_key(answer: str) -> str | None:
 
 
 def kept_against_bare(key: str) -> bool:
-    """A unit (``unit_key``) that is not taken off against a reference without a unit: a
-    currency subunit (``5\\text{ cents}`` is not the answer 5)."""
-    return key.split("^")[0] in _KEPT_AGAINST_BARE
+    """A unit (``unit_key``) that is not taken off against a reference without a unit: one
+    with a currency subunit in it (``5\\text{ cents}`` and ``5\\text{ cents}\\cdot\\text{s}``
+    are not the answer 5)."""
+    return any(part.split("^")[0] in _KEPT_AGAINST_BARE for part in re.split("[ /]", key))
 
 
 # Units that convert into one another, each with its dimension (exponents of length, mass,
