@@ -134,6 +134,9 @@ _CONDITIONAL_RE = re.compile(
 )
 # After a condition, how far (at most; a sentence or line ends it sooner) a value is looked for.
 _CONDITION_REACH = 160
+# A hedge word that ends its line, with a colon or comma or none: its value comes on the
+# next line that is not blank.
+_LINE_LEAD_RE = re.compile(r"[ \t]{0,4}[:,]?[ \t]{0,4}\n(?:[ \t]{0,4}\n){0,4}")
 _SENTENCE_END_RE = re.compile(r"\.(?:\s|$)|\n")
 _VALUE_MARK_RE = re.compile(r"\d|\$|\\[(\[]|\\boxed")
 
@@ -144,7 +147,11 @@ def _conditional(window: str, answer: str | None = None) -> bool:
     7 can be found by counting" offers none)."""
     for found in _CONDITIONAL_RE.finditer(window):
         reach = window[found.start() : found.end() + _CONDITION_REACH]
-        end = _SENTENCE_END_RE.search(reach, found.end() - found.start())
+        start = found.end() - found.start()
+        if _LINE_LEAD_RE.match(reach, start):
+            # "Alternatively:\n$$8$$", "Otherwise,\n\n8": the value is on the next line.
+            start = _LINE_LEAD_RE.match(reach, start).end()
+        end = _SENTENCE_END_RE.search(reach, start)
         sentence = reach[: end.start() if end else len(reach)]
         if not _VALUE_MARK_RE.search(sentence):
             continue
@@ -152,7 +159,7 @@ def _conditional(window: str, answer: str | None = None) -> bool:
             return True
         values = _values(sentence, _NO_DENIAL_RE)
         same = "".join(answer.split())
-        if not values or any(value != same for value in values):
+        if not values or any(not _same_value(value, same) for value in values):
             return True
     return False
 
