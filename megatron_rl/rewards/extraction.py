@@ -29,6 +29,7 @@ from megatron_rl.rewards.stated import (
     tag_content,
     unwrap_math,
 )
+from megatron_rl.rewards.units import scaled, split_unit
 
 __all__ = [
     "answer_section",
@@ -53,6 +54,14 @@ _ANSWER_AFTER_RE = re.compile(r"(?i)(?<![</])\banswer\b(?!>)")
 _PROSE_WORD_RE = re.compile(r"[A-Za-z]{3,}")
 _LATEX_COMMAND_RE = re.compile(r"\\[A-Za-z]+")
 _LEADING_NUMBER_RE = re.compile(r"[-+]?\d+(?:\.\d+)?")
+# After a stated number, what goes on computing it ("7/2", "7-8", "7^2", "7!", "7 \\cdot 2"),
+# and the words that change it or offer another ("7 times 2", "7 or more", "7 less than 15").
+_NUMBER_GOES_ON_RE = re.compile(r"\s{0,4}(?:[-+*/^!×·÷−]|\\(?:cdot|times|div|pm)(?![A-Za-z])|,?\d)")
+_NEXT_WORD_RE = re.compile(r"\s{1,4}([A-Za-z]+)")
+_VALUE_WORDS = frozenset(
+    "times plus minus divided over squared cubed factorial percent root or to and more less "
+    "fewer than".split()
+)
 _DIGITS_RE = re.compile(r"\d+")
 _FACTORIAL_RE = re.compile(r"(\d+)\s{0,8}!")
 _INTEGER_RE = re.compile(r"[+-]?\d+")
@@ -136,7 +145,18 @@ def _restates(after: str, boxed: str, text: str, end: int) -> bool:
     if not _PROSE_WORD_RE.search(_LATEX_COMMAND_RE.sub("", after)):
         return True
     number = _LEADING_NUMBER_RE.match(after)
-    return number is not None and number.group(0) != "".join(boxed.split())
+    if number is None:
+        return False
+    unit = split_unit(boxed)  # "7 cm long" restates the box 7\text{ cm}
+    if number.group(0) != "".join((unit[0] if unit else boxed).split()):
+        return True
+    # The box's number, then a noun ("7 apples", "7, i.e. seven") leaves the box; what
+    # changes the number ("7/2 apples", "7-8", "7 hundred", "7 or more", "7 less than 15",
+    # "7 times 2") states another value.
+    if _NUMBER_GOES_ON_RE.match(after, number.end()) or scaled(after) != after:
+        return True
+    word = _NEXT_WORD_RE.match(after, number.end())
+    return word is not None and word.group(1).lower() in _VALUE_WORDS
 
 
 def _pattern_answer(section: str, pattern: str) -> str | None:
