@@ -31,7 +31,12 @@ _ANSWER_ANCHOR_RE = re.compile(
 # After "answer": markup, a colon, "is" or "=", in any order ("Answer:** is $5$"); not the
 # emphasis that opens the answer ("is *x* = 2", "is **33**").
 # A comma too: "The answer, **tan A = 2**, matches the figure".
-_ANSWER_LEAD_RE = re.compile(r'(?:[\s:",]|[*_`]++(?=[\s:"=]|$)|\bis\b|=){0,16}')
+# "would be", "should be" and a remark of words in brackets ("Answer (corrected): 8", not
+# the option "(C)") lead to it too.
+_ANSWER_LEAD_RE = re.compile(
+    r'(?:[\s:",]|[*_`]++(?=[\s:"=]|$)|\bis\b|=|\b(?:would|should|must|will)\s{1,4}be\b'
+    r"|\([A-Za-z]{2}[A-Za-z ]{0,18}\)){0,16}"
+)
 # "The largest $n$ is 34": a short clause on one line, then "is".
 _CLAUSE_IS_RE = re.compile(r"[^\n]{0,100}?\sis\b[\s:]{0,8}")
 _SPAN_LINK_RE = re.compile(r"\s{0,8}(?:,\s{0,8})?(?:(?:and|or)\b)?\s{0,8}")
