@@ -46,13 +46,15 @@ _RETRACTION_RE = re.compile(
 # "I meant 8", "make that 8", "on second thought", "No, 8" ("no" as an interjection, not
 # "no one").
 # A correction announced ("Correction, 8.", "Edit: 8", "let me correct that: 8") is one too,
-# not "no correction needed".
+# not "no correction needed", and so is a label with a colon ("Final: 8", "Result: 8").
 _DOUBT_RE = re.compile(
     r"(?i)\b(?:actually|wait|hmm+|err+|erm|um+|i\s{1,4}meant?|make\s{1,4}that|re-?check(?:ing)?"
     r"|rather|instead|on\s{1,4}second\s{1,4}thought|hold\s{1,4}on|no(?=\s{0,4}[,.!:;—–-])"
     r"|(?<!no\s)(?<!without\s)(?:corrections?|corrected|errat(?:um|a)|edit|update)"
     r"(?=\s{0,4}[-,.!:;—–$\d])"
-    r"|(?:correcting|let\s{1,4}me\s{1,4}correct|to\s{1,4}correct)\s{1,4}(?:myself|that|this|it))\b"
+    r"|(?:correcting|let\s{1,4}me\s{1,4}correct|to\s{1,4}correct)\s{1,4}(?:myself|that|this|it)"
+    # A label that states a value anew after the answer: "Final: 8", "Result: 8".
+    r"|(?:final|result|conclusion|verdict|corrected|revised)(?=\s{0,4}:))\b"
 )
 # How far after a sign of doubt a value is looked for.
 _DOUBT_REACH = 300
