@@ -29,6 +29,7 @@ from megatron_rl.rewards.stated import (
     tag_content,
     unwrap_math,
 )
+from megatron_rl.rewards.units import scaled, split_unit
 
 __all__ = [
     "answer_section",
@@ -47,6 +48,20 @@ __all__ = [
 _OPENERS = "{(["
 _CLOSERS = "})]"
 _FINAL_ANSWER_RE = re.compile(r"(?i)\bfinal\s{1,8}answer\b")
+# "answer" after the box: "So the answer is 8.", "Corrected answer: 8" (not ``<answer>``).
+_ANSWER_AFTER_RE = re.compile(r"(?i)(?<![</])\banswer\b(?!>)")
+# A word of prose (three letters or more once LaTeX commands are gone): "7 makes sense".
+_PROSE_WORD_RE = re.compile(r"[A-Za-z]{3,}")
+_LATEX_COMMAND_RE = re.compile(r"\\[A-Za-z]+")
+_LEADING_NUMBER_RE = re.compile(r"[-+]?\d+(?:\.\d+)?")
+# After a stated number, what goes on computing it ("7/2", "7-8", "7^2", "7!", "7 \\cdot 2"),
+# and the words that change it or offer another ("7 times 2", "7 or more", "7 less than 15").
+_NUMBER_GOES_ON_RE = re.compile(r"\s{0,4}(?:[-+*/^!×·÷−]|\\(?:cdot|times|div|pm)(?![A-Za-z])|,?\d)")
+_NEXT_WORD_RE = re.compile(r"\s{1,4}([A-Za-z]+)")
+_VALUE_WORDS = frozenset(
+    "times plus minus divided over squared cubed factorial percent root or to and more less "
+    "fewer than".split()
+)
 _DIGITS_RE = re.compile(r"\d+")
 _FACTORIAL_RE = re.compile(r"(\d+)\s{0,8}!")
 _INTEGER_RE = re.compile(r"[+-]?\d+")
@@ -81,6 +96,11 @@ def answer_section(response: str, think_end_tag: str, require_think_end: bool) -
     return response[end + len(think_end_tag) :]
 
 
+def _opened(text: str, brackets: str = "([") -> int:
+    """How many of ``brackets`` (round and square, by default the openers) ``text`` holds."""
+    return sum(text.count(bracket) for bracket in brackets[:2])
+
+
 def final_answer(text: str, stated: bool = True) -> str | None:
     """The final answer of ``text``: its final boxed answer (``final_boxed``), unless a
     "final answer" that states math follows the last box (the rightmost wins, as in
@@ -93,19 +113,50 @@ def final_answer(text: str, stated: bool = True) -> str | None:
             return None
         window = text[-PATTERN_WINDOW:]
         at = window.rfind(found)
-        corrected = after_answer(window[at + len(found) :]) if at >= 0 else None
+        corrected = after_answer(window[at + len(found) :], found) if at >= 0 else None
         return found if corrected is None else corrected or None
     answer, end = boxed
-    corrected = after_answer(text[end:])
+    corrected = after_answer(text[end:], clean_answer(answer))
     if corrected is not None:
         # The last stated answer counts: a box then "that is wrong: the value is 6" is 6;
         # a box retracted with no value stated, or hedged ("otherwise 8"), is no answer.
         return corrected or None
-    if stated and _FINAL_ANSWER_RE.search(text, end):
-        after = stated_answer(text[end:], math_only=True)
-        if after is not None:
+    if stated and _ANSWER_AFTER_RE.search(text, end):
+        # The last stated answer counts (``_restates``); after a mere "answer" (not "final
+        # answer") the value must follow the word ("The answer squared is 49" leaves it).
+        final = _FINAL_ANSWER_RE.search(text, end) is not None
+        after = stated_answer(text[end:], math_only=True, clause=final)
+        # "(Answer: 7)": the bracket that closes the remark is no part of the value.
+        while after and after[-1] in ")]" and _opened(after) < _opened(after, _CLOSERS):
+            after = after[:-1].rstrip()
+        if after is not None and _restates(after, clean_answer(answer), text, end):
             return after
     return clean_answer(answer) or None
+
+
+def _restates(after: str, boxed: str, text: str, end: int) -> bool:
+    """The answer ``after``, stated after a box (``boxed``) that ends at ``text[end]``,
+    replaces it: the last stated answer counts ("$\\boxed{7}$. So the answer is 8." is 8).
+    After "final answer" any math does; after a mere "answer", a value without prose, or
+    one whose leading number is not the box's ("The answer is 8 apples"): "The answer 7
+    makes sense" leaves the box."""
+    if _FINAL_ANSWER_RE.search(text, end) is not None:
+        return True
+    if not _PROSE_WORD_RE.search(_LATEX_COMMAND_RE.sub("", after)):
+        return True
+    number = _LEADING_NUMBER_RE.match(after)
+    if number is None:
+        return False
+    unit = split_unit(boxed)  # "7 cm long" restates the box 7\text{ cm}
+    if number.group(0) != "".join((unit[0] if unit else boxed).split()):
+        return True
+    # The box's number, then a noun ("7 apples", "7, i.e. seven") leaves the box; what
+    # changes the number ("7/2 apples", "7-8", "7 hundred", "7 or more", "7 less than 15",
+    # "7 times 2") states another value.
+    if _NUMBER_GOES_ON_RE.match(after, number.end()) or scaled(after) != after:
+        return True
+    word = _NEXT_WORD_RE.match(after, number.end())
+    return word is not None and word.group(1).lower() in _VALUE_WORDS
 
 
 def _pattern_answer(section: str, pattern: str) -> str | None:
@@ -225,8 +276,10 @@ _OPERATOR_RE = re.compile(
     r"\\(?:[iod]{0,3}int|sum|prod|lim|limsup|liminf|gcd|lcm|max|min|det|partial|nabla|lfloor|lceil)"
     r"(?![A-Za-z])"
     r"|\\(?:operatorname\*?|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?i:gcd|lcm|max|lim|det)\s{0,4}\}"
-    # ``\text{min}`` ending the answer is the unit (``5\text{ min}``), not the operator.
-    r"|\\(?:operatorname\*?|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?i:min)\s{0,4}\}(?!\s{0,4}$)"
+    # ``\text{min}`` ending the answer, with a power or none, is the unit (``5\text{ min}``,
+    # ``300\text{ min}^{-1}``), not the operator.
+    r"|\\(?:operatorname\*?|text|mathrm|textrm)\s{0,4}\{\s{0,4}(?i:min)\s{0,4}\}"
+    r"(?!\s{0,4}(?:\^\s{0,4}(?:\{\s{0,4}-?\s{0,4}\d\s{0,4}\}|\d)\s{0,4})?$)"
     r"|\\[dt]?frac\s{0,4}\{\s{0,4}(?:d|\\mathrm\s{0,4}\{\s{0,4}d\s{0,4}\})(?:\^\{?\d\}?)?\s{0,4}\}"
     r"\s{0,4}\{\s{0,4}(?:d|\\mathrm\s{0,4}\{\s{0,4}d\s{0,4}\})\s{0,4}[A-Za-z]"
     r"|(?<![A-Za-z])(?i:gcd|lcm)\s{0,4}\(|(?<![A-Za-z\\])d/d[A-Za-z]"

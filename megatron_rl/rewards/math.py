@@ -397,6 +397,45 @@ def _top_level_sides(answer: str) -> list[str]:
     return sides
 
 
+# A modulus that ends an answer: ``\\pmod{7}``, ``\\pmod 7``, ``(\\bmod 7)``, ``(\\text{mod } 7)``,
+# ``\\mod 7``, ``mod 7``; an integer modulus only.
+_TRAILING_MODULUS_RE = re.compile(
+    r"(?:\\q?quad|\\[,;:! ]|~|\s){0,8}(?:\\left\s{0,4})?(\()?\s{0,4}"
+    r"(?:\\[bp]?mod(?![A-Za-z])|\\(?:text|mathrm|operatorname)\s{0,4}\{\s{0,4}mod\s{0,4}\}|\bmod\b)"
+    r"(?:\s|\\[,;:! ]|~){0,4}(?:\{\s{0,4}(\d{1,12})\s{0,4}\}|(\d{1,12}))\s{0,4}"
+    r"(?:\\right\s{0,4})?(\))?\s{0,4}$"
+)
+
+
+def _residue(prediction: str, modulus: re.Match) -> str | None:
+    """The residue that ``prediction`` states before the modulus ``modulus`` that ends it
+    (``6`` of ``6 \\pmod{7}`` and of ``13 \\equiv 6 \\pmod{7}``), against a reference that
+    states no modulus; None when that is no true congruence: a constant side that is no
+    integer, or two constant sides that differ by no multiple of the modulus (``13 \\equiv 5
+    \\pmod 7``: the rule ``_false_equation`` applies to ``=``, modulo the modulus), or a
+    modulus below 2 (modulo 1 every side agrees: ``8 \\equiv 7 \\pmod 1`` hedges 8 and 7).
+    Runs inside ``verify``'s CPU-time limit."""
+    from sympy import Basic
+
+    if bool(modulus.group(1)) != bool(modulus.group(4)):
+        return None  # "(\\bmod 7" or "\\pmod 7)": unbalanced
+    n = int(modulus.group(2) or modulus.group(3))
+    head = prediction[: modulus.start()]
+    sides = [side.strip() for side in _top_level_sides(head)]
+    if n < 2 or not all(sides) or _MODULUS_RE.search(head):
+        return None
+    residues = []
+    for side in sides:
+        parsed = _parse(side, None)
+        if not _constant(parsed):
+            continue  # ``x \\equiv 6 \\pmod 7``: the variable's residue
+        value = next(p for p in parsed if isinstance(p, Basic)).doit()
+        if not value.is_integer:
+            return None
+        residues.append(int(value) % n)
+    return sides[-1] if len(set(residues)) <= 1 else None
+
+
 def _false_equation(prediction: str) -> bool:
     """``prediction`` is a false chain of equalities: of constants that do not all agree
     (``2+2=5``, ``2 \\times 3 \\equiv 7``), or with a variable, whose first constant side
@@ -405,8 +444,8 @@ def _false_equation(prediction: str) -> bool:
     sides = _top_level_sides(prediction)
     if len(sides) < 2 or not all(side.strip() for side in sides):
         return False
-    if (_EQUIV in prediction or "≡" in prediction) and _MODULUS_RE.search(prediction):
-        return False
+    if (_EQUIV in prediction or "≡" in prediction) and _TRAILING_MODULUS_RE.search(prediction):
+        return False  # a congruence; a modulus inside a side (``13 \\mod 7 \\equiv 5``) is Mod
     parsed = [_parse(side, None) for side in sides]
     constants = [p for p in parsed if _constant(p)]
     if len(constants) == len(parsed):  # every side agrees with the last
@@ -484,8 +523,12 @@ def _equal_in_radians(prediction: str, reference: str, gold: list, target: list)
     return bool(target) and _math_verify(radians, target)
 
 
-# A reference that is a decimal written out: ``0.333``, ``-12.5``.
-_DECIMAL_RE = re.compile(r"([+-]?)(\d{1,40})\.(\d{1,40})")
+# A reference that is a decimal written out (``0.333``, ``-12.5``), or in scientific
+# notation (``3.33\\times 10^{-1}``, ``3.33\\cdot10^{-1}``), read without its spaces.
+_DECIMAL_RE = re.compile(
+    r"([+-]?\d{1,40})\.(\d{1,40})"
+    r"(?:(?:\\times|\\cdot)10\^(?:\{([+-]?\d{1,3})\}|(\d)))?"
+)
 # The fewest significant digits of a decimal reference that an exact answer is rounded to.
 _ROUNDED_DIGITS = 3
 # An answer that says it is approximate: ``\\approx``, ``\\sim``, ``\\simeq``, ``≈``.
@@ -503,17 +546,31 @@ def _terminates(denominator: int) -> bool:
 
 def _equal_rounded(prediction: str, reference: str, gold: list, target: list) -> bool:
     """An exact answer (``\\frac{1}{3}``, ``\\sqrt{2}``) against a decimal reference that
-    has at least ``_ROUNDED_DIGITS`` significant digits (``0.333``): equal when the answer
-    rounds to the reference at the reference's last decimal place (within half a unit of
-    it, ends included). A decimal answer keeps the tolerance of ``numeric``; a reference
-    of fewer digits (``0.3``, ``7.0``) or an integer one compares as before. Neither an
-    answer that says it is approximate (``\\approx \\frac{1}{3}``) nor a fraction that is
-    a terminating decimal (``\\frac{7001}{1000}`` is ``7.001``, wrong for ``7.00`` as
-    written as a decimal) is exact in this sense. Runs inside ``verify``'s CPU-time limit."""
+    has at least ``_ROUNDED_DIGITS`` significant digits (``0.333``, ``3.33\\times 10^{-1}``):
+    equal when the answer rounds to the reference at the reference's last decimal place
+    (within half a unit of it, ends included). A unit at the end of either is taken off as
+    ``_equal_without_units`` takes it off (``\\frac{1}{3}\\text{ m}`` for ``0.333\\text{
+    m}``; ``verify`` has already refused units that disagree). A decimal answer keeps the
+    tolerance of ``numeric``; a reference of fewer digits (``0.3``, ``7.0``) or an integer
+    one compares as before. Neither an answer that says it is approximate (``\\approx
+    \\frac{1}{3}``) nor a fraction that is a terminating decimal (``\\frac{7001}{1000}`` is
+    ``7.001``, wrong for ``7.00`` as written as a decimal) is exact in this sense. Runs
+    inside ``verify``'s CPU-time limit."""
     from sympy import Basic, Eq, Float, Rational
 
+    reference_split, prediction_split = split_unit(reference), split_unit(prediction)
+    if reference_split is None and kept_against_bare(unit_key(prediction) or ""):
+        return False  # ``\\frac{1}{3}\\text{ cents}`` is not the bare 0.333 (dollars)
+    if reference_split is not None:
+        reference = reference_split[0]
+    if prediction_split is not None:
+        prediction = prediction_split[0]
+        target = _parse(prediction, None)
     found = _DECIMAL_RE.fullmatch(reference.replace(" ", ""))
-    if found is None or len((found.group(2) + found.group(3)).lstrip("0")) < _ROUNDED_DIGITS:
+    if found is None:
+        return False
+    whole, fraction = found.group(1), found.group(2)
+    if len((whole.lstrip("+-") + fraction).lstrip("0")) < _ROUNDED_DIGITS:
         return False
     if _APPROXIMATE_RE.search(prediction):
         return False
@@ -525,8 +582,10 @@ def _equal_rounded(prediction: str, reference: str, gold: list, target: list) ->
     value = value.doit()
     if value.is_Rational and _terminates(value.q):
         return False  # a decimal written as a fraction keeps the decimal's tolerance
-    decimal = Rational(found.group(0))
-    half_unit = Rational(1, 2 * 10 ** len(found.group(3)))
+    exponent = int(found.group(3) or found.group(4) or 0)
+    scale = Rational(10) ** exponent
+    decimal = Rational(f"{whole}.{fraction}") * scale
+    half_unit = Rational(1, 2 * 10 ** len(fraction)) * scale
     distance = abs(value - decimal)
     if distance.is_Rational:
         return bool(distance <= half_unit)
@@ -664,6 +723,16 @@ def verify(prediction: str, reference: str, timeout_s: float) -> str:
             return BAD_REFERENCE
         with _cpu_time_limit(cpu_seconds):
             prediction = _remark_as_side(prediction)
+            modulus = _TRAILING_MODULUS_RE.search(prediction)
+            if modulus is not None and not _MODULUS_RE.search(reference):
+                # ``13 \\equiv 6 \\pmod{7}`` for 6: the residue, when the congruence holds.
+                try:
+                    residue = _residue(prediction, modulus)
+                except Exception:  # sympy on an unforeseen value: no residue
+                    residue = None
+                if residue is None:
+                    return WRONG
+                prediction = residue
             predicted_unit, reference_unit = unit_key(prediction), unit_key(reference)
             if predicted_unit and reference_unit and predicted_unit != reference_unit:
                 # 5 mm is not 5 cm, but 0.05 m is; radians answer degrees only as an angle

@@ -31,7 +31,12 @@ _ANSWER_ANCHOR_RE = re.compile(
 # After "answer": markup, a colon, "is" or "=", in any order ("Answer:** is $5$"); not the
 # emphasis that opens the answer ("is *x* = 2", "is **33**").
 # A comma too: "The answer, **tan A = 2**, matches the figure".
-_ANSWER_LEAD_RE = re.compile(r'(?:[\s:",]|[*_`]++(?=[\s:"=]|$)|\bis\b|=){0,16}')
+# "would be", "should be" and a remark of words in brackets ("Answer (corrected): 8", not
+# the option "(C)") lead to it too.
+_ANSWER_LEAD_RE = re.compile(
+    r'(?:[\s:",]|[*_`]++(?=[\s:"=]|$)|\bis\b|=|\b(?:would|should|must|will)\s{1,4}be\b'
+    r"|\([A-Za-z]{2}[A-Za-z ]{0,18}\)){0,16}"
+)
 # "The largest $n$ is 34": a short clause on one line, then "is".
 _CLAUSE_IS_RE = re.compile(r"[^\n]{0,100}?\sis\b[\s:]{0,8}")
 _SPAN_LINK_RE = re.compile(r"\s{0,8}(?:,\s{0,8})?(?:(?:and|or)\b)?\s{0,8}")
@@ -235,7 +240,7 @@ def _span_before(window: str, anchor: int) -> str | None:
     return clean_answer(unwrap_answer(span[0])) or None
 
 
-def stated_answer(section: str, math_only: bool = False) -> str | None:
+def stated_answer(section: str, math_only: bool = False, clause: bool = True) -> str | None:
     """The answer stated after the last usable "answer" near the end of ``section``.
 
     Reads "The final answer is $X$. I hope it is correct." (Minerva), "Final Answer: The
@@ -243,7 +248,9 @@ def stated_answer(section: str, math_only: bool = False) -> str | None:
     A clause of prose is no answer ("the final answer is correct to the nearest tenth"): the
     anchor before it is tried. A single word ("The answer is yes") counts only when no
     anchor states math, and never with ``math_only``. Without any, the value in bold that
-    ends the text (``closing_bold``), when not ``math_only``.
+    ends the text (``closing_bold``), when not ``math_only``. Without ``clause``, the value
+    must follow "answer" itself ("the answer is 8", "Answer: 8"), not a clause after it
+    ("the answer squared is 49", "the answer to part (b) is 12").
     Linear: one scan of the last ``PATTERN_WINDOW`` characters, then at most
     ``_MAX_ANCHOR_TRIES`` bounded reads from the last anchors back.
     """
@@ -254,7 +261,7 @@ def stated_answer(section: str, math_only: bool = False) -> str | None:
         before = _span_before(window, start)
         if before is not None:  # "Thus $x <= 2$ is our answer."
             return before
-        found = value_at(window, _ANSWER_LEAD_RE.match(window, anchor).end())
+        found = value_at(window, _ANSWER_LEAD_RE.match(window, anchor).end(), clause)
         if found is None or not found[0]:
             continue
         if found[1] == MATH:

@@ -23,14 +23,14 @@ _SPACING = r"(?:\s|\\[,;:! ]|~|\\q?quad\b)"
 # optional power (``\text{cm}^2``).
 _WRAPPED_UNIT_RE = re.compile(
     r"(?:\\(?:text|textrm|textnormal|textbf|textit|mathrm|mathbf|mathit|mbox|operatorname)\s{0,4}\{([^{}]{1,40})\})"
-    r"(\s{0,4}\^\s{0,4}(?:\{\s{0,4}[23]\s{0,4}\}|[23]))?$"
+    r"(\s{0,4}\^\s{0,4}(?:\{\s{0,4}-?\s{0,4}[1-3]\s{0,4}\}|[23]))?$"
 )
 # A plain-text unit: one to three words, the last possibly with a power or a ``/`` compound
 # (``36 mL``, ``12 square units``, ``60 km/h``, ``9 m^2``).
 _PLAIN_UNIT_RE = re.compile(
     r"(?<![\\A-Za-z])((?:[A-Za-zµμΩ°]{1,20}\s{1,4}){0,2}"
     r"[A-Za-zµμΩ°]{1,20}(?:/[A-Za-z]{1,10})?)"
-    r"(\s{0,4}\^\s{0,4}(?:\{\s{0,4}[23]\s{0,4}\}|[23])|[²³])?$"
+    r"(\s{0,4}\^\s{0,4}(?:\{\s{0,4}-?\s{0,4}[1-3]\s{0,4}\}|[23])|[²³])?$"
 )
 # Abbreviations that may be written against the number (``36mL``, ``5cm``): several letters,
 # which nobody writes for a product of variables.
@@ -57,7 +57,11 @@ _NOT_UNITS = frozenset(
     # Counting words and abbreviations that scale (``scaled`` reads them as factors) or may
     # (``mil`` is a thousandth of an inch or a million, ``MM`` a million or 2000).
     "k grand grands lakh lakhs lac lacs crore crores gross score scores ten tens bn bln mln "
-    "mil mils MM mn tn thou pct zillion zillions gazillion gazillions".split()
+    "mil mils MM mn tn thou pct zillion zillions gazillion gazillions "
+    # Number words: ``5\\text{ thousand five}`` is 5005, never 5000 in the unit "five".
+    "zero one two three four five six seven eight nine eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy "
+    "eighty ninety".split()
 )
 # Currency subunits: a reference without a unit counts money in the main unit (dollars), so
 # ``5 cents`` is not its 5; they count against a reference with a unit (``\\$5``), and
@@ -71,14 +75,22 @@ _TIME_ABBREVIATIONS = frozenset("min mins sec secs".split())
 # (approximately)}``); any other remark in parentheses (``5 \\text{ (just kidding)}``) stays.
 _PARENTHESISED_UNITS = frozenset("approximately approx about rounded exact exactly".split())
 _UNIT_LETTERS = "A-Za-zµμΩ°"
+# A power of a unit inside its text (``\\text{ m s^-1}``, ``\\text{ m/s^2}``).
+_INNER_POWER = r"\^(?:\{-?[1-3]\}|-?[1-3])"
 _UNIT_WORDS_RE = re.compile(
-    rf"[{_UNIT_LETTERS}]{{1,20}}(?:\^[23])?(?:[\s./·-]{{1,4}}[{_UNIT_LETTERS}]{{1,20}}(?:\^[23])?){{0,3}}\.?"
+    rf"[{_UNIT_LETTERS}]{{1,20}}(?:{_INNER_POWER})?"
+    rf"(?:[\s./·-]{{1,4}}[{_UNIT_LETTERS}]{{1,20}}(?:{_INNER_POWER})?){{0,3}}\.?"
 )
-_UNIT_SPLIT_RE = re.compile(r"[\s./·-]+|\^[23]")
+_UNIT_SPLIT_RE = re.compile(rf"[\s./·-]+|{_INNER_POWER}")
 # Spacing inside a wrapped unit (``\\mathrm{~cm}``, ``\\text{\\,m}``).
 _UNIT_SPACING_RE = re.compile(r"~|\\[,;:! ]|\s+")
-# Between wrapped units: ``\\mathrm{km} / \\mathrm{h}``, ``\\mathrm{N} \\cdot \\mathrm{m}``.
-_UNIT_JOINT_RE = re.compile(r"\s{0,4}(?:/|\\cdot)\s{0,4}$")
+# Between wrapped units: a quotient (``\\mathrm{km} / \\mathrm{h}``) or a product
+# (``\\mathrm{N} \\cdot \\mathrm{m}``, ``\\text{N}\\,\\text{m}``, ``\\text{kg}\\text{m}``).
+_UNIT_JOINT_RE = re.compile(
+    r"(?:\s|\\[,;:! ]|~){0,4}(/|\\cdot(?![A-Za-z])|\\times(?![A-Za-z])|·)?(?:\s|\\[,;:! ]|~){0,4}$"
+)
+# The exponent of a power after a wrapped unit (``^{-1}``, ``^2``).
+_POWER_DIGITS_RE = re.compile(r"-?\s{0,4}[1-3]")
 # The last "=" of an answer (not of <=, >=, !=): ``x = 5\\text{ cm}`` has its unit after it.
 _LAST_EQUALS_RE = re.compile(r"(?<![<>!=])=(?!=)(?=[^=]*$)")
 _TIME_MARKER_RE = re.compile(r"(?i)\b[ap]\.?\s{0,2}m\b\.?")
@@ -140,15 +152,18 @@ def _is_unit_word(words: str) -> bool:
     named = [t for t in tokens if t]
     if len(named) == 1 and named[0] in _TIME_ABBREVIATIONS:
         return True  # ``5 min``, ``5 sec.``: minutes, not the function (written ``\\min``)
-    if any(t in _NOT_UNITS for t in tokens):
+    # ``min`` and ``sec`` in a compound unit (``m/min``) are minutes and seconds too.
+    if any(t in _NOT_UNITS and t not in _TIME_ABBREVIATIONS for t in tokens):
         return False
     return len(tokens) == 1 or all(len(t) > 1 or t in _LETTER_UNITS for t in tokens if t)
 
 
 def _wrapped_units(answer: str) -> tuple[str, str] | None:
-    """``(rest, unit)`` for the wrapped units that end ``answer``: one (``\\text{ cm}^2``) or
-    several joined by ``/`` or ``\\cdot`` (``\\mathrm{~km} / \\mathrm{h}``); None when
-    ``answer`` does not end with one, or its text is no unit (``\\text{ (or 13)}``)."""
+    """``(rest, unit)`` for the wrapped units that end ``answer``: one (``\\text{ cm}^2`` is
+    ``cm^2``) or several, each with its power, as a quotient (``\\mathrm{~km} / \\mathrm{h}``
+    is ``km/h``) or a product (``\\text{N}\\cdot\\text{m}`` is ``N m``,
+    ``\\text{m}\\cdot\\text{s}^{-1}`` is ``m s^-1``); None when ``answer`` does not end with
+    one, or its text is no unit (``\\text{ (or 13)}``)."""
     units: list[str] = []
     rest = answer
     for _ in range(4):
@@ -162,15 +177,21 @@ def _wrapped_units(answer: str) -> tuple[str, str] | None:
                 return None  # a remark, not a known unit
         if not unit or _TIME_MARKER_RE.search(unit) or not _is_unit_word(unit):
             return None
+        if wrapped.group(2):
+            power = _POWER_DIGITS_RE.search(wrapped.group(2)).group(0).replace(" ", "")
+            unit = f"{unit}^{power}"
         units.append(unit)
         rest = rest[: wrapped.start()]
         joint = _UNIT_JOINT_RE.search(rest)
-        if joint is None or _WRAPPED_UNIT_RE.search(rest[: joint.start()]) is None:
+        if _WRAPPED_UNIT_RE.search(rest[: joint.start()]) is None:
             break
+        units.append("/" if joint.group(1) == "/" else " ")
         rest = rest[: joint.start()]
     if not units:
         return None
-    return rest, "/".join(reversed(units))
+    if units[-1] in ("/", " "):
+        units.pop()  # the loop ran out with a joint taken
+    return rest, "".join(reversed(units))
 
 
 def split_unit(answer: str) -> tuple[str, str] | None:
@@ -251,15 +272,20 @@ _ABBREVIATED_MULTIPLIERS = {
     "mln": "10^{6}",
 }
 _NUMBER = r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+"
-# A number (after a dollar sign or none), then a multiplier or "factorial" / "percent" (plain
-# or in a text command: the commands ``split_unit`` reads a unit from), then anything (a
-# unit: ``5 million dollars``).
-_SCALED_RE = re.compile(
-    rf"\s{{0,4}}(\\?\$\s{{0,4}})?({_NUMBER})(?:{_SPACING}){{0,4}}"
+# A number (after a dollar sign or none) that multiplier words may follow.
+_SCALED_NUMBER_RE = re.compile(rf"\s{{0,4}}(\\?\$\s{{0,4}})?({_NUMBER})")
+# After it, a multiplier or "factorial" / "percent", plain or in a text command (the
+# commands ``split_unit`` reads a unit from, holding up to four words: ``\\text{ hundred
+# thousand}``), then anything (a unit: ``5 million dollars``).
+_SCALE_WORDS_RE = re.compile(
+    rf"(?:{_SPACING}){{0,4}}"
     r"(?:\\(?:text|textrm|textnormal|textbf|textit|mathrm|mathbf|mathit|mbox|operatorname)"
-    r"\s{0,4}\{(?:\s|\\[,;:! ]|~){0,4}([A-Za-z]{1,12})\s{0,4}\}"
+    r"\s{0,4}\{((?:\s|\\[,;:! ]|~){0,4}[A-Za-z]{1,12}(?:\s{1,4}[A-Za-z]{1,12}){0,3})\s{0,4}\}"
     r"|([A-Za-z]{3,12})(?![A-Za-z]))"
 )
+_WORD_RE = re.compile(r"[A-Za-z]+")
+# At most this many multiplier words are read after a number (``5 hundred thousand``).
+_MAX_SCALE_WORDS = 4
 
 
 def _scale_word(word: str, wrapped: bool) -> str | None:
@@ -280,28 +306,84 @@ def _scale_word(word: str, wrapped: bool) -> str | None:
     return _MULTIPLIERS.get(word)
 
 
+# The words of a scale, each a power of ten, that may follow another in a number ("five
+# hundred thousand", "two thousand million", "one lakh crore").
+_SCALE_POWERS = {
+    "hundred": 2,
+    "thousand": 3,
+    "lakh": 5,
+    "lac": 5,
+    "million": 6,
+    "crore": 7,
+    "billion": 9,
+    "trillion": 12,
+}
+
+
+def _stacks(words: list[str], word: str) -> bool:
+    """The multiplier ``word`` may follow the multiplier words ``words`` already read: the
+    first may be any; after it only a word of the scale larger than the one before
+    (``hundred thousand`` is 100 * 1000, as English writes it). "Five thousand hundred",
+    "five thousand thousand", "five hundred dozen" or "five hundred thousandths" (0.7 or
+    0.00007?) say no one number; nor does a percent or a factorial after a word."""
+    if not words:
+        return True
+    power = _SCALE_POWERS.get(_singular(word))
+    before = _SCALE_POWERS.get(_singular(words[-1]))
+    return power is not None and before is not None and power > before
+
+
+def _singular(word: str) -> str:
+    """A multiplier word without its plural "s" (``thousands`` is ``thousand``)."""
+    word = word.lower()
+    return word[:-1] if word.endswith("s") and word[:-1] in _MULTIPLIERS else word
+
+
 def scaled(answer: str) -> str:
-    """``answer`` with a multiplier word after its leading number written as a product:
+    """``answer`` with the multiplier words after its leading number written as a product:
     ``5 million`` is ``5\\times 10^{6}``, ``3 \\text{ dozen}`` is ``3\\times 12``, ``7
-    hundredths`` is ``7\\times \\frac{1}{100}``; ``5 factorial`` is ``5!`` and ``12 percent``
-    ``12\\%``. What follows the word (a unit) stays. Math-Verify's unit stripping read these
-    words as units and took them off, so ``5 million`` equalled 5. Other answers are
-    returned as they are."""
+    hundredths`` is ``7\\times \\frac{1}{100}``, ``5 hundred thousand`` is ``5\\times
+    100\\times 1000`` (stacked words multiply, ``_stacks``); ``5 factorial`` is ``5!`` and
+    ``12 percent`` ``12\\%``. What follows the words (a unit) stays. Math-Verify's unit
+    stripping read these words as units and took them off, so ``5 million`` equalled 5.
+    Other answers are returned as they are."""
     if len(answer) > 200:
         return answer
-    found = _SCALED_RE.match(answer)
+    found = _SCALED_NUMBER_RE.match(answer)
     if found is None:
         return answer
-    factor = _scale_word(found.group(3) or found.group(4), wrapped=found.group(3) is not None)
-    if factor is None:
+    factors: list[str] = []
+    read: list[str] = []  # the multiplier words read, as written
+    position, leftover = found.end(), ""
+    while len(factors) < _MAX_SCALE_WORDS and factors[-1:] not in (["!"], ["%"]):
+        words = _SCALE_WORDS_RE.match(answer, position)
+        if words is None:
+            break
+        wrapped = words.group(1) is not None
+        names = _WORD_RE.findall(words.group(1)) if wrapped else [words.group(2)]
+        taken = 0
+        for name in names[: _MAX_SCALE_WORDS - len(factors)]:
+            factor = _scale_word(name, wrapped)
+            if factor is None or not _stacks(read, name):
+                break
+            factors.append(factor)
+            read.append(name)
+            taken += 1
+        if not taken:
+            break
+        position = words.end()
+        if taken < len(names):  # ``\\text{ thousand dollars}``: the unit stays wrapped
+            leftover = "\\text{ " + " ".join(names[taken:]) + "}"
+            break
+    if not factors:
         return answer
-    number, rest = found.group(2).replace(",", ""), answer[found.end() :]
-    if factor in ("!", "%"):
-        written = number + ("!" if factor == "!" else "\\%")
+    number, rest = found.group(2).replace(",", ""), (leftover + " " + answer[position:]).strip()
+    if factors[0] in ("!", "%"):
+        written = number + ("!" if factors[0] == "!" else "\\%")
     else:
-        written = f"{number}\\times {factor}"
+        written = number + "".join(f"\\times {factor}" for factor in factors)
     written = (found.group(1) or "").strip() + written
-    return written + (" " + rest.strip() if rest.strip() else "")
+    return written + (" " + rest if rest else "")
 
 
 # Names of a unit, each to one spelling (plurals are handled by ``_unit_name``). Symbols
@@ -377,9 +459,14 @@ _UNIT_NAMES = {
 }
 # A value in degrees: ``30^\\circ``, ``30^{\\circ}``, ``30°``, ``30\\degree``.
 _DEGREES_RE = re.compile(r"(?:\^\s{0,4}\{?\s{0,4}\\circ\s{0,4}\}?|°|\\degree)\s{0,4}$")
-_POWER_WORDS = {"square": "2", "squared": "2", "cubic": "3", "cubed": "3"}
-_TRAILING_POWER_RE = re.compile(r"(?:\^\s{0,4}(?:\{\s{0,4}([23])\s{0,4}\}|([23]))|([²³]))\s{0,4}$")
-_UNIT_TOKEN_RE = re.compile(r"[A-Za-zµμΩ°]+|/")
+# Words of a power: before the unit (``square meters``) or after it (``meters squared``).
+_POWER_BEFORE = {"square": 2, "cubic": 3}
+_POWER_AFTER = {"squared": 2, "cubed": 3}
+# The parts of a unit's text: a name, a quotient sign, or the power of the name before it
+# (``^2``, ``^{-1}``, ``²``); anything else (spaces, ``·``, ``.``, ``-``) is a product.
+_UNIT_PART_RE = re.compile(
+    r"([A-Za-zµμΩ°]+)|(/)|\^\s{0,4}(?:\{\s{0,4}(-?\s{0,4}\d)\s{0,4}\}|(-?\d))|([²³])"
+)
 
 
 def _unit_name(token: str) -> str:
@@ -421,11 +508,67 @@ def unit_value(answer: str) -> str | None:
     return found[0] if equals is None else found[0][equals.end() :].strip()
 
 
+def _unit_factors(unit: str) -> list[tuple[str, int]] | None:
+    """The units that ``unit`` (a unit's text) multiplies, each with its exponent, in the
+    order written: ``m/s^2`` is ``[(m, 1), (s, -2)]``, ``m s^-1`` is ``[(m, 1), (s, -1)]``,
+    ``kilometers per hour`` is ``[(km, 1), (h, -1)]``, ``N m`` is ``[(N, 1), (m, 1)]``.
+    Everything after ``/`` or "per" divides (``J/kg K`` is J over kg K). None when a power
+    has nothing to apply to."""
+    factors: list[tuple[str, int]] = []
+    sign, before, last = 1, 1, 0  # ``last``: how many factors the last name added
+    for name, slash, braced, bare, superscript in _UNIT_PART_RE.findall(unit):
+        if slash or name.lower() == "per":
+            sign = -1
+            continue
+        if name:
+            written = _unit_name(name)
+            if written.lower() in _POWER_BEFORE:
+                before = _POWER_BEFORE[written.lower()]
+                continue
+            if written.lower() in _POWER_AFTER:
+                power = _POWER_AFTER[written.lower()]
+            else:
+                # A name may be a quotient itself: ``mph`` is ``mi/h``.
+                parts = written.split("/")
+                added = [(parts[0], 1)] + [(part, -1) for part in parts[1:2]]
+                factors += [(n, sign * e * before) for n, e in added if n]
+                before, last = 1, len(added)
+                continue
+        else:
+            digits = (braced or bare).replace(" ", "") or ("2" if superscript == "²" else "3")
+            power = int(digits)
+        if not last:
+            return None
+        factors[-last:] = [(n, e * power) for n, e in factors[-last:]]
+    return factors
+
+
+def _factors_key(factors: list[tuple[str, int]]) -> str:
+    """One spelling of a product of units: the units with a positive exponent in order of
+    their names, then ``/`` and those with a negative one (``m s^-1`` and ``m/s`` are
+    ``m/s``; ``N m`` and ``m N`` are ``N m``); ``1`` when they cancel."""
+    exponents: dict[str, int] = {}
+    for name, exponent in factors:
+        exponents[name] = exponents.get(name, 0) + exponent
+
+    def written(name: str, exponent: int) -> str:
+        return name if exponent == 1 else f"{name}^{exponent}"
+
+    ordered = sorted(exponents.items())
+    above = " ".join(written(n, e) for n, e in ordered if e > 0)
+    below = " ".join(written(n, -e) for n, e in ordered if e < 0)
+    if not below:
+        return above or "1"
+    return f"{above or '1'}/{below}"
+
+
 def unit_key(answer: str) -> str | None:
-    """The unit that ends ``answer`` (``split_unit``) in one spelling with its power, or None
+    """The unit that ends ``answer`` (``split_unit``) in one spelling with its powers, or None
     without one: ``5 centimeters`` and ``5\\text{ cm}`` are ``cm``, ``12 \\text{ m}^2`` and
     ``12 square meters`` are ``m^2``, ``60 km/h`` and ``60 kilometers per hour`` are
-    ``km/h``; ``30^\\circ`` and ``30 degrees`` are ``deg``. When both a response and its
+    ``km/h``; ``30^\\circ`` and ``30 degrees`` are ``deg``. A compound unit is read as the
+    product it writes (``_unit_factors``): ``\\text{m}\\cdot\\text{s}^{-1}`` is ``m/s``, and
+    ``\\text{m}\\cdot\\text{s}`` is ``m s``, no quotient. When both a response and its
     reference carry a unit, the keys must agree or convert (``conversion``): ``5 mm`` is not
     ``5 cm`` (the unit is no longer taken off both sides regardless), ``50 mm`` is. A dollar
     sign before a constant value is ``dollar``."""
@@ -434,30 +577,18 @@ def unit_key(answer: str) -> str | None:
     found = split_unit(answer)
     if found is None:
         return "dollar" if _dollars(answer) is not None else None
-    unit = found[1]
-    # After the unit (``\\text{ m}^2``) or inside its text (``\\text{ m/s^2}``).
-    power = _TRAILING_POWER_RE.search(answer) or _TRAILING_POWER_RE.search(unit)
-    exponent = next((g for g in power.groups() if g), None) if power else None
-    if exponent in ("²", "³"):
-        exponent = "2" if exponent == "²" else "3"
-    unit = _TRAILING_POWER_RE.sub("", unit)
-    names = []
-    for token in _UNIT_TOKEN_RE.findall(unit.replace(" per ", "/")):
-        if token == "/":
-            names.append("/")
-        elif token.lower() in _POWER_WORDS:
-            exponent = _POWER_WORDS[token.lower()]
-        else:
-            names.append(_unit_name(token))
-    key = "".join(n if n == "/" else n + " " for n in names).replace(" /", "/").strip()
-    key = _UNIT_NAMES.get(key, key)
-    return key + (f"^{exponent}" if exponent else "")
+    factors = _unit_factors(found[1])
+    if not factors:
+        return _UNIT_NAMES.get(found[1], found[1])
+    key = _factors_key(factors)
+    return _UNIT_NAMES.get(key, key)
 
 
 def kept_against_bare(key: str) -> bool:
-    """A unit (``unit_key``) that is not taken off against a reference without a unit: a
-    currency subunit (``5\\text{ cents}`` is not the answer 5)."""
-    return key.split("^")[0] in _KEPT_AGAINST_BARE
+    """A unit (``unit_key``) that is not taken off against a reference without a unit: one
+    with a currency subunit in it (``5\\text{ cents}`` and ``5\\text{ cents}\\cdot\\text{s}``
+    are not the answer 5)."""
+    return any(part.split("^")[0] in _KEPT_AGAINST_BARE for part in re.split("[ /]", key))
 
 
 # Units that convert into one another, each with its dimension (exponents of length, mass,
@@ -492,24 +623,28 @@ _SIZES: dict[str, tuple[tuple[int, ...], Fraction]] = {
     "dollar": (_MONEY, Fraction(1)),
     "cent": (_MONEY, Fraction(1, 100)),
 }
-_SIMPLE_UNIT_RE = re.compile(r"([a-z]{1,6})(?:\^([23]))?")
+_KEY_FACTOR_RE = re.compile(r"([a-z]{1,6})(?:\^(-?\d))?")
 
 
 def _size(key: str) -> tuple[tuple[int, ...], Fraction] | None:
-    """Dimension and size of a ``unit_key``: one unit of ``_SIZES`` with a power of 2 or 3
-    (``cm^2``), or one over another (``km/h``, ``m/s^2``); None for anything else."""
+    """Dimension and size of a ``unit_key``: a product of units of ``_SIZES``, each with a
+    power, over another or not (``cm^2``, ``km/h``, ``m/s^2``, ``kg m/s^2``); None for
+    anything else."""
     parts = key.split("/")
     if len(parts) > 2:
         return None
     dimension, size = [0, 0, 0, 0], Fraction(1)
     for sign, part in zip((1, -1), parts):
-        found = _SIMPLE_UNIT_RE.fullmatch(part)
-        if found is None or found.group(1) not in _SIZES:
-            return None
-        power = int(found.group(2) or 1)
-        unit_dimension, unit_size = _SIZES[found.group(1)]
-        dimension = [d + sign * power * u for d, u in zip(dimension, unit_dimension)]
-        size *= unit_size ** (sign * power)
+        for factor in part.split(" "):
+            if factor == "1":
+                continue
+            found = _KEY_FACTOR_RE.fullmatch(factor)
+            if found is None or found.group(1) not in _SIZES:
+                return None
+            power = sign * int(found.group(2) or 1)
+            unit_dimension, unit_size = _SIZES[found.group(1)]
+            dimension = [d + power * u for d, u in zip(dimension, unit_dimension)]
+            size *= unit_size**power
     return tuple(dimension), size
 
 

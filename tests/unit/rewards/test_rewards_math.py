@@ -581,14 +581,14 @@ def test_a_unit_comes_off_only_alone_at_the_end_of_a_constant_answer():
         "48\\,\\mathrm{mL}": ("48", "mL"),
         "48 mL": ("48", "mL"),
         "9\\text{ km}": ("9", "km"),
-        "18 \\text{ cm}^2": ("18", "cm"),
+        "18 \\text{ cm}^2": ("18", "cm^2"),  # a unit with its power
         "\\frac{25}{3} m": ("\\frac{25}{3}", "m"),
         "2\\pi \\text{ cm}": ("2\\pi", "cm"),
         "7.5 km/h": ("7.5", "km/h"),
         "64kg": ("64", "kg"),
         "14 square units": ("14", "square units"),
         "-3.2\\times 10^{4} \\text{ J}": ("-3.2\\times 10^{4}", "J"),
-        "45 \\mathrm{~cm}^{2}": ("45", "cm"),  # the spacing of GaoKao's answers
+        "45 \\mathrm{~cm}^{2}": ("45", "cm^2"),  # the spacing of GaoKao's answers
         "72 \\mathrm{~km} / \\mathrm{h}": ("72", "km/h"),
         "y = 4 \\text{ m}": ("y = 4", "m"),  # the unit of the right side
         "9 \\text{ (approximately)}": ("9", "approximately"),
@@ -870,6 +870,30 @@ def test_abbreviated_multipliers_and_unit_conversions():
     assert conversion("m^2", "cm^2") == 10**4 and conversion("l", "cm^3") == 1000
     for apart in (("min", "m"), ("m", "m^2"), ("month", "day"), ("t", "kg"), ("deg", "rad")):
         assert conversion(*apart) is None, apart
+
+
+def test_compound_units_are_products_and_stacked_multiplier_words_multiply():
+    """Issue 45 round six: wrapped units joined by ``\\cdot`` were read as a quotient
+    (``5\\text{ m}\\cdot\\text{s}`` equalled ``5\\text{ m/s}``), a negative power was no
+    unit, ``m/min`` was refused (``min`` read as the function), and only the first of
+    stacked multiplier words scaled. The factors are the definitions: 1 m/s = 60 m/min =
+    3.6 km/h, 1 kg = 1000 g."""
+    assert unit_key("5\\text{ m}\\cdot\\text{s}") == "m s"
+    assert unit_key("5\\,\\text{m}\\cdot\\text{s}^{-1}") == unit_key("5\\text{ m/s}") == "m/s"
+    assert unit_key("5 m s^{-1}") == unit_key("5 meters per second") == "m/s"
+    assert unit_key("5 \\text{N}\\cdot\\text{m}") == unit_key("5\\text{ m}\\cdot\\text{N}") == "N m"
+    assert unit_key("300\\text{ m/min}") == "m/min" and unit_key("5 s^{-1}") == "1/s"
+    assert unit_key("5 \\text{kg}\\,\\text{m}/\\text{s}^2") == "kg m/s^2"
+    assert conversion("m/s", "m/min") == 60 and conversion("m/s", "km/h") == Fraction(36, 10)
+    assert conversion("kg m/s^2", "g m/s^2") == 1000
+    for apart in (("m s", "m/s"), ("1/s", "s"), ("m/s^2", "m/s")):
+        assert conversion(*apart) is None, apart
+    assert scaled("5\\text{ hundred thousand}") == scaled("5 hundred thousand")
+    assert scaled("5 hundred thousand") == "5\\times 100\\times 1000"
+    assert scaled("3\\text{ thousand million}") == "3\\times 1000\\times 10^{6}"
+    assert scaled("2\\text{ thousand dollars}") == "2\\times 1000 \\text{ dollars}"
+    # "seven hundred thousandths" is 0.7 or 0.00007: a fraction word stacks with nothing.
+    assert scaled("7 hundred thousandths") == "7\\times 100 thousandths"
 
 
 def test_operators_left_undone_options_orderings_and_intervals():
