@@ -35,8 +35,8 @@ def step_limits(script: str) -> dict[str, int]:
 # The window (issue 36, 13): 15 device minutes for all tries, the machine's start included.
 WINDOW_S = 15 * 60
 MACHINE_START_S = 180  # ASSUMPTION: "minutes" (the device tool's notes); three of them
-RERUN_S = 3 * 60  # GPU-REVIEW.md: leave at least 3 of the 15 minutes for a rerun
-# Every GPU-only path the check must exercise, by its test file (GPU-REVIEW.md's list).
+RERUN_S = 3 * 60  # leave at least 3 of the 15 minutes of a lent GPU for a rerun
+# Every GPU-only path the check must exercise, by its test file.
 GPU_PATHS = (
     "tests/unit/models/test_gpu_paths.py",
     "tests/unit/models/test_fused_kernels_gpu.py",
