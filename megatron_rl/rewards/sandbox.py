@@ -177,11 +177,12 @@ def _prctl():
     return ctypes, libc
 
 
-def _die_with_parent(libc, parent, sig):
-    # PR_SET_PDEATHSIG; then the parent may already be gone (reparented): end now.
+def _die_with_parent(libc, parent, sig, orphaned=None):
+    # PR_SET_PDEATHSIG; then the parent may already be gone (reparented): end now
+    # (``orphaned()`` where given, else exit 1).
     libc.prctl(1, sig, None, 0, 0)
     if parent and os.getppid() != parent:
-        os._exit(1)
+        (orphaned or (lambda: os._exit(1)))()
 
 
 def _confine(ctypes, libc, program):
@@ -383,9 +384,7 @@ def _sandbox_main():
         # The handler before the parent-death signal (SIGTERM's default action left the
         # files), and a trainer already gone by then removes them too (it used to _exit(1)).
         signal.signal(signal.SIGTERM, stop)
-        libc.prctl(1, signal.SIGTERM, None, 0, 0)
-        if os.getppid() != parent:
-            stop()
+        _die_with_parent(libc, parent, signal.SIGTERM, orphaned=stop)
     else:
         _die_with_parent(libc, parent, signal.SIGKILL)
     libc.prctl(4, 0, None, 0, 0)  # PR_SET_DUMPABLE 0: no ptrace, no /proc/<pid>/mem or fd
